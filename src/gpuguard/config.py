@@ -1,0 +1,212 @@
+"""The one configuration file, parsed into validated, defaulted models.
+
+Every field has a default, so a host without ``/etc/gpuguard/gpuguard.toml`` runs as documented.
+A bad file is refused whole with one message naming the file, the key and the reason: guessing
+at a typo in a tool that kills processes is worse than not starting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpuguard/gpuguard.toml")
+CONFIG_ENV = "GPUGUARD_CONFIG"
+EX_CONFIG = 78
+
+DEFAULT_PROTECTED = (
+    "nvidia-persistenced",
+    "nv-hostengine",
+    "dcgm",
+    "dcgm-exporter",
+    "nvidia-smi",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+    "Xorg",
+    "X",
+    "Xwayland",
+    "gnome-shell",
+    "kwin_wayland",
+    "kwin_x11",
+    "sway",
+    "weston",
+    "gdm",
+    "sddm",
+    "lightdm",
+    "gpuguard",
+)
+
+_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]+\.service")
+
+
+class ConfigError(Exception):
+    """The configuration file cannot be used; the message names file, key and reason."""
+
+    exit_code = EX_CONFIG
+
+
+class _Strict(BaseModel):
+    """Strict types (no "16" for 16) but TOML arrays become tuples and strings become paths."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _from_toml(cls, value: object, info: ValidationInfo) -> object:
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(value, list):
+            return tuple(value)
+        if isinstance(value, str) and annotation is Path:
+            return Path(value)
+        return value
+
+
+class UnitSettings(_Strict):
+    """How gpuguard treats one watched unit."""
+
+    gpus: tuple[int | str, ...] | None = Field(
+        default=None,
+        description="GPUs the unit owns (NVML indices or UUIDs); unset: CUDA_VISIBLE_DEVICES of "
+        "the unit, else all GPUs.",
+    )
+    patterns: tuple[str, ...] = Field(
+        default=("sglang", "sglang::scheduler", "sglang::detokenizer"),
+        description="Command-line substrings that identify this unit's processes after they "
+        "escaped its cgroup (orphaned TP workers).",
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_named(cls, value: tuple[int | str, ...] | None) -> tuple[int | str, ...] | None:
+        if value is None:
+            return None
+        for gpu in value:
+            if isinstance(gpu, int) and gpu < 0:
+                raise ValueError(f"GPU index {gpu} is negative")
+            if isinstance(gpu, str) and not gpu.startswith(("GPU-", "MIG-")):
+                raise ValueError(f"{gpu!r} is neither an index nor a UUID (GPU-…)")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a GPU twice")
+        return value
+
+
+def _default_units() -> dict[str, UnitSettings]:
+    return {"sglang.service": UnitSettings()}
+
+
+class Settings(_Strict):
+    """Everything gpuguard can be told; see docs/configuration.md for each key."""
+
+    units: dict[str, UnitSettings] = Field(
+        default_factory=_default_units,
+        description="Watched units, keyed by unit name.",
+    )
+    idle_threshold_mib: int = Field(
+        default=16,
+        ge=0,
+        description="A GPU with no holders is idle when NVML's used memory is at most this many "
+        "MiB (idle GPUs are rarely exactly 0).",
+    )
+    device_glob: str = Field(
+        default="/dev/nvidia*",
+        min_length=1,
+        description="Device files whose holders count as GPU users.",
+    )
+    protected_processes: tuple[str, ...] = Field(
+        default=DEFAULT_PROTECTED,
+        description="Process names (comm or argv[0] basename) gpuguard never signals.",
+    )
+    nvml_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Deadline for one NVML snapshot; a wedged driver cannot hang gpuguard.",
+    )
+    state_dir: Path = Field(
+        default=Path("/var/lib/gpuguard"),
+        description="Persistent state (journal cursor, history).",
+    )
+    runtime_dir: Path = Field(
+        default=Path("/run/gpuguard"),
+        description="Volatile state (daemon snapshot, gate decisions).",
+    )
+
+    @field_validator("device_glob")
+    @classmethod
+    def _absolute_glob(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path pattern such as /dev/nvidia*")
+        return value
+
+    @field_validator("units")
+    @classmethod
+    def _units_named(cls, value: dict[str, UnitSettings]) -> dict[str, UnitSettings]:
+        if not value:
+            raise ValueError("at least one watched unit is needed")
+        for name in value:
+            if not _UNIT_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a service unit name such as sglang.service")
+        return value
+
+
+def config_path(cli_path: Path | None) -> tuple[Path, bool]:
+    """Which file to read and whether it was named explicitly (an explicit file must exist)."""
+    if cli_path is not None:
+        return cli_path, True
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env), True
+    return DEFAULT_CONFIG_PATH, False
+
+
+def load_settings(cli_path: Path | None = None) -> Settings:
+    """Read the configuration; a missing default file means all defaults."""
+    path, explicit = config_path(cli_path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"{path}: no such file") from None
+        return Settings()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    return parse_settings(raw, path)
+
+
+def parse_settings(raw: bytes, path: Path) -> Settings:
+    """Parse and validate TOML text; every problem becomes one ConfigError message."""
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as err:
+        problems = [_describe(error) for error in err.errors()]
+        raise ConfigError(f"{path}: " + "; ".join(problems)) from None
+
+
+def _describe(error: object) -> str:
+    """One ``key: reason`` phrase for a pydantic error, in the file's own key spelling."""
+    assert isinstance(error, dict)  # noqa: S101 - pydantic's ErrorDetails is a TypedDict
+    location = ".".join(_key_text(part) for part in error["loc"] if part not in _INTERNAL_LOCS)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{location}: unknown key"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{location or '(top level)'}: {message}"
+
+
+# pydantic names union branches and dict keys in error locations; a TOML author never wrote them.
+_INTERNAL_LOCS = frozenset({"int", "str", "[key]"})
+
+
+def _key_text(part: object) -> str:
+    text = str(part)
+    return f'"{text}"' if "." in text else text

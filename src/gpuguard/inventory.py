@@ -1,0 +1,23 @@
+"""Gather one inventory from the world: NVML first, then /proc, merged by the pure core."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gpuguard import nvml, procfs
+from gpuguard.holders import Inventory, build_inventory
+from gpuguard.values import MIB
+
+if TYPE_CHECKING:
+    from gpuguard.config import Settings
+
+
+def gather(settings: Settings) -> Inventory:
+    """Read NVML (bounded by its deadline), then walk all of /proc for device-file holders.
+
+    The full walk, not the NVML-first shortcut: a worker left behind by a dead parent holds the
+    device but is named by nobody, and status must show it.
+    """
+    reading = nvml.read_gpus(settings.nvml_timeout_s)
+    scan = procfs.scan_device_holders(settings.device_glob)
+    return build_inventory(reading, scan, settings.idle_threshold_mib * MIB)

@@ -1,0 +1,43 @@
+"""Which processes gpuguard must never signal, and which GPUs count as idle (pure)."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+
+    from gpuguard.holders import GpuOccupancy, Holder
+
+
+def is_protected(holder: Holder, protected_names: Collection[str]) -> bool:
+    """True for driver daemons, monitors, display servers and anything configured.
+
+    Matched on ``comm`` (the kernel's 15-character name) and on the basename of argv[0], so both
+    ``nvidia-persistenced`` and ``/usr/bin/nvidia-persistenced --verbose`` match.
+    """
+    names = set(protected_names)
+    argv0 = PurePath(holder.cmdline[0]).name if holder.cmdline else ""
+    return holder.comm in names or argv0 in names or any(n[:15] == holder.comm for n in names)
+
+
+def is_idle(
+    gpu: GpuOccupancy,
+    holders: Collection[Holder],
+    idle_threshold_bytes: int,
+    protected_names: Collection[str],
+) -> bool:
+    """Idle means: NVML lists no process, no unprotected holder has the device, little memory used.
+
+    Never idle when NVML could not read the GPU's memory: an error is not evidence of idleness.
+    """
+    reading = gpu.reading
+    if reading.memory is None or reading.lost or reading.processes:
+        return False
+    if any(
+        not is_protected(h, protected_names) and any(u.gpu_index == reading.index for u in h.gpus)
+        for h in holders
+    ):
+        return False
+    return reading.memory.used_bytes <= idle_threshold_bytes

@@ -1,0 +1,350 @@
+"""Judge an inventory and render it for an operator: one screen of text, or versioned JSON (pure).
+
+The exit status follows the monitoring-plugin convention (0 OK, 1 WARNING, 2 CRITICAL,
+3 UNKNOWN) so the same command serves a human at a terminal and a Nagios/Icinga-style check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from gpuguard.protection import is_idle, is_protected
+from gpuguard.values import MIB, NvmlHealth
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Mapping, Sequence
+    from datetime import datetime
+
+    from gpuguard.holders import GpuOccupancy, Holder, Inventory
+
+SCHEMA_VERSION = 1
+
+
+class Level(IntEnum):
+    """Monitoring-plugin levels; the value is the exit status."""
+
+    OK = 0
+    WARNING = 1
+    CRITICAL = 2
+    UNKNOWN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing an operator should know, with how serious it is."""
+
+    level: Level
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatusContext:
+    """What the judgement needs besides the inventory: configuration facts and who is asking."""
+
+    watched_units: Mapping[str, Sequence[str]]
+    protected_names: Collection[str]
+    idle_threshold_bytes: int
+    as_root: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """An inventory judged: the overall level, the headline and each finding."""
+
+    inventory: Inventory
+    level: Level
+    headline: str
+    findings: tuple[Finding, ...]
+    idle_gpus: frozenset[int]
+    generated_at: datetime
+
+
+def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
+    """Turn evidence into findings; the worst finding sets the level."""
+    findings = [
+        *_nvml_findings(inventory),
+        *_gpu_findings(inventory),
+        *_holder_findings(inventory, context),
+    ]
+    if inventory.scan.unreadable and not context.as_root:
+        findings.append(
+            Finding(
+                Level.OK,
+                f"{inventory.scan.unreadable} processes could not be inspected without root; "
+                "run as root to see every holder",
+            )
+        )
+    idle = frozenset(
+        gpu.reading.index
+        for gpu in inventory.gpus
+        if is_idle(gpu, inventory.holders, context.idle_threshold_bytes, context.protected_names)
+    )
+    level = max((f.level for f in findings), default=Level.OK)
+    if level is Level.OK:
+        headline = _ok_headline(inventory, idle)
+    else:
+        headline = next(f.message for f in findings if f.level is level)
+    return StatusReport(inventory, level, headline, tuple(findings), idle, now)
+
+
+def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
+    total = len(inventory.gpus)
+    if total and len(idle) == total:
+        return f"all {total} GPUs idle"
+    busy = total - len(idle)
+    return f"{busy} of {total} GPUs in use by live processes"
+
+
+def _nvml_findings(inventory: Inventory) -> list[Finding]:
+    nvml = inventory.nvml
+    if nvml.health is NvmlHealth.OK:
+        return []
+    reason = nvml.reason or nvml.health.value
+    if nvml.health is NvmlHealth.TIMED_OUT:
+        return [Finding(Level.CRITICAL, reason)]
+    if nvml.health is NvmlHealth.DRIVER_TOO_OLD:
+        return [Finding(Level.WARNING, reason)]
+    # Without NVML the /proc scan is the only evidence; with none at all we cannot judge.
+    level = Level.WARNING if inventory.holders else Level.UNKNOWN
+    return [Finding(level, reason)]
+
+
+def _gpu_findings(inventory: Inventory) -> list[Finding]:
+    findings: list[Finding] = []
+    for gpu in inventory.gpus:
+        reading = gpu.reading
+        if reading.lost:
+            findings.append(Finding(Level.CRITICAL, f"GPU {reading.index}: {reading.problem}"))
+        elif reading.problem:
+            findings.append(Finding(Level.WARNING, f"GPU {reading.index}: {reading.problem}"))
+        if gpu.unattributed_bytes:
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"GPU {reading.index}: {_mib(gpu.unattributed_bytes)} in use that no visible "
+                    "process explains (a process in another PID namespace, or the driver "
+                    "still releasing it)",
+                )
+            )
+    findings.extend(
+        Finding(
+            Level.CRITICAL,
+            f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}"
+            f"{'' if gone.used_bytes is None else f' ({_mib(gone.used_bytes)})'}"
+            " but /proc has no such process",
+        )
+        for gone in inventory.vanished
+    )
+    return findings
+
+
+def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
+    findings: list[Finding] = []
+    for holder in inventory.holders:
+        where = _gpu_list(holder)
+        if holder.state == "D":
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"PID {holder.pid} ({holder.comm}) holding {where} is stuck in the driver "
+                    "(state D): it cannot be killed; a GPU reset or reboot may be needed",
+                )
+            )
+        elif holder.state == "Z":
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"PID {holder.pid} ({holder.comm}) holding {where} is a zombie: a thread or "
+                    "its parent keeps its GPU memory",
+                )
+            )
+        if is_protected(holder, context.protected_names):
+            continue
+        for unit, patterns in context.watched_units.items():
+            if holder.attribution.unit != unit and _matches(holder, patterns):
+                findings.append(
+                    Finding(
+                        Level.WARNING,
+                        f"PID {holder.pid} ({holder.comm}) holding {where} looks like a left-over "
+                        f"of {unit} but runs outside it ({_owner(holder)})",
+                    )
+                )
+    return findings
+
+
+def _matches(holder: Holder, patterns: Sequence[str]) -> bool:
+    text = " ".join(holder.cmdline) or holder.comm
+    return any(pattern in text for pattern in patterns)
+
+
+def _gpu_list(holder: Holder) -> str:
+    if holder.gpus:
+        return "GPU " + ",".join(str(u.gpu_index) for u in holder.gpus)
+    return "NVIDIA device files"
+
+
+def _owner(holder: Holder) -> str:
+    attribution = holder.attribution
+    if attribution.container:
+        return attribution.container
+    if attribution.unit:
+        return f"{attribution.unit} (user)" if attribution.user_unit else attribution.unit
+    return "no unit"
+
+
+def _mib(value: int) -> str:
+    return f"{value // MIB} MiB"
+
+
+def render_text(report: StatusReport) -> str:
+    """The one-screen view: headline, NVML health, each GPU with its holders, then findings."""
+    inventory = report.inventory
+    nvml = inventory.nvml
+    lines = [f"gpuguard status: {report.level.name} - {report.headline}"]
+    if nvml.health is NvmlHealth.OK:
+        api = {g.reading.memory.api.value for g in inventory.gpus if g.reading.memory}
+        lines.append(
+            f"NVML: ok, driver {nvml.driver_version or 'unknown'}, {len(inventory.gpus)} GPUs"
+            + (f", memory API {'/'.join(sorted(api))}" if api else "")
+        )
+    else:
+        lines.append(f"NVML: {nvml.health.value}: {nvml.reason}")
+    shown: set[int] = set()
+    for gpu in inventory.gpus:
+        lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
+        shown.update(gpu.holder_pids)
+    others = [h for h in inventory.holders if h.pid not in shown]
+    if others:
+        lines.append("Other holders of NVIDIA device files:")
+        lines.extend(_holder_line(h, None) for h in others)
+    lines.extend(
+        f"Unattributed: GPU {gpu.reading.index}: {_mib(gpu.unattributed_bytes)}"
+        for gpu in inventory.gpus
+        if gpu.unattributed_bytes
+    )
+    lines.extend(
+        f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
+        for gone in inventory.vanished
+    )
+    scan = inventory.scan
+    lines.append(
+        f"/proc: {scan.method} scan, {len(inventory.holders)} holders"
+        + (f", {scan.unreadable} processes not readable" if scan.unreadable else "")
+    )
+    lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) -> list[str]:
+    reading = gpu.reading
+    name = reading.name or "unknown GPU"
+    if reading.memory is not None:
+        usage = f"{_mib(reading.memory.used_bytes)} / {_mib(reading.memory.total_bytes)}"
+    else:
+        usage = "memory unknown"
+    tag = " idle" if reading.index in idle else ""
+    if reading.lost:
+        tag = " LOST"
+    lines = [f"GPU {reading.index}  {name}  {usage}{tag}"]
+    for pid in gpu.holder_pids:
+        holder = inventory.holder(pid)
+        if holder is not None:
+            lines.append(_holder_line(holder, reading.index))
+    return lines
+
+
+def _holder_line(holder: Holder, gpu_index: int | None) -> str:
+    use = next((u for u in holder.gpus if u.gpu_index == gpu_index), None)
+    if use is not None and use.used_bytes is not None:
+        size = _mib(use.used_bytes)
+    elif use is not None and use.listed_by_nvml:
+        size = "size n/a"
+    else:
+        size = "fd only"
+    return (
+        f"    pid {holder.pid:<7} {holder.state}  {_owner(holder):<24} {size:>11}  {holder.command}"
+    )
+
+
+def to_json(report: StatusReport) -> dict[str, Any]:
+    """The same report as a versioned document (see docs/status-json.md)."""
+    inventory = report.inventory
+    nvml = inventory.nvml
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": report.generated_at.isoformat(),
+        "status": report.level.name,
+        "exit_code": int(report.level),
+        "headline": report.headline,
+        "nvml": {
+            "health": nvml.health.value,
+            "reason": nvml.reason,
+            "driver_version": nvml.driver_version,
+        },
+        "gpus": [_gpu_json(gpu, report.idle_gpus) for gpu in inventory.gpus],
+        "holders": [_holder_json(h) for h in inventory.holders],
+        "vanished": [
+            {"pid": v.pid, "gpu": v.gpu_index, "used_mib": _opt_mib(v.used_bytes)}
+            for v in inventory.vanished
+        ],
+        "scan": {"method": inventory.scan.method, "unreadable": inventory.scan.unreadable},
+        "findings": [{"level": f.level.name, "message": f.message} for f in report.findings],
+    }
+
+
+def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
+    reading = gpu.reading
+    memory = reading.memory
+    return {
+        "index": reading.index,
+        "name": reading.name,
+        "uuid": reading.uuid,
+        "pci_bus_id": reading.pci_bus_id,
+        "minor": reading.minor,
+        "memory": None
+        if memory is None
+        else {
+            "api": memory.api.value,
+            "total_mib": memory.total_bytes // MIB,
+            "used_mib": memory.used_bytes // MIB,
+            "reserved_mib": _opt_mib(memory.reserved_bytes),
+        },
+        "idle": reading.index in idle,
+        "lost": reading.lost,
+        "problem": reading.problem,
+        "holder_pids": list(gpu.holder_pids),
+        "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
+    }
+
+
+def _holder_json(holder: Holder) -> dict[str, Any]:
+    attribution = holder.attribution
+    return {
+        "pid": holder.pid,
+        "start_time": holder.identity.start_time,
+        "ppid": holder.ppid,
+        "state": holder.state,
+        "user": holder.user,
+        "comm": holder.comm,
+        "cmdline": list(holder.cmdline),
+        "unit": attribution.unit,
+        "user_unit": attribution.user_unit,
+        "container": attribution.container,
+        "invocation_id": holder.invocation_id,
+        "device_files": sorted(holder.device_files),
+        "gpus": [
+            {
+                "index": use.gpu_index,
+                "used_mib": _opt_mib(use.used_bytes),
+                "listed_by_nvml": use.listed_by_nvml,
+                "holds_device_file": use.holds_device_file,
+            }
+            for use in holder.gpus
+        ],
+    }
+
+
+def _opt_mib(value: int | None) -> int | None:
+    return None if value is None else value // MIB

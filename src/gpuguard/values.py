@@ -1,0 +1,119 @@
+"""Plain, frozen values that adapters produce and the core consumes.
+
+Nothing here does I/O; every adapter translates the world into these types so the core can be
+tested with hand-made values instead of a GPU, a /proc tree or a journal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ProcessIdentity:
+    """A process as it can be told apart from a later one that reuses its PID.
+
+    ``start_time`` is field 22 of ``/proc/PID/stat`` (clock ticks since boot): together with the
+    PID it names exactly one process for the life of the boot.
+    """
+
+    pid: int
+    start_time: int
+
+
+class MemoryApi(StrEnum):
+    """Which NVML memory call produced a reading; v1 ``used`` includes the reserved carve-out."""
+
+    V2 = "v2"
+    V1 = "v1"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMemory:
+    """Framebuffer memory of one GPU in bytes, as NVML reported it."""
+
+    total_bytes: int
+    used_bytes: int
+    reserved_bytes: int | None
+    api: MemoryApi
+
+
+class ProcessListKind(StrEnum):
+    """Which NVML process list named a process."""
+
+    COMPUTE = "compute"
+    GRAPHICS = "graphics"
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlProcess:
+    """A process NVML lists on a GPU; ``used_bytes`` is None when the driver does not say."""
+
+    pid: int
+    used_bytes: int | None
+    kind: ProcessListKind
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """Everything NVML told us about one GPU; ``problem`` says what could not be read and why."""
+
+    index: int
+    name: str | None = None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    minor: int | None = None
+    memory: GpuMemory | None = None
+    processes: tuple[NvmlProcess, ...] = ()
+    problem: str | None = None
+    lost: bool = False
+
+
+class NvmlHealth(StrEnum):
+    """How far NVML could be used at all; anything but OK means readings are incomplete."""
+
+    OK = "ok"
+    UNAVAILABLE = "unavailable"
+    NO_PERMISSION = "no-permission"
+    DRIVER_TOO_OLD = "driver-too-old"
+    TIMED_OUT = "timed-out"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlReading:
+    """One snapshot of all GPUs; a failure is a health state with a reason, never an exception."""
+
+    health: NvmlHealth
+    reason: str | None = None
+    driver_version: str | None = None
+    gpus: tuple[GpuReading, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessFacts:
+    """What /proc says about one process, with secrets already removed from its command line."""
+
+    identity: ProcessIdentity
+    ppid: int
+    state: str
+    comm: str
+    cmdline: tuple[str, ...]
+    uid: int
+    user: str
+    cgroup: str
+    invocation_id: str | None = None
+    device_files: frozenset[str] = field(default_factory=frozenset)
+    kernel_thread: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProcScan:
+    """The result of a /proc walk: processes holding device files plus what could not be read."""
+
+    processes: tuple[ProcessFacts, ...]
+    unreadable: int = 0
+    method: str = "full"
