@@ -11,6 +11,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.protection import is_idle, is_protected
+from gpuguard.redaction import escape_control
 from gpuguard.values import MIB, NvmlHealth
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
             findings.append(
                 Finding(
                     Level.CRITICAL,
-                    f"PID {holder.pid} ({holder.comm}) holding {where} is stuck in the driver "
+                    f"PID {holder.pid} ({escape_control(holder.comm)}) holding {where} is stuck in the driver "
                     "(state D): it cannot be killed; a GPU reset or reboot may be needed",
                 )
             )
@@ -156,7 +157,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
             findings.append(
                 Finding(
                     Level.WARNING,
-                    f"PID {holder.pid} ({holder.comm}) holding {where} is a zombie: a thread or "
+                    f"PID {holder.pid} ({escape_control(holder.comm)}) holding {where} is a zombie: a thread or "
                     "its parent keeps its GPU memory",
                 )
             )
@@ -167,7 +168,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 findings.append(
                     Finding(
                         Level.WARNING,
-                        f"PID {holder.pid} ({holder.comm}) holding {where} looks like a left-over "
+                        f"PID {holder.pid} ({escape_control(holder.comm)}) holding {where} looks like a left-over "
                         f"of {unit} but runs outside it ({_owner(holder)})",
                     )
                 )

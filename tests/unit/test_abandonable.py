@@ -1,0 +1,70 @@
+"""NVML snapshots run in a forked child that a deadline can abandon."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from gpuguard import nvml
+from gpuguard.values import NvmlHealth, NvmlReading
+
+
+def _timed_out(timeout_s: float) -> NvmlReading:
+    return NvmlReading(NvmlHealth.TIMED_OUT, f"after {timeout_s}")
+
+
+def test_result_comes_back_from_the_child() -> None:
+    """A reading produced in the child is returned to the caller unchanged."""
+    expected = NvmlReading(NvmlHealth.OK, None, "1.2", ())
+    got = nvml.run_abandonable(lambda: NvmlReading(NvmlHealth.OK, None, "1.2", ()), 5, _timed_out)
+    assert got == expected
+
+
+def test_a_blocked_call_is_abandoned_at_the_deadline() -> None:
+    """Work that never returns yields the timeout reading soon after the deadline."""
+
+    def hang() -> NvmlReading:
+        time.sleep(3600)
+        return NvmlReading(NvmlHealth.OK)
+
+    started = time.monotonic()
+    got = nvml.run_abandonable(hang, 0.3, _timed_out)
+    assert got == NvmlReading(NvmlHealth.TIMED_OUT, "after 0.3")
+    assert time.monotonic() - started < 5
+
+
+def test_an_exception_in_the_child_becomes_an_error_reading() -> None:
+    """Anything the child raises is reported as an ERROR health, never raised in the caller."""
+
+    def explode() -> NvmlReading:
+        raise RuntimeError("driver said no")
+
+    got = nvml.run_abandonable(explode, 5, _timed_out)
+    assert got.health is NvmlHealth.ERROR
+    assert got.reason is not None
+    assert "driver said no" in got.reason
+
+
+def test_a_child_that_dies_silently_is_an_error() -> None:
+    """A child killed before answering is reported, not treated as idle GPUs."""
+
+    def die() -> NvmlReading:
+        os._exit(9)
+
+    got = nvml.run_abandonable(die, 5, _timed_out)
+    assert got.health is NvmlHealth.ERROR
+
+
+def test_no_child_is_left_behind() -> None:
+    """After timeouts and answers, no zombie child of ours remains for long."""
+
+    def hang() -> NvmlReading:
+        time.sleep(3600)
+        return NvmlReading(NvmlHealth.OK)
+
+    nvml.run_abandonable(hang, 0.1, _timed_out)
+    deadline = time.monotonic() + 5
+    while nvml._abandoned and time.monotonic() < deadline:
+        nvml.run_abandonable(lambda: NvmlReading(NvmlHealth.OK), 5, _timed_out)
+        time.sleep(0.05)
+    assert not nvml._abandoned

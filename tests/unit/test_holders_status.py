@@ -1,0 +1,233 @@
+"""The pure core: merging NVML and /proc evidence, judging it, and rendering it."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from gpuguard.holders import build_inventory, gpu_minor_of
+from gpuguard.status import Level, StatusContext, assess, render_text, to_json
+from gpuguard.values import (
+    MIB,
+    GpuMemory,
+    GpuReading,
+    MemoryApi,
+    NvmlHealth,
+    NvmlProcess,
+    NvmlReading,
+    ProcessFacts,
+    ProcessIdentity,
+    ProcessListKind,
+    ProcScan,
+)
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+CONTEXT = StatusContext(
+    watched_units={"sglang.service": ("sglang",)},
+    protected_names=("nvidia-persistenced",),
+    idle_threshold_bytes=16 * MIB,
+    as_root=True,
+)
+SGLANG_CGROUP = "/system.slice/sglang.service"
+
+
+def gpu(index: int, used_mib: int = 0, *procs: tuple[int, int | None], minor: int | None = None) -> GpuReading:
+    """A healthy v2 GPU reading with the given processes (pid, MiB)."""
+    return GpuReading(
+        index=index,
+        name="NVIDIA H200",
+        uuid=f"GPU-{index:08d}",
+        pci_bus_id=f"00000000:{index + 0x19:02X}:00.0",
+        minor=index if minor is None else minor,
+        memory=GpuMemory(143771 * MIB, used_mib * MIB, 0, MemoryApi.V2),
+        processes=tuple(
+            NvmlProcess(pid, None if mib is None else mib * MIB, ProcessListKind.COMPUTE)
+            for pid, mib in procs
+        ),
+    )
+
+
+def proc(
+    pid: int,
+    *devices: str,
+    cgroup: str = SGLANG_CGROUP,
+    state: str = "S",
+    comm: str = "python3",
+    cmdline: tuple[str, ...] = ("python3", "-m", "sglang.launch_server"),
+) -> ProcessFacts:
+    """A process as /proc would describe it."""
+    return ProcessFacts(
+        identity=ProcessIdentity(pid, 1000 + pid),
+        ppid=1,
+        state=state,
+        comm=comm,
+        cmdline=cmdline,
+        uid=0,
+        user="root",
+        cgroup=cgroup,
+        device_files=frozenset(devices),
+    )
+
+
+def reading(*gpus: GpuReading) -> NvmlReading:
+    """An NVML reading that succeeded."""
+    return NvmlReading(NvmlHealth.OK, None, "550.54.15", gpus)
+
+
+def judge(nvml: NvmlReading, *procs: ProcessFacts) -> tuple[Level, str, dict[str, object]]:
+    """Build, assess and render; return the level, the text and the JSON."""
+    inventory = build_inventory(nvml, ProcScan(procs), 16 * MIB)
+    report = assess(inventory, CONTEXT, NOW)
+    return report.level, render_text(report), to_json(report)
+
+
+def test_minor_is_read_from_the_node_name() -> None:
+    """/dev/nvidiaN names minor N; control nodes name no GPU."""
+    assert gpu_minor_of("/dev/nvidia3") == 3
+    assert gpu_minor_of("/tmp/x/dev/nvidia12") == 12
+    assert gpu_minor_of("/dev/nvidiactl") is None
+    assert gpu_minor_of("/dev/nvidia-uvm") is None
+
+
+def test_idle_host_is_ok() -> None:
+    """Four idle GPUs with no holders are OK and say so."""
+    level, text, doc = judge(reading(gpu(0, 2), gpu(1), gpu(2), gpu(3)))
+    assert level is Level.OK
+    assert text.startswith("gpuguard status: OK - all 4 GPUs idle\n")
+    assert doc["schema_version"] == 1
+    assert all(g["idle"] for g in doc["gpus"])  # type: ignore[attr-defined]
+
+
+def test_holder_attributed_by_nvml_and_device_file() -> None:
+    """A server listed by NVML and holding the device is shown under its GPU with unit and MiB."""
+    level, text, doc = judge(
+        reading(gpu(0, 1000, (10, 1000)), gpu(1)),
+        proc(10, "/dev/nvidia0", "/dev/nvidiactl"),
+    )
+    assert level is Level.OK
+    assert "pid 10" in text
+    assert "sglang.service" in text
+    assert "1000 MiB" in text
+    holder = doc["holders"][0]  # type: ignore[index]
+    assert holder["unit"] == "sglang.service"
+    assert holder["gpus"] == [
+        {"index": 0, "used_mib": 1000, "listed_by_nvml": True, "holds_device_file": True}
+    ]
+
+
+def test_device_node_maps_to_gpu_by_minor_not_index() -> None:
+    """/dev/nvidia7 belongs to the GPU whose NVML minor is 7, whatever its index."""
+    inventory = build_inventory(
+        reading(gpu(0, minor=7), gpu(1, minor=0)),
+        ProcScan((proc(10, "/dev/nvidia7"),)),
+        16 * MIB,
+    )
+    assert [u.gpu_index for u in inventory.holders[0].gpus] == [0]
+
+
+def test_inherited_fd_child_shows_as_fd_only() -> None:
+    """A child that only inherited the device file is a holder without a size."""
+    level, text, _ = judge(
+        reading(gpu(0, 1000, (10, 1000))),
+        proc(10, "/dev/nvidia0"),
+        proc(11, "/dev/nvidia0", comm="python3"),
+    )
+    assert level is Level.OK
+    assert "pid 11" in text
+    assert "fd only" in text
+
+
+def test_unattributed_memory_is_critical_and_never_guessed() -> None:
+    """Memory beyond the listed processes and the idle allowance is unattributed: CRITICAL."""
+    level, text, doc = judge(reading(gpu(0, 3000, (10, 1000))), proc(10, "/dev/nvidia0"))
+    assert level is Level.CRITICAL
+    assert "Unattributed: GPU 0: 2000 MiB" in text
+    assert doc["gpus"][0]["unattributed_mib"] == 2000  # type: ignore[index]
+    assert doc["holders"][0]["gpus"][0]["used_mib"] == 1000  # type: ignore[index]
+
+
+def test_small_difference_is_within_the_idle_allowance() -> None:
+    """A few MiB of driver bookkeeping beyond the processes is not reported."""
+    level, _, doc = judge(reading(gpu(0, 1010, (10, 1000))), proc(10, "/dev/nvidia0"))
+    assert level is Level.OK
+    assert doc["gpus"][0]["unattributed_mib"] == 0  # type: ignore[index]
+
+
+def test_pid_named_by_nvml_but_missing_in_proc_is_reported() -> None:
+    """A listed PID that /proc lacks is reported as vanished, not dropped."""
+    level, text, doc = judge(reading(gpu(0, 500, (999, 500))))
+    assert level is Level.CRITICAL
+    assert "PID 999" in text
+    assert doc["vanished"] == [{"pid": 999, "gpu": 0, "used_mib": 500}]
+
+
+def test_lost_gpu_is_critical_and_others_still_reported() -> None:
+    """One lost GPU makes the status CRITICAL while the other GPUs are still shown."""
+    lost = GpuReading(index=1, lost=True, problem="GPU is lost")
+    level, text, _ = judge(reading(gpu(0), lost, gpu(2)))
+    assert level is Level.CRITICAL
+    assert "GPU 1" in text
+    assert "LOST" in text
+    assert "GPU 2  NVIDIA H200" in text
+
+
+def test_d_state_holder_is_critical() -> None:
+    """A holder stuck in the driver cannot be killed: CRITICAL."""
+    level, text, _ = judge(reading(gpu(0, 100, (10, 100))), proc(10, "/dev/nvidia0", state="D"))
+    assert level is Level.CRITICAL
+    assert "state D" in text
+
+
+def test_escaped_worker_of_watched_unit_is_a_warning() -> None:
+    """A holder that looks like the watched unit's worker but runs outside it is a warning."""
+    level, text, _ = judge(
+        reading(gpu(0, 100, (10, 100))),
+        proc(10, "/dev/nvidia0", cgroup="/user.slice/user-0.slice/session-1.scope",
+             cmdline=("sglang::scheduler_TP0",)),
+    )
+    assert level is Level.WARNING
+    assert "left-over of sglang.service" in text
+
+
+def test_protected_process_is_never_called_a_left_over() -> None:
+    """Protected processes holding devices do not raise warnings by pattern."""
+    level, _, _ = judge(
+        reading(gpu(0)),
+        proc(5, "/dev/nvidia0", "/dev/nvidiactl", cgroup="/system.slice/nvidia-persistenced.service",
+             comm="nvidia-persistenced", cmdline=("/usr/bin/nvidia-persistenced", "--sglang")),
+    )
+    assert level is Level.OK
+
+
+def test_nvml_unavailable_without_evidence_is_unknown() -> None:
+    """No NVML and nothing in /proc: UNKNOWN (3), with the reason on screen."""
+    nvml = NvmlReading(NvmlHealth.UNAVAILABLE, "NVML unavailable: Driver Not Loaded")
+    level, text, doc = judge(nvml)
+    assert level is Level.UNKNOWN
+    assert "NVML unavailable: Driver Not Loaded" in text.splitlines()[0]
+    assert doc["exit_code"] == 3
+
+
+def test_nvml_unavailable_with_proc_evidence_is_a_warning() -> None:
+    """No NVML but /proc shows device holders: WARNING, and the holders are listed."""
+    nvml = NvmlReading(NvmlHealth.UNAVAILABLE, "NVML unavailable: Driver Not Loaded")
+    level, text, _ = judge(nvml, proc(10, "/dev/nvidia0"))
+    assert level is Level.WARNING
+    assert "pid 10" in text
+
+
+def test_hostile_command_cannot_forge_output_lines() -> None:
+    """A command line with newlines renders on one line."""
+    evil = ("python3", "x\ngpuguard status: OK - all 4 GPUs idle")
+    _, text, doc = judge(reading(gpu(0, 100, (10, 100))), proc(10, "/dev/nvidia0", cmdline=evil))
+    assert sum(line.startswith("gpuguard status:") for line in text.splitlines()) == 1
+    assert json.loads(json.dumps(doc))["holders"][0]["cmdline"] == list(evil)
+
+
+def test_hostile_comm_cannot_forge_output_lines() -> None:
+    """A process name with a newline is escaped in findings too."""
+    _, text, _ = judge(
+        reading(gpu(0, 100, (10, 100))),
+        proc(10, "/dev/nvidia0", state="D", comm="x\nOK: fine"),
+    )
+    assert not any(line.startswith("OK: fine") for line in text.splitlines())
