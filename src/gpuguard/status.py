@@ -144,12 +144,12 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
 def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
     findings: list[Finding] = []
     for holder in inventory.holders:
-        where = _gpu_list(holder)
+        who = f"PID {holder.pid} ({escape_control(holder.comm)}) holding {_gpu_list(holder)}"
         if holder.state == "D":
             findings.append(
                 Finding(
                     Level.CRITICAL,
-                    f"PID {holder.pid} ({escape_control(holder.comm)}) holding {where} is stuck in the driver "
+                    f"{who} is stuck in the driver "
                     "(state D): it cannot be killed; a GPU reset or reboot may be needed",
                 )
             )
@@ -157,8 +157,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
             findings.append(
                 Finding(
                     Level.WARNING,
-                    f"PID {holder.pid} ({escape_control(holder.comm)}) holding {where} is a zombie: a thread or "
-                    "its parent keeps its GPU memory",
+                    f"{who} is a zombie: a thread or its parent keeps its GPU memory",
                 )
             )
         if is_protected(holder, context.protected_names):
@@ -168,7 +167,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 findings.append(
                     Finding(
                         Level.WARNING,
-                        f"PID {holder.pid} ({escape_control(holder.comm)}) holding {where} looks like a left-over "
+                        f"{who} looks like a left-over "
                         f"of {unit} but runs outside it ({_owner(holder)})",
                     )
                 )

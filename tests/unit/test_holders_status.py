@@ -31,7 +31,9 @@ CONTEXT = StatusContext(
 SGLANG_CGROUP = "/system.slice/sglang.service"
 
 
-def gpu(index: int, used_mib: int = 0, *procs: tuple[int, int | None], minor: int | None = None) -> GpuReading:
+def gpu(
+    index: int, used_mib: int = 0, *procs: tuple[int, int | None], minor: int | None = None
+) -> GpuReading:
     """A healthy v2 GPU reading with the given processes (pid, MiB)."""
     return GpuReading(
         index=index,
@@ -182,8 +184,12 @@ def test_escaped_worker_of_watched_unit_is_a_warning() -> None:
     """A holder that looks like the watched unit's worker but runs outside it is a warning."""
     level, text, _ = judge(
         reading(gpu(0, 100, (10, 100))),
-        proc(10, "/dev/nvidia0", cgroup="/user.slice/user-0.slice/session-1.scope",
-             cmdline=("sglang::scheduler_TP0",)),
+        proc(
+            10,
+            "/dev/nvidia0",
+            cgroup="/user.slice/user-0.slice/session-1.scope",
+            cmdline=("sglang::scheduler_TP0",),
+        ),
     )
     assert level is Level.WARNING
     assert "left-over of sglang.service" in text
@@ -193,8 +199,14 @@ def test_protected_process_is_never_called_a_left_over() -> None:
     """Protected processes holding devices do not raise warnings by pattern."""
     level, _, _ = judge(
         reading(gpu(0)),
-        proc(5, "/dev/nvidia0", "/dev/nvidiactl", cgroup="/system.slice/nvidia-persistenced.service",
-             comm="nvidia-persistenced", cmdline=("/usr/bin/nvidia-persistenced", "--sglang")),
+        proc(
+            5,
+            "/dev/nvidia0",
+            "/dev/nvidiactl",
+            cgroup="/system.slice/nvidia-persistenced.service",
+            comm="nvidia-persistenced",
+            cmdline=("/usr/bin/nvidia-persistenced", "--sglang"),
+        ),
     )
     assert level is Level.OK
 
