@@ -263,9 +263,15 @@ def _holder_line(holder: Holder, gpu_index: int | None) -> str:
         size = "size n/a"
     else:
         size = "fd only"
+    owner = _owner(holder)
     return (
-        f"    pid {holder.pid:<7} {holder.state}  {_owner(holder):<24} {size:>11}  {holder.command}"
+        f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {_clip(holder.command)}"
     )
+
+
+def _clip(text: str, width: int = 100) -> str:
+    """Keep one holder on one line of a wide terminal; --json has the whole command line."""
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def to_json(report: StatusReport) -> dict[str, Any]:
