@@ -56,6 +56,16 @@ class Holder:
         return self.identity.pid
 
     @property
+    def owner(self) -> str:
+        """Who the process belongs to, for humans: container, else unit, else "no unit"."""
+        attribution = self.attribution
+        if attribution.container:
+            return attribution.container
+        if attribution.unit:
+            return f"{attribution.unit} (user)" if attribution.user_unit else attribution.unit
+        return "no unit"
+
+    @property
     def command(self) -> str:
         """The command line for humans: secrets already redacted, control characters escaped."""
         return display_command(self.cmdline) or f"[{self.comm}]"

@@ -168,7 +168,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                     Finding(
                         Level.WARNING,
                         f"{who} looks like a left-over "
-                        f"of {unit} but runs outside it ({_owner(holder)})",
+                        f"of {unit} but runs outside it ({holder.owner})",
                     )
                 )
     return findings
@@ -183,15 +183,6 @@ def _gpu_list(holder: Holder) -> str:
     if holder.gpus:
         return "GPU " + ",".join(str(u.gpu_index) for u in holder.gpus)
     return "NVIDIA device files"
-
-
-def _owner(holder: Holder) -> str:
-    attribution = holder.attribution
-    if attribution.container:
-        return attribution.container
-    if attribution.unit:
-        return f"{attribution.unit} (user)" if attribution.user_unit else attribution.unit
-    return "no unit"
 
 
 def _mib(value: int) -> str:
@@ -263,7 +254,7 @@ def _holder_line(holder: Holder, gpu_index: int | None) -> str:
         size = "size n/a"
     else:
         size = "fd only"
-    owner = _owner(holder)
+    owner = holder.owner
     return (
         f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {_clip(holder.command)}"
     )

@@ -1,0 +1,184 @@
+"""Who may be killed to free a unit's GPUs: reap, keep or refuse, always with a reason (pure).
+
+The rules refuse first. PID 1 and 2, kernel threads, gpuguard and its ancestors (the gate runs
+inside the unit's own cgroup) and protected processes are never touched whatever the scope.
+Holders only of GPUs outside the unit's set are kept: two servers often share a host, and one's
+gate must never reap the other's workers. Only then does the scope decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from gpuguard.protection import is_protected
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from gpuguard.holders import Holder
+
+
+class Scope(StrEnum):
+    """How far a reap may reach."""
+
+    UNIT = "unit"
+    """The unit's own cgroup, plus orphans (reparented to PID 1) matching its patterns."""
+    PATTERNS = "patterns"
+    """Also any holder whose command matches the unit's patterns, wherever it runs."""
+    ALL = "all"
+    """Every holder that is not protected: the old `fuser -k /dev/nvidia*`, opt-in only."""
+
+
+class Verdict(StrEnum):
+    """What happens to one holder."""
+
+    REAP = "reap"
+    KEEP = "keep"
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The verdict on one holder and why."""
+
+    holder: Holder
+    verdict: Verdict
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """Everything the policy needs besides the holders.
+
+    ``live_invocation`` is the invocation of the unit that is running right now, whose processes
+    are live and must be kept; None when nothing of the unit is live (it is stopped, or the gate
+    runs before its start, where everything in the cgroup but the gate is left over).
+    """
+
+    unit: str
+    scope: Scope
+    patterns: tuple[str, ...]
+    gpu_set: frozenset[int] | None
+    protected_names: tuple[str, ...]
+    untouchable_pids: frozenset[int]
+    live_invocation: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KillPlan:
+    """A decision for every holder, in holder order."""
+
+    request: PlanRequest
+    decisions: tuple[Decision, ...]
+
+    @property
+    def to_reap(self) -> tuple[Decision, ...]:
+        """The holders to signal."""
+        return tuple(d for d in self.decisions if d.verdict is Verdict.REAP)
+
+    @property
+    def spared(self) -> tuple[Decision, ...]:
+        """The holders left alone (kept or refused), with reasons."""
+        return tuple(d for d in self.decisions if d.verdict is not Verdict.REAP)
+
+
+def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
+    """Decide for every holder; the result never contains a refused process under REAP."""
+    return KillPlan(request, tuple(decide(holder, request) for holder in holders))
+
+
+def decide(holder: Holder, request: PlanRequest) -> Decision:
+    """One holder's verdict: the refusals, then the GPU set, then the scope."""
+    refusal = _refusal(holder, request)
+    if refusal is not None:
+        return Decision(holder, Verdict.REFUSE, refusal)
+    outside = _outside_gpu_set(holder, request)
+    if outside is not None:
+        return Decision(holder, Verdict.KEEP, outside)
+    return _by_scope(holder, request)
+
+
+def _refusal(holder: Holder, request: PlanRequest) -> str | None:
+    if holder.pid in (1, 2):
+        return f"PID {holder.pid} is never signalled"
+    if holder.kernel_thread:
+        return "kernel thread"
+    if holder.pid in request.untouchable_pids:
+        return "gpuguard itself or one of its ancestors"
+    if is_protected(holder, request.protected_names):
+        return f"protected process ({holder.comm})"
+    return None
+
+
+def _outside_gpu_set(holder: Holder, request: PlanRequest) -> str | None:
+    gpu_set = request.gpu_set
+    if gpu_set is None or not holder.gpus:
+        return None
+    used = {use.gpu_index for use in holder.gpus}
+    if used & gpu_set:
+        return None
+    return f"uses only GPU {_indices(used)}, outside {request.unit}'s GPUs {_indices(gpu_set)}"
+
+
+def _by_scope(holder: Holder, request: PlanRequest) -> Decision:
+    if _in_unit(holder, request.unit):
+        return _in_unit_decision(holder, request)
+    pattern = _matching_pattern(holder, request.patterns)
+    owner = holder.owner
+    if request.scope is Scope.ALL:
+        verdict, reason = Verdict.REAP, f"scope all: every unprotected holder ({owner})"
+    elif pattern is not None and request.scope is Scope.PATTERNS:
+        verdict, reason = Verdict.REAP, f"scope patterns: matches {pattern!r} ({owner})"
+    elif pattern is not None and _orphan(holder):
+        verdict = Verdict.REAP
+        reason = f"orphan matching {pattern!r}: a worker of {request.unit} that outlived its parent"
+    elif owner != "no unit":
+        verdict, reason = Verdict.KEEP, f"belongs to {owner}, not {request.unit}"
+    else:
+        verdict, reason = Verdict.KEEP, f"not in {request.unit} and not an orphan of it"
+    return Decision(holder, verdict, reason)
+
+
+def _in_unit_decision(holder: Holder, request: PlanRequest) -> Decision:
+    live = _live(holder, request)
+    if live is not None:
+        return Decision(holder, Verdict.KEEP, live)
+    invocation = f" (invocation {holder.invocation_id[:12]})" if holder.invocation_id else ""
+    return Decision(
+        holder, Verdict.REAP, f"left over from an earlier run of {request.unit}{invocation}"
+    )
+
+
+def _in_unit(holder: Holder, unit: str) -> bool:
+    attribution = holder.attribution
+    return attribution.unit == unit and not attribution.user_unit and attribution.container is None
+
+
+def _live(holder: Holder, request: PlanRequest) -> str | None:
+    """Why a process in the unit's cgroup is live and must be kept, or None if it is stale."""
+    live = request.live_invocation
+    if live is None:
+        return None
+    if holder.invocation_id is None:
+        return f"{request.unit} is running and this process's invocation cannot be read"
+    if holder.invocation_id == live:
+        return f"live process of the running {request.unit}"
+    return None
+
+
+def _orphan(holder: Holder) -> bool:
+    """Reparented to PID 1 and owned by no other service or container."""
+    attribution = holder.attribution
+    foreign_service = attribution.unit is not None and attribution.unit.endswith(".service")
+    return holder.ppid == 1 and not foreign_service and attribution.container is None
+
+
+def _matching_pattern(holder: Holder, patterns: tuple[str, ...]) -> str | None:
+    text = " ".join(holder.cmdline) or holder.comm
+    return next((p for p in patterns if p and (p in text or p in holder.comm)), None)
+
+
+def _indices(indices: Iterable[int]) -> str:
+    return ",".join(str(i) for i in sorted(indices))

@@ -1,0 +1,190 @@
+"""Kill policy: refusals first, the unit's GPU set, then the scope; every verdict has a reason."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuguard.cgroup import Attribution
+from gpuguard.holders import GpuUse, Holder
+from gpuguard.policy import PlanRequest, Scope, Verdict, decide, plan
+from gpuguard.values import ProcessIdentity
+
+UNIT = "sglang.service"
+PROTECTED = ("nvidia-persistenced", "Xorg", "gpuguard")
+LIVE = "a" * 32
+OLD = "b" * 32
+
+
+def holder(
+    pid: int = 100,
+    *,
+    unit: str | None = UNIT,
+    container: str | None = None,
+    user_unit: bool = False,
+    gpus: tuple[int, ...] = (0,),
+    comm: str = "python3",
+    cmdline: tuple[str, ...] = ("python3", "-m", "sglang.launch_server"),
+    ppid: int = 50,
+    invocation: str | None = OLD,
+    kernel_thread: bool = False,
+) -> Holder:
+    """A GPU holder with the attributes the policy looks at."""
+    return Holder(
+        identity=ProcessIdentity(pid, 5000 + pid),
+        ppid=ppid,
+        state="S",
+        user="root",
+        comm=comm,
+        cmdline=cmdline,
+        attribution=Attribution(unit=unit, user_unit=user_unit, container=container),
+        invocation_id=invocation,
+        gpus=tuple(GpuUse(g, None, listed_by_nvml=False, holds_device_file=True) for g in gpus),
+        device_files=frozenset(f"/dev/nvidia{g}" for g in gpus),
+        kernel_thread=kernel_thread,
+    )
+
+
+def request(
+    scope: Scope = Scope.UNIT,
+    *,
+    gpu_set: frozenset[int] | None = frozenset({0, 1, 2, 3}),
+    untouchable: frozenset[int] = frozenset({4242}),
+    live: str | None = None,
+) -> PlanRequest:
+    """A plan request for the watched unit."""
+    return PlanRequest(
+        unit=UNIT,
+        scope=scope,
+        patterns=("sglang",),
+        gpu_set=gpu_set,
+        protected_names=PROTECTED,
+        untouchable_pids=untouchable,
+        live_invocation=live,
+    )
+
+
+def test_left_over_in_unit_cgroup_is_reaped() -> None:
+    """At gate time every process in the unit's cgroup is left over from an earlier run."""
+    decision = decide(holder(), request())
+    assert decision.verdict is Verdict.REAP
+    assert "left over from an earlier run of sglang.service" in decision.reason
+
+
+def test_live_invocation_is_kept() -> None:
+    """While the unit runs, its current invocation's processes are live and kept."""
+    assert decide(holder(invocation=LIVE), request(live=LIVE)).verdict is Verdict.KEEP
+    assert decide(holder(invocation=OLD), request(live=LIVE)).verdict is Verdict.REAP
+    unknown = decide(holder(invocation=None), request(live=LIVE))
+    assert unknown.verdict is Verdict.KEEP
+    assert "cannot be read" in unknown.reason
+
+
+def test_gate_and_its_ancestors_are_refused() -> None:
+    """The gate runs inside the unit's cgroup: it and its ancestors are never reaped."""
+    decision = decide(holder(4242), request())
+    assert decision.verdict is Verdict.REFUSE
+    assert "ancestors" in decision.reason
+
+
+def test_protected_process_is_refused_even_in_scope_all() -> None:
+    """nvidia-persistenced is never signalled, whatever the scope."""
+    persistenced = holder(comm="nvidia-persistenced", cmdline=("/usr/bin/nvidia-persistenced",))
+    decision = decide(persistenced, request(Scope.ALL))
+    assert decision.verdict is Verdict.REFUSE
+    assert "protected" in decision.reason
+
+
+def test_other_units_gpus_are_kept() -> None:
+    """A holder only of GPUs outside the unit's set is kept, even in scope all."""
+    other = holder(unit="sglang-b.service", gpus=(4, 5))
+    decision = decide(other, request(Scope.ALL))
+    assert decision.verdict is Verdict.KEEP
+    assert "outside sglang.service's GPUs 0,1,2,3" in decision.reason
+
+
+def test_other_unit_on_our_gpus_is_kept_in_unit_scope() -> None:
+    """Another service's process on our GPUs is kept unless the scope reaches it."""
+    other = holder(unit="training.service", cmdline=("python3", "train.py"))
+    assert decide(other, request()).verdict is Verdict.KEEP
+    assert decide(other, request(Scope.PATTERNS)).verdict is Verdict.KEEP
+    assert decide(other, request(Scope.ALL)).verdict is Verdict.REAP
+
+
+def test_orphan_matching_patterns_is_reaped() -> None:
+    """A worker reparented to PID 1 outside any service, matching the patterns, is reaped."""
+    orphan = holder(unit=None, ppid=1, cmdline=("sglang::scheduler_TP0",))
+    decision = decide(orphan, request())
+    assert decision.verdict is Verdict.REAP
+    assert "orphan" in decision.reason
+
+
+def test_session_process_with_live_parent_is_not_an_orphan() -> None:
+    """An operator's sglang in a shell session is kept in unit scope (its parent is alive)."""
+    manual = holder(unit="session-4.scope", ppid=3000, cmdline=("python3", "-m", "sglang"))
+    assert decide(manual, request()).verdict is Verdict.KEEP
+    assert decide(manual, request(Scope.PATTERNS)).verdict is Verdict.REAP
+
+
+def test_container_is_kept_in_unit_scope() -> None:
+    """A container's process matching the patterns is not ours in unit scope."""
+    boxed = holder(unit=None, container="docker:0123456789ab", ppid=1)
+    decision = decide(boxed, request())
+    assert decision.verdict is Verdict.KEEP
+    assert "docker:0123456789ab" in decision.reason
+
+
+def test_plan_splits_reaped_and_spared() -> None:
+    """A plan lists every holder once, split into reaped and spared."""
+    holders = [holder(10), holder(11, comm="Xorg", cmdline=("Xorg",)), holder(12, unit="x.service")]
+    result = plan(holders, request())
+    assert [d.holder.pid for d in result.to_reap] == [10]
+    assert [d.holder.pid for d in result.spared] == [11, 12]
+
+
+holders_strategy = st.builds(
+    holder,
+    pid=st.integers(min_value=1, max_value=5000),
+    unit=st.sampled_from([UNIT, "other.service", "session-1.scope", "init.scope", None]),
+    container=st.sampled_from([None, None, "docker:0123456789ab", "lxc:box"]),
+    user_unit=st.booleans(),
+    gpus=st.lists(st.integers(0, 7), max_size=3, unique=True).map(tuple),
+    comm=st.sampled_from(["python3", "nvidia-persistenced", "Xorg", "gpuguard", "sglang::sched"]),
+    cmdline=st.sampled_from([("python3", "-m", "sglang"), ("train.py",), ()]),
+    ppid=st.sampled_from([0, 1, 2, 77]),
+    invocation=st.sampled_from([LIVE, OLD, None]),
+    kernel_thread=st.booleans(),
+)
+requests_strategy = st.builds(
+    request,
+    scope=st.sampled_from(list(Scope)),
+    gpu_set=st.sampled_from([None, frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})]),
+    untouchable=st.frozensets(st.integers(1, 5000), max_size=5),
+    live=st.sampled_from([None, LIVE]),
+)
+
+
+@given(st.lists(holders_strategy, max_size=8), requests_strategy)
+def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest) -> None:
+    """No refused kind of process is ever reaped, and every holder gets one reasoned verdict."""
+    result = plan(holders, req)
+    assert len(result.decisions) == len(holders)
+    for decision in result.decisions:
+        assert decision.reason
+        if decision.verdict is not Verdict.REAP:
+            continue
+        h = decision.holder
+        assert h.pid not in (1, 2)
+        assert not h.kernel_thread
+        assert h.pid not in req.untouchable_pids
+        assert h.comm not in PROTECTED
+        if req.gpu_set is not None and h.gpus:
+            assert {u.gpu_index for u in h.gpus} & req.gpu_set
+        in_unit = h.attribution.unit == UNIT and not h.attribution.user_unit
+        in_unit = in_unit and h.attribution.container is None
+        if in_unit and req.live_invocation is not None:
+            assert h.invocation_id not in (req.live_invocation, None)
+        if req.scope is Scope.UNIT and not in_unit:
+            assert h.attribution.container is None
+            assert h.ppid == 1
+            assert not (h.attribution.unit or "").endswith(".service")
