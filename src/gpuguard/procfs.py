@@ -400,6 +400,11 @@ def scan_pids(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) 
     return ProcScan(processes=tuple(found), unreadable=unreadable, method="nvml-first")
 
 
+def read_stat(pid: int, *, proc_root: Path = PROC) -> StatFields | None:
+    """Return the parsed ``/proc/PID/stat`` of ``pid`` (state letter, start time…); None if gone."""
+    return _read_stat(f"{os.fspath(proc_root)}/{pid}")
+
+
 def read_identity(pid: int, *, proc_root: Path = PROC) -> ProcessIdentity | None:
     """Return the identity (pid, start time) of ``pid`` now; None when no such process."""
     stat = _read_stat(f"{os.fspath(proc_root)}/{pid}")

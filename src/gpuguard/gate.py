@@ -1,0 +1,178 @@
+"""The restart gate: free a unit's GPUs of stale holders and wait until they are idle.
+
+Runs as ``ExecStartPre=`` of the watched unit, so a start never meets GPU memory held by the
+previous run. The loop is written against injected callables (gather, reap, clock, sleep) so it
+is tested with real processes and with in-memory twins alike; it never signals anything itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpuguard.policy import Decision, PlanRequest, Verdict, plan
+from gpuguard.protection import is_idle
+from gpuguard.values import MIB, NvmlHealth
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from gpuguard.holders import Holder, Inventory
+    from gpuguard.reaper import ReapResult, ReapTarget
+    from gpuguard.values import ProcessIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    """What one gate run needs to know."""
+
+    request: PlanRequest
+    idle_threshold_bytes: int
+    timeout_s: float
+    poll_s: float = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class GateOutcome:
+    """How a gate run ended: passed or not, how long it waited, whom it reaped and spared."""
+
+    unit: str
+    passed: bool
+    fast_path: bool
+    waited_s: float
+    reaped: tuple[ReapResult, ...]
+    spared: tuple[Decision, ...]
+    blockers: tuple[str, ...]
+
+    @property
+    def message(self) -> str:
+        """One line for the journal."""
+        unit = self.unit
+        if self.passed and self.fast_path:
+            return f"GPUs of {unit} idle: start allowed"
+        if self.passed:
+            return (
+                f"GPUs of {unit} idle after {self.waited_s:.1f} s, "
+                f"{len(self.reaped)} stale holder(s) reaped: start allowed"
+            )
+        return (
+            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
+            + "; ".join(self.blockers)
+            + ". Start refused; systemd's start limits take over."
+        )
+
+
+def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
+    """Why the unit's GPUs are not idle, one phrase per cause; empty means idle."""
+    nvml = inventory.nvml
+    if nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return (nvml.reason or f"NVML {nvml.health.value}",)
+    gpu_set = settings.request.gpu_set
+    wanted = [g for g in inventory.gpus if gpu_set is None or g.reading.index in gpu_set]
+    missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
+    blockers = [f"GPU {index} is not present" for index in missing]
+    protected = settings.request.protected_names
+    for gpu in wanted:
+        if is_idle(gpu, inventory.holders, settings.idle_threshold_bytes, protected):
+            continue
+        reading = gpu.reading
+        used = (
+            f"{reading.memory.used_bytes // MIB} MiB used"
+            if reading.memory
+            else (reading.problem or "memory unreadable")
+        )
+        holders = [inventory.holder(pid) for pid in gpu.holder_pids]
+        named = "; ".join(_holder_phrase(h, settings.request) for h in holders if h is not None)
+        blockers.append(f"GPU {reading.index}: {used}" + (f", held by {named}" if named else ""))
+        if gpu.unattributed_bytes:
+            blockers.append(
+                f"GPU {reading.index}: {gpu.unattributed_bytes // MIB} MiB that no visible "
+                "process explains"
+            )
+    blockers.extend(
+        f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}, which /proc does not have"
+        for gone in inventory.vanished
+        if gpu_set is None or gone.gpu_index in gpu_set
+    )
+    return tuple(blockers)
+
+
+def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
+    decision = plan([holder], request).decisions[0]
+    why = (
+        "would be reaped" if decision.verdict is Verdict.REAP else f"not touched: {decision.reason}"
+    )
+    return f"PID {holder.pid} ({holder.comm}, {holder.owner}) - {why}"
+
+
+def run_gate(
+    settings: GateSettings,
+    gather: Callable[[], Inventory],
+    reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> GateOutcome:
+    """Pass at once when the set is idle; else reap stale holders and wait, up to the timeout."""
+    started = clock()
+    inventory = gather()
+    if not set_blockers(inventory, settings):
+        return GateOutcome(
+            settings.request.unit,
+            passed=True,
+            fast_path=True,
+            waited_s=clock() - started,
+            reaped=(),
+            spared=(),
+            blockers=(),
+        )
+    reaped: list[ReapResult] = []
+    signalled: set[ProcessIdentity] = set()
+    spared: dict[int, Decision] = {}
+    while True:
+        current = plan(inventory.holders, settings.request)
+        spared.update({d.holder.pid: d for d in current.spared})
+        fresh = [d for d in current.to_reap if d.holder.identity not in signalled]
+        if fresh:
+            reaped.extend(reap(reap_targets(fresh)))
+            signalled.update(d.holder.identity for d in fresh)
+            inventory = gather()
+        blockers = set_blockers(inventory, settings)
+        waited = clock() - started
+        if not blockers:
+            return GateOutcome(
+                settings.request.unit,
+                passed=True,
+                fast_path=False,
+                waited_s=waited,
+                reaped=tuple(reaped),
+                spared=tuple(spared.values()),
+                blockers=(),
+            )
+        if waited >= settings.timeout_s:
+            return GateOutcome(
+                settings.request.unit,
+                passed=False,
+                fast_path=False,
+                waited_s=waited,
+                reaped=tuple(reaped),
+                spared=tuple(spared.values()),
+                blockers=blockers,
+            )
+        sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
+        inventory = gather()
+
+
+def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:
+    """The reaper's view of the holders a plan chose."""
+    from gpuguard.reaper import ReapTarget  # noqa: PLC0415 - only needed once something is stale
+
+    return [
+        ReapTarget(
+            identity=d.holder.identity,
+            ppid=d.holder.ppid,
+            command=d.holder.command,
+            unit=d.holder.attribution.unit,
+            reason=d.reason,
+        )
+        for d in decisions
+    ]

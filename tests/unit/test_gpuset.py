@@ -1,0 +1,91 @@
+"""A unit's GPU set: config first, then CUDA_VISIBLE_DEVICES (ordinals or UUIDs), else all."""
+
+from __future__ import annotations
+
+from gpuguard.gpuset import resolve_gpu_set
+from gpuguard.systemd import parse_environment, parse_show
+from gpuguard.values import GpuReading
+
+
+def gpus(*names: str) -> list[GpuReading]:
+    """GPUs in NVML (PCI) order with deterministic UUIDs."""
+    return [
+        GpuReading(
+            index=i,
+            name=name,
+            uuid=f"GPU-{i:08x}-aaaa-bbbb-cccc-dddddddddddd",
+            pci_bus_id=f"00000000:{0x19 + i:02X}:00.0",
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+EIGHT = gpus(*["NVIDIA H200"] * 8)
+
+
+def test_config_wins() -> None:
+    """A configured set is used even when the unit sets CUDA_VISIBLE_DEVICES."""
+    result = resolve_gpu_set((4, 5), {"CUDA_VISIBLE_DEVICES": "0"}, EIGHT)
+    assert result.indices == frozenset({4, 5})
+    assert result.source == "from config"
+
+
+def test_config_by_uuid_prefix() -> None:
+    """Config may name GPUs by UUID or a unique UUID prefix."""
+    result = resolve_gpu_set(("GPU-00000003",), None, EIGHT)
+    assert result.indices == frozenset({3})
+
+
+def test_cuda_visible_ordinals() -> None:
+    """CUDA ordinals map to NVML indices when the GPUs are identical."""
+    result = resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, EIGHT)
+    assert result.indices == frozenset({4, 5, 6, 7})
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in result.describe()
+
+
+def test_cuda_visible_uuids() -> None:
+    """CUDA_VISIBLE_DEVICES may list UUIDs."""
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"}
+    assert resolve_gpu_set(None, env, EIGHT).indices == frozenset({1})
+
+
+def test_cuda_stops_at_the_first_invalid_entry() -> None:
+    """Like CUDA, entries after an invalid one are ignored."""
+    assert resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": "2,x,3"}, EIGHT).indices == frozenset({2})
+
+
+def test_empty_cuda_visible_means_no_gpus() -> None:
+    """CUDA_VISIBLE_DEVICES="" hides every GPU: the set is empty."""
+    assert resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": ""}, EIGHT).indices == frozenset()
+
+
+def test_mixed_models_without_pci_order_fall_back_to_all() -> None:
+    """Ordinals on mixed GPUs under FASTEST_FIRST cannot be mapped: all GPUs, with a note."""
+    mixed = gpus("NVIDIA H200", "NVIDIA A10")
+    result = resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": "1"}, mixed)
+    assert result.indices is None
+    assert result.note is not None
+    pci = resolve_gpu_set(
+        None, {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, mixed
+    )
+    assert pci.indices == frozenset({1})
+
+
+def test_nothing_known_means_all() -> None:
+    """No config and no CUDA_VISIBLE_DEVICES: the unit owns all GPUs."""
+    assert resolve_gpu_set(None, {}, EIGHT).indices is None
+
+
+def test_systemctl_show_is_parsed() -> None:
+    """The output of systemctl show becomes a unit state with its environment."""
+    state = parse_show(
+        "sglang.service",
+        "ActiveState=active\nSubState=running\nMainPID=4242\n"
+        "InvocationID=0123456789abcdef0123456789abcdef\n"
+        'Environment=CUDA_VISIBLE_DEVICES=0,1 "NAME=a b"\nNRestarts=3\n',
+    )
+    assert state.running
+    assert state.main_pid == 4242
+    assert state.environment == {"CUDA_VISIBLE_DEVICES": "0,1", "NAME": "a b"}
+    assert state.n_restarts == 3
+    assert parse_environment('broken "quote') == {}
