@@ -1,4 +1,8 @@
-"""Command line: parse arguments, gather, hand the result to a renderer, exit with its status."""
+"""Command line: parse arguments, gather, hand the result to a renderer, exit with its status.
+
+Heavy modules (pydantic through the config, structlog, pynvml) are imported only by the
+commands that need them, so ``--help`` is instant and the gate's fast path stays light.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +10,42 @@ import argparse
 import json
 import os
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuguard import __version__
-from gpuguard.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, Settings, load_settings
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from gpuguard.config import Settings, UnitSettings
+    from gpuguard.gpuset import GpuSet
+    from gpuguard.holders import Inventory
+    from gpuguard.policy import KillPlan, PlanRequest
+    from gpuguard.reaper import ReapResult
+
 EX_USAGE = 64
+CONFIG_ENV = "GPUGUARD_CONFIG"
+DEFAULT_CONFIG = "/etc/gpuguard/gpuguard.toml"
 
 _DESCRIPTION = """\
 gpuguard keeps GPU inference services (SGLang, vLLM) out of restart loops caused by
 processes that still hold GPU memory after the service stopped. It finds who holds each
 GPU (NVML plus a scan of /dev/nvidia* file descriptors in /proc), attributes every holder
-to its systemd unit or container, and explains what it sees.
+to its systemd unit or container, reaps only the stale ones, and explains what it sees.
+
+commands:
+  status   show GPUs, who holds them and whether that is healthy
+  reap     the surgical replacement for `kill -9 <every python>; fuser -k /dev/nvidia*`
+  gate     ExecStartPre= of a watched unit: wait until its GPUs are idle before it starts
 """
 
 _STATUS_HELP = """\
 Show every GPU with its memory and the processes holding it (PID, state, unit or
 container, MiB, command line with secrets redacted), memory that no visible process
-explains, and NVML's health.
+explains, NVML's health, and for each watched unit its GPU set and last gate decisions.
 
 Exit status (monitoring-plugin convention):
   0 OK        GPUs idle, or held only by live processes
@@ -42,6 +59,40 @@ Exit status (monitoring-plugin convention):
 Runs without root; it then shows what it can see and says what it cannot.
 """
 
+_REAP_HELP = """\
+Find the stale holders of a watched unit's GPUs and kill exactly those: SIGTERM, a grace
+period, then SIGKILL, through pidfds so a reused PID is never hit. Shows the plan first -
+who will be signalled and why, who is spared and why - and asks on a terminal unless
+--yes. Then waits until the unit's GPUs are idle and prints their memory.
+
+Scopes:
+  unit      (default) processes in the unit's cgroup that do not belong to its running
+            invocation, plus orphans (reparented to PID 1) matching the unit's patterns
+  patterns  also any holder whose command line matches the unit's patterns
+  all       every holder that is not protected: the old `fuser -k`, opt-in only
+
+Never signalled, whatever the scope: PID 1 and 2, kernel threads, gpuguard and its
+ancestors, protected processes (nvidia-persistenced, DCGM, nvidia-smi, display servers,
+anything in protected_processes), and holders only of GPUs outside the unit's set.
+
+Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined); 64 usage;
+78 invalid configuration.
+"""
+
+_GATE_HELP = """\
+Run as ExecStartPre= of a watched unit (see `systemd/gpuguard-gate.conf`): exit 0 at once
+when every GPU of the unit's set is idle; otherwise reap the stale holders of those GPUs
+(at this point everything in the unit's cgroup but the gate itself is left over from an
+earlier run), wait until the GPUs are idle, then exit 0. On timeout it exits 1 with one
+message naming who still holds what and why gpuguard would not touch it, so systemd's own
+start limits take over. Each decision is recorded and shown by `gpuguard status`.
+
+The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
+environment, else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
+
+Exit status: 0 start allowed; 1 GPUs still busy at the timeout; 78 invalid configuration.
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; every subcommand's --help stands alone."""
@@ -49,30 +100,60 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpuguard",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"Configuration: --config, else ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} "
-        "(optional; every key has a default). Documentation: /usr/share/doc/gpuguard/ "
-        "and docs/ in the source tree.",
+        epilog=f"Configuration: --config, else ${CONFIG_ENV}, else {DEFAULT_CONFIG} "
+        "(optional; every key has a default). Documentation: docs/ in the source tree.",
     )
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     parser.add_argument(
         "--config",
         type=Path,
         metavar="FILE",
-        help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})",
+        help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG})",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
+
     status = commands.add_parser(
-        "status",
-        help="show GPUs, who holds them and whether that is healthy",
-        description=_STATUS_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "status", help="show GPUs and their holders", description=_STATUS_HELP, formatter_class=raw
     )
-    status.add_argument(
-        "--json",
-        action="store_true",
-        help="print a versioned JSON document (schema_version) instead of text",
+    status.add_argument("--json", action="store_true", help="print a versioned JSON document")
+
+    reap = commands.add_parser(
+        "reap", help="kill stale GPU holders of a unit", description=_REAP_HELP, formatter_class=raw
+    )
+    reap.add_argument("--unit", help="watched unit (default: the only one configured)")
+    _scope_argument(reap)
+    reap.add_argument("--dry-run", action="store_true", help="print the plan, signal nothing")
+    reap.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    reap.add_argument("--json", action="store_true", help="print the plan and result as JSON")
+    reap.add_argument("--grace", type=float, metavar="S", help="seconds from SIGTERM to SIGKILL")
+    reap.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds to wait for the GPUs to become idle afterwards (default 60)",
+    )
+
+    gate = commands.add_parser(
+        "gate", help="ExecStartPre= gate for a unit", description=_GATE_HELP, formatter_class=raw
+    )
+    gate.add_argument("--unit", required=True, help="the unit this gate guards")
+    _scope_argument(gate)
+    gate.add_argument("--grace", type=float, metavar="S", help="seconds from SIGTERM to SIGKILL")
+    gate.add_argument(
+        "--timeout", type=float, metavar="S", help="give up after S seconds (config gate_timeout_s)"
     )
     return parser
+
+
+def _scope_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scope",
+        choices=("unit", "patterns", "all"),
+        default="unit",
+        help="how far reaping may reach (default: unit)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,25 +163,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EX_USAGE
+    from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415 - see module doc
+
     try:
         settings = load_settings(args.config)
     except ConfigError as err:
         sys.stderr.write(f"gpuguard: invalid configuration: {err}\n")
         return err.exit_code
-    return _status(settings, as_json=args.json)
+    if args.command == "status":
+        return _status(settings, as_json=args.json)
+    if args.command == "gate":
+        return _gate(settings, args)
+    return _reap(settings, args)
 
 
 def _status(settings: Settings, *, as_json: bool) -> int:
-    # Imported per command so `gpuguard --help` and future fast paths stay light.
-    from gpuguard import inventory, status  # noqa: PLC0415
+    from gpuguard import inventory, state, status, systemd  # noqa: PLC0415 - see module doc
+    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
+    found = inventory.gather(settings)
+    units = []
+    for name, unit in settings.units.items():
+        unit_state = systemd.show_unit(name)
+        gpu_set = resolve_gpu_set(unit.gpus, unit_state.environment, found.nvml.gpus)
+        units.append(
+            status.UnitView(
+                name=name,
+                state=unit_state.error or f"{unit_state.active_state} ({unit_state.sub_state})",
+                gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
+                gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
+            )
+        )
     report = status.assess(
-        inventory.gather(settings),
+        found,
         status.StatusContext(
             watched_units={name: unit.patterns for name, unit in settings.units.items()},
             protected_names=settings.protected_processes,
             idle_threshold_bytes=settings.idle_threshold_mib * 1024 * 1024,
             as_root=os.geteuid() == 0,
+            units=tuple(units),
         ),
         datetime.now(UTC),
     )
@@ -109,3 +210,262 @@ def _status(settings: Settings, *, as_json: bool) -> int:
     else:
         sys.stdout.write(status.render_text(report))
     return int(report.level)
+
+
+def _unit_settings(settings: Settings, unit: str) -> UnitSettings:
+    from gpuguard.config import UnitSettings  # noqa: PLC0415 - see module doc
+
+    return settings.units.get(unit) or UnitSettings()
+
+
+def _untouchable() -> frozenset[int]:
+    """Our own PID and every ancestor's: the gate runs inside the unit's own cgroup."""
+    from gpuguard import procfs  # noqa: PLC0415 - see module doc
+
+    me = os.getpid()
+    return frozenset({me, *procfs.ancestor_pids(me)})
+
+
+def _request(
+    settings: Settings, unit: str, scope: str, gpu_set: GpuSet, live: str | None
+) -> PlanRequest:
+    from gpuguard.policy import PlanRequest, Scope  # noqa: PLC0415 - see module doc
+
+    return PlanRequest(
+        unit=unit,
+        scope=Scope(scope),
+        patterns=_unit_settings(settings, unit).patterns,
+        gpu_set=gpu_set.indices,
+        protected_names=settings.protected_processes,
+        untouchable_pids=_untouchable(),
+        live_invocation=live,
+    )
+
+
+def _inside_unit(unit: str) -> bool:
+    """Whether this process runs in ``unit``'s cgroup (as its ExecStartPre=)."""
+    from gpuguard import procfs  # noqa: PLC0415 - see module doc
+    from gpuguard.cgroup import attribute  # noqa: PLC0415
+
+    me = procfs.read_process(os.getpid(), "/dev/null")
+    return me is not None and attribute(me.cgroup).unit == unit
+
+
+def _gate(settings: Settings, args: argparse.Namespace) -> int:
+    from gpuguard import gate, inventory, logs, reaper, state, systemd  # noqa: PLC0415
+    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+
+    logs.configure_logging(json=False)
+    log = logs.get_logger().bind(unit=args.unit, command="gate")
+    unit = _unit_settings(settings, args.unit)
+    first = inventory.gather(settings)
+    inside = _inside_unit(args.unit)
+    # Inside the unit the gate inherits its environment (EnvironmentFile= included); outside,
+    # ask systemd, which knows Environment= only, and keep the running invocation's processes.
+    unit_state = None if inside else systemd.show_unit(args.unit)
+    environment = dict(os.environ) if inside else (unit_state.environment if unit_state else {})
+    live = unit_state.invocation_id if unit_state is not None and unit_state.running else None
+    gpu_set = resolve_gpu_set(unit.gpus, environment, first.nvml.gpus)
+    request = _request(settings, args.unit, args.scope, gpu_set, live)
+    timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
+    grace = args.grace if args.grace is not None else settings.reap_grace_s
+    pending = [first]
+
+    def gather() -> Inventory:
+        return pending.pop() if pending else inventory.gather(settings)
+
+    outcome = gate.run_gate(
+        gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
+        gather,
+        lambda targets: reaper.reap(targets, grace_s=grace, logger=log),
+        time.monotonic,
+        time.sleep,
+    )
+    record = {
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "unit": args.unit,
+        "gpu_set": gpu_set.describe(),
+        "result": "passed" if outcome.passed else "refused",
+        "fast_path": outcome.fast_path,
+        "waited_s": round(outcome.waited_s, 2),
+        "reaped": [_result_json(r) for r in outcome.reaped],
+        "spared": [
+            {"pid": d.holder.pid, "command": d.holder.command, "reason": d.reason}
+            for d in outcome.spared
+        ],
+        "blockers": list(outcome.blockers),
+    }
+    try:
+        state.record_gate_decision(settings.runtime_dir, args.unit, record)
+    except OSError as err:
+        log.warning("cannot record gate decision", path=str(settings.runtime_dir), error=str(err))
+    sys.stderr.write(f"gpuguard gate: {outcome.message} [{gpu_set.describe()}]\n")
+    return 0 if outcome.passed else 1
+
+
+def _result_json(result: ReapResult) -> dict[str, Any]:
+    return {
+        "pid": result.target.identity.pid,
+        "command": result.target.command,
+        "reason": result.target.reason,
+        "outcome": result.outcome.value,
+        "signals": list(result.signals),
+        "detail": result.detail,
+    }
+
+
+def _reap(settings: Settings, args: argparse.Namespace) -> int:
+    from gpuguard import inventory, logs, policy, reaper, systemd  # noqa: PLC0415
+    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+
+    unit_name = args.unit or _only_unit(settings)
+    if unit_name is None:
+        sys.stderr.write(
+            "gpuguard reap: several units are watched; name one with --unit "
+            f"({', '.join(settings.units)})\n"
+        )
+        return EX_USAGE
+    unit_state = systemd.show_unit(unit_name)
+    live = unit_state.invocation_id if unit_state.running else None
+    found = inventory.gather(settings)
+    unit = _unit_settings(settings, unit_name)
+    gpu_set = resolve_gpu_set(unit.gpus, unit_state.environment, found.nvml.gpus)
+    kill_plan = policy.plan(found.holders, _request(settings, unit_name, args.scope, gpu_set, live))
+    notes = (
+        [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
+    )
+    if not args.json:
+        sys.stdout.write(_plan_text(kill_plan, gpu_set, notes))
+    if args.dry_run or not kill_plan.to_reap:
+        return _reap_finish(
+            settings,
+            found,
+            kill_plan=kill_plan,
+            gpu_set=gpu_set,
+            results=(),
+            args=args,
+            waited=False,
+        )
+    if not args.yes and not _confirmed(len(kill_plan.to_reap)):
+        sys.stderr.write("gpuguard reap: nothing signalled (confirm on a terminal, or --yes)\n")
+        return 1
+    logs.configure_logging(json=False)
+    log = logs.get_logger().bind(unit=unit_name, command="reap")
+    grace = args.grace if args.grace is not None else settings.reap_grace_s
+    from gpuguard.gate import reap_targets  # noqa: PLC0415
+
+    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=log)
+    return _reap_finish(
+        settings,
+        found,
+        kill_plan=kill_plan,
+        gpu_set=gpu_set,
+        results=results,
+        args=args,
+        waited=True,
+    )
+
+
+def _only_unit(settings: Settings) -> str | None:
+    return next(iter(settings.units)) if len(settings.units) == 1 else None
+
+
+def _confirmed(count: int) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    sys.stdout.write(f"Signal {count} process(es)? [y/N] ")
+    sys.stdout.flush()
+    return sys.stdin.readline().strip().lower() in {"y", "yes"}
+
+
+def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
+    request = kill_plan.request
+    lines = [f"Plan for {request.unit}, scope {request.scope.value}, {gpu_set.describe()}:"]
+    lines.extend(f"  note: {note}" for note in notes)
+    if gpu_set.note:
+        lines.append(f"  note: {gpu_set.note}")
+    for decision in kill_plan.to_reap:
+        holder = decision.holder
+        lines.append(f"  reap  pid {holder.pid:<7} {holder.command[:60]}  - {decision.reason}")
+    for decision in kill_plan.spared:
+        holder = decision.holder
+        lines.append(
+            f"  spare pid {holder.pid:<7} {holder.command[:60]}  - "
+            f"{decision.verdict.value}: {decision.reason}"
+        )
+    if not kill_plan.decisions:
+        lines.append("  no process holds these GPUs")
+    return "\n".join(lines) + "\n"
+
+
+def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
+    settings: Settings,
+    found: Inventory,
+    *,
+    kill_plan: KillPlan,
+    gpu_set: GpuSet,
+    results: tuple[ReapResult, ...],
+    args: argparse.Namespace,
+    waited: bool,
+) -> int:
+    from gpuguard import gate, inventory  # noqa: PLC0415 - see module doc
+
+    gate_settings = gate.GateSettings(
+        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, args.timeout
+    )
+    deadline = time.monotonic() + (args.timeout if waited else 0)
+    current = found if not waited else inventory.gather(settings)
+    blockers = gate.set_blockers(current, gate_settings)
+    while blockers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        current = inventory.gather(settings)
+        blockers = gate.set_blockers(current, gate_settings)
+    wanted = [
+        g for g in current.gpus if gpu_set.indices is None or g.reading.index in gpu_set.indices
+    ]
+    if args.json:
+        document = {
+            "schema_version": 1,
+            "unit": kill_plan.request.unit,
+            "scope": kill_plan.request.scope.value,
+            "gpu_set": gpu_set.describe(),
+            "dry_run": bool(args.dry_run),
+            "plan": [
+                {
+                    "pid": d.holder.pid,
+                    "command": d.holder.command,
+                    "verdict": d.verdict.value,
+                    "reason": d.reason,
+                }
+                for d in kill_plan.decisions
+            ],
+            "results": [_result_json(r) for r in results],
+            "gpus": [
+                {
+                    "index": g.reading.index,
+                    "used_mib": None
+                    if g.reading.memory is None
+                    else g.reading.memory.used_bytes >> 20,
+                }
+                for g in wanted
+            ],
+            "idle": not blockers,
+            "blockers": list(blockers),
+        }
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        lines = [
+            f"pid {r.target.identity.pid}: {r.outcome.value}"
+            + (f" ({', '.join(r.signals)})" if r.signals else "")
+            + (f" - {r.detail}" if r.detail else "")
+            for r in results
+        ]
+        for g in wanted:
+            memory = g.reading.memory
+            used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"
+            lines.append(f"GPU {g.reading.index}: {used} used")
+        lines.extend(f"still busy: {b}" for b in blockers)
+        sys.stdout.write("\n".join(lines) + "\n")
+    if args.dry_run:
+        return 0  # a plan was asked for and shown; busy GPUs are its subject, not a failure
+    return 0 if not blockers else 1

@@ -126,6 +126,18 @@ class Settings(_Strict):
         le=300,
         description="Deadline for one NVML snapshot; a wedged driver cannot hang gpuguard.",
     )
+    reap_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=600,
+        description="Seconds between SIGTERM and SIGKILL when reaping stale holders.",
+    )
+    gate_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long `gpuguard gate` waits for the unit's GPUs to become idle before "
+        "refusing the start; keep TimeoutStartSec above it.",
+    )
     state_dir: Path = Field(
         default=Path("/var/lib/gpuguard"),
         description="Persistent state (journal cursor, history).",

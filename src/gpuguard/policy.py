@@ -85,8 +85,33 @@ class KillPlan:
 
 
 def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
-    """Decide for every holder; the result never contains a refused process under REAP."""
-    return KillPlan(request, tuple(decide(holder, request) for holder in holders))
+    """Decide for every holder; the result never contains a refused process under REAP.
+
+    A holder that would be kept only because it is neither in the unit nor an orphan is reaped
+    when its parent is: a TP worker forked by a stale server inherited its device fds and its
+    staleness. Refusals and the GPU set still win over inheritance.
+    """
+    decisions = {holder.pid: decide(holder, request) for holder in holders}
+    changed = True
+    while changed:
+        changed = False
+        for pid, decision in decisions.items():
+            parent = decisions.get(decision.holder.ppid)
+            if (
+                parent is not None
+                and parent.verdict is Verdict.REAP
+                and decision.verdict is Verdict.KEEP
+                and _outside_gpu_set(decision.holder, request) is None
+                and not _in_unit(decision.holder, request.unit)
+                and decision.holder.attribution == parent.holder.attribution
+            ):
+                decisions[pid] = Decision(
+                    decision.holder,
+                    Verdict.REAP,
+                    f"child of reaped PID {parent.holder.pid}, holding the GPU it inherited",
+                )
+                changed = True
+    return KillPlan(request, tuple(decisions.values()))
 
 
 def decide(holder: Holder, request: PlanRequest) -> Decision:

@@ -41,6 +41,16 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitView:
+    """A watched unit as status shows it: systemd's state, its GPU set, its last gate runs."""
+
+    name: str
+    state: str
+    gpu_set: str
+    gate_decisions: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StatusContext:
     """What the judgement needs besides the inventory: configuration facts and who is asking."""
 
@@ -48,6 +58,7 @@ class StatusContext:
     protected_names: Collection[str]
     idle_threshold_bytes: int
     as_root: bool
+    units: tuple[UnitView, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +71,7 @@ class StatusReport:
     findings: tuple[Finding, ...]
     idle_gpus: frozenset[int]
     generated_at: datetime
+    units: tuple[UnitView, ...] = ()
 
 
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
@@ -87,7 +99,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         headline = _ok_headline(inventory, idle)
     else:
         headline = next(f.message for f in findings if f.level is level)
-    return StatusReport(inventory, level, headline, tuple(findings), idle, now)
+    return StatusReport(inventory, level, headline, tuple(findings), idle, now, context.units)
 
 
 def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
@@ -219,6 +231,9 @@ def render_text(report: StatusReport) -> str:
         f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
         for gone in inventory.vanished
     )
+    for unit in report.units:
+        lines.append(f"Unit {unit.name}: {unit.state}; {unit.gpu_set}")
+        lines.extend(f"    gate {_gate_line(entry)}" for entry in unit.gate_decisions)
     scan = inventory.scan
     lines.append(
         f"/proc: {scan.method} scan, {len(inventory.holders)} holders"
@@ -226,6 +241,18 @@ def render_text(report: StatusReport) -> str:
     )
     lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
     return "\n".join(lines) + "\n"
+
+
+def _gate_line(entry: Mapping[str, Any]) -> str:
+    """One recorded gate decision: when, result, how long, reaped and spared."""
+    reaped = entry.get("reaped") or []
+    spared = entry.get("spared") or []
+    line = (
+        f"{entry.get('time', '?')} {entry.get('result', '?')} after {entry.get('waited_s', '?')} s"
+        f", reaped {len(reaped)}, spared {len(spared)}"
+    )
+    blockers = entry.get("blockers") or []
+    return line + (f": {escape_control(str(blockers[0]))}" if blockers else "")
 
 
 def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) -> list[str]:
@@ -285,6 +312,15 @@ def to_json(report: StatusReport) -> dict[str, Any]:
         "vanished": [
             {"pid": v.pid, "gpu": v.gpu_index, "used_mib": _opt_mib(v.used_bytes)}
             for v in inventory.vanished
+        ],
+        "units": [
+            {
+                "name": unit.name,
+                "state": unit.state,
+                "gpu_set": unit.gpu_set,
+                "gate_decisions": list(unit.gate_decisions),
+            }
+            for unit in report.units
         ],
         "scan": {"method": inventory.scan.method, "unreadable": inventory.scan.unreadable},
         "findings": [{"level": f.level.name, "message": f.message} for f in report.findings],

@@ -126,6 +126,17 @@ def test_session_process_with_live_parent_is_not_an_orphan() -> None:
     assert decide(manual, request(Scope.PATTERNS)).verdict is Verdict.REAP
 
 
+def test_children_of_a_reaped_orphan_are_reaped() -> None:
+    """TP workers forked by a stale orphan inherit its staleness, transitively."""
+    parent = holder(10, unit=None, ppid=1, cmdline=("sglang::scheduler_TP0",))
+    child = holder(11, unit=None, ppid=10, cmdline=("python3", "worker.py"))
+    grandchild = holder(12, unit=None, ppid=11, cmdline=("python3", "worker.py"))
+    foreign = holder(13, unit="other.service", ppid=10, cmdline=("python3", "worker.py"))
+    result = plan([grandchild, child, parent, foreign], request())
+    assert {d.holder.pid for d in result.to_reap} == {10, 11, 12}
+    assert "child of reaped PID 11" in next(d.reason for d in result.to_reap if d.holder.pid == 12)
+
+
 def test_container_is_kept_in_unit_scope() -> None:
     """A container's process matching the patterns is not ours in unit scope."""
     boxed = holder(unit=None, container="docker:0123456789ab", ppid=1)
@@ -168,7 +179,8 @@ requests_strategy = st.builds(
 def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest) -> None:
     """No refused kind of process is ever reaped, and every holder gets one reasoned verdict."""
     result = plan(holders, req)
-    assert len(result.decisions) == len(holders)
+    assert len(result.decisions) == len({h.pid for h in holders})
+    verdicts = {d.holder.pid: d for d in result.decisions}
     for decision in result.decisions:
         assert decision.reason
         if decision.verdict is not Verdict.REAP:
@@ -185,6 +197,8 @@ def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest
         if in_unit and req.live_invocation is not None:
             assert h.invocation_id not in (req.live_invocation, None)
         if req.scope is Scope.UNIT and not in_unit:
+            parent = verdicts.get(h.ppid)
+            inherited = parent is not None and parent.verdict is Verdict.REAP
+            assert inherited or h.ppid == 1
             assert h.attribution.container is None
-            assert h.ppid == 1
             assert not (h.attribution.unit or "").endswith(".service")
