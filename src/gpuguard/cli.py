@@ -326,7 +326,10 @@ def _reap(settings: Settings, args: argparse.Namespace) -> int:
         )
         return EX_USAGE
     unit_state = systemd.show_unit(unit_name)
-    live = unit_state.invocation_id if unit_state.running else None
+    # As the unit's ExecStopPost= the run is over even though systemd still says
+    # "deactivating": everything else in the cgroup is left over, as at the gate.
+    running = unit_state.running and not _inside_unit(unit_name)
+    live = unit_state.invocation_id if running else None
     found = inventory.gather(settings)
     unit = _unit_settings(settings, unit_name)
     gpu_set = resolve_gpu_set(unit.gpus, unit_state.environment, found.nvml.gpus)

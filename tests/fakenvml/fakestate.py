@@ -1,0 +1,379 @@
+"""Write and read the fake NVML's state directory (the format is in README.md).
+
+The fake ``libnvidia-ml.so.1`` reads ``$FAKENVML_STATE/gpus.json`` and ``$FAKENVML_STATE/allocs/``
+at every NVML call, so a test changes the world by calling these helpers while processes run.
+Every write is atomic (temporary file + rename).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+FAKENVML_DIR = Path(__file__).resolve().parent
+"""``tests/fakenvml``: the C source, the Makefile and these helpers."""
+BUILD_DIR = FAKENVML_DIR / "build"
+LIB_NAME = "libnvidia-ml.so.1"
+GPU_HOLD = FAKENVML_DIR / "gpu_hold.py"
+"""The standalone holder script (see README.md for its options)."""
+
+H200_NAME = "NVIDIA H200"
+H200_TOTAL_MIB = 143771
+DEFAULT_GPU_COUNT = 4
+MIB = 1048576
+
+AllocKind = Literal["compute", "graphics", "mps"]
+
+# Bus numbers of an 8-GPU HGX board (the C library uses the same table for its defaults).
+_HGX_BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
+
+
+def fake_uuid(index: int) -> str:
+    """The deterministic ``GPU-…`` UUID ``write_state`` gives GPU ``index`` by default."""
+    digest = hashlib.sha256(f"fakenvml-gpu-{index}".encode()).hexdigest()
+    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def fake_pci_bus_id(index: int) -> str:
+    """The default PCI bus id of GPU ``index``, e.g. ``00000000:19:00.0``."""
+    bus = _HGX_BUSES[index] if index < len(_HGX_BUSES) else 0x10 + index
+    return f"00000000:{bus:02X}:00.0"
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    """One GPU in ``gpus.json``; ``None`` identity fields are derived from the GPU's index."""
+
+    name: str = H200_NAME
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    minor: int | None = None
+    total_mib: int = H200_TOTAL_MIB
+    used_mib: int = 0
+    reserved_mib: int = 0
+    release_delay_ms: int = 0
+    unattributed_mib: int = 0
+    lost: bool = False
+    no_permission: bool = False
+    memory_not_supported: bool = False
+    process_list_race: int = 0
+
+    def to_json(self, index: int) -> dict[str, Any]:
+        """The ``gpus.json`` object for this GPU at position ``index`` (all keys explicit)."""
+        data = asdict(self)
+        data["uuid"] = self.uuid if self.uuid is not None else fake_uuid(index)
+        data["pci_bus_id"] = (
+            self.pci_bus_id if self.pci_bus_id is not None else fake_pci_bus_id(index)
+        )
+        data["minor"] = self.minor if self.minor is not None else index
+        return data
+
+
+class StateKnobs(TypedDict, total=False):
+    """Top-level ``gpus.json`` keys besides ``gpus``."""
+
+    driver_version: str
+    init_error: int
+    block_call: str
+    block_ms: int
+
+
+class GpuChanges(TypedDict, total=False):
+    """Per-GPU ``gpus.json`` keys, for ``update_gpu``."""
+
+    name: str
+    uuid: str
+    pci_bus_id: str
+    minor: int
+    total_mib: int
+    used_mib: int
+    reserved_mib: int
+    release_delay_ms: int
+    unattributed_mib: int
+    lost: bool
+    no_permission: bool
+    memory_not_supported: bool
+    process_list_race: int
+
+
+# driver_version is left out unless given: each library then answers its own default
+# (550.54.15, or 470.256.02 for the old-driver build).
+_DEFAULT_KNOBS: StateKnobs = {
+    "init_error": 0,
+    "block_call": "",
+    "block_ms": 0,
+}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def _ensure_layout(state_dir: Path, minors: Sequence[int]) -> None:
+    dev = state_dir / "dev"
+    dev.mkdir(parents=True, exist_ok=True)
+    (state_dir / "allocs").mkdir(exist_ok=True)
+    for name in ("nvidiactl", "nvidia-uvm", *(f"nvidia{minor}" for minor in minors)):
+        (dev / name).touch(exist_ok=True)
+
+
+def _save(state_dir: Path, data: Mapping[str, Any]) -> None:
+    minors = [int(gpu["minor"]) for gpu in data.get("gpus", [])]
+    _ensure_layout(state_dir, minors)
+    _write_atomically(state_dir / "gpus.json", json.dumps(data, indent=2) + "\n")
+
+
+def write_state(
+    state_dir: Path, gpus: Sequence[FakeGpu] | None = None, **knobs: Unpack[StateKnobs]
+) -> Path:
+    """Create (or overwrite) a state directory; returns ``state_dir``.
+
+    ``gpus`` defaults to four H200s. Writes ``gpus.json`` with every key explicit and creates
+    ``dev/nvidiactl``, ``dev/nvidia-uvm``, ``dev/nvidia<minor>`` per GPU and ``allocs/``.
+    Existing allocation files are kept.
+    """
+    if gpus is None:
+        gpus = [FakeGpu()] * DEFAULT_GPU_COUNT
+    data: dict[str, Any] = {**_DEFAULT_KNOBS, **knobs}
+    data["gpus"] = [gpu.to_json(index) for index, gpu in enumerate(gpus)]
+    _save(state_dir, data)
+    return state_dir
+
+
+def read_state(state_dir: Path) -> dict[str, Any]:
+    """The parsed ``gpus.json``."""
+    data: dict[str, Any] = json.loads((state_dir / "gpus.json").read_text(encoding="utf-8"))
+    return data
+
+
+def update_state(
+    state_dir: Path, gpus: Sequence[FakeGpu] | None = None, **knobs: Unpack[StateKnobs]
+) -> None:
+    """Change top-level knobs (and replace the GPU list when ``gpus`` is given)."""
+    data = read_state(state_dir)
+    data.update(knobs)
+    if gpus is not None:
+        data["gpus"] = [gpu.to_json(index) for index, gpu in enumerate(gpus)]
+    _save(state_dir, data)
+
+
+def update_gpu(state_dir: Path, index: int, **changes: Unpack[GpuChanges]) -> None:
+    """Change keys of GPU ``index`` (its position in ``gpus``), e.g. ``lost=True``."""
+    data = read_state(state_dir)
+    data["gpus"][index].update(changes)
+    _save(state_dir, data)
+
+
+# --------------------------------------------------------------------------------------------
+# Allocations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """One well-formed allocation file, as the fake library reads it."""
+
+    path: Path
+    pid: int
+    minor: int
+    mib: int
+    kind: str = "compute"
+    report_usage: bool = True
+    released_at_ms: int | None = None
+
+
+def add_alloc(
+    state_dir: Path,
+    *,
+    pid: int,
+    minor: int,
+    mib: int,
+    kind: AllocKind = "compute",
+    report_usage: bool = True,
+    released_at_ms: int | None = None,
+) -> Path:
+    """Register an allocation without a process (e.g. to model a PID that no longer exists)."""
+    lines = [f"pid={pid}", f"minor={minor}", f"mib={mib}", f"kind={kind}"]
+    if not report_usage:
+        lines.append("report_usage=0")
+    if released_at_ms is not None:
+        lines.append(f"released_at_ms={released_at_ms}")
+    path = state_dir / "allocs" / f"{pid}-gpu{minor}-{secrets.token_hex(4)}.alloc"
+    _write_atomically(path, "\n".join(lines) + "\n")
+    return path
+
+
+def release_alloc(path: Path, at_ms: int | None = None) -> None:
+    """Mark an allocation released (at ``at_ms``, default now), as the holder's watcher does."""
+    stamp = now_ms() if at_ms is None else at_ms
+    with path.open("a", encoding="ascii") as file:
+        file.write(f"released_at_ms={stamp}\n")
+
+
+def now_ms() -> int:
+    """CLOCK_REALTIME in milliseconds, the clock of ``released_at_ms``."""
+    return time.time_ns() // 1_000_000
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
+_KINDS = ("compute", "graphics", "mps")
+
+
+def _integer(value: str) -> int | None:
+    """A decimal integer exactly as the C parser accepts it (no spaces, no ``+``, no ``_``)."""
+    return int(value) if _INTEGER.fullmatch(value) else None
+
+
+def _parse_alloc(path: Path, text: str) -> Alloc | None:
+    """Mirror of the C parser: newline-terminated ``key=value`` lines; None if malformed.
+
+    A bad ``pid``/``minor``/``mib``/``kind``/``report_usage`` on any line rejects the file; the
+    last valid line of a key wins, except ``released_at_ms`` where the first valid one does.
+    """
+    values: dict[str, int] = {}
+    kind = "compute"
+    released: int | None = None
+    for line in text.split("\n")[:-1]:  # an unterminated last line is still being written
+        key, sep, value = line.partition("=")
+        if not sep:
+            continue
+        number = _integer(value)
+        if key in ("pid", "minor", "mib", "report_usage"):
+            if number is None:
+                return None
+            values[key] = number
+        elif key == "kind":
+            if value not in _KINDS:
+                return None
+            kind = value
+        elif key == "released_at_ms" and released is None and number is not None:
+            released = number
+    pid, minor, mib = values.get("pid"), values.get("minor"), values.get("mib")
+    if pid is None or minor is None or mib is None:
+        return None
+    if not 0 < pid <= 0xFFFFFFFF or minor < 0 or mib < 0:
+        return None
+    return Alloc(path, pid, minor, mib, kind, values.get("report_usage", 1) != 0, released)
+
+
+def allocations(state_dir: Path) -> list[Alloc]:
+    """Every well-formed allocation file (released or not), sorted by file name."""
+    found = []
+    for path in sorted((state_dir / "allocs").iterdir()):
+        if path.name.startswith(".") or path.name.endswith(".tmp"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        alloc = _parse_alloc(path, text)
+        if alloc is not None:
+            found.append(alloc)
+    return found
+
+
+def _release_delay_ms(state_dir: Path, minor: int) -> int:
+    for gpu in read_state(state_dir).get("gpus", []):
+        if int(gpu.get("minor", -1)) == minor:
+            return max(0, int(gpu.get("release_delay_ms", 0)))
+    return 0
+
+
+def counted_allocations(state_dir: Path, minor: int, at_ms: int | None = None) -> list[Alloc]:
+    """Allocations on GPU ``minor`` that count toward ``used`` (and are listed) at ``at_ms``."""
+    moment = now_ms() if at_ms is None else at_ms
+    delay = _release_delay_ms(state_dir, minor)
+    return [
+        alloc
+        for alloc in allocations(state_dir)
+        if alloc.minor == minor
+        and (alloc.released_at_ms is None or moment < alloc.released_at_ms + delay)
+    ]
+
+
+def allocated_mib(state_dir: Path, minor: int) -> int:
+    """MiB of allocations that currently count on GPU ``minor``.
+
+    This is what the fake adds to the GPU's idle baseline: NVML v2 ``used`` is
+    ``used_mib + allocated_mib + unattributed_mib``.
+    """
+    return sum(alloc.mib for alloc in counted_allocations(state_dir, minor))
+
+
+# --------------------------------------------------------------------------------------------
+# Building and pointing at the library
+# --------------------------------------------------------------------------------------------
+
+
+def _lib_dir(old: bool) -> Path:
+    return BUILD_DIR / "old" if old else BUILD_DIR
+
+
+def _is_stale(lib: Path) -> bool:
+    if not lib.exists():
+        return True
+    inputs = (FAKENVML_DIR / "fakenvml.c", FAKENVML_DIR / "Makefile")
+    return lib.stat().st_mtime < max(path.stat().st_mtime for path in inputs)
+
+
+def build_fake_nvml(old: bool = False) -> Path:
+    """Build the fake libraries if missing or older than their source; return the lib's dir.
+
+    The directory holds ``libnvidia-ml.so.1``: ``build/`` for a current driver, ``build/old/``
+    (``old=True``) for a driver < 510. Safe to call from concurrent processes (file lock).
+    """
+    lib = _lib_dir(old) / LIB_NAME
+    if _is_stale(lib):
+        BUILD_DIR.mkdir(exist_ok=True)
+        with (BUILD_DIR / ".lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _is_stale(lib):
+                result = subprocess.run(
+                    ["make", "-C", str(FAKENVML_DIR)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if result.returncode != 0 or _is_stale(lib):
+                    raise RuntimeError(
+                        f"building the fake libnvidia-ml failed:\n{result.stdout}{result.stderr}"
+                    )
+    return lib.parent
+
+
+def nvml_environ(
+    state_dir: Path, old: bool = False, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """An environment for a subprocess whose pynvml loads the fake and reads ``state_dir``.
+
+    ``LD_LIBRARY_PATH`` must be set before the interpreter starts (glibc caches it), so this is
+    for subprocesses only. ``base`` defaults to ``os.environ``.
+    """
+    env = dict(os.environ if base is None else base)
+    lib_dir = str(build_fake_nvml(old=old))
+    previous = env.get("LD_LIBRARY_PATH")
+    env["LD_LIBRARY_PATH"] = f"{lib_dir}:{previous}" if previous else lib_dir
+    env["FAKENVML_STATE"] = str(state_dir)
+    return env
+
+
+class NvmlEnv(Protocol):
+    """The ``nvml_env`` fixture: an environment for subprocesses that use the fake NVML."""
+
+    def __call__(self, state: Path, old: bool = False) -> dict[str, str]:
+        """``os.environ`` plus ``LD_LIBRARY_PATH`` (the fake first) and ``FAKENVML_STATE``."""
+        ...

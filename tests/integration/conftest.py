@@ -1,0 +1,48 @@
+"""Fixtures for integration tests: the gpuguard CLI over the fake NVML, and real cgroups."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from clirunner import CGROUP2, Cli, UnitCgroups
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+
+@pytest.fixture
+def cli(fake_state: Path, nvml_env: Any, tmp_path: Path) -> Cli:
+    """The CLI over four fake idle H200s."""
+    runner = Cli(fake_state, tmp_path / "gpuguard.toml", nvml_env(fake_state))
+    runner.configure()
+    return runner
+
+
+@pytest.fixture
+def unit_cgroups() -> Iterator[UnitCgroups]:
+    """Real cgroups so /proc/PID/cgroup names a unit; teardown kills members and removes them."""
+    if not os.access(CGROUP2, os.W_OK) or not (CGROUP2 / "cgroup.procs").exists():
+        pytest.skip(f"needs a writable cgroup v2 hierarchy at {CGROUP2} (root)")
+    cgroups = UnitCgroups([])
+    yield cgroups
+    for path in reversed(cgroups.made):
+        for _ in range(50):
+            members = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+            if not members:
+                break
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    for parent in {p.parent for p in cgroups.made}:
+        if parent != CGROUP2:
+            with contextlib.suppress(OSError):
+                parent.rmdir()

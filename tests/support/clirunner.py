@@ -1,0 +1,69 @@
+"""Helpers for integration tests: the gpuguard CLI over the fake NVML, and real cgroups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CGROUP2 = Path("/sys/fs/cgroup/unified")
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """One gpuguard run: exit status, stdout, stderr."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        """The stdout parsed as JSON."""
+        return json.loads(self.out)
+
+
+@dataclass(frozen=True)
+class Cli:
+    """Runs ``python -m gpuguard`` with the fake NVML and a config pointing at its devices."""
+
+    state: Path
+    config: Path
+    env: dict[str, str]
+
+    def __call__(self, *args: str, timeout: float = 60) -> CliResult:
+        """Run one command and capture it."""
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuguard", "--config", str(self.config), *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+        return CliResult(done.returncode, done.stdout, done.stderr)
+
+    def configure(self, extra: str = "") -> None:
+        """Rewrite the config: the fake's device glob, a private runtime dir, then ``extra``."""
+        self.config.write_text(
+            f'device_glob = "{self.state}/dev/nvidia*"\n'
+            f'runtime_dir = "{self.config.parent}/run"\n'
+            f'state_dir = "{self.config.parent}/lib"\n' + extra
+        )
+
+
+@dataclass
+class UnitCgroups:
+    """Creates real cgroup v2 directories named like systemd units and moves processes in."""
+
+    made: list[Path]
+
+    def move(self, pid: int, unit: str, slice_: str = "system.slice") -> None:
+        """Put ``pid`` (and not its existing children) into ``/<slice>/<unit>``."""
+        path = CGROUP2 / slice_ / unit
+        if not path.exists():
+            path.mkdir(parents=True)
+            self.made.append(path)
+        (path / "cgroup.procs").write_text(f"{pid}\n")
