@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _status(settings: Settings, *, as_json: bool) -> int:
-    from gpuguard import inventory, state, status, systemd  # noqa: PLC0415 - see module doc
+    from gpuguard import inventory, procfs, state, status, systemd  # noqa: PLC0415 - see module doc
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     found = inventory.gather(settings)
@@ -202,6 +202,8 @@ def _status(settings: Settings, *, as_json: bool) -> int:
             idle_threshold_bytes=settings.idle_threshold_mib * 1024 * 1024,
             as_root=os.geteuid() == 0,
             units=tuple(units),
+            boot_time=procfs.boot_time(),
+            clock_ticks=procfs.clock_ticks_per_second(),
         ),
         datetime.now(UTC),
     )

@@ -438,3 +438,15 @@ def ancestor_pids(pid: int, *, proc_root: Path = PROC) -> tuple[int, ...]:
             break
         chain.append(current)
     return tuple(chain)
+
+
+def boot_time() -> float:
+    """When this host booted (Unix time): turns a start time in clock ticks into a date."""
+    import psutil  # noqa: PLC0415 - only status needs it; keep the gate's imports light
+
+    return float(psutil.boot_time())
+
+
+def clock_ticks_per_second() -> int:
+    """The unit of ``ProcessIdentity.start_time`` (USER_HZ, almost always 100)."""
+    return os.sysconf("SC_CLK_TCK")

@@ -7,6 +7,7 @@ The exit status follows the monitoring-plugin convention (0 OK, 1 WARNING, 2 CRI
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,6 @@ from gpuguard.values import MIB, NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
-    from datetime import datetime
 
     from gpuguard.holders import GpuOccupancy, Holder, Inventory
 
@@ -59,6 +59,8 @@ class StatusContext:
     idle_threshold_bytes: int
     as_root: bool
     units: tuple[UnitView, ...] = ()
+    boot_time: float | None = None
+    clock_ticks: int = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ class StatusReport:
     idle_gpus: frozenset[int]
     generated_at: datetime
     units: tuple[UnitView, ...] = ()
+    boot_time: float | None = None
+    clock_ticks: int = 100
 
 
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
@@ -99,7 +103,17 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         headline = _ok_headline(inventory, idle)
     else:
         headline = next(f.message for f in findings if f.level is level)
-    return StatusReport(inventory, level, headline, tuple(findings), idle, now, context.units)
+    return StatusReport(
+        inventory,
+        level,
+        headline,
+        tuple(findings),
+        idle,
+        now,
+        context.units,
+        context.boot_time,
+        context.clock_ticks,
+    )
 
 
 def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
@@ -308,7 +322,7 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             "driver_version": nvml.driver_version,
         },
         "gpus": [_gpu_json(gpu, report.idle_gpus) for gpu in inventory.gpus],
-        "holders": [_holder_json(h) for h in inventory.holders],
+        "holders": [_holder_json(h, report) for h in inventory.holders],
         "vanished": [
             {"pid": v.pid, "gpu": v.gpu_index, "used_mib": _opt_mib(v.used_bytes)}
             for v in inventory.vanished
@@ -352,11 +366,16 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
     }
 
 
-def _holder_json(holder: Holder) -> dict[str, Any]:
+def _holder_json(holder: Holder, report: StatusReport) -> dict[str, Any]:
     attribution = holder.attribution
+    started_at = None
+    if report.boot_time is not None:
+        started = report.boot_time + holder.identity.start_time / report.clock_ticks
+        started_at = datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds")
     return {
         "pid": holder.pid,
         "start_time": holder.identity.start_time,
+        "started_at": started_at,
         "ppid": holder.ppid,
         "state": holder.state,
         "user": holder.user,
