@@ -71,9 +71,8 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
     wanted = [g for g in inventory.gpus if gpu_set is None or g.reading.index in gpu_set]
     missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
     blockers = [f"GPU {index} is not present" for index in missing]
-    protected = settings.request.protected_names
     for gpu in wanted:
-        if is_idle(gpu, inventory.holders, settings.idle_threshold_bytes, protected):
+        if is_idle(gpu, settings.idle_threshold_bytes):
             continue
         reading = gpu.reading
         used = (

@@ -22,22 +22,17 @@ def is_protected(holder: Holder, protected_names: Collection[str]) -> bool:
     return holder.comm in names or argv0 in names or any(n[:15] == holder.comm for n in names)
 
 
-def is_idle(
-    gpu: GpuOccupancy,
-    holders: Collection[Holder],
-    idle_threshold_bytes: int,
-    protected_names: Collection[str],
-) -> bool:
-    """Idle means: NVML lists no process, no unprotected holder has the device, little memory used.
+def is_idle(gpu: GpuOccupancy, idle_threshold_bytes: int) -> bool:
+    """Idle means the next start can allocate: no process has memory on the GPU.
 
-    Never idle when NVML could not read the GPU's memory: an error is not evidence of idleness.
+    That is: NVML lists no process on it (a protected one too: gpuguard will not kill it, but
+    its memory is not free either) and its used memory is within the threshold. A process that
+    merely opened /dev/nvidiaN (an exporter, nvidia-smi) holds no memory and does not count:
+    waiting on it would block every start. Memory kept through an inherited fd by a process
+    NVML does not list still shows in ``used``. Never idle when NVML could not read the GPU's
+    memory: an error is not evidence of idleness.
     """
     reading = gpu.reading
     if reading.memory is None or reading.lost or reading.processes:
-        return False
-    if any(
-        not is_protected(h, protected_names) and any(u.gpu_index == reading.index for u in h.gpus)
-        for h in holders
-    ):
         return False
     return reading.memory.used_bytes <= idle_threshold_bytes

@@ -60,10 +60,14 @@ class UnitCgroups:
 
     made: list[Path]
 
-    def move(self, pid: int, unit: str, slice_: str = "system.slice") -> None:
-        """Put ``pid`` (and not its existing children) into ``/<slice>/<unit>``."""
+    def ensure(self, unit: str, slice_: str = "system.slice") -> Path:
+        """The cgroup directory of ``unit``, created (and later removed) if needed."""
         path = CGROUP2 / slice_ / unit
         if not path.exists():
             path.mkdir(parents=True)
             self.made.append(path)
-        (path / "cgroup.procs").write_text(f"{pid}\n")
+        return path
+
+    def move(self, pid: int, unit: str, slice_: str = "system.slice") -> None:
+        """Put ``pid`` (and not its existing children) into ``/<slice>/<unit>``."""
+        (self.ensure(unit, slice_) / "cgroup.procs").write_text(f"{pid}\n")

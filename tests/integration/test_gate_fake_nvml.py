@@ -1,0 +1,331 @@
+"""`gpuguard gate` and `gpuguard reap` with real processes, real cgroups and the fake NVML."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from clirunner import CliResult
+from fakeholder import process_gone
+from fakestate import allocated_mib, update_gpu
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from clirunner import Cli, UnitCgroups
+    from fakeholder import HolderSpawner
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+def unit_name() -> str:
+    """A unit name unique to this test (cgroups are shared by the whole machine)."""
+    return f"sglang-{uuid.uuid4().hex[:8]}.service"
+
+
+def gate_in_unit(
+    cli: Cli, cgroups: UnitCgroups, unit: str, *args: str, timeout: float = 60
+) -> CliResult:
+    """Run the gate the way systemd runs ExecStartPre=: as a process inside the unit's cgroup."""
+    procs = cgroups.ensure(unit) / "cgroup.procs"
+    command = shlex.join(
+        [
+            sys.executable,
+            "-m",
+            "gpuguard",
+            "--config",
+            str(cli.config),
+            "gate",
+            "--unit",
+            unit,
+            *list(args),
+        ]
+    )
+    done = subprocess.run(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        capture_output=True,
+        text=True,
+        env={**cli.env, "INVOCATION_ID": uuid.uuid4().hex},
+        timeout=timeout,
+        check=False,
+    )
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+@dataclass(frozen=True)
+class Opener:
+    """A process that only opened device files (no allocation), like an exporter."""
+
+    pid: int
+
+
+_openers: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_openers() -> Iterator[None]:
+    yield
+    while _openers:
+        process = _openers.pop()
+        process.kill()
+        process.wait()
+
+
+def opener(cli: Cli, name: str, *minors: int) -> Opener:
+    """Start ``name`` (argv[0]) holding ``/dev/nvidia<minor>`` files open, no memory."""
+    paths = [str(cli.state / "dev" / f"nvidia{m}") for m in minors]
+    code = "import sys, time\nfiles = [open(p) for p in sys.argv[1:]]\nprint(1, flush=True)\n"
+    code += "time.sleep(600)\n"
+    process = subprocess.Popen(
+        [name, "-c", code, *paths], executable=sys.executable, stdout=subprocess.PIPE
+    )
+    _openers.append(process)
+    assert process.stdout is not None
+    process.stdout.readline()
+    process.stdout.close()
+    return Opener(process.pid)
+
+
+def idle_everywhere(cli: Cli) -> bool:
+    """Every fake GPU has no allocation left."""
+    return all(allocated_mib(cli.state, minor) == 0 for minor in range(4))
+
+
+def test_incident_is_reaped_and_the_next_start_succeeds(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """A SIGKILLed server's surviving TP workers are reaped; nothing else; the next start fits."""
+    unit = unit_name()
+    for gpu in range(4):
+        update_gpu(cli.state, gpu, release_delay_ms=1000)
+    server = spawn_holder(
+        cli.state,
+        gpus=(0, 1, 2, 3),
+        mib=20000,
+        children=4,
+        name="python3 -m sglang.launch_server",
+        child_name="sglang::scheduler_TP{i}",
+        ignore_sigterm=True,
+    )
+    for pid in (server.pid, *server.children):
+        unit_cgroups.move(pid, unit)
+    # Like the real ones, these open the device files but have no CUDA context (no memory).
+    persistenced = opener(cli, "nvidia-persistenced", 0, 1, 2, 3)
+    bystander = opener(cli, "gpu-exporter", 0)
+    server.kill()  # systemd's SIGKILL after TimeoutStopSec; the workers survive
+    server.wait()
+    assert not any(process_gone(pid) for pid in server.children)
+    assert allocated_mib(cli.state, 0) == 20000
+
+    started = time.monotonic()
+    result = gate_in_unit(cli, unit_cgroups, unit, "--grace", "1", "--timeout", "30")
+    took = time.monotonic() - started
+
+    assert result.code == 0, result.err
+    assert all(process_gone(pid) for pid in server.children)
+    assert not process_gone(persistenced.pid)
+    assert not process_gone(bystander.pid)
+    assert idle_everywhere(cli)
+    assert took >= 1.0  # SIGTERM ignored: the grace, then the driver's release delay
+    assert "4 stale holder(s) reaped: start allowed" in result.err
+    for child in server.children:
+        assert f"pid={child}" in result.err
+    decision = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())[-1]
+    assert decision["result"] == "passed"
+    assert sorted(r["pid"] for r in decision["reaped"]) == sorted(server.children)
+    assert {r["outcome"] for r in decision["reaped"]} == {"killed"}
+
+    successor = spawn_holder(cli.state, gpus=(0, 1, 2, 3), mib=20000, name="sglang next run")
+    assert allocated_mib(cli.state, 0) == 20000
+    assert not process_gone(successor.pid)
+    status = cli("status", "--json").json()
+    gates = next(u for u in status["units"] if u["name"] == "sglang.service")
+    assert gates is not None
+
+
+def test_fast_path_when_idle(cli: Cli, unit_cgroups: UnitCgroups) -> None:
+    """Idle GPUs: the gate exits 0 at once and records a fast-path decision."""
+    unit = unit_name()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        unit_cgroups.move(sleeper.pid, unit)
+        result = gate_in_unit(cli, unit_cgroups, unit)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert result.code == 0, result.err
+    assert "idle: start allowed" in result.err
+    decision = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())[-1]
+    assert decision["fast_path"] is True
+
+
+def test_protected_and_foreign_holders_make_the_gate_time_out(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """A protected process and another unit's job on our GPUs are left alone and named."""
+    unit = unit_name()
+    other = unit_name().replace("sglang", "training")
+    dcgm = spawn_holder(cli.state, gpus=(1,), mib=500, name="nv-hostengine")
+    job = spawn_holder(cli.state, gpus=(2,), mib=8000, name="python3 train.py")
+    unit_cgroups.move(job.pid, other)
+    unit_cgroups.move(dcgm.pid, unit_name().replace("sglang", "nvidia-dcgm"))
+    started = time.monotonic()
+    result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "2", "--grace", "0.5")
+    assert time.monotonic() - started < 20
+    assert result.code == 1
+    assert not process_gone(dcgm.pid)
+    assert not process_gone(job.pid)
+    message = result.err.strip().splitlines()[-1]
+    assert message.startswith(f"gpuguard gate: GPUs of {unit} still busy after")
+    assert f"PID {dcgm.pid} (nv-hostengine" in message
+    assert "protected process" in message
+    assert f"PID {job.pid}" in message
+    assert f"belongs to {other}" in message
+    assert "Start refused" in message
+
+
+def test_other_units_gpus_do_not_block(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """A second server's live use of GPUs outside our set neither blocks us nor is touched."""
+    unit = unit_name()
+    neighbour = spawn_holder(cli.state, gpus=(2, 3), mib=30000, name="python3 -m sglang b")
+    unit_cgroups.move(neighbour.pid, unit_name())
+    cli.configure(f'[units."{unit}"]\ngpus = [0, 1]\n')
+    result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "5")
+    assert result.code == 0, result.err
+    assert "GPUs 0,1 (from config)" in result.err
+    assert not process_gone(neighbour.pid)
+
+
+def test_cuda_visible_devices_of_the_unit_sets_the_gpus(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """Without config, the unit's CUDA_VISIBLE_DEVICES (inherited by the gate) is its set."""
+    unit = unit_name()
+    neighbour = spawn_holder(cli.state, gpus=(0,), mib=1000, name="python3 -m sglang a")
+    unit_cgroups.move(neighbour.pid, unit_name())
+    cli.env["CUDA_VISIBLE_DEVICES"] = "2,3"
+    try:
+        result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "5")
+    finally:
+        del cli.env["CUDA_VISIBLE_DEVICES"]
+    assert result.code == 0, result.err
+    assert "GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3)" in result.err
+    assert not process_gone(neighbour.pid)
+
+
+def test_orphaned_worker_outside_the_cgroup_is_reaped(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """A worker reparented to PID 1 outside any unit, matching the patterns, is reaped."""
+    unit = unit_name()
+    server = spawn_holder(
+        cli.state, gpus=(0,), mib=4000, children=1, leave_child=True, name="sglang::scheduler"
+    )
+    server.terminate()  # the parent exits, leaving the child behind (reparented)
+    server.wait()
+    orphan = server.children[0]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _ppid(orphan) != 1:
+        time.sleep(0.05)
+    if _ppid(orphan) != 1:
+        pytest.skip("orphans are not reparented to PID 1 here (a subreaper is in the way)")
+    result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "10", "--grace", "0.5")
+    assert result.code == 0, result.err
+    assert process_gone(orphan)
+    assert "orphan matching 'sglang'" in result.err
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_reap_dry_run_signals_nothing(cli: Cli, spawn_holder: HolderSpawner) -> None:
+    """`reap --dry-run` prints the plan and leaves every process alive."""
+    holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="sglang::scheduler_TP0")
+    result = cli("reap", "--dry-run", "--scope", "patterns")
+    assert result.code == 0, result.err
+    assert f"reap  pid {holder.pid}" in result.out
+    assert "scope patterns: matches 'sglang'" in result.out
+    assert not process_gone(holder.pid)
+    assert "signal" not in result.err
+
+
+def test_reap_json_and_clean_final_lines(cli: Cli, spawn_holder: HolderSpawner) -> None:
+    """`reap --yes --json` acts, waits for idle and reports each GPU's memory."""
+    holder = spawn_holder(cli.state, gpus=(1,), mib=1000, name="sglang::scheduler_TP1")
+    keep = opener(cli, "nvidia-smi", 1)
+    doc = cli("reap", "--scope", "patterns", "--yes", "--json", "--grace", "1").json()
+    assert doc["idle"] is True
+    assert [r["pid"] for r in doc["results"]] == [holder.pid]
+    assert doc["results"][0]["outcome"] == "exited"
+    spared = next(p for p in doc["plan"] if p["pid"] == keep.pid)
+    assert spared["verdict"] == "refuse"
+    assert [g["used_mib"] for g in doc["gpus"]] == [0, 0, 0, 0]
+    assert not process_gone(keep.pid)
+
+
+def test_reap_without_terminal_or_yes_does_nothing(cli: Cli, spawn_holder: HolderSpawner) -> None:
+    """Without a terminal to ask on and without --yes, nothing is signalled."""
+    holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="sglang::scheduler_TP0")
+    result = cli("reap", "--scope", "patterns")
+    assert result.code == 1
+    assert "nothing signalled" in result.err
+    assert not process_gone(holder.pid)
+    lines = result.out.splitlines()
+    assert all(len(line) < 200 for line in lines)
+
+
+@pytest.fixture
+def frozen_group() -> Iterator[Path]:
+    """A cgroup v1 freezer group: a frozen member is in state D and survives SIGKILL."""
+    if not (FREEZER / "freezer.state").exists() and not (FREEZER / "tasks").exists():
+        pytest.skip(f"the cgroup v1 freezer is not mounted at {FREEZER}")
+    group = FREEZER / f"gpuguard-gate-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+    except OSError as err:
+        pytest.skip(f"cannot create a freezer cgroup: {err.strerror}")
+    yield group
+    (group / "freezer.state").write_text("THAWED")
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    group.rmdir()
+
+
+def test_unkillable_holder_fails_clearly_without_hanging(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups, frozen_group: Path
+) -> None:
+    """A holder stuck in D state ends the gate with a clear failure, not a hang."""
+    unit = unit_name()
+    stuck = spawn_holder(cli.state, gpus=(3,), mib=5000, name="python3 -m sglang.launch_server")
+    unit_cgroups.move(stuck.pid, unit)
+    (frozen_group / "cgroup.procs").write_text(str(stuck.pid))
+    (frozen_group / "freezer.state").write_text("FROZEN")
+    started = time.monotonic()
+    result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "3", "--grace", "0.5")
+    assert time.monotonic() - started < 30
+    assert result.code == 1
+    assert "unkillable" in result.err
+    assert "state D" in result.err
+    assert f"PID {stuck.pid}" in result.err.strip().splitlines()[-1]
