@@ -27,6 +27,7 @@ fakenvml:
 
 bench: venv fakenvml
 	$(PY) bench/holder_scan.py
+	$(PY) bench/gate.py
 
 clean:
 	rm -rf $(VENV) tests/fakenvml/build .pytest_cache .mypy_cache .ruff_cache

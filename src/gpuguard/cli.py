@@ -16,19 +16,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard import __version__
+from gpuguard.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.config import Settings, UnitSettings
+    from gpuguard.gate import GateOutcome
     from gpuguard.gpuset import GpuSet
     from gpuguard.holders import Inventory
     from gpuguard.policy import KillPlan, PlanRequest
-    from gpuguard.reaper import ReapResult
+    from gpuguard.reaper import ReapResult, ReapTarget
 
 EX_USAGE = 64
-CONFIG_ENV = "GPUGUARD_CONFIG"
-DEFAULT_CONFIG = "/etc/gpuguard/gpuguard.toml"
 
 _DESCRIPTION = """\
 gpuguard keeps GPU inference services (SGLang, vLLM) out of restart loops caused by
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpuguard",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"Configuration: --config, else ${CONFIG_ENV}, else {DEFAULT_CONFIG} "
+        epilog=f"Configuration: --config, else ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} "
         "(optional; every key has a default). Documentation: docs/ in the source tree.",
     )
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         metavar="FILE",
-        help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG})",
+        help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     raw = argparse.RawDescriptionHelpFormatter
@@ -163,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EX_USAGE
+    if args.command == "gate":
+        fast = _gate_fast_path(args)
+        if fast is not None:
+            return fast
     from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415 - see module doc
 
     try:
@@ -253,12 +257,52 @@ def _inside_unit(unit: str) -> bool:
     return me is not None and attribute(me.cgroup).unit == unit
 
 
+def _gate_fast_path(args: argparse.Namespace) -> int | None:
+    """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
+
+    Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
+    (idle is a matter of memory, see protection.is_idle). Returns None whenever anything needs
+    the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle.
+    """
+    from gpuguard import configfile, nvml  # noqa: PLC0415 - see module doc
+    from gpuguard.gate import GateOutcome  # noqa: PLC0415
+    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.protection import is_idle  # noqa: PLC0415
+    from gpuguard.values import MIB, NvmlHealth  # noqa: PLC0415
+
+    started = time.monotonic()
+    cached = configfile.load_validated(args.config)
+    if cached is None or not _inside_unit(args.unit):
+        return None
+    unit = cached["units"].get(args.unit) or {}
+    reading = nvml.read_gpus(float(cached["nvml_timeout_s"]))
+    if reading.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return None
+    gpu_set = resolve_gpu_set(unit.get("gpus"), dict(os.environ), reading.gpus)
+    present = {gpu.index for gpu in reading.gpus}
+    if gpu_set.indices is not None and not gpu_set.indices <= present:
+        return None
+    threshold = int(cached["idle_threshold_mib"]) * MIB
+    for gpu in reading.gpus:
+        wanted = gpu_set.indices is None or gpu.index in gpu_set.indices
+        if wanted and not is_idle(gpu, threshold):
+            return None
+    outcome = GateOutcome(
+        args.unit,
+        passed=True,
+        fast_path=True,
+        waited_s=time.monotonic() - started,
+        reaped=(),
+        spared=(),
+        blockers=(),
+    )
+    return _finish_gate(Path(cached["runtime_dir"]), outcome, gpu_set)
+
+
 def _gate(settings: Settings, args: argparse.Namespace) -> int:
-    from gpuguard import gate, inventory, logs, reaper, state, systemd  # noqa: PLC0415
+    from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
-    logs.configure_logging(json=False)
-    log = logs.get_logger().bind(unit=args.unit, command="gate")
     unit = _unit_settings(settings, args.unit)
     first = inventory.gather(settings)
     inside = _inside_unit(args.unit)
@@ -276,16 +320,28 @@ def _gate(settings: Settings, args: argparse.Namespace) -> int:
     def gather() -> Inventory:
         return pending.pop() if pending else inventory.gather(settings)
 
+    def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        logs.configure_logging(json=False)  # structlog loads only when something is signalled
+        log = logs.get_logger().bind(unit=args.unit, command="gate")
+        return reaper.reap(targets, grace_s=grace, logger=log)
+
     outcome = gate.run_gate(
         gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
         gather,
-        lambda targets: reaper.reap(targets, grace_s=grace, logger=log),
+        reap,
         time.monotonic,
         time.sleep,
     )
+    return _finish_gate(settings.runtime_dir, outcome, gpu_set)
+
+
+def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:
+    """Record the decision for `gpuguard status`, say it in one line, return the exit status."""
+    from gpuguard import state  # noqa: PLC0415 - see module doc
+
     record = {
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
-        "unit": args.unit,
+        "unit": outcome.unit,
         "gpu_set": gpu_set.describe(),
         "result": "passed" if outcome.passed else "refused",
         "fast_path": outcome.fast_path,
@@ -298,9 +354,9 @@ def _gate(settings: Settings, args: argparse.Namespace) -> int:
         "blockers": list(outcome.blockers),
     }
     try:
-        state.record_gate_decision(settings.runtime_dir, args.unit, record)
+        state.record_gate_decision(runtime_dir, outcome.unit, record)
     except OSError as err:
-        log.warning("cannot record gate decision", path=str(settings.runtime_dir), error=str(err))
+        sys.stderr.write(f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}\n")
     sys.stderr.write(f"gpuguard gate: {outcome.message} [{gpu_set.describe()}]\n")
     return 0 if outcome.passed else 1
 

@@ -7,16 +7,13 @@ at a typo in a tool that kills processes is worse than not starting.
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-DEFAULT_CONFIG_PATH = Path("/etc/gpuguard/gpuguard.toml")
-CONFIG_ENV = "GPUGUARD_CONFIG"
-EX_CONFIG = 78
+from gpuguard.configfile import EX_CONFIG, config_path, store_validated
 
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",
@@ -165,16 +162,6 @@ class Settings(_Strict):
         return value
 
 
-def config_path(cli_path: Path | None) -> tuple[Path, bool]:
-    """Which file to read and whether it was named explicitly (an explicit file must exist)."""
-    if cli_path is not None:
-        return cli_path, True
-    env = os.environ.get(CONFIG_ENV)
-    if env:
-        return Path(env), True
-    return DEFAULT_CONFIG_PATH, False
-
-
 def load_settings(cli_path: Path | None = None) -> Settings:
     """Read the configuration; a missing default file means all defaults."""
     path, explicit = config_path(cli_path)
@@ -183,10 +170,14 @@ def load_settings(cli_path: Path | None = None) -> Settings:
     except FileNotFoundError:
         if explicit:
             raise ConfigError(f"{path}: no such file") from None
-        return Settings()
+        settings = Settings()
+        store_validated(path, None, settings.model_dump(mode="json"))
+        return settings
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
-    return parse_settings(raw, path)
+    settings = parse_settings(raw, path)
+    store_validated(path, raw, settings.model_dump(mode="json"))
+    return settings
 
 
 def parse_settings(raw: bytes, path: Path) -> Settings:

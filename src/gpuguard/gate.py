@@ -72,7 +72,7 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
     missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
     blockers = [f"GPU {index} is not present" for index in missing]
     for gpu in wanted:
-        if is_idle(gpu, settings.idle_threshold_bytes):
+        if is_idle(gpu.reading, settings.idle_threshold_bytes):
             continue
         reading = gpu.reading
         used = (

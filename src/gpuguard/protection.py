@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-    from gpuguard.holders import GpuOccupancy, Holder
+    from gpuguard.holders import Holder
+    from gpuguard.values import GpuReading
 
 
 def is_protected(holder: Holder, protected_names: Collection[str]) -> bool:
@@ -22,7 +23,7 @@ def is_protected(holder: Holder, protected_names: Collection[str]) -> bool:
     return holder.comm in names or argv0 in names or any(n[:15] == holder.comm for n in names)
 
 
-def is_idle(gpu: GpuOccupancy, idle_threshold_bytes: int) -> bool:
+def is_idle(reading: GpuReading, idle_threshold_bytes: int) -> bool:
     """Idle means the next start can allocate: no process has memory on the GPU.
 
     That is: NVML lists no process on it (a protected one too: gpuguard will not kill it, but
@@ -32,7 +33,6 @@ def is_idle(gpu: GpuOccupancy, idle_threshold_bytes: int) -> bool:
     NVML does not list still shows in ``used``. Never idle when NVML could not read the GPU's
     memory: an error is not evidence of idleness.
     """
-    reading = gpu.reading
     if reading.memory is None or reading.lost or reading.processes:
         return False
     return reading.memory.used_bytes <= idle_threshold_bytes

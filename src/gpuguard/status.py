@@ -94,7 +94,9 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
             )
         )
     idle = frozenset(
-        gpu.reading.index for gpu in inventory.gpus if is_idle(gpu, context.idle_threshold_bytes)
+        gpu.reading.index
+        for gpu in inventory.gpus
+        if is_idle(gpu.reading, context.idle_threshold_bytes)
     )
     level = max((f.level for f in findings), default=Level.OK)
     if level is Level.OK:

@@ -6,22 +6,28 @@ import contextlib
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CGROUP2, Cli, UnitCgroups
+
+from gpuguard import configfile
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
+    from fakestate import NvmlEnv
+
 
 @pytest.fixture
-def cli(fake_state: Path, nvml_env: Any, tmp_path: Path) -> Cli:
-    """The CLI over four fake idle H200s."""
+def cli(fake_state: Path, nvml_env: NvmlEnv, tmp_path: Path) -> Iterator[Cli]:
+    """The CLI over four fake idle H200s; its entry in the validated-config cache is removed."""
     runner = Cli(fake_state, tmp_path / "gpuguard.toml", nvml_env(fake_state))
     runner.configure()
-    return runner
+    yield runner
+    with contextlib.suppress(OSError):
+        configfile._cache_file(runner.config).unlink()
 
 
 @pytest.fixture

@@ -170,6 +170,25 @@ def test_fast_path_when_idle(cli: Cli, unit_cgroups: UnitCgroups) -> None:
     assert decision["fast_path"] is True
 
 
+def test_second_run_takes_the_light_fast_path(cli: Cli, unit_cgroups: UnitCgroups) -> None:
+    """Once the config is cached, an idle gate never imports pydantic or structlog."""
+    unit = unit_name()
+    assert gate_in_unit(cli, unit_cgroups, unit).code == 0  # full load fills the cache
+    cli.env["PYTHONPROFILEIMPORTTIME"] = "1"
+    try:
+        result = gate_in_unit(cli, unit_cgroups, unit)
+    finally:
+        del cli.env["PYTHONPROFILEIMPORTTIME"]
+    assert result.code == 0, result.err
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.err.splitlines() if "|" in line}
+    assert "gpuguard.nvml" in imported
+    assert "pydantic" not in imported
+    assert "structlog" not in imported
+    assert "gpuguard.procfs" in imported  # only to learn its own cgroup; no /proc walk
+    decision = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())[-1]
+    assert decision["fast_path"] is True
+
+
 def test_protected_and_foreign_holders_make_the_gate_time_out(
     cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
 ) -> None:

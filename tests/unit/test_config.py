@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.config import EX_CONFIG, ConfigError, Settings, load_settings, parse_settings
+from gpuguard.config import ConfigError, Settings, load_settings, parse_settings
+from gpuguard.configfile import EX_CONFIG
 
 HERE = Path("/etc/gpuguard/gpuguard.toml")
 
@@ -16,7 +17,7 @@ HERE = Path("/etc/gpuguard/gpuguard.toml")
 def test_no_file_means_documented_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host without a configuration file runs on the defaults."""
     monkeypatch.delenv("GPUGUARD_CONFIG", raising=False)
-    monkeypatch.setattr("gpuguard.config.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    monkeypatch.setattr("gpuguard.configfile.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
     settings = load_settings()
     assert settings == Settings()
     assert list(settings.units) == ["sglang.service"]

@@ -1,0 +1,374 @@
+"""Journal entries → typed unit lifecycle events (pure: no I/O, no clock).
+
+systemd (PID 1) reports each run of a unit in the journal; this module turns one
+``journalctl -o json`` entry into a ``UnitEvent`` or ``None``. What is at risk: acting on a
+forged entry. Everything in a journal entry without a leading underscore (``MESSAGE``,
+``MESSAGE_ID``, ``UNIT``, ``N_RESTARTS``, ``INVOCATION_ID``…) can be sent by any local user, so a
+lifecycle event counts only when journald's trusted fields say PID 1 wrote it (``is_trusted``).
+
+The unit's own output is a second, weaker source: it can only ever yield ``gpu-oom-output``,
+when a line matches what servers print when GPU memory is already taken (``GPU_OOM_PATTERNS``).
+``_SYSTEMD_UNIT`` proves which unit wrote the line, but the text itself is free: such an event is
+evidence for a cause, never a trigger on its own (the detector uses it only to explain runs that
+PID 1 reported as failed).
+
+Facts: reference/nvml-systemd-facts.md §4 (MESSAGE_IDs, trusted fields, journalctl JSON quirks)
+and §7 (server messages); golden samples in tests/journal_samples (systemd 252 and 257).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Final
+
+
+class EventKind(StrEnum):
+    """What happened to a unit, as systemd (or, for ``gpu-oom-output``, the unit) said it."""
+
+    STARTING = "starting"
+    """``Starting …`` (UNIT_STARTING); absent for Type=simple units without ExecStartPre=."""
+    STARTED = "started"
+    """``Started …`` (UNIT_STARTED): the start job finished."""
+    START_FAILED = "start-failed"
+    """``Failed to start …`` (UNIT_FAILED): the start job failed; ``result`` is JOB_RESULT."""
+    STOPPING = "stopping"
+    """``Stopping …`` (UNIT_STOPPING)."""
+    STOPPED = "stopped"
+    """``Stopped …`` (UNIT_STOPPED); 252 also logs it between automatic restarts, 257 does not."""
+    MAIN_EXITED = "main-exited"
+    """``Main process exited, code=…, status=…`` (UNIT_PROCESS_EXIT of the main process only)."""
+    FAILED = "failed"
+    """``Failed with result '…'`` (UNIT_FAILURE_RESULT): the run ended in failure."""
+    DEACTIVATED = "deactivated"
+    """``Deactivated successfully.`` (UNIT_SUCCESS): the run ended cleanly."""
+    RESTART_SCHEDULED = "restart-scheduled"
+    """``Scheduled restart job, restart counter is at N.`` (UNIT_RESTART_SCHEDULED)."""
+    STOP_TIMED_OUT = "stop-timed-out"
+    """``State 'stop-sigterm' timed out. Killing.`` (text only; ``final`` for final-sigterm)."""
+    SURVIVED_SIGKILL = "survived-sigkill"
+    """``Processes still around after (final) SIGKILL.`` (text only)."""
+    LEFT_OVER_PROCESS = "left-over-process"
+    """``Found left-over process N (comm) in control group while starting unit.`` (text only)."""
+    START_LIMIT_HIT = "start-limit-hit"
+    """``Start request repeated too quickly.`` (text only; systemd stops restarting the unit)."""
+    GPU_OOM_OUTPUT = "gpu-oom-output"
+    """The unit's own output says GPU memory was not available: evidence, never a trigger."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitEvent:
+    """One lifecycle event of a unit, with the journal position it came from.
+
+    ``invocation_id`` names the run: ``INVOCATION_ID`` on PID 1's entries (the *old* run for
+    "Failed with result", "Scheduled restart job" and "Stopped"; the *new* one for
+    "Starting"/"Started" and the left-over warning), ``_SYSTEMD_INVOCATION_ID`` on output.
+    ``message`` is the decoded text, ANSI sequences removed, control characters escaped and cut
+    to about 300 characters: for people, never for decisions.
+    """
+
+    kind: EventKind
+    unit: str
+    realtime_s: float
+    cursor: str
+    invocation_id: str | None
+    boot_id: str | None
+    message: str = ""
+    exit_code: str | None = None
+    """main-exited: ``exited``, ``killed`` or ``dumped`` (EXIT_CODE)."""
+    exit_status: int | None = None
+    """main-exited: the exit status, or the signal number when killed/dumped (EXIT_STATUS)."""
+    signal: str | None = None
+    """main-exited when killed/dumped: the signal's name without ``SIG`` (``KILL``)."""
+    result: str | None = None
+    """failed: UNIT_RESULT (``exit-code``, ``signal``, ``timeout``…); start-failed: JOB_RESULT."""
+    n_restarts: int | None = None
+    """restart-scheduled: systemd's restart counter (N_RESTARTS)."""
+    pid: int | None = None
+    """left-over-process: the left-over PID."""
+    comm: str | None = None
+    """left-over-process: its command name."""
+    final: bool = False
+    """stop-timed-out / survived-sigkill: the final-sigterm / final SIGKILL variant."""
+
+
+# MESSAGE_IDs from sd-messages.h (identical in systemd 249…257; facts §4.1).
+MESSAGE_IDS: Final[Mapping[str, EventKind]] = {
+    "7d4958e842da4a758f6c1cdc7b36dcc5": EventKind.STARTING,
+    "39f53479d3a045ac8e11786248231fbf": EventKind.STARTED,
+    "be02cf6855d2428ba40df7e9d022f03d": EventKind.START_FAILED,
+    "de5b426a63be47a7b6ac3eaac82e2f6f": EventKind.STOPPING,
+    "9d1aaa27d60140bd96365438aad20286": EventKind.STOPPED,
+    "98e322203f7a4ed290d09fe03c09fe15": EventKind.MAIN_EXITED,
+    "d9b373ed55a64feb8242e02dbe79a49c": EventKind.FAILED,
+    "7ad2d189f7e94e70a38c781354912448": EventKind.DEACTIVATED,
+    "5eb03494b6584870a536b337290809b3": EventKind.RESTART_SCHEDULED,
+}
+
+GPU_OOM_PATTERNS: Final[tuple[str, ...]] = (
+    # PyTorch: torch.OutOfMemoryError (2.1+), torch.cuda.OutOfMemoryError (1.13-2.0).
+    r"torch\.(?:cuda\.)?OutOfMemoryError",
+    # PyTorch's message, also in older RuntimeErrors.
+    r"CUDA out of memory",
+    # A CUDA runtime error surfaced as text (cudaErrorMemoryAllocation).
+    r"CUDA error: out of memory",
+    # SGLang model runner, TP > 1, before loading weights.
+    r"The memory capacity is unbalanced\. Some GPUs may be occupied by other processes",
+    # SGLang KV-cache sizing.
+    r"Not enough memory\. Please try to increase --mem-fraction-static",
+    # vLLM: "Free memory on device (6.9/8.0 GiB) on startup is less than desired GPU memory …".
+    r"Free memory on device .* on startup is less than desired",
+)
+"""Case-sensitive regexes for lines servers print when GPU memory is already taken (facts §7).
+
+Plain syntax shared by Python ``re`` and PCRE2 (``journalctl --grep`` with
+``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses it.
+They are matched against the decoded MESSAGE with ANSI sequences removed: a pre-filter on raw
+JSON lines must let MESSAGEs that journalctl printed as byte arrays through.
+"""
+
+GPU_OOM_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in GPU_OOM_PATTERNS)
+"""``GPU_OOM_PATTERNS`` as one alternation."""
+
+_GPU_OOM = re.compile(GPU_OOM_REGEX)
+
+# Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; facts §4.1, §4.7).
+_LEFT_OVER = re.compile(
+    r"Found left-over process (?P<pid>\d{1,10}) \((?P<comm>.*)\) in control group while starting"
+)
+_STOP_TIMEOUT = re.compile(r"State '(?P<state>(?:stop|final)-sigterm)' timed out\.")
+_SURVIVED = re.compile(r"Processes still around after (?P<final>final )?SIGKILL\.")
+_START_LIMIT = "Start request repeated too quickly."
+_MAIN_EXIT = "Main process exited"
+_OTHER_EXIT = re.compile(r"(?:Control|Condition check) process exited")
+
+_OUTPUT_TRANSPORTS: Final = frozenset({"stdout", "journal", "syslog"})
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_INT = re.compile(r"[+-]?\d{1,18}")
+MESSAGE_LIMIT: Final = 300
+"""Characters of MESSAGE kept on an event."""
+
+
+def is_trusted(entry: Mapping[str, object], unit: str) -> bool:
+    """Whether journald's trusted fields say systemd (PID 1) wrote this entry about ``unit``.
+
+    ``_PID``/``_UID``/``_SYSTEMD_CGROUP`` are set by journald and cannot be sent by a client;
+    ``_SYSTEMD_CGROUP=/init.scope`` is how systemd 257's own ``journalctl -u`` recognises the
+    manager (and the helpers it forks). ``UNIT`` itself is forgeable, but only PID 1 is trusted
+    to set it here.
+    """
+    if _string(entry.get("_UID")) != "0":
+        return False
+    if _string(entry.get("_PID")) != "1" and _string(entry.get("_SYSTEMD_CGROUP")) != "/init.scope":
+        return False
+    return _string(entry.get("UNIT")) == unit
+
+
+def parse_entry(entry: Mapping[str, object], unit: str) -> UnitEvent | None:
+    """The event a journal entry reports about ``unit``, or None (unknown, untrusted, malformed).
+
+    Never raises: journalctl prints a MESSAGE as an array of byte values (ANSI escapes,
+    non-UTF-8), ``null`` when it is over 4096 bytes without ``--all``, and a field sent twice as
+    an array; anything else of the wrong type just makes the entry unrecognised.
+    """
+    if not isinstance(entry, Mapping):
+        return None
+    cursor = _string(entry.get("__CURSOR"))
+    realtime_s = _realtime_s(entry.get("__REALTIME_TIMESTAMP"))
+    if not cursor or realtime_s is None:
+        return None
+    if is_trusted(entry, unit):
+        return _lifecycle_event(entry, unit, cursor, realtime_s)
+    if _is_unit_output(entry, unit):
+        return _output_event(entry, unit, cursor, realtime_s)
+    return None
+
+
+def _lifecycle_event(
+    entry: Mapping[str, object], unit: str, cursor: str, realtime_s: float
+) -> UnitEvent | None:
+    """The event in an entry PID 1 wrote: by MESSAGE_ID, else by its fixed text."""
+    text = decode_message(entry.get("MESSAGE"))
+    base = UnitEvent(
+        kind=EventKind.STARTED,  # a placeholder: the callers replace() it with the real kind
+        unit=unit,
+        realtime_s=realtime_s,
+        cursor=cursor,
+        invocation_id=_string(entry.get("INVOCATION_ID")) or None,
+        boot_id=_string(entry.get("_BOOT_ID")) or None,
+        message=_display(text),
+    )
+    message_id = _string(entry.get("MESSAGE_ID"))
+    if message_id:
+        kind = MESSAGE_IDS.get(message_id.lower())
+        return None if kind is None else _with_fields(base, kind, entry, text)
+    return None if text is None else _text_event(base, text)
+
+
+def _with_fields(
+    base: UnitEvent, kind: EventKind, entry: Mapping[str, object], text: str | None
+) -> UnitEvent | None:
+    """``base`` as ``kind`` with the structured fields systemd attaches to that MESSAGE_ID."""
+    match kind:
+        case EventKind.MAIN_EXITED:
+            if not _is_main_process(entry, text):
+                return None
+            code = _string(entry.get("EXIT_CODE")) or None
+            status = _integer(entry.get("EXIT_STATUS"))
+            return replace(
+                base,
+                kind=kind,
+                exit_code=code,
+                exit_status=status,
+                signal=_signal_name(status) if code in {"killed", "dumped"} else None,
+            )
+        case EventKind.FAILED:
+            return replace(base, kind=kind, result=_string(entry.get("UNIT_RESULT")) or None)
+        case EventKind.START_FAILED:
+            return replace(base, kind=kind, result=_string(entry.get("JOB_RESULT")) or None)
+        case EventKind.RESTART_SCHEDULED:
+            return replace(base, kind=kind, n_restarts=_integer(entry.get("N_RESTARTS")))
+        case _:
+            return replace(base, kind=kind)
+
+
+def _is_main_process(entry: Mapping[str, object], text: str | None) -> bool:
+    """Whether a PROCESS_EXIT entry is about the main process, not a control/condition process.
+
+    The text says which ("Main process exited" / "Control process exited"); COMMAND
+    (``ExecStart``, ``ExecStartPre``…) decides when the text is missing or unfamiliar.
+    """
+    if text is not None:
+        if _MAIN_EXIT in text:
+            return True
+        if _OTHER_EXIT.search(text):
+            return False
+    return _string(entry.get("COMMAND")) == "ExecStart"
+
+
+def _text_event(base: UnitEvent, text: str) -> UnitEvent | None:
+    """The event a PID-1 message without MESSAGE_ID reports, matched by its fixed text."""
+    if match := _LEFT_OVER.search(text):
+        return replace(
+            base,
+            kind=EventKind.LEFT_OVER_PROCESS,
+            pid=int(match["pid"]),
+            comm=match["comm"],
+        )
+    if match := _STOP_TIMEOUT.search(text):
+        return replace(
+            base, kind=EventKind.STOP_TIMED_OUT, final=match["state"].startswith("final-")
+        )
+    if match := _SURVIVED.search(text):
+        return replace(base, kind=EventKind.SURVIVED_SIGKILL, final=bool(match["final"]))
+    if _START_LIMIT in text:
+        return replace(base, kind=EventKind.START_LIMIT_HIT)
+    return None
+
+
+def _is_unit_output(entry: Mapping[str, object], unit: str) -> bool:
+    """Whether a process running in ``unit`` wrote this entry (stdout, journal or syslog)."""
+    return (
+        _string(entry.get("_SYSTEMD_UNIT")) == unit
+        and _string(entry.get("_TRANSPORT")) in _OUTPUT_TRANSPORTS
+        and _string(entry.get("_PID")) != "1"
+    )
+
+
+def _output_event(
+    entry: Mapping[str, object], unit: str, cursor: str, realtime_s: float
+) -> UnitEvent | None:
+    """A ``gpu-oom-output`` event when the unit's output says GPU memory was taken, else None."""
+    text = decode_message(entry.get("MESSAGE"))
+    if text is None:
+        return None
+    match = _GPU_OOM.search(text)
+    if match is None:
+        return None
+    # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
+    start = max(0, match.start() - 60)
+    shown = text[start:] if start == 0 else "…" + text[start:]
+    return UnitEvent(
+        kind=EventKind.GPU_OOM_OUTPUT,
+        unit=unit,
+        realtime_s=realtime_s,
+        cursor=cursor,
+        invocation_id=_string(entry.get("_SYSTEMD_INVOCATION_ID")) or None,
+        boot_id=_string(entry.get("_BOOT_ID")) or None,
+        message=_display(shown),
+    )
+
+
+def decode_message(value: object) -> str | None:
+    """The text of a MESSAGE as journalctl's JSON gives it, ANSI sequences removed; None if absent.
+
+    A string stays a string; an array of byte values (non-printable or non-UTF-8 content) is
+    decoded as UTF-8 with replacement characters; a field sent twice (an array of values) is
+    joined with newlines; ``null`` (over 4096 bytes without ``--all``) and anything else is None.
+    """
+    if isinstance(value, str):
+        return _ANSI.sub("", value)
+    if isinstance(value, list) and value:
+        if all(_is_byte(item) for item in value):
+            return _ANSI.sub("", bytes(value).decode("utf-8", errors="replace"))
+        parts = [decode_message(item) for item in value if not _is_byte(item)]
+        if len(parts) == len(value) and all(part is not None for part in parts):
+            return "\n".join(part for part in parts if part is not None)
+    return None
+
+
+def _is_byte(item: object) -> bool:
+    """Whether a JSON array element is a byte value (bool is an int in Python, and not one)."""
+    return isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= 255
+
+
+def _display(text: str | None) -> str:
+    """``text`` on one line for people: control characters escaped, cut to MESSAGE_LIMIT."""
+    if not text:
+        return ""
+    escaped = _CONTROL.sub(_escape, text)
+    if len(escaped) <= MESSAGE_LIMIT:
+        return escaped
+    return escaped[: MESSAGE_LIMIT - 1] + "…"
+
+
+def _escape(match: re.Match[str]) -> str:
+    """A control character as a visible escape."""
+    char = match.group()
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(char, f"\\x{ord(char):02x}")
+
+
+def _string(value: object) -> str | None:
+    """A field's value when it is a single string (a field sent twice is an array: not trusted)."""
+    return value if isinstance(value, str) else None
+
+
+def _integer(value: object) -> int | None:
+    """A decimal field as an int, or None when absent or malformed."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _INT.fullmatch(value):
+        return int(value)
+    return None
+
+
+def _realtime_s(value: object) -> float | None:
+    """``__REALTIME_TIMESTAMP`` (µs since the epoch) in seconds, or None when malformed."""
+    micros = _integer(value)
+    if micros is None or micros < 0:
+        return None
+    return micros / 1_000_000
+
+
+def _signal_name(number: int | None) -> str | None:
+    """A signal number's name without ``SIG`` (``9`` → ``KILL``), None when unknown."""
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number).name.removeprefix("SIG")
+    except ValueError:
+        return None

@@ -1,0 +1,74 @@
+"""The validated-configuration cache the gate's fast path reads instead of running pydantic."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from gpuguard import configfile
+from gpuguard.config import load_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point the cache at a private directory instead of /run/gpuguard."""
+    directory = tmp_path / "cache"
+    monkeypatch.setattr(configfile, "CACHE_DIR", directory)
+    return directory
+
+
+def test_full_load_fills_the_cache(tmp_path: Path) -> None:
+    """After a full load the same file's validated settings come back without pydantic."""
+    path = tmp_path / "g.toml"
+    path.write_text('idle_threshold_mib = 7\n[units."a.service"]\ngpus = [1, 2]\n')
+    assert configfile.load_validated(path) is None
+    load_settings(path)
+    cached = configfile.load_validated(path)
+    assert cached is not None
+    assert cached["idle_threshold_mib"] == 7
+    assert cached["units"]["a.service"]["gpus"] == [1, 2]
+    assert cached["runtime_dir"] == "/run/gpuguard"
+
+
+def test_a_changed_file_misses_the_cache(tmp_path: Path) -> None:
+    """Any change to the file's bytes forces a full load."""
+    path = tmp_path / "g.toml"
+    path.write_text("idle_threshold_mib = 7\n")
+    load_settings(path)
+    path.write_text("idle_threshold_mib = 8\n")
+    assert configfile.load_validated(path) is None
+
+
+def test_an_invalid_file_is_never_cached(tmp_path: Path) -> None:
+    """A file that fails validation leaves nothing the fast path could use."""
+    path = tmp_path / "g.toml"
+    path.write_text("bogus = 1\n")
+    with pytest.raises(Exception, match="unknown key"):
+        load_settings(path)
+    assert configfile.load_validated(path) is None
+
+
+def test_a_cache_others_can_write_is_ignored(tmp_path: Path, cache_dir: Path) -> None:
+    """A cache file writable by other users is not trusted (it decides which GPUs are looked at)."""
+    path = tmp_path / "g.toml"
+    path.write_text("idle_threshold_mib = 7\n")
+    load_settings(path)
+    (entry,) = cache_dir.iterdir()
+    entry.chmod(0o666)
+    assert configfile.load_validated(path) is None
+
+
+def test_absent_default_file_caches_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no file at the default path, the defaults are cached and found again."""
+    monkeypatch.delenv("GPUGUARD_CONFIG", raising=False)
+    monkeypatch.setattr(configfile, "DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    load_settings()
+    cached = configfile.load_validated(None)
+    assert cached is not None
+    assert list(cached["units"]) == ["sglang.service"]
