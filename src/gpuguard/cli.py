@@ -22,11 +22,11 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.config import Settings, UnitSettings
-    from gpuguard.gate import GateOutcome
     from gpuguard.gpuset import GpuSet
     from gpuguard.holders import Inventory
     from gpuguard.policy import KillPlan, PlanRequest
     from gpuguard.reaper import ReapResult, ReapTarget
+    from gpuguard.values import GateOutcome
 
 EX_USAGE = 64
 
@@ -265,10 +265,9 @@ def _gate_fast_path(args: argparse.Namespace) -> int | None:
     the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle.
     """
     from gpuguard import configfile, nvml  # noqa: PLC0415 - see module doc
-    from gpuguard.gate import GateOutcome  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
     from gpuguard.protection import is_idle  # noqa: PLC0415
-    from gpuguard.values import MIB, NvmlHealth  # noqa: PLC0415
+    from gpuguard.values import MIB, GateOutcome, NvmlHealth  # noqa: PLC0415
 
     started = time.monotonic()
     cached = configfile.load_validated(args.config)

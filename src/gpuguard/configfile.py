@@ -1,15 +1,15 @@
 """Where the configuration lives, and a cache of it that the gate's fast path can read cheaply.
 
 Validating the TOML with pydantic costs more than the whole fast path may spend (importing
-pydantic alone takes ~50 ms), so every full load stores the validated settings as JSON, keyed
-by the file's exact bytes; ``gpuguard gate`` reads that instead when the file is unchanged and
-falls back to a full load otherwise. Nothing here imports pydantic.
+pydantic alone takes ~50 ms), so every full load stores the validated settings as JSON together
+with the file's exact text; ``gpuguard gate`` uses them instead when the file is unchanged and
+falls back to a full load otherwise. Nothing here imports pydantic (or hashlib: comparing a few
+hundred bytes is cheaper than loading OpenSSL).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import stat
@@ -34,12 +34,13 @@ def config_path(cli_path: Path | None) -> tuple[Path, bool]:
 
 
 def _cache_file(path: Path) -> Path:
-    key = hashlib.sha256(os.fsencode(path.absolute())).hexdigest()[:32]
+    key = str(path.absolute()).strip("/").replace("%", "%25").replace("/", "%2F")
     return CACHE_DIR / f"{key}.json"
 
 
-def _digest(raw: bytes | None) -> str | None:
-    return None if raw is None else hashlib.sha256(raw).hexdigest()
+def _text(raw: bytes | None) -> str | None:
+    """The file's bytes as JSON-safe text (latin-1 maps every byte to one character)."""
+    return None if raw is None else raw.decode("latin-1")
 
 
 def store_validated(path: Path, raw: bytes | None, settings: dict[str, Any]) -> None:
@@ -47,7 +48,7 @@ def store_validated(path: Path, raw: bytes | None, settings: dict[str, Any]) -> 
 
     Best effort: a host where /run/gpuguard is not writable (not root) simply has no cache.
     """
-    document = {"path": str(path.absolute()), "sha256": _digest(raw), "settings": settings}
+    document = {"path": str(path.absolute()), "text": _text(raw), "settings": settings}
     target = _cache_file(path)
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
@@ -71,7 +72,16 @@ def load_validated(cli_path: Path | None) -> dict[str, Any] | None:
         raw = None
     except OSError:
         return None
-    cache = _cache_file(path)
+    document = _trusted_document(_cache_file(path))
+    expected = {"path": str(path.absolute()), "text": _text(raw)}
+    if document is None or any(document.get(key) != value for key, value in expected.items()):
+        return None
+    settings = document.get("settings")
+    return settings if isinstance(settings, dict) else None
+
+
+def _trusted_document(cache: Path) -> dict[str, Any] | None:
+    """The cache file's JSON object, if it is ours and nobody else can write it."""
     try:
         info = cache.stat()
         if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -79,7 +89,4 @@ def load_validated(cli_path: Path | None) -> dict[str, Any] | None:
         document = json.loads(cache.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(document, dict) or document.get("sha256") != _digest(raw):
-        return None
-    settings = document.get("settings")
-    return settings if isinstance(settings, dict) else None
+    return document if isinstance(document, dict) else None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.policy import Decision, PlanRequest, Verdict, plan
 from gpuguard.protection import is_idle
-from gpuguard.values import MIB, NvmlHealth
+from gpuguard.values import MIB, GateOutcome, NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -30,36 +30,6 @@ class GateSettings:
     idle_threshold_bytes: int
     timeout_s: float
     poll_s: float = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class GateOutcome:
-    """How a gate run ended: passed or not, how long it waited, whom it reaped and spared."""
-
-    unit: str
-    passed: bool
-    fast_path: bool
-    waited_s: float
-    reaped: tuple[ReapResult, ...]
-    spared: tuple[Decision, ...]
-    blockers: tuple[str, ...]
-
-    @property
-    def message(self) -> str:
-        """One line for the journal."""
-        unit = self.unit
-        if self.passed and self.fast_path:
-            return f"GPUs of {unit} idle: start allowed"
-        if self.passed:
-            return (
-                f"GPUs of {unit} idle after {self.waited_s:.1f} s, "
-                f"{len(self.reaped)} stale holder(s) reaped: start allowed"
-            )
-        return (
-            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
-            + "; ".join(self.blockers)
-            + ". Start refused; systemd's start limits take over."
-        )
 
 
 def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:

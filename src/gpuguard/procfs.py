@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard.cgroup import parse_cgroup
-from gpuguard.redaction import redact_cmdline
 from gpuguard.values import ProcessFacts, ProcessIdentity, ProcScan
 
 if TYPE_CHECKING:
@@ -266,7 +265,7 @@ def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
         ppid=stat.ppid,
         state=stat.state,
         comm=stat.comm,
-        cmdline=redact_cmdline(_split_cmdline(cmdline)),
+        cmdline=_redacted(_split_cmdline(cmdline)),
         uid=uid,
         user=_user_name(uid),
         cgroup=parse_cgroup(cgroup.decode("utf-8", "backslashreplace")),
@@ -450,3 +449,14 @@ def boot_time() -> float:
 def clock_ticks_per_second() -> int:
     """The unit of ``ProcessIdentity.start_time`` (USER_HZ, almost always 100)."""
     return os.sysconf("SC_CLK_TCK")
+
+
+def _redacted(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """Secrets removed before a command line leaves this module.
+
+    Imported on first use: the gate's fast path imports procfs only to learn its own cgroup,
+    and must not pay for compiling the redaction patterns.
+    """
+    from gpuguard.redaction import redact_cmdline  # noqa: PLC0415 - see docstring
+
+    return redact_cmdline(argv)

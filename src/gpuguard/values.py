@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuguard.policy import Decision
+    from gpuguard.reaper import ReapResult
 
 MIB = 1024 * 1024
 
@@ -117,3 +122,33 @@ class ProcScan:
     processes: tuple[ProcessFacts, ...]
     unreadable: int = 0
     method: str = "full"
+
+
+@dataclass(frozen=True, slots=True)
+class GateOutcome:
+    """How a gate run ended: passed or not, how long it waited, whom it reaped and spared."""
+
+    unit: str
+    passed: bool
+    fast_path: bool
+    waited_s: float
+    reaped: tuple[ReapResult, ...]
+    spared: tuple[Decision, ...]
+    blockers: tuple[str, ...]
+
+    @property
+    def message(self) -> str:
+        """One line for the journal."""
+        unit = self.unit
+        if self.passed and self.fast_path:
+            return f"GPUs of {unit} idle: start allowed"
+        if self.passed:
+            return (
+                f"GPUs of {unit} idle after {self.waited_s:.1f} s, "
+                f"{len(self.reaped)} stale holder(s) reaped: start allowed"
+            )
+        return (
+            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
+            + "; ".join(self.blockers)
+            + ". Start refused; systemd's start limits take over."
+        )
