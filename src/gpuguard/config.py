@@ -91,6 +91,48 @@ class UnitSettings(_Strict):
         return value
 
 
+class DaemonSettings(_Strict):
+    """How `gpuguard run` detects restart loops and recovers from them."""
+
+    dry_run: bool = Field(
+        default=False,
+        description="Log what a recovery would do instead of doing it.",
+    )
+    loop_min_starts: int = Field(
+        default=3,
+        ge=2,
+        description="Starts (distinct runs) inside loop_window_s that, ending in failure, make a "
+        "restart loop.",
+    )
+    loop_window_s: float = Field(default=600.0, gt=0, description="The detection window.")
+    restart_counter_threshold: int = Field(
+        default=5,
+        ge=1,
+        description="A 'Scheduled restart job' with at least this N_RESTARTS is a loop.",
+    )
+    recovery_max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Recoveries that did not help before the unit is marked 'needs operator'.",
+    )
+    recovery_backoff_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="Minimum time between two recoveries of one unit; doubles after each one "
+        "that did not help.",
+    )
+    stable_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A recovered unit that runs this long without failing counts as healed.",
+    )
+    watch_output: bool = Field(
+        default=True,
+        description="Also read the unit's own output for CUDA out-of-memory lines at start "
+        "(filtered by journalctl before gpuguard parses anything).",
+    )
+
+
 def _default_units() -> dict[str, UnitSettings]:
     return {"sglang.service": UnitSettings()}
 
@@ -134,6 +176,10 @@ class Settings(_Strict):
         gt=0,
         description="How long `gpuguard gate` waits for the unit's GPUs to become idle before "
         "refusing the start; keep TimeoutStartSec above it.",
+    )
+    daemon: DaemonSettings = Field(
+        default_factory=DaemonSettings,
+        description="The watchdog daemon (`gpuguard run`).",
     )
     state_dir: Path = Field(
         default=Path("/var/lib/gpuguard"),

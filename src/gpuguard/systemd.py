@@ -79,3 +79,26 @@ def parse_environment(value: str) -> dict[str, str]:
         if sep and name:
             env[name] = text
     return env
+
+
+def control(verb: str, unit: str) -> str | None:
+    """Run ``systemctl --no-block VERB UNIT`` (stop, start, reset-failed); None or the error.
+
+    --no-block: the daemon polls the unit's state itself, so its watchdog keeps ticking while a
+    server drains or loads a model.
+    """
+    if verb not in {"stop", "start", "reset-failed"}:
+        raise ValueError(f"unsupported systemctl verb {verb!r}")
+    try:
+        result = subprocess.run(
+            ["systemctl", "--no-block", verb, unit],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"systemctl {verb} {unit} failed: {err}"
+    if result.returncode != 0:
+        return f"systemctl {verb} {unit}: {result.stderr.strip() or f'exit {result.returncode}'}"
+    return None
