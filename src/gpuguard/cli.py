@@ -19,13 +19,14 @@ from gpuguard import __version__
 from gpuguard.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gpuguard.config import Settings, UnitSettings
     from gpuguard.gpuset import GpuSet
     from gpuguard.holders import Inventory
     from gpuguard.policy import KillPlan, PlanRequest
     from gpuguard.reaper import ReapResult, ReapTarget
+    from gpuguard.status import DaemonView
     from gpuguard.values import GateOutcome
 
 EX_USAGE = 64
@@ -40,6 +41,7 @@ commands:
   status   show GPUs, who holds them and whether that is healthy
   reap     the surgical replacement for `kill -9 <every python>; fuser -k /dev/nvidia*`
   gate     ExecStartPre= of a watched unit: wait until its GPUs are idle before it starts
+  run      the watchdog daemon: detect restart loops in the journal and recover them
 """
 
 _STATUS_HELP = """\
@@ -94,6 +96,26 @@ Exit status: 0 start allowed; 1 GPUs still busy at the timeout; 78 invalid confi
 """
 
 
+_RUN_HELP = """\
+The watchdog daemon, run by systemd as gpuguard.service (Type=notify). It follows the
+journal of every watched unit (journalctl, systemd's own trusted messages only), detects
+restart loops - several failed starts inside a window, a high restart counter, a left-over
+process at start - and works out whether stale GPU holders cause them. A loop with a GPU
+cause is recovered: stop the unit, reap its stale holders (the same policy and reaper as the
+gate), wait until its GPUs are idle, reset-failed, start. Recoveries back off; after
+recovery_max_attempts that did not help the unit is marked "needs operator" (CRITICAL in
+`gpuguard status`). Loops without a GPU cause are reported, never acted on. With
+`[daemon] dry_run = true` it logs what it would do and does nothing.
+
+History replayed at start rebuilds the detection window but is never acted on. It logs JSON
+lines to stdout (the journal), sends READY=1 after the first inventory and journal attach,
+WATCHDOG=1 from its main loop, and writes a snapshot to runtime_dir/daemon.json that
+`gpuguard status` shows. SIGTERM stops it cleanly.
+
+Exit status: 0 after SIGTERM; 78 invalid configuration.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; every subcommand's --help stands alone."""
     parser = argparse.ArgumentParser(
@@ -144,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument(
         "--timeout", type=float, metavar="S", help="give up after S seconds (config gate_timeout_s)"
     )
+    commands.add_parser(
+        "run",
+        help="the watchdog daemon (gpuguard.service)",
+        description=_RUN_HELP,
+        formatter_class=raw,
+    )
     return parser
 
 
@@ -174,11 +202,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         sys.stderr.write(f"gpuguard: invalid configuration: {err}\n")
         return err.exit_code
-    if args.command == "status":
-        return _status(settings, as_json=args.json)
-    if args.command == "gate":
-        return _gate(settings, args)
-    return _reap(settings, args)
+    commands: dict[str, Callable[[], int]] = {
+        "status": lambda: _status(settings, as_json=args.json),
+        "gate": lambda: _gate(settings, args),
+        "run": lambda: _run(settings),
+        "reap": lambda: _reap(settings, args),
+    }
+    return commands[args.command]()
+
+
+def _run(settings: Settings) -> int:
+    """Wire the real adapters into the daemon and run it until SIGTERM."""
+    import signal  # noqa: PLC0415 - see module doc
+
+    from gpuguard import (  # noqa: PLC0415
+        daemon,
+        events,
+        inventory,
+        journal,
+        logs,
+        notify,
+        procfs,
+        reaper,
+        state,
+        systemd,
+    )
+
+    logs.configure_logging(json=True, stream=sys.stdout)
+    log = logs.get_logger().bind(command="run")
+
+    def write_snapshot(document: dict[str, Any]) -> None:
+        try:
+            state.write_json(settings.runtime_dir / "daemon.json", document)
+        except OSError as err:
+            log.warning("cannot write the status snapshot", error=str(err))
+
+    def save_unit_state(unit: str, document: dict[str, Any]) -> None:
+        try:
+            state.write_json(daemon.unit_state_path(settings.state_dir, unit), document)
+        except OSError as err:
+            log.warning("cannot save unit state", unit=unit, error=str(err))
+
+    def load_unit_state(unit: str) -> dict[str, Any] | None:
+        saved = state.read_json(daemon.unit_state_path(settings.state_dir, unit))
+        return saved if isinstance(saved, dict) else None
+
+    follower = journal.JournalFollower(
+        list(settings.units),
+        settings.state_dir / "journal-cursor.json",
+        output_patterns=events.GPU_OOM_PATTERNS if settings.daemon.watch_output else (),
+        replay_s=settings.daemon.loop_window_s,
+    )
+    ports = daemon.Ports(
+        gather=lambda: inventory.gather(settings),
+        show_unit=systemd.show_unit,
+        control=systemd.control,
+        reap=lambda targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log),
+        notifier=notify.Notifier(),
+        log=log,
+        wall=time.time,
+        monotonic=time.monotonic,
+        sleep=time.sleep,
+        write_snapshot=write_snapshot,
+        load_unit_state=load_unit_state,
+        save_unit_state=save_unit_state,
+        untouchable=_untouchable(),
+        identity=procfs.read_identity(os.getpid()),
+        watchdog_interval_s=notify.watchdog_interval_s(),
+    )
+    watchdog = daemon.Daemon(settings, follower, ports)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: watchdog.request_stop())
+    return watchdog.run()
 
 
 def _status(settings: Settings, *, as_json: bool) -> int:
@@ -208,6 +303,7 @@ def _status(settings: Settings, *, as_json: bool) -> int:
             units=tuple(units),
             boot_time=procfs.boot_time(),
             clock_ticks=procfs.clock_ticks_per_second(),
+            daemon=_daemon_view(settings),
         ),
         datetime.now(UTC),
     )
@@ -216,6 +312,26 @@ def _status(settings: Settings, *, as_json: bool) -> int:
     else:
         sys.stdout.write(status.render_text(report))
     return int(report.level)
+
+
+def _daemon_view(settings: Settings) -> DaemonView:
+    """The daemon's snapshot and whether the process that wrote it still lives."""
+    from gpuguard import procfs, state  # noqa: PLC0415 - see module doc
+    from gpuguard.status import DaemonView  # noqa: PLC0415
+    from gpuguard.values import ProcessIdentity  # noqa: PLC0415
+
+    snapshot = state.read_json(settings.runtime_dir / "daemon.json")
+    if not isinstance(snapshot, dict):
+        return DaemonView("absent", {})
+    if not snapshot.get("running"):
+        return DaemonView("stopped", snapshot)
+    pid, start = snapshot.get("pid"), snapshot.get("start_time")
+    alive = (
+        isinstance(pid, int)
+        and isinstance(start, int)
+        and procfs.read_identity(pid) == ProcessIdentity(pid, start)
+    )
+    return DaemonView("running" if alive else "dead", snapshot)
 
 
 def _unit_settings(settings: Settings, unit: str) -> UnitSettings:

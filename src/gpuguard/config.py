@@ -108,7 +108,8 @@ class DaemonSettings(_Strict):
     restart_counter_threshold: int = Field(
         default=5,
         ge=1,
-        description="A 'Scheduled restart job' with at least this N_RESTARTS is a loop.",
+        description="A 'Scheduled restart job' with at least this N_RESTARTS, after at least two "
+        "failed runs, is a loop.",
     )
     recovery_max_attempts: int = Field(
         default=3,

@@ -13,11 +13,21 @@ class Notifier:
     """Talks to systemd when started by it (NOTIFY_SOCKET set); a no-op otherwise."""
 
     def __init__(self) -> None:
-        """Connect once, as sdnotify does; remember whether there is anyone to tell."""
+        """Connect once, as sdnotify does, but only when there is anyone to tell.
+
+        sdnotify itself, constructed without NOTIFY_SOCKET, leaks the socket it opened.
+        """
         import sdnotify  # noqa: PLC0415 - only the daemon needs it
 
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
-        self._notifier = sdnotify.SystemdNotifier()
+        self._notifier = sdnotify.SystemdNotifier() if self.enabled else None
+
+    def close(self) -> None:
+        """Close the socket sdnotify opened (it never does)."""
+        sock = getattr(self._notifier, "socket", None)
+        if sock is not None:
+            sock.close()
+        self._notifier = None
 
     def ready(self, status: str) -> None:
         """Start-up is complete: systemd marks the unit active."""
@@ -36,7 +46,7 @@ class Notifier:
         self._send(f"STOPPING=1\nSTATUS={_line(status)}")
 
     def _send(self, message: str) -> None:
-        if self.enabled:
+        if self._notifier is not None:
             self._notifier.notify(message)
 
 

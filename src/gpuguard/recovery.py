@@ -100,3 +100,21 @@ class RecoveryPlanner:
         if self._last_s is not None and now - self._last_s >= self._limits.stable_s:
             self._unhelped = 0
             self.needs_operator = False
+
+    def export(self) -> dict[str, object]:
+        """The bookkeeping that must survive a daemon restart (times are wall-clock seconds)."""
+        return {
+            "attempts_without_help": self._unhelped,
+            "last_recovery_s": self._last_s,
+            "needs_operator": self.needs_operator,
+        }
+
+    def restore(self, saved: dict[str, object]) -> None:
+        """Take back what ``export`` saved; unknown or malformed values are ignored."""
+        attempts = saved.get("attempts_without_help")
+        last = saved.get("last_recovery_s")
+        if isinstance(attempts, int) and attempts >= 0:
+            self._unhelped = attempts
+        if isinstance(last, (int, float)):
+            self._last_s = float(last)
+        self.needs_operator = saved.get("needs_operator") is True

@@ -51,6 +51,18 @@ class UnitView:
 
 
 @dataclass(frozen=True, slots=True)
+class DaemonView:
+    """The watchdog daemon as its snapshot shows it, and whether that process is still alive.
+
+    ``state``: "running", "stopped" (shut down cleanly), "dead" (the snapshot says running but
+    its process is gone) or "absent" (no snapshot: the daemon is not installed or never ran).
+    """
+
+    state: str
+    snapshot: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class StatusContext:
     """What the judgement needs besides the inventory: configuration facts and who is asking."""
 
@@ -61,6 +73,7 @@ class StatusContext:
     units: tuple[UnitView, ...] = ()
     boot_time: float | None = None
     clock_ticks: int = 100
+    daemon: DaemonView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +89,13 @@ class StatusReport:
     units: tuple[UnitView, ...] = ()
     boot_time: float | None = None
     clock_ticks: int = 100
+    daemon: DaemonView | None = None
 
 
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
     """Turn evidence into findings; the worst finding sets the level."""
     findings = [
+        *_daemon_findings(context.daemon),
         *_nvml_findings(inventory),
         *_gpu_findings(inventory),
         *_holder_findings(inventory, context),
@@ -113,7 +128,42 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.units,
         context.boot_time,
         context.clock_ticks,
+        context.daemon,
     )
+
+
+def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
+    """Loops the daemon found, units it gave up on, and a daemon that died."""
+    if daemon is None or daemon.state == "absent":
+        return []
+    findings: list[Finding] = []
+    if daemon.state == "dead":
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"the gpuguard daemon (PID {daemon.snapshot.get('pid')}) is not running; its last "
+                f"snapshot is from {daemon.snapshot.get('updated_at')}",
+            )
+        )
+    for name, value in _dict(daemon.snapshot.get("units")).items():
+        unit = _dict(value)
+        if unit.get("needs_operator"):
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{name} needs an operator: recoveries did not break its restart loop "
+                    f"({escape_control(str(unit.get('verdict')))})",
+                )
+            )
+        elif unit.get("looping"):
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"{name} is in a restart loop: {escape_control(str(unit.get('verdict')))}; "
+                    f"cause {unit.get('cause')}; daemon action {unit.get('action')}",
+                )
+            )
+    return findings
 
 
 def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
@@ -245,8 +295,10 @@ def render_text(report: StatusReport) -> str:
         f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
         for gone in inventory.vanished
     )
+    lines.extend(_daemon_lines(report.daemon))
     for unit in report.units:
         lines.append(f"Unit {unit.name}: {unit.state}; {unit.gpu_set}")
+        lines.extend(f"    {line}" for line in _watch_lines(report.daemon, unit.name))
         lines.extend(f"    gate {_gate_line(entry)}" for entry in unit.gate_decisions)
     scan = inventory.scan
     lines.append(
@@ -255,6 +307,59 @@ def render_text(report: StatusReport) -> str:
     )
     lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
     return "\n".join(lines) + "\n"
+
+
+def _daemon_lines(daemon: DaemonView | None) -> list[str]:
+    if daemon is None or daemon.state == "absent":
+        return ["Daemon: not running (no snapshot; install and start gpuguard.service)"]
+    snapshot = daemon.snapshot
+    journal = _dict(snapshot.get("journal"))
+    dry = ", DRY RUN" if snapshot.get("dry_run") else ""
+    reason = f": {escape_control(str(journal['reason']))}" if journal.get("reason") else ""
+    return [
+        (
+            f"Daemon: {daemon.state} (PID {snapshot.get('pid')}, since "
+            f"{snapshot.get('started_at')}, snapshot {snapshot.get('updated_at')}{dry}); "
+            f"journal {journal.get('state')}{reason}"
+        )
+    ]
+
+
+def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
+    """What the daemon says about one unit: its verdict, evidence and recent recoveries."""
+    watch = _dict(_dict(daemon.snapshot.get("units")).get(unit)) if daemon else {}
+    if not watch:
+        return []
+    lines = [
+        (
+            f"daemon: {escape_control(str(watch.get('verdict')))} "
+            f"(starts in window {watch.get('starts_in_window')}, "
+            f"restart counter {watch.get('n_restarts')}, action {watch.get('action')})"
+        )
+    ]
+    if watch.get("looping"):
+        detail = escape_control(str(watch.get("cause_detail")))
+        lines.append(f"  cause {watch.get('cause')}: {detail}")
+        lines.extend(f"  {escape_control(str(line))}" for line in _list(watch.get("evidence"))[-5:])
+    lines.extend(
+        f"recovery {record.get('started_at')}: {record.get('result')}"
+        f", reaped {len(_list(record.get('reaped')))}"
+        + (f": {escape_control(str(record['problem']))}" if record.get("problem") else "")
+        for record in map(_dict, _list(watch.get("recoveries"))[-3:])
+    )
+    if watch.get("needs_operator"):
+        lines.append("NEEDS OPERATOR: recoveries stopped; see docs/runbook.md")
+    return lines
+
+
+def _dict(value: object) -> dict[str, Any]:
+    """A snapshot field that should be an object (snapshots are read back from disk)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    """A snapshot field that should be a list."""
+    return value if isinstance(value, list) else []
 
 
 def _gate_line(entry: Mapping[str, Any]) -> str:
@@ -336,6 +441,9 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             }
             for unit in report.units
         ],
+        "daemon": None
+        if report.daemon is None
+        else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},
         "scan": {"method": inventory.scan.method, "unreadable": inventory.scan.unreadable},
         "findings": [{"level": f.level.name, "message": f.message} for f in report.findings],
     }

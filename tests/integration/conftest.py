@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from clirunner import CGROUP2, Cli, UnitCgroups
+from clirunner import CGROUP2, Cli, Openers, UnitCgroups
 
 from gpuguard import configfile
 
@@ -52,3 +52,11 @@ def unit_cgroups() -> Iterator[UnitCgroups]:
         if parent != CGROUP2:
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+@pytest.fixture
+def opener() -> Iterator[Openers]:
+    """Factory for processes that hold device files without GPU memory (killed at teardown)."""
+    openers = Openers([])
+    yield openers
+    openers.stop()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,7 @@ from fakestate import allocated_mib, update_gpu
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from clirunner import Cli, UnitCgroups
+    from clirunner import Cli, Openers, UnitCgroups
     from fakeholder import HolderSpawner
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
@@ -63,47 +62,13 @@ def gate_in_unit(
     return CliResult(done.returncode, done.stdout, done.stderr)
 
 
-@dataclass(frozen=True)
-class Opener:
-    """A process that only opened device files (no allocation), like an exporter."""
-
-    pid: int
-
-
-_openers: list[subprocess.Popen[bytes]] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_openers() -> Iterator[None]:
-    yield
-    while _openers:
-        process = _openers.pop()
-        process.kill()
-        process.wait()
-
-
-def opener(cli: Cli, name: str, *minors: int) -> Opener:
-    """Start ``name`` (argv[0]) holding ``/dev/nvidia<minor>`` files open, no memory."""
-    paths = [str(cli.state / "dev" / f"nvidia{m}") for m in minors]
-    code = "import sys, time\nfiles = [open(p) for p in sys.argv[1:]]\nprint(1, flush=True)\n"
-    code += "time.sleep(600)\n"
-    process = subprocess.Popen(
-        [name, "-c", code, *paths], executable=sys.executable, stdout=subprocess.PIPE
-    )
-    _openers.append(process)
-    assert process.stdout is not None
-    process.stdout.readline()
-    process.stdout.close()
-    return Opener(process.pid)
-
-
 def idle_everywhere(cli: Cli) -> bool:
     """Every fake GPU has no allocation left."""
     return all(allocated_mib(cli.state, minor) == 0 for minor in range(4))
 
 
 def test_incident_is_reaped_and_the_next_start_succeeds(
-    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups, opener: Openers
 ) -> None:
     """A SIGKILLed server's surviving TP workers are reaped; nothing else; the next start fits."""
     unit = unit_name()
@@ -121,8 +86,8 @@ def test_incident_is_reaped_and_the_next_start_succeeds(
     for pid in (server.pid, *server.children):
         unit_cgroups.move(pid, unit)
     # Like the real ones, these open the device files but have no CUDA context (no memory).
-    persistenced = opener(cli, "nvidia-persistenced", 0, 1, 2, 3)
-    bystander = opener(cli, "gpu-exporter", 0)
+    persistenced = opener(cli.state, "nvidia-persistenced", 0, 1, 2, 3)
+    bystander = opener(cli.state, "gpu-exporter", 0)
     server.kill()  # systemd's SIGKILL after TimeoutStopSec; the workers survive
     server.wait()
     assert not any(process_gone(pid) for pid in server.children)
@@ -134,8 +99,8 @@ def test_incident_is_reaped_and_the_next_start_succeeds(
 
     assert result.code == 0, result.err
     assert all(process_gone(pid) for pid in server.children)
-    assert not process_gone(persistenced.pid)
-    assert not process_gone(bystander.pid)
+    assert not process_gone(persistenced)
+    assert not process_gone(bystander)
     assert idle_everywhere(cli)
     assert took >= 1.0  # SIGTERM ignored: the grace, then the driver's release delay
     assert "4 stale holder(s) reaped: start allowed" in result.err
@@ -286,18 +251,20 @@ def test_reap_dry_run_signals_nothing(cli: Cli, spawn_holder: HolderSpawner) -> 
     assert "signal" not in result.err
 
 
-def test_reap_json_and_clean_final_lines(cli: Cli, spawn_holder: HolderSpawner) -> None:
+def test_reap_json_and_clean_final_lines(
+    cli: Cli, spawn_holder: HolderSpawner, opener: Openers
+) -> None:
     """`reap --yes --json` acts, waits for idle and reports each GPU's memory."""
     holder = spawn_holder(cli.state, gpus=(1,), mib=1000, name="sglang::scheduler_TP1")
-    keep = opener(cli, "nvidia-smi", 1)
+    keep = opener(cli.state, "nvidia-smi", 1)
     doc = cli("reap", "--scope", "patterns", "--yes", "--json", "--grace", "1").json()
     assert doc["idle"] is True
     assert [r["pid"] for r in doc["results"]] == [holder.pid]
     assert doc["results"][0]["outcome"] == "exited"
-    spared = next(p for p in doc["plan"] if p["pid"] == keep.pid)
+    spared = next(p for p in doc["plan"] if p["pid"] == keep)
     assert spared["verdict"] == "refuse"
     assert [g["used_mib"] for g in doc["gpus"]] == [0, 0, 0, 0]
-    assert not process_gone(keep.pid)
+    assert not process_gone(keep)
 
 
 def test_reap_without_terminal_or_yes_does_nothing(cli: Cli, spawn_holder: HolderSpawner) -> None:

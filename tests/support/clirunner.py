@@ -71,3 +71,31 @@ class UnitCgroups:
     def move(self, pid: int, unit: str, slice_: str = "system.slice") -> None:
         """Put ``pid`` (and not its existing children) into ``/<slice>/<unit>``."""
         (self.ensure(unit, slice_) / "cgroup.procs").write_text(f"{pid}\n")
+
+
+@dataclass
+class Openers:
+    """Starts processes that only open device files (no allocation), like an exporter."""
+
+    processes: list[subprocess.Popen[bytes]]
+
+    def __call__(self, state: Path, name: str, *minors: int) -> int:
+        """Start ``name`` (its argv[0]) holding ``state/dev/nvidia<minor>`` open; its PID."""
+        paths = [str(state / "dev" / f"nvidia{minor}") for minor in minors]
+        code = "import sys, time\nfiles = [open(p) for p in sys.argv[1:]]\nprint(1, flush=True)\n"
+        code += "time.sleep(600)\n"
+        process = subprocess.Popen(
+            [name, "-c", code, *paths], executable=sys.executable, stdout=subprocess.PIPE
+        )
+        self.processes.append(process)
+        assert process.stdout is not None  # a PIPE
+        process.stdout.readline()
+        process.stdout.close()
+        return process.pid
+
+    def stop(self) -> None:
+        """Kill and reap every process started."""
+        while self.processes:
+            process = self.processes.pop()
+            process.kill()
+            process.wait()

@@ -1,0 +1,539 @@
+"""The watchdog daemon (`gpuguard run`): journal → events → detector → recovery.
+
+One thread, one loop: wait on journalctl's pipes with a short timeout, feed systemd's messages
+to each unit's detector, judge only after a *live* event (history replayed at start rebuilds
+the window but is never acted on), and recover a loop with a GPU cause the way the gate would:
+stop the unit, reap its stale holders, wait until its GPUs are idle, reset-failed, start.
+Every adapter is passed in (``Ports``), so tests drive the same loop with real processes and
+the fake NVML, or with in-memory twins.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gpuguard.detector import Detector, GpuEvidence, LoopSettings
+from gpuguard.events import parse_entry
+from gpuguard.gate import GateSettings, run_gate, set_blockers
+from gpuguard.gpuset import resolve_gpu_set
+from gpuguard.policy import PlanRequest, Scope, plan
+from gpuguard.recovery import Action, RecoveryLimits, RecoveryPlanner
+from gpuguard.values import MIB
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+
+    from gpuguard.config import Settings
+    from gpuguard.detector import Diagnosis
+    from gpuguard.holders import Inventory
+    from gpuguard.journal import JournalHealth, JournalRecord
+    from gpuguard.reaper import ReapResult, ReapTarget
+    from gpuguard.recovery import Decision
+    from gpuguard.systemd import UnitState
+    from gpuguard.values import GateOutcome, ProcessIdentity
+
+SNAPSHOT_SCHEMA = 1
+SNAPSHOT_EVERY_S = 5.0
+_STOP_WAIT_S = 300.0
+_RECENT = 10
+
+
+class Logger(Protocol):
+    """The structured logger the daemon writes to (structlog's bound logger satisfies it)."""
+
+    def info(self, event: str, **fields: object) -> object:
+        """An informational line."""
+        ...
+
+    def warning(self, event: str, **fields: object) -> object:
+        """Something an operator should see."""
+        ...
+
+    def error(self, event: str, **fields: object) -> object:
+        """Something failed."""
+        ...
+
+
+class Follower(Protocol):
+    """The journal follower as the daemon uses it (journal.JournalFollower, or a twin)."""
+
+    def start(self) -> None:
+        """Spawn journalctl: history first, then live."""
+
+    def fds(self) -> list[int]:
+        """Pipes to wait on."""
+        ...
+
+    def wake_in(self) -> float | None:
+        """Seconds until a restart is due, if any."""
+        ...
+
+    def read_available(self) -> list[JournalRecord]:
+        """What arrived, without blocking."""
+        ...
+
+    def take_problems(self) -> list[str]:
+        """Lines skipped since the last call, with reasons."""
+        ...
+
+    def commit(self, *records: JournalRecord) -> None:
+        """Persist the cursor after processing."""
+
+    def health(self) -> JournalHealth:
+        """Attached, replaying or restarting."""
+        ...
+
+    def close(self) -> None:
+        """Stop journalctl."""
+
+
+class NotifierPort(Protocol):
+    """sd_notify as the daemon uses it."""
+
+    def ready(self, status: str) -> None:
+        """READY=1 with a status line."""
+
+    def status(self, status: str) -> None:
+        """STATUS= one line."""
+
+    def watchdog(self) -> None:
+        """WATCHDOG=1."""
+
+    def stopping(self, status: str) -> None:
+        """STOPPING=1."""
+
+    def close(self) -> None:
+        """Release the socket."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Everything the daemon touches the world through."""
+
+    gather: Callable[[], Inventory]
+    show_unit: Callable[[str], UnitState]
+    control: Callable[[str, str], str | None]
+    reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    notifier: NotifierPort
+    log: Logger
+    wall: Callable[[], float]
+    monotonic: Callable[[], float]
+    sleep: Callable[[float], None]
+    write_snapshot: Callable[[dict[str, Any]], None]
+    load_unit_state: Callable[[str], dict[str, Any] | None]
+    save_unit_state: Callable[[str, dict[str, Any]], None]
+    untouchable: frozenset[int]
+    identity: ProcessIdentity | None = None
+    watchdog_interval_s: float | None = None
+
+
+@dataclass
+class _Watch:
+    """One watched unit: its detector, its recovery bookkeeping, what was last said."""
+
+    name: str
+    detector: Detector
+    planner: RecoveryPlanner
+    diagnosis: Diagnosis | None = None
+    decision: Decision | None = None
+    systemd_state: str = "unknown"
+    recoveries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    in_progress: dict[str, Any] | None = None
+
+
+class Daemon:
+    """The daemon's state and loop; ``run()`` returns the exit status."""
+
+    def __init__(self, settings: Settings, follower: Follower, ports: Ports) -> None:
+        """Wire one detector and one recovery planner per watched unit."""
+        self._settings = settings
+        self._follower = follower
+        self._ports = ports
+        daemon = settings.daemon
+        loop = LoopSettings(
+            min_starts=daemon.loop_min_starts,
+            window_s=daemon.loop_window_s,
+            restart_counter_threshold=daemon.restart_counter_threshold,
+            stable_s=daemon.stable_s,
+        )
+        limits = RecoveryLimits(
+            max_attempts=daemon.recovery_max_attempts,
+            backoff_s=daemon.recovery_backoff_s,
+            stable_s=daemon.stable_s,
+        )
+        self._watches = {
+            name: _Watch(name, Detector(name, loop), RecoveryPlanner(limits))
+            for name in settings.units
+        }
+        self._started_at = ports.wall()
+        self._stop = False
+        self._ready = False
+
+    def request_stop(self) -> None:
+        """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
+        self._stop = True
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start up, then loop until asked to stop; 0 on a clean shutdown."""
+        ports = self._ports
+        for watch in self._watches.values():
+            self._restore(watch)
+        inventory = ports.gather()
+        self._follower.start()
+        ports.log.info(
+            "started",
+            units=list(self._watches),
+            dry_run=self._settings.daemon.dry_run,
+            nvml=inventory.nvml.health.value,
+            gpus=len(inventory.gpus),
+        )
+        for watch in self._watches.values():
+            if watch.in_progress is not None:
+                self._resume_recovery(watch)
+        ports.notifier.ready(self._status_line())
+        self._ready = True
+        next_ping = next_snapshot = ports.monotonic()
+        while not self._stop:
+            self._wait_for_journal()
+            self._handle(self._follower.read_available())
+            for problem in self._follower.take_problems():
+                ports.log.warning("journal line skipped", reason=problem)
+            self._retry_waiting()
+            now = ports.monotonic()
+            if ports.watchdog_interval_s is not None and now >= next_ping:
+                ports.notifier.watchdog()  # only from here: a stuck loop stops the pings
+                next_ping = now + ports.watchdog_interval_s
+            if now >= next_snapshot:
+                self._publish()
+                next_snapshot = now + SNAPSHOT_EVERY_S
+        ports.notifier.stopping("stopping")
+        self._follower.close()
+        self._publish(running=False)
+        ports.notifier.close()
+        ports.log.info("stopped")
+        return 0
+
+    def _wait_for_journal(self) -> None:
+        timeout = 1.0
+        wake = self._follower.wake_in()
+        if wake is not None:
+            timeout = max(0.0, min(timeout, wake))
+        fds = self._follower.fds()
+        try:
+            if fds:
+                select.select(fds, [], [], timeout)
+            else:
+                self._ports.sleep(timeout)
+        except InterruptedError:
+            return
+
+    def _handle(self, records: Sequence[JournalRecord]) -> None:
+        """Feed records to the detectors; judge the units a live event may have changed."""
+        touched: set[str] = set()
+        for record in records:
+            for watch in self._watches.values():
+                event = parse_entry(record.entry, watch.name)
+                if event is not None and watch.detector.observe(event, live=record.live):
+                    touched.add(watch.name)
+        if records:
+            self._follower.commit(*records)
+        for name in touched:
+            self._judge(self._watches[name])
+
+    def _retry_waiting(self) -> None:
+        """A unit whose recovery waited out its backoff is judged again (no new event needed)."""
+        now = self._ports.wall()
+        for watch in self._watches.values():
+            decision = watch.decision
+            waiting = decision is not None and decision.action is Action.WAIT
+            if waiting and decision is not None and now >= (decision.not_before_s or 0.0):
+                self._judge(watch)
+
+    # -- judging and acting --------------------------------------------------------------------
+
+    def _judge(self, watch: _Watch) -> None:
+        now = self._ports.wall()
+        quick = watch.detector.diagnose(now, None)
+        if not quick.looping:
+            watch.planner.healthy(now)
+            self._say(watch, quick, None)
+            return
+        inventory = self._ports.gather()
+        state = self._ports.show_unit(watch.name)
+        watch.systemd_state = _describe_state(state)
+        evidence = self._gpu_evidence(watch.name, inventory, state)
+        diagnosis = watch.detector.diagnose(now, evidence)
+        decision = watch.planner.decide(diagnosis, now)
+        self._say(watch, diagnosis, decision)
+        if decision.action is Action.RECOVER:
+            self._recover(watch, diagnosis, inventory, state)
+        self._save(watch)
+
+    def _say(self, watch: _Watch, diagnosis: Diagnosis, decision: Decision | None) -> None:
+        """Log a verdict once when it changes, not on every event."""
+        before = (watch.diagnosis.reason if watch.diagnosis else None, _action(watch.decision))
+        watch.diagnosis, watch.decision = diagnosis, decision
+        if before == (diagnosis.reason, _action(decision)):
+            return
+        fields: dict[str, object] = {
+            "unit": watch.name,
+            "looping": diagnosis.looping,
+            "reason": diagnosis.reason,
+            "cause": diagnosis.cause.value,
+            "cause_detail": diagnosis.cause_detail,
+            "starts_in_window": diagnosis.starts_in_window,
+            "n_restarts": diagnosis.n_restarts,
+        }
+        if decision is None:
+            self._ports.log.info("verdict", **fields)
+            return
+        fields |= {"action": decision.action.value, "action_reason": decision.reason}
+        if decision.action is Action.NEEDS_OPERATOR:
+            self._ports.log.error("needs operator", evidence=list(diagnosis.evidence), **fields)
+        else:
+            self._ports.log.warning("restart loop", evidence=list(diagnosis.evidence), **fields)
+
+    def _request(
+        self, unit: str, inventory: Inventory, state: UnitState, live: str | None
+    ) -> PlanRequest:
+        settings = self._settings
+        unit_settings = settings.units[unit]
+        gpu_set = resolve_gpu_set(unit_settings.gpus, state.environment, inventory.nvml.gpus)
+        return PlanRequest(
+            unit=unit,
+            scope=Scope.UNIT,
+            patterns=unit_settings.patterns,
+            gpu_set=gpu_set.indices,
+            protected_names=settings.protected_processes,
+            untouchable_pids=self._ports.untouchable,
+            live_invocation=live,
+        )
+
+    def _gpu_evidence(self, unit: str, inventory: Inventory, state: UnitState) -> GpuEvidence:
+        """Stale holders of the unit's GPUs: what a reap would take while the unit runs."""
+        live = state.invocation_id if state.running else None
+        request = self._request(unit, inventory, state, live)
+        stale = tuple(
+            f"PID {d.holder.pid} ({d.holder.comm}) holds GPU "
+            + ",".join(str(u.gpu_index) for u in d.holder.gpus)
+            + f": {d.reason}"
+            for d in plan(inventory.holders, request).to_reap
+        )
+        settings = self._gate_settings(request)
+        return GpuEvidence(stale_holders=stale, gpus_busy=bool(set_blockers(inventory, settings)))
+
+    def _gate_settings(self, request: PlanRequest) -> GateSettings:
+        settings = self._settings
+        return GateSettings(
+            request, settings.idle_threshold_mib * MIB, settings.gate_timeout_s, poll_s=0.5
+        )
+
+    def _recover(
+        self, watch: _Watch, diagnosis: Diagnosis, inventory: Inventory, state: UnitState
+    ) -> None:
+        ports = self._ports
+        now = ports.wall()
+        request = self._request(watch.name, inventory, state, None)
+        planned = [d.holder.pid for d in plan(inventory.holders, request).to_reap]
+        record: dict[str, Any] = {
+            "started_at": _iso(now),
+            "reason": diagnosis.reason,
+            "evidence": list(diagnosis.evidence),
+            "planned_pids": planned,
+        }
+        watch.planner.recovered(now)
+        if self._settings.daemon.dry_run:
+            record |= {"result": "dry-run", "finished_at": _iso(ports.wall())}
+            ports.log.warning(
+                "dry run: would recover",
+                unit=watch.name,
+                steps=[
+                    "systemctl stop",
+                    f"reap {planned}",
+                    "wait for idle GPUs",
+                    "reset-failed",
+                    "systemctl start",
+                ],
+            )
+            watch.recoveries.append(record)
+            return
+        watch.in_progress = record
+        self._save(watch)
+        self._carry_out(watch, record)
+
+    def _resume_recovery(self, watch: _Watch) -> None:
+        """A recovery interrupted by our own death (SIGKILL, crash) is finished, not repeated."""
+        record = watch.in_progress
+        assert record is not None  # noqa: S101 - checked by the caller
+        self._ports.log.warning(
+            "resuming interrupted recovery", unit=watch.name, since=record.get("started_at")
+        )
+        self._carry_out(watch, record)
+
+    def _carry_out(self, watch: _Watch, record: dict[str, Any]) -> None:
+        ports = self._ports
+        ports.notifier.status(f"recovering {watch.name}")
+        ports.log.warning("recovery: stopping unit", unit=watch.name)
+        problem = ports.control("stop", watch.name)
+        stopped = problem is None and self._wait_stopped(watch.name)
+        outcome: GateOutcome | None = None
+        if stopped:
+            inventory = ports.gather()
+            state = ports.show_unit(watch.name)
+            settings = self._gate_settings(self._request(watch.name, inventory, state, None))
+            pending = [inventory]
+
+            def gather() -> Inventory:
+                return pending.pop() if pending else ports.gather()
+
+            outcome = run_gate(settings, gather, ports.reap, ports.monotonic, self._heartbeat_sleep)
+            problem = None if outcome.passed else "; ".join(outcome.blockers)
+        elif problem is None:
+            problem = f"{watch.name} did not stop within {_STOP_WAIT_S:.0f} s"
+        for verb in ("reset-failed", "start"):
+            failure = ports.control(verb, watch.name)
+            problem = problem or failure
+        record |= {
+            "finished_at": _iso(ports.wall()),
+            "result": "restarted" if problem is None else "failed",
+            "problem": problem,
+            "reaped": [
+                {
+                    "pid": r.target.identity.pid,
+                    "outcome": r.outcome.value,
+                    "signals": list(r.signals),
+                }
+                for r in (outcome.reaped if outcome else ())
+            ],
+            "waited_s": round(outcome.waited_s, 2) if outcome else None,
+        }
+        watch.detector.reset(ports.wall())
+        watch.in_progress = None
+        watch.recoveries.append(record)
+        self._save(watch)
+        log = ports.log.info if problem is None else ports.log.error
+        log(
+            "recovery finished",
+            unit=watch.name,
+            result=record["result"],
+            problem=problem,
+            reaped=len(record["reaped"]),
+        )
+        ports.notifier.status(self._status_line())
+
+    def _wait_stopped(self, unit: str) -> bool:
+        deadline = self._ports.monotonic() + _STOP_WAIT_S
+        while self._ports.monotonic() < deadline:
+            state = self._ports.show_unit(unit)
+            if state.error is None and not state.running:
+                return True
+            self._heartbeat_sleep(0.5)
+        return False
+
+    def _heartbeat_sleep(self, seconds: float) -> None:
+        """Sleep inside a recovery while still proving to systemd's watchdog that we live."""
+        if self._ports.watchdog_interval_s is not None:
+            self._ports.notifier.watchdog()
+        self._ports.sleep(seconds)
+
+    # -- state that outlives the process ------------------------------------------------------
+
+    def _save(self, watch: _Watch) -> None:
+        self._ports.save_unit_state(
+            watch.name,
+            {
+                "planner": watch.planner.export(),
+                "recoveries": list(watch.recoveries),
+                "in_progress": watch.in_progress,
+            },
+        )
+
+    def _restore(self, watch: _Watch) -> None:
+        saved = self._ports.load_unit_state(watch.name)
+        if not saved:
+            return
+        watch.planner.restore(saved.get("planner") or {})
+        for record in saved.get("recoveries") or []:
+            if isinstance(record, dict):
+                watch.recoveries.append(record)
+        in_progress = saved.get("in_progress")
+        watch.in_progress = in_progress if isinstance(in_progress, dict) else None
+
+    # -- what operators see -------------------------------------------------------------------
+
+    def _status_line(self) -> str:
+        parts = []
+        for watch in self._watches.values():
+            if watch.planner.needs_operator:
+                parts.append(f"{watch.name}: NEEDS OPERATOR")
+            elif watch.diagnosis is not None and watch.diagnosis.looping:
+                parts.append(f"{watch.name}: restart loop ({_action(watch.decision)})")
+            else:
+                parts.append(f"{watch.name}: ok")
+        journal = self._follower.health()
+        return f"watching {', '.join(parts)}; journal {journal.state}"
+
+    def _publish(self, *, running: bool = True) -> None:
+        ports = self._ports
+        health = self._follower.health()
+        document = {
+            "schema_version": SNAPSHOT_SCHEMA,
+            "pid": os.getpid(),
+            "start_time": ports.identity.start_time if ports.identity else None,
+            "running": running,
+            "ready": self._ready,
+            "started_at": _iso(self._started_at),
+            "updated_at": _iso(ports.wall()),
+            "dry_run": self._settings.daemon.dry_run,
+            "journal": {"state": health.state, "reason": health.reason},
+            "units": {name: _unit_snapshot(watch) for name, watch in self._watches.items()},
+        }
+        ports.write_snapshot(document)
+        ports.notifier.status(self._status_line())
+
+
+def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
+    diagnosis = watch.diagnosis
+    return {
+        "systemd_state": watch.systemd_state,
+        "looping": bool(diagnosis and diagnosis.looping),
+        "verdict": diagnosis.reason if diagnosis else "no lifecycle events seen yet",
+        "cause": diagnosis.cause.value if diagnosis else None,
+        "cause_detail": diagnosis.cause_detail if diagnosis else None,
+        "starts_in_window": diagnosis.starts_in_window if diagnosis else 0,
+        "failures_in_window": diagnosis.failures_in_window if diagnosis else 0,
+        "n_restarts": diagnosis.n_restarts if diagnosis else None,
+        "evidence": list(diagnosis.evidence) if diagnosis else [],
+        "action": _action(watch.decision),
+        "action_reason": watch.decision.reason if watch.decision else None,
+        "needs_operator": watch.planner.needs_operator,
+        "recoveries": list(watch.recoveries),
+        "recovery_in_progress": watch.in_progress is not None,
+    }
+
+
+def _action(decision: Decision | None) -> str | None:
+    return decision.action.value if decision is not None else None
+
+
+def _describe_state(state: UnitState) -> str:
+    if state.error:
+        return f"unknown ({state.error})"
+    return f"{state.active_state} ({state.sub_state})"
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+
+
+def unit_state_path(state_dir: Path, unit: str) -> Path:
+    """Where a unit's recovery history and planner state survive restarts and reboots."""
+    return state_dir / "units" / f"{unit}.json"
