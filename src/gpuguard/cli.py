@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from datetime import UTC, datetime
@@ -42,6 +43,8 @@ commands:
   reap     the surgical replacement for `kill -9 <every python>; fuser -k /dev/nvidia*`
   gate     ExecStartPre= of a watched unit: wait until its GPUs are idle before it starts
   run      the watchdog daemon: detect restart loops in the journal and recover them
+  install-gate / remove-gate
+           add or remove the gate drop-in of a unit (never done without being asked)
 """
 
 _STATUS_HELP = """\
@@ -172,7 +175,35 @@ def build_parser() -> argparse.ArgumentParser:
         description=_RUN_HELP,
         formatter_class=raw,
     )
+    for name, text in (
+        ("install-gate", _INSTALL_GATE_HELP),
+        ("remove-gate", _REMOVE_GATE_HELP),
+    ):
+        command = commands.add_parser(
+            name, help=text.splitlines()[0], description=text, formatter_class=raw
+        )
+        command.add_argument("--unit", required=True, help="the unit, e.g. sglang.service")
     return parser
+
+
+_INSTALL_GATE_HELP = """\
+Install the gate drop-in for a unit (explicitly; gpuguard never does it by itself).
+Writes /etc/systemd/system/UNIT.d/gpuguard-gate.conf - ExecStartPre= gate, ExecStopPost=
+reap, TimeoutStartSec=600, TimeoutStopSec=120, KillMode=mixed, each line commented (see
+`gpuguard` docs/gate.md) - and runs `systemctl daemon-reload`. The drop-in calls this
+gpuguard's path. A file there that gpuguard did not write, or that was edited since, is
+left alone and the command fails. Undo with `gpuguard remove-gate --unit UNIT`.
+
+Exit status: 0 installed or already there; 1 refused or daemon-reload failed.
+"""
+
+_REMOVE_GATE_HELP = """\
+Remove the gate drop-in that `gpuguard install-gate` wrote for a unit, then run
+`systemctl daemon-reload`. Any other file is left alone. The next start of the unit runs
+without the gate.
+
+Exit status: 0 removed or not there; 1 refused or daemon-reload failed.
+"""
 
 
 def _scope_argument(parser: argparse.ArgumentParser) -> None:
@@ -207,8 +238,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gate": lambda: _gate(settings, args),
         "run": lambda: _run(settings),
         "reap": lambda: _reap(settings, args),
+        "install-gate": lambda: _change_gate(args.unit, install=True),
+        "remove-gate": lambda: _change_gate(args.unit, install=False),
     }
     return commands[args.command]()
+
+
+def _change_gate(unit: str, *, install: bool) -> int:
+    """Install or remove the gate drop-in, then make systemd read it."""
+    from gpuguard import dropin  # noqa: PLC0415 - see module doc
+
+    if not unit.endswith(".service"):
+        sys.stderr.write(f"gpuguard: {unit!r} is not a service unit name such as sglang.service\n")
+        return EX_USAGE
+    change = dropin.install(unit, _own_executable()) if install else dropin.remove(unit)
+    if change.refused:
+        sys.stderr.write(f"gpuguard: {change.refused}\n")
+        return 1
+    sys.stdout.write(f"{change.path}: {change.action}\n")
+    if change.action in {"installed", "removed"}:
+        problem = dropin.daemon_reload()
+        if problem:
+            sys.stderr.write(f"gpuguard: {problem}\n")
+            return 1
+    if install:
+        sys.stdout.write(f"undo with: gpuguard remove-gate --unit {unit}\n")
+    return 0
+
+
+def _own_executable() -> str:
+    """The absolute path the drop-in should call: this gpuguard, else the packaged one."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "gpuguard":
+        return str(argv0.absolute())
+    found = shutil.which("gpuguard")
+    return str(Path(found).resolve()) if found else "/usr/bin/gpuguard"
 
 
 def _run(settings: Settings) -> int:

@@ -1,0 +1,121 @@
+"""The gate drop-in for a watched unit: its text, and installing or removing it on request.
+
+gpuguard never changes another package's unit by itself; `gpuguard install-gate` writes this
+one file into the unit's drop-in directory when an operator asks, and `remove-gate` deletes
+only a file that gpuguard wrote. `systemd/gpuguard-gate.conf` in the source tree is this text
+rendered for the packaged binary (a test keeps the two identical).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEMD_DIR = Path("/etc/systemd/system")
+FILE_NAME = "gpuguard-gate.conf"
+MARKER = "# gpuguard drop-in for a GPU inference unit (SGLang, vLLM)."
+
+_TEMPLATE = f"""\
+{MARKER}
+# Install:  gpuguard install-gate --unit sglang.service
+# Undo:     gpuguard remove-gate --unit sglang.service
+# (or copy this file to /etc/systemd/system/UNIT.d/ and run systemctl daemon-reload)
+[Service]
+# Before every start, manual or automatic (Restart=), wait until this unit's GPUs are idle,
+# reaping processes left over from an earlier run first; exit 1 after gate_timeout_s (300 s by
+# default) so systemd's start limits take over instead of a model load that cannot allocate.
+# "+" runs the gate with full privileges even when the unit sets User= or sandboxing options:
+# it must read every /proc/PID/fd and signal stale processes of other users.
+ExecStartPre=+{{gpuguard}} gate --unit %n
+# After every stop (clean, failed, or after systemd's SIGKILL), reap what is left in the unit's
+# cgroup or was orphaned from it, so the GPUs are free before anything else wants them.
+# "-" keeps a failed reap from marking the stop as failed; the next gate will try again.
+ExecStopPost=-+{{gpuguard}} reap --unit %n --yes --grace 5 --timeout 20
+# Each ExecStartPre= gets its own TimeoutStartSec=: keep it above the gate's timeout (300 s)
+# plus a margin, or systemd kills the gate before it can explain itself. For Type=notify
+# servers ExecStart= then gets a fresh TimeoutStartSec= for the model load.
+TimeoutStartSec=600
+# How long the server may drain requests after SIGTERM before systemd sends SIGKILL. SGLang's
+# drain has no upper bound: choose your drain budget; the gate makes the next start safe even
+# when this fires. ExecStopPost= above also runs within this timeout.
+TimeoutStopSec=120
+# mixed: SIGTERM only to the main process (SGLang shuts its TP workers down itself), then
+# SIGKILL to every process left in the cgroup. Never "process": it leaves workers holding GPU
+# memory after a stop, which is exactly the incident gpuguard exists for.
+KillMode=mixed
+"""
+
+
+def render(gpuguard: str = "/usr/bin/gpuguard") -> str:
+    """The drop-in text, calling gpuguard at ``gpuguard`` (an absolute path)."""
+    return _TEMPLATE.replace("{gpuguard}", gpuguard)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What install/remove did (or would do): the file, the action, and why if refused."""
+
+    path: Path
+    action: str
+    refused: str | None = None
+
+
+def drop_in_path(unit: str, systemd_dir: Path = SYSTEMD_DIR) -> Path:
+    """Where the drop-in for ``unit`` lives."""
+    return systemd_dir / f"{unit}.d" / FILE_NAME
+
+
+def install(unit: str, gpuguard: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Change:
+    """Write the drop-in; refuse to overwrite a file an operator changed."""
+    path = drop_in_path(unit, systemd_dir)
+    text = render(gpuguard)
+    try:
+        current = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        current = None
+    if current == text:
+        return Change(path, "unchanged")
+    if current is not None and not current.startswith(MARKER):
+        return Change(path, "refused", f"{path} exists and was not written by gpuguard")
+    if current is not None:
+        return Change(
+            path,
+            "refused",
+            f"{path} was changed since gpuguard wrote it; remove it first "
+            "(gpuguard remove-gate) or edit it by hand",
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{FILE_NAME}.tmp")
+    temp.write_text(text, encoding="utf-8")
+    temp.replace(path)
+    return Change(path, "installed")
+
+
+def remove(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Change:
+    """Delete the drop-in if gpuguard wrote it; never touch anything else."""
+    path = drop_in_path(unit, systemd_dir)
+    try:
+        current = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Change(path, "absent")
+    if not current.startswith(MARKER):
+        return Change(path, "refused", f"{path} was not written by gpuguard; left alone")
+    path.unlink()
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # only if now empty: other drop-ins stay
+    return Change(path, "removed")
+
+
+def daemon_reload() -> str | None:
+    """Make systemd read the change; None, or why it could not."""
+    try:
+        result = subprocess.run(
+            ["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"systemctl daemon-reload failed: {err}"
+    if result.returncode != 0:
+        return f"systemctl daemon-reload: {result.stderr.strip() or result.returncode}"
+    return None

@@ -1,0 +1,59 @@
+"""The gate drop-in: one source for its text; install and remove touch only gpuguard's file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpuguard import dropin
+
+SHIPPED = Path(__file__).resolve().parents[2] / "systemd" / "gpuguard-gate.conf"
+
+
+def test_shipped_example_is_the_rendered_text() -> None:
+    """systemd/gpuguard-gate.conf is exactly what install-gate writes for /usr/bin/gpuguard."""
+    assert SHIPPED.read_text() == dropin.render("/usr/bin/gpuguard")
+
+
+def test_every_setting_line_is_commented() -> None:
+    """Each directive has a comment line right above it."""
+    lines = dropin.render().splitlines()
+    for number, line in enumerate(lines):
+        if "=" in line and not line.startswith("#"):
+            assert lines[number - 1].startswith("#"), line
+
+
+def test_install_then_remove(tmp_path: Path) -> None:
+    """Install writes the file once, calling the given gpuguard; remove deletes it and its dir."""
+    change = dropin.install("sglang.service", "/opt/gpuguard/bin/gpuguard", systemd_dir=tmp_path)
+    assert change.action == "installed"
+    text = change.path.read_text()
+    assert "ExecStartPre=+/opt/gpuguard/bin/gpuguard gate --unit %n" in text
+    assert change.path == tmp_path / "sglang.service.d" / "gpuguard-gate.conf"
+    again = dropin.install("sglang.service", "/opt/gpuguard/bin/gpuguard", systemd_dir=tmp_path)
+    assert again.action == "unchanged"
+    assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "removed"
+    assert not (tmp_path / "sglang.service.d").exists()
+    assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "absent"
+
+
+def test_foreign_or_edited_files_are_left_alone(tmp_path: Path) -> None:
+    """A file gpuguard did not write, or one edited since, is never overwritten or removed."""
+    path = dropin.drop_in_path("vllm.service", tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text("[Service]\nExecStartPre=/bin/true\n")
+    assert dropin.install("vllm.service", "/usr/bin/gpuguard", systemd_dir=tmp_path).refused
+    assert dropin.remove("vllm.service", systemd_dir=tmp_path).refused
+    assert path.read_text() == "[Service]\nExecStartPre=/bin/true\n"
+    path.write_text(dropin.render() + "TimeoutStopSec=30\n")
+    refused = dropin.install("vllm.service", "/usr/bin/gpuguard", systemd_dir=tmp_path)
+    assert refused.refused is not None
+    assert "changed since" in refused.refused
+
+
+def test_other_drop_ins_survive_removal(tmp_path: Path) -> None:
+    """Removing the gate keeps the unit's other drop-ins and their directory."""
+    dropin.install("sglang.service", "/usr/bin/gpuguard", systemd_dir=tmp_path)
+    other = tmp_path / "sglang.service.d" / "override.conf"
+    other.write_text("[Service]\nNice=5\n")
+    assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "removed"
+    assert other.exists()
