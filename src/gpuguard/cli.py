@@ -352,7 +352,9 @@ def _status(settings: Settings, *, as_json: bool) -> int:
         units.append(
             status.UnitView(
                 name=name,
-                state=unit_state.error or f"{unit_state.active_state} ({unit_state.sub_state})",
+                state=f"state unknown ({unit_state.error})"
+                if unit_state.error
+                else f"{unit_state.active_state} ({unit_state.sub_state})",
                 gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
                 gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
             )

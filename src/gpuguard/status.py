@@ -277,7 +277,7 @@ def render_text(report: StatusReport) -> str:
             + (f", memory API {'/'.join(sorted(api))}" if api else "")
         )
     else:
-        lines.append(f"NVML: {nvml.health.value}: {nvml.reason}")
+        lines.append(f"NVML: {nvml.reason or nvml.health.value}")
     shown: set[int] = set()
     for gpu in inventory.gpus:
         lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
