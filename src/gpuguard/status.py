@@ -95,6 +95,7 @@ class StatusReport:
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
     """Turn evidence into findings; the worst finding sets the level."""
     findings = [
+        *_gate_findings(context.units),
         *_daemon_findings(context.daemon),
         *_nvml_findings(inventory),
         *_gpu_findings(inventory),
@@ -130,6 +131,23 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.clock_ticks,
         context.daemon,
     )
+
+
+def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
+    """A unit whose last start the gate refused is down because its GPUs are held."""
+    findings = []
+    for unit in units:
+        last = unit.gate_decisions[-1] if unit.gate_decisions else None
+        if last is not None and last.get("result") == "refused":
+            blockers = _list(last.get("blockers"))
+            why = escape_control(str(blockers[0])) if blockers else "GPUs busy"
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"the gate refused the last start of {unit.name} at {last.get('time')}: {why}",
+                )
+            )
+    return findings
 
 
 def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:

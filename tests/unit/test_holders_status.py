@@ -6,7 +6,7 @@ import json
 from datetime import UTC, datetime
 
 from gpuguard.holders import build_inventory, gpu_minor_of
-from gpuguard.status import Level, StatusContext, assess, render_text, to_json
+from gpuguard.status import Level, StatusContext, UnitView, assess, render_text, to_json
 from gpuguard.values import (
     MIB,
     GpuMemory,
@@ -243,3 +243,27 @@ def test_hostile_comm_cannot_forge_output_lines() -> None:
         proc(10, "/dev/nvidia0", state="D", comm="x\nOK: fine"),
     )
     assert not any(line.startswith("OK: fine") for line in text.splitlines())
+
+
+def test_refused_gate_is_critical() -> None:
+    """A unit whose last start the gate refused is reported CRITICAL with the blocker."""
+    refused = UnitView(
+        "sglang.service",
+        "failed (failed)",
+        "GPUs 0,1 (from config)",
+        (
+            {"time": "t1", "result": "passed", "blockers": []},
+            {"time": "t2", "result": "refused", "blockers": ["GPU 1: 500 MiB used, held by X"]},
+        ),
+    )
+    context = StatusContext(
+        watched_units={},
+        protected_names=(),
+        idle_threshold_bytes=16 * MIB,
+        as_root=True,
+        units=(refused,),
+    )
+    report = assess(build_inventory(reading(gpu(0)), ProcScan(()), 16 * MIB), context, NOW)
+    assert report.level is Level.CRITICAL
+    assert "refused the last start of sglang.service at t2: GPU 1: 500 MiB used" in report.headline
+    assert "gate t2 refused" in render_text(report)
