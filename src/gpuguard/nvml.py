@@ -14,6 +14,7 @@ import pickle
 import selectors
 import signal
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.values import (
@@ -251,14 +252,8 @@ def _unreachable_gpu(index: int, err: Any) -> GpuReading:  # noqa: ANN401 - unty
 
 
 def _mark_lost(reading: GpuReading) -> GpuReading:
-    return GpuReading(
-        index=reading.index,
-        name=reading.name,
-        uuid=reading.uuid,
-        pci_bus_id=reading.pci_bus_id,
-        minor=reading.minor,
-        memory=reading.memory,
-        processes=reading.processes,
+    return replace(
+        reading,
         problem="GPU is lost (fallen off the bus); its memory will not be released without a "
         "GPU reset or reboot",
         lost=True,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from gpuguard.protection import is_protected
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from gpuguard.holders import Holder
 
@@ -150,7 +150,7 @@ def _outside_gpu_set(holder: Holder, request: PlanRequest) -> str | None:
 def _by_scope(holder: Holder, request: PlanRequest) -> Decision:
     if _in_unit(holder, request.unit):
         return _in_unit_decision(holder, request)
-    pattern = _matching_pattern(holder, request.patterns)
+    pattern = matching_pattern(holder, request.patterns)
     owner = holder.owner
     if request.scope is Scope.ALL:
         verdict, reason = Verdict.REAP, f"scope all: every unprotected holder ({owner})"
@@ -200,7 +200,8 @@ def _orphan(holder: Holder) -> bool:
     return holder.ppid == 1 and not foreign_service and attribution.container is None
 
 
-def _matching_pattern(holder: Holder, patterns: tuple[str, ...]) -> str | None:
+def matching_pattern(holder: Holder, patterns: Sequence[str]) -> str | None:
+    """The first pattern found in the holder's command line (or name), if any."""
     text = " ".join(holder.cmdline) or holder.comm
     return next((p for p in patterns if p and (p in text or p in holder.comm)), None)
 

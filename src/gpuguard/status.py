@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.policy import matching_pattern
 from gpuguard.protection import is_idle, is_protected
 from gpuguard.redaction import escape_control
 from gpuguard.values import MIB, NvmlHealth
@@ -257,7 +258,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
         if is_protected(holder, context.protected_names):
             continue
         for unit, patterns in context.watched_units.items():
-            if holder.attribution.unit != unit and _matches(holder, patterns):
+            if holder.attribution.unit != unit and matching_pattern(holder, patterns):
                 findings.append(
                     Finding(
                         Level.WARNING,
@@ -266,11 +267,6 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                     )
                 )
     return findings
-
-
-def _matches(holder: Holder, patterns: Sequence[str]) -> bool:
-    text = " ".join(holder.cmdline) or holder.comm
-    return any(pattern in text for pattern in patterns)
 
 
 def _gpu_list(holder: Holder) -> str:
