@@ -1,6 +1,9 @@
 # Developer entry points. `make check` is the one test command: README and .ci/run call it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# How long bench/daemon_idle.py watches the idle daemon (the issue's 10 minutes; shorten with
+# `make bench IDLE_SECONDS=120`).
+IDLE_SECONDS ?= 600
 
 .PHONY: check lint test venv fakenvml bench clean
 
@@ -28,6 +31,15 @@ fakenvml:
 bench: venv fakenvml
 	$(PY) bench/holder_scan.py
 	$(PY) bench/gate.py
+	$(PY) bench/journal_throughput.py
+	$(PY) bench/daemon_idle.py --seconds $(IDLE_SECONDS)
 
 clean:
 	rm -rf $(VENV) tests/fakenvml/build .pytest_cache .mypy_cache .ruff_cache
+
+# The Debian package, built in a clean tree of the release (root, debootstrap, systemd-nspawn;
+# docs/packaging.md): `make deb`, or `make deb RELEASE=trixie`. Output in dist/RELEASE/.
+RELEASE ?= bookworm
+.PHONY: deb
+deb:
+	packaging/build-deb --release $(RELEASE)

@@ -1,0 +1,416 @@
+"""The Debian package on a real systemd: install, READY, status, sandbox, gate drop-ins, purge.
+
+Each test boots a clean container of the release (tests/e2e/container.py) and installs the .deb
+that `make deb` / `packaging/build-deb --release RELEASE` left in dist/RELEASE (or
+`$GPUGUARD_DEB_DIR/RELEASE`) with `apt install ./gpuguard_*.deb`, as an operator would. Without a
+built package the tests skip, saying how to build one; `GPUGUARD_REQUIRE_DEB=1` (CI) makes that a
+failure instead. What is at risk: a package that installs but does not start, a sandbox that
+takes away what gpuguard needs (other users' /proc/PID/fd, signals, NVML, journalctl,
+systemctl), a gate drop-in that is installed silently or outlives the binary it calls, and a
+purge that leaves state behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from fakestate import build_fake_nvml, write_state
+
+from e2e.container import RELEASES, Bind, Container
+
+if TYPE_CHECKING:
+    from e2e.conftest import ContainerFactory
+
+ROOT = Path(__file__).resolve().parents[2]
+DEB_DIR_ENV = "GPUGUARD_DEB_DIR"
+REQUIRE_ENV = "GPUGUARD_REQUIRE_DEB"
+APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
+UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
+UPSTREAM = re.search(
+    r'^__version__ = "(.+)"$', (ROOT / "src/gpuguard/__init__.py").read_text(), re.MULTILINE
+)
+
+
+def built_package(release: str) -> Path | None:
+    """The newest gpuguard .deb built for `release`, if any."""
+    base = Path(os.environ.get(DEB_DIR_ENV) or ROOT / "dist") / release
+    found = sorted(base.glob("gpuguard_*.deb"))
+    return found[-1] if found else None
+
+
+@pytest.fixture
+def deb(release: str) -> Path:
+    """The built package for the release under test; skip (or fail in CI) without one."""
+    path = built_package(release)
+    if path is None:
+        message = f"no gpuguard .deb for {release}: run `packaging/build-deb --release {release}`"
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def apt(box: Container, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`apt ARGS` inside, non-interactive, from the directory holding the package."""
+    return box.run(
+        ["sh", "-c", 'cd /debs && exec apt -y "$@"', "apt", *args],
+        env=APT_ENV,
+        timeout=300,
+        check=check,
+    )
+
+
+def install(box: Container, deb: Path) -> None:
+    """`apt install ./gpuguard_VERSION_ARCH.deb`, exactly as docs/install.md says."""
+    apt(box, "install", f"./{deb.name}")
+
+
+def wait_active(box: Container, unit: str, timeout: float = 60.0) -> None:
+    """Wait until `unit` is active: for gpuguard (Type=notify) that means READY=1 arrived."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state = box.systemctl("show", "-p", "ActiveState", "--value", unit).stdout.strip()
+        if state == "active":
+            return
+        time.sleep(0.2)
+    journal = box.run(["journalctl", "--no-pager", "-u", unit, "-n", "40"], check=False).stdout
+    pytest.fail(f"{unit} is {state!r}, not active (READY=1), after {timeout} s:\n{journal}")
+
+
+def booted_with(container: ContainerFactory, deb: Path, *binds: Bind) -> Container:
+    """A booted container with the package's directory at /debs (read-only) and `binds`."""
+    return container(binds=[Bind(deb.parent, "/debs"), *binds])
+
+
+@pytest.fixture
+def installed(container: ContainerFactory, deb: Path) -> Container:
+    """A booted container with the package installed."""
+    box = booted_with(container, deb)
+    install(box, deb)
+    return box
+
+
+def test_install_enables_and_starts_the_daemon_which_reaches_ready(
+    installed: Container, deb: Path
+) -> None:
+    """`apt install` succeeds, enables gpuguard.service and starts it; it sends READY=1."""
+    version = installed.run(["dpkg-query", "-W", "-f=${Version}", "gpuguard"]).stdout
+    assert deb.name == f"gpuguard_{version}_amd64.deb"
+    assert installed.systemctl("is-enabled", "gpuguard.service").stdout.strip() == "enabled"
+    wait_active(installed, "gpuguard.service")
+    shown = installed.systemctl("show", "-p", "Type,SubState,StatusText", "gpuguard.service")
+    properties = dict(line.split("=", 1) for line in shown.stdout.splitlines())
+    assert properties["Type"] == "notify"
+    assert properties["SubState"] == "running"
+    assert properties["StatusText"], "the daemon sends STATUS= lines"
+    installed.wait_journal(
+        ["_PID=1", "UNIT=gpuguard.service", f"MESSAGE_ID={UNIT_STARTED}"], lambda e: len(e) == 1
+    )
+
+
+def test_status_answers_for_root_and_other_users(installed: Container) -> None:
+    """/usr/bin/gpuguard runs from the private environment; status answers, also without root."""
+    assert UPSTREAM is not None
+    version = installed.run(["gpuguard", "--version"]).stdout.strip()
+    assert version == f"gpuguard {UPSTREAM[1]}"
+    done = installed.run(["gpuguard", "status", "--json"], check=False)
+    assert done.returncode in {0, 1, 2, 3}, done.stderr
+    document = json.loads(done.stdout)
+    assert document["exit_code"] == done.returncode
+    assert document["schema_version"] >= 1
+    # A watched unit's Environment=PYTHONPATH=... cannot reach into gpuguard's imports (-I).
+    installed.write_file("/tmp/evil/pydantic/__init__.py", "raise SystemExit('hijacked')\n")
+    hijack = installed.run(
+        ["gpuguard", "status"], env={"PYTHONPATH": "/tmp/evil"}, check=False
+    )  # fmt: skip
+    assert "hijacked" not in hijack.stdout + hijack.stderr
+    assert hijack.returncode in {0, 1, 2, 3}
+    installed.run(["useradd", "--create-home", "operator1"])
+    as_user = installed.run_as("operator1", ["gpuguard", "status"], check=False)
+    assert as_user.returncode in {0, 1, 2, 3}, as_user.stderr
+    assert "NVML" in as_user.stdout
+
+
+def test_package_contents_follow_policy(installed: Container) -> None:
+    """Conffile, man page, copyright, changelog, example drop-in, state dirs; no unit touched."""
+    conffiles = installed.run(["dpkg-query", "-W", "-f=${Conffiles}", "gpuguard"]).stdout
+    assert "/etc/gpuguard/gpuguard.toml" in conffiles
+    config = installed.read_file("/etc/gpuguard/gpuguard.toml")
+    assert all(not line.strip() or line.startswith("#") for line in config.splitlines()), (
+        "every setting ships commented out"
+    )
+    for path in (
+        "/usr/share/man/man8/gpuguard.8.gz",
+        "/usr/share/doc/gpuguard/copyright",
+        "/usr/share/doc/gpuguard/changelog.Debian.gz",
+        "/usr/share/doc/gpuguard/examples/gpuguard-gate.conf",
+        "/usr/share/gpuguard/gpuguard-gate.conf",
+    ):
+        installed.run(["test", "-s", path])
+    dropins = installed.run(
+        ["sh", "-c", "ls /etc/systemd/system/*.d/gpuguard-gate.conf 2>/dev/null || true"]
+    ).stdout
+    assert dropins == "", "the gate drop-in is never installed by the package itself"
+    wait_active(installed, "gpuguard.service")
+    for directory in ("/run/gpuguard", "/var/lib/gpuguard"):
+        mode = installed.run(["stat", "-c", "%U %a", directory]).stdout.split()
+        assert mode == ["root", "755"]
+    compiled = installed.run(
+        ["find", "/usr/lib/gpuguard/venv", "-name", "*.pyc", "-path", "*/gpuguard/*"]
+    ).stdout
+    assert compiled, "py3compile compiled the environment on install"
+
+
+def _files(box: Container) -> set[str]:
+    """Every path on the container's root file system that a package may own or leave."""
+    skip = ["/proc", "/sys", "/dev", "/tmp", "/var/tmp", "/var/log", "/var/cache", "/debs"]
+    skip += ["/var/lib/apt", "/var/lib/dpkg", "/var/lib/systemd/catalog", "/root"]
+    prune = " -o ".join(f"-path {path}" for path in skip)
+    out = box.run(["sh", "-c", f"find / -xdev \\( {prune} \\) -prune -o -print"]).stdout
+    return set(out.splitlines())
+
+
+def test_remove_stops_the_daemon_and_purge_leaves_nothing(
+    container: ContainerFactory, deb: Path
+) -> None:
+    """`apt remove` stops the daemon and keeps the conffile; `apt purge` leaves no trace."""
+    box = booted_with(container, deb)
+    before = _files(box)
+    install(box, deb)
+    wait_active(box, "gpuguard.service")
+    box.run(["gpuguard", "status"], check=False)  # writes /run/gpuguard/config-cache
+
+    apt(box, "remove", "gpuguard")
+    active = box.systemctl("is-active", "gpuguard.service", check=False).stdout.strip()
+    assert active in {"inactive", "unknown"}
+    assert box.run(["pgrep", "-x", "gpuguard"], check=False).stdout == ""
+    assert box.run(["test", "-e", "/usr/bin/gpuguard"], check=False).returncode == 1
+    assert box.run(["test", "-e", "/usr/lib/gpuguard"], check=False).returncode == 1, (
+        "byte code written at run time would keep /usr/lib/gpuguard after removal"
+    )
+    box.run(["test", "-f", "/etc/gpuguard/gpuguard.toml"])  # remove keeps conffiles
+
+    apt(box, "purge", "gpuguard")
+    for path in ("/etc/gpuguard", "/var/lib/gpuguard", "/run/gpuguard"):
+        assert box.run(["test", "-e", path], check=False).returncode == 1, path
+    after = _files(box)
+    assert sorted(after - before) == []
+
+
+_FAKE_SGLANG = """\
+[Unit]
+Description=stand-in for an SGLang server
+
+[Service]
+ExecStart=/bin/sleep infinity
+"""
+
+
+def test_gate_dropin_is_installed_by_hand_and_taken_back_on_removal(installed: Container) -> None:
+    """The documented cp installs the gate; apt remove deletes unchanged copies, keeps changed."""
+    for unit in ("sglang-a.service", "sglang-b.service"):
+        installed.write_file(f"/etc/systemd/system/{unit}", _FAKE_SGLANG)
+        installed.run(["mkdir", "-p", f"/etc/systemd/system/{unit}.d"])
+        installed.run(
+            ["cp", "/usr/share/gpuguard/gpuguard-gate.conf", f"/etc/systemd/system/{unit}.d/"]
+        )
+    changed = "/etc/systemd/system/sglang-b.service.d/gpuguard-gate.conf"
+    installed.run(["sh", "-c", f"echo TimeoutStopSec=30 >>{changed}"])
+    installed.systemctl("daemon-reload")
+    pre = installed.systemctl("show", "-p", "ExecStartPre", "sglang-a.service").stdout
+    assert "/usr/bin/gpuguard" in pre
+    assert "gate" in pre
+
+    removed = apt(installed, "remove", "gpuguard")
+    assert "removed the gate drop-in /etc/systemd/system/sglang-a.service.d" in removed.stdout
+    # apt passes the maintainer scripts' stderr on with its stdout.
+    assert f"{changed} differs from the shipped drop-in" in removed.stdout + removed.stderr
+    gone = installed.run(["test", "-e", "/etc/systemd/system/sglang-a.service.d"], check=False)
+    assert gone.returncode == 1, "the emptied drop-in directory goes too"
+    installed.run(["test", "-f", changed])
+    cat = installed.systemctl("cat", "sglang-a.service").stdout
+    assert "gpuguard" not in cat
+    installed.systemctl("start", "sglang-a.service")
+    assert installed.systemctl("is-active", "sglang-a.service").stdout.strip() == "active"
+
+
+_PROBE = """\
+#!/bin/sh
+# Runs inside gpuguard.service's sandbox (the unit's own [Service] hardening lines).
+gpuguard status --json >/run/gpuguard/probe-status.json
+echo "status-exit=$?"
+if journalctl --quiet --no-pager -n 1 _PID=1 >/dev/null; then echo journal=ok
+else echo journal=denied; fi
+if systemctl restart probe-target.service; then echo systemctl=ok; else echo systemctl=denied; fi
+if touch /etc/gpuguard/probe 2>/dev/null; then echo etc=writable; else echo etc=read-only; fi
+if python3 -c 'import socket; socket.socket(socket.AF_INET)' 2>/dev/null; then echo inet=allowed
+else echo inet=denied; fi
+gpuguard reap --unit sglang.service --scope all --yes --grace 2 --timeout 15 --json \\
+  >/run/gpuguard/probe-reap.json
+echo "reap-exit=$?"
+"""
+
+_PROBE_TARGET = """\
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/true
+"""
+
+# Lines of gpuguard.service that make it a long-running notify daemon, not part of its sandbox.
+_NOT_SANDBOX = re.compile(
+    r"^(Type|NotifyAccess|WatchdogSec|ExecStart|Restart|RestartSec|RestartPreventExitStatus|"
+    r"StartLimitIntervalSec|StartLimitBurst|After|Description|Documentation|WantedBy)="
+)
+
+
+def probe_unit(service: str) -> str:
+    """gpuguard.service's sandbox around the probe script, as a oneshot unit."""
+    lines = [
+        line
+        for line in service.splitlines()
+        if line.strip() and not line.startswith("#") and not _NOT_SANDBOX.match(line)
+    ]
+    lines = lines[: lines.index("[Install]")] if "[Install]" in lines else lines
+    return "\n".join(
+        [
+            *lines,
+            "Type=oneshot",
+            "Environment=FAKENVML_STATE=/srv/fake",
+            "ExecStart=/bin/sh /usr/local/sbin/gpuguard-probe",
+            "",
+        ]
+    )
+
+
+def test_sandbox_keeps_what_gpuguard_needs(
+    container: ContainerFactory, deb: Path, tmp_path: Path
+) -> None:
+    """In gpuguard.service's sandbox: another user's holder seen and killed, journal, systemctl.
+
+    Through NVML (the fake library) and /proc it sees a GPU holder of another user with its device
+    files and kills it, reads the journal and restarts a unit; it cannot write /etc or use the
+    network.
+    """
+    if shutil.which("make") is None or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and make for the fake libnvidia-ml (tests/fakenvml)")
+    state = write_state(tmp_path / "fake")
+    for path in (state, *state.rglob("*")):
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    box = booted_with(
+        container,
+        deb,
+        Bind(state, "/srv/fake", read_only=False),
+        Bind(build_fake_nvml(), "/fakelib"),
+        Bind(ROOT / "tests/fakenvml", "/fakenvml"),
+    )
+    install(box, deb)
+    box.run(["cp", "/fakelib/libnvidia-ml.so.1", "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"])
+    box.run(["ldconfig"])
+    box.write_file("/etc/gpuguard/gpuguard.toml", 'device_glob = "/srv/fake/dev/nvidia*"\n')
+    box.run(["useradd", "--create-home", "inference"])
+    box.run_as(
+        "inference",
+        [
+            "sh",
+            "-c",
+            (
+                "setsid -f python3 /fakenvml/gpu_hold.py --state /srv/fake --gpus 0 --mib 1000 "
+                "--name sglang::scheduler >/srv/fake/holder.json 2>/srv/fake/holder.err"
+            ),
+        ],
+    )
+    answer = state / "holder.json"
+    box.wait_for(
+        "the fake GPU holder", lambda: answer.exists() and answer.read_text().strip() != ""
+    )
+    holder = json.loads(answer.read_text())["pid"]
+
+    fragment = box.systemctl("show", "-p", "FragmentPath", "--value", "gpuguard.service").stdout
+    box.write_file("/etc/systemd/system/probe-target.service", _PROBE_TARGET)
+    box.write_file("/usr/local/sbin/gpuguard-probe", _PROBE, mode=0o755)
+    box.write_file(
+        "/etc/systemd/system/gpuguard-probe.service", probe_unit(box.read_file(fragment.strip()))
+    )
+    box.systemctl("daemon-reload")
+    box.systemctl("start", "gpuguard-probe.service", check=False)
+    said = box.wait_journal(
+        ["_SYSTEMD_UNIT=gpuguard-probe.service"],
+        lambda entries: any(str(e.get("MESSAGE", "")).startswith("reap-exit=") for e in entries),
+        timeout=60,
+    )
+    results = dict(
+        str(e["MESSAGE"]).split("=", 1) for e in said if "=" in str(e.get("MESSAGE", ""))
+    )
+
+    status = json.loads(box.read_file("/run/gpuguard/probe-status.json"))
+    assert status["nvml"]["health"] == "ok", status["nvml"]
+    seen = {h["pid"]: h for h in status["holders"]}
+    assert holder in seen, f"holder {holder} not seen in the sandbox: {status['holders']}"
+    assert seen[holder]["user"] == "inference"
+    assert seen[holder]["device_files"], "other users' /proc/PID/fd must be readable"
+    assert results["journal"] == "ok"
+    assert results["systemctl"] == "ok"
+    assert results["etc"] == "read-only"
+    assert results["inet"] == "denied"
+    assert results["reap-exit"] == "0", box.read_file("/run/gpuguard/probe-reap.json")
+    gone = box.run(["sh", "-c", f"ps -o stat= -p {holder} || true"]).stdout.strip()
+    assert gone in {"", "Z"}, f"holder {holder} survived the reap ({gone})"
+
+
+_EXPOSURE = re.compile(r"Overall exposure level for gpuguard\.service: (\d+\.\d)")
+_RECORDED = re.compile(r"systemd (\d+): (\d+\.\d)")
+
+
+def test_security_exposure_is_at_most_4_and_recorded_in_the_unit(
+    installed: Container, release: str
+) -> None:
+    """`systemd-analyze security` rates gpuguard.service <= 4.0, the score its comment records."""
+    done = installed.run(["systemd-analyze", "security", "--no-pager", "gpuguard.service"])
+    match = _EXPOSURE.search(done.stdout)
+    assert match is not None, done.stdout[-2000:]
+    score = float(match[1])
+    assert score <= 4.0, done.stdout
+    unit = (ROOT / "systemd/gpuguard.service").read_text()
+    recorded = {int(version): float(value) for version, value in _RECORDED.findall(unit)}
+    assert recorded.get(RELEASES[release]) == score, (
+        f"update the score comment in systemd/gpuguard.service: systemd {RELEASES[release]} "
+        f"rates it {score}"
+    )
+
+
+def test_build_refuses_a_changelog_that_disagrees_with_the_version(tmp_path: Path) -> None:
+    """packaging/build-deb stops at once when debian/changelog names another upstream version."""
+    for name in ("packaging/build-deb", "packaging/debian/changelog", "src/gpuguard/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    changelog = tmp_path / "packaging/debian/changelog"
+    changelog.write_text(re.sub(r"\(([^)]*)\)", "(99.0.0-1)", changelog.read_text(), count=1))
+    done = subprocess.run(
+        [str(tmp_path / "packaging/build-deb")], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 1
+    assert "version mismatch" in done.stderr
+    assert "99.0.0-1" in done.stderr
+
+
+def test_conffile_documents_every_key_with_its_default() -> None:
+    """packaging/gpuguard.toml, uncommented, is exactly the defaults and names every key."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "packaging/check_conffile.py"), "packaging/gpuguard.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
