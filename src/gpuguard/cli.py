@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from gpuguard.policy import KillPlan, PlanRequest
     from gpuguard.reaper import ReapResult, ReapTarget
     from gpuguard.status import DaemonView
-    from gpuguard.values import GateOutcome
+    from gpuguard.values import GateOutcome, NvmlReading
 
 EX_USAGE = 64
 
@@ -222,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EX_USAGE
+    reading = None
     if args.command == "gate":
-        fast = _gate_fast_path(args)
+        fast, reading = _gate_fast_path(args)
         if fast is not None:
             return fast
     from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415 - see module doc
@@ -235,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     commands: dict[str, Callable[[], int]] = {
         "status": lambda: _status(settings, as_json=args.json),
-        "gate": lambda: _gate(settings, args),
+        "gate": lambda: _gate(settings, args, reading),
         "run": lambda: _run(settings),
         "reap": lambda: _reap(settings, args),
         "install-gate": lambda: _change_gate(args.unit, install=True),
@@ -435,16 +436,17 @@ def _inside_unit(unit: str) -> bool:
     from gpuguard import procfs  # noqa: PLC0415 - see module doc
     from gpuguard.cgroup import attribute  # noqa: PLC0415
 
-    me = procfs.read_process(os.getpid(), "/dev/null")
-    return me is not None and attribute(me.cgroup).unit == unit
+    cgroup = procfs.read_cgroup(os.getpid())
+    return cgroup is not None and attribute(cgroup).unit == unit
 
 
-def _gate_fast_path(args: argparse.Namespace) -> int | None:
+def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading | None]:
     """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
 
     Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
     (idle is a matter of memory, see protection.is_idle). Returns None whenever anything needs
-    the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle.
+    the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle; the NVML
+    reading taken on the way is handed on so the full path does not read it again.
     """
     from gpuguard import configfile, nvml  # noqa: PLC0415 - see module doc
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
@@ -454,20 +456,20 @@ def _gate_fast_path(args: argparse.Namespace) -> int | None:
     started = time.monotonic()
     cached = configfile.load_validated(args.config)
     if cached is None or not _inside_unit(args.unit):
-        return None
+        return None, None
     unit = cached["units"].get(args.unit) or {}
     reading = nvml.read_gpus(float(cached["nvml_timeout_s"]))
     if reading.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
-        return None
+        return None, reading
     gpu_set = resolve_gpu_set(unit.get("gpus"), dict(os.environ), reading.gpus)
     present = {gpu.index for gpu in reading.gpus}
     if gpu_set.indices is not None and not gpu_set.indices <= present:
-        return None
+        return None, reading
     threshold = int(cached["idle_threshold_mib"]) * MIB
     for gpu in reading.gpus:
         wanted = gpu_set.indices is None or gpu.index in gpu_set.indices
         if wanted and not is_idle(gpu, threshold):
-            return None
+            return None, reading
     outcome = GateOutcome(
         args.unit,
         passed=True,
@@ -477,15 +479,15 @@ def _gate_fast_path(args: argparse.Namespace) -> int | None:
         spared=(),
         blockers=(),
     )
-    return _finish_gate(Path(cached["runtime_dir"]), outcome, gpu_set)
+    return _finish_gate(Path(cached["runtime_dir"]), outcome, gpu_set), reading
 
 
-def _gate(settings: Settings, args: argparse.Namespace) -> int:
+def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | None) -> int:
     from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     unit = _unit_settings(settings, args.unit)
-    first = inventory.gather(settings)
+    first = inventory.gather(settings, reading)
     inside = _inside_unit(args.unit)
     # Inside the unit the gate inherits its environment (EnvironmentFile= included); outside,
     # ask systemd, which knows Environment= only, and keep the running invocation's processes.

@@ -29,7 +29,7 @@ class GateSettings:
     request: PlanRequest
     idle_threshold_bytes: int
     timeout_s: float
-    poll_s: float = 0.2
+    poll_s: float = 0.1
 
 
 def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:

@@ -10,14 +10,16 @@ from gpuguard.values import MIB
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
+    from gpuguard.values import NvmlReading
 
 
-def gather(settings: Settings) -> Inventory:
-    """Read NVML (bounded by its deadline), then walk all of /proc for device-file holders.
+def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
+    """Read NVML (bounded by its deadline) unless a fresh reading is given, then walk /proc.
 
     The full walk, not the NVML-first shortcut: a worker left behind by a dead parent holds the
     device but is named by nobody, and status must show it.
     """
-    reading = nvml.read_gpus(settings.nvml_timeout_s)
+    if reading is None:
+        reading = nvml.read_gpus(settings.nvml_timeout_s)
     scan = procfs.scan_device_holders(settings.device_glob)
     return build_inventory(reading, scan, settings.idle_threshold_mib * MIB)

@@ -460,3 +460,12 @@ def _redacted(argv: tuple[str, ...]) -> tuple[str, ...]:
     from gpuguard.redaction import redact_cmdline  # noqa: PLC0415 - see docstring
 
     return redact_cmdline(argv)
+
+
+def read_cgroup(pid: int, *, proc_root: Path = PROC) -> str | None:
+    """The cgroup path of ``pid`` (as parse_cgroup reads /proc/PID/cgroup); None if it is gone."""
+    try:
+        data = Path(f"{os.fspath(proc_root)}/{pid}/cgroup").read_bytes()
+    except OSError:
+        return None
+    return parse_cgroup(data.decode("utf-8", "backslashreplace"))
