@@ -43,3 +43,15 @@ RELEASE ?= bookworm
 .PHONY: deb
 deb:
 	packaging/build-deb --release $(RELEASE)
+
+# `make demo` (as root, no GPU needed): the incident of DESIGN.md §1 on a real systemd in a
+# container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each
+# timeline and the results table (docs/e2e.md). About two minutes once the caches are warm.
+.PHONY: demo
+demo: venv fakenvml
+	@if [ "$$(id -u)" != 0 ]; then echo "make demo boots containers: run it as root" >&2; exit 1; fi
+	GPUGUARD_E2E_SUMMARY=0 GPUGUARD_E2E_WINDOW_S=$${GPUGUARD_E2E_WINDOW_S:-60} \
+	$(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_incident.py \
+		tests/e2e/test_incident_daemon.py -k 'test_a_ or test_b_ or test_c_daemon_alone'; \
+	status=$$?; \
+	$(PY) tests/e2e/report.py --scenarios a,b,c; exit $$status

@@ -1,0 +1,516 @@
+#!/usr/bin/env python3
+"""Benchmark: what the daemon costs while the unit it watches is idle.
+
+Runs the real daemon (``python -m gpuguard run``) over the fake NVML (tests/fakenvml) and a real
+journal directory written by ``systemd-journal-remote`` from tests/journal_samples, next to the
+baseline, ``journalctl --follow -u UNIT -o json`` alone over the same journal, for ``--seconds``
+(default 600). While both run, an idle server's health-check request lines are appended now
+and then (``--append-every``), so both journalctls wake the way they would on a live host.
+Sampled from /proc: RSS (VmRSS; VmHWM for the peak) and CPU seconds (utime+stime, with the
+children's: the daemon's journalctl processes, live ones and reaped ones).
+
+There is no running journald here, and ``gpuguard run`` takes no journalctl prefix, so the daemon
+finds ``journalctl`` through PATH, where a two-line wrapper execs ``/usr/bin/journalctl
+--directory=<bench journal> "$@"``: a test double for the journal's location only.
+
+Targets (DESIGN.md §5): daemon idle < 60 MB RSS and < 1 s CPU per hour.
+Run: ``make bench [IDLE_SECONDS=120]`` or ``.venv/bin/python bench/daemon_idle.py [--seconds N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS / "fakenvml"))
+
+from fakestate import nvml_environ, write_state  # noqa: E402 - found through the path set above
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+Entry = dict[str, object]
+
+SAMPLES = TESTS / "journal_samples"
+JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
+JOURNALCTL = "/usr/bin/journalctl"
+UNIT = "sglang.service"
+BOOT = "d4e1d1e0b3c74f6a9e2d5c8b7a6f5e4d"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_KIB = 1024
+MB = 1_000_000
+RSS_TARGET_MB = 60
+CPU_TARGET_S_PER_HOUR = 1.0
+
+
+# --- the journal ---------------------------------------------------------------------------------
+
+
+def export_format(entries: Iterable[Entry]) -> bytes:
+    """The journal export format of ``entries`` (binary form for values with control bytes)."""
+    out = bytearray()
+    for entry in entries:
+        for name, value in entry.items():
+            if name in {"__CURSOR", "__SEQNUM", "__SEQNUM_ID"} or value is None:
+                continue
+            data = bytes(value) if isinstance(value, list) else str(value).encode()
+            if all(32 <= byte < 127 or byte >= 128 for byte in data):
+                out += name.encode() + b"=" + data + b"\n"
+            else:
+                out += name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        out += b"\n"
+    return bytes(out)
+
+
+class BenchJournal:
+    """Real journal files in a directory, on one boot that began an hour ago."""
+
+    def __init__(self, directory: Path, release: str) -> None:
+        """An empty journal directory; shapes from the ``release`` samples."""
+        directory.mkdir()
+        self.directory = directory
+        self.boot_us = int((time.time() - 3600) * 1e6)
+        lines = (SAMPLES / release / "clean-start-stop.jsonl").read_text().splitlines()
+        self.history = [json.loads(line) for line in lines]
+        self.output = next(
+            e
+            for e in self.history
+            if e.get("_SYSTEMD_UNIT") == UNIT and e.get("_TRANSPORT") == "stdout"
+        )
+        self.appended = 0
+
+    def _timed(self, entry: Entry, realtime_us: int) -> Entry:
+        return {
+            **entry,
+            "_BOOT_ID": BOOT,
+            "__REALTIME_TIMESTAMP": str(realtime_us),
+            "__MONOTONIC_TIMESTAMP": str(realtime_us - self.boot_us),
+        }
+
+    def write(self, entries: Sequence[Entry]) -> None:
+        """Append ``entries`` (through systemd-journal-remote, into the same file)."""
+        subprocess.run(
+            [str(JOURNAL_REMOTE), f"--output={self.directory}/remote.journal", "-"],
+            input=export_format(entries),
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        self.appended += len(entries)
+
+    def seed(self) -> None:
+        """The recorded clean start and stop of the unit, two minutes ago (in the replay window)."""
+        first = int(str(self.history[0]["__REALTIME_TIMESTAMP"]))
+        start = int((time.time() - 120) * 1e6)
+        self.write(
+            [
+                self._timed(e, start + int(str(e["__REALTIME_TIMESTAMP"])) - first)
+                for e in self.history
+            ]
+        )
+
+    def health_checks(self, count: int) -> None:
+        """``count`` request-log lines of an idle server (a load balancer's health checks)."""
+        now = int(time.time() * 1e6)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now / 1e6))
+        self.write(
+            [
+                self._timed(
+                    {
+                        **self.output,
+                        "_COMM": "python3",
+                        "SYSLOG_IDENTIFIER": "python3",
+                        "MESSAGE": f'[{stamp}] INFO:     10.0.0.{n}:{41000 + n} - "GET /health '
+                        'HTTP/1.1" 200 OK',
+                    },
+                    now + n,
+                )
+                for n in range(count)
+            ]
+        )
+
+
+# --- /proc ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One process and its live children at one moment; CPU in seconds, cumulative.
+
+    ``*_ticks_s`` are utime+stime from /proc/PID/stat (10 ms ticks, as ``ps`` shows them);
+    ``*_sched_s`` are on-CPU time from /proc/PID/schedstat (nanoseconds). Children reaped by the
+    process (cutime+cstime, ticks only) are in both ``tree_*`` values.
+    """
+
+    rss_kib: int  # VmRSS of the process and its live children
+    own_rss_kib: int  # VmRSS of the process alone
+    own_hwm_kib: int  # VmHWM (peak RSS) of the process alone
+    own_ticks_s: float
+    own_sched_s: float
+    tree_ticks_s: float
+    tree_sched_s: float
+    children: int
+
+
+def _stat_fields(pid: int) -> list[str]:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on
+
+
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0  # a zombie has no VmRSS
+
+
+def _ticks_s(fields: Sequence[str]) -> tuple[float, float]:
+    """(utime+stime, cutime+cstime): fields 14-17 of /proc/PID/stat, in seconds."""
+    return (
+        (int(fields[11]) + int(fields[12])) / CLK_TCK,
+        (int(fields[13]) + int(fields[14])) / CLK_TCK,
+    )
+
+
+def _sched_s(pid: int) -> float:
+    """On-CPU time of ``pid`` (the first field of /proc/PID/schedstat, ns) in seconds."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
+def children_of(pid: int) -> list[int]:
+    """Live children of ``pid`` (by their parent PID in /proc/N/stat)."""
+    found = []
+    for path in Path("/proc").iterdir():
+        if not path.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(_stat_fields(int(path.name))[1]) == pid:
+                found.append(int(path.name))
+    return found
+
+
+def usage(pid: int) -> Usage:
+    """RSS and cumulative CPU of ``pid`` and its children (one level: journalctl has none)."""
+    own_rss = _status_kib(pid, "VmRSS")
+    own_ticks, reaped = _ticks_s(_stat_fields(pid))
+    own_sched = _sched_s(pid)
+    rss, tree_ticks, tree_sched = own_rss, own_ticks + reaped, own_sched + reaped
+    kids = children_of(pid)
+    for child in kids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ticks, its_reaped = _ticks_s(_stat_fields(child))
+            sched = _sched_s(child)
+            kib = _status_kib(child, "VmRSS")
+            tree_ticks += ticks + its_reaped
+            tree_sched += sched + its_reaped
+            rss += kib
+    return Usage(
+        rss_kib=rss,
+        own_rss_kib=own_rss,
+        own_hwm_kib=_status_kib(pid, "VmHWM"),
+        own_ticks_s=own_ticks,
+        own_sched_s=own_sched,
+        tree_ticks_s=tree_ticks,
+        tree_sched_s=tree_sched,
+        children=len(kids),
+    )
+
+
+@dataclass
+class Series:
+    """Samples of one process tree."""
+
+    samples: list[tuple[float, Usage]] = field(default_factory=list)
+
+    def add(self, at: float, pid: int) -> None:
+        """Take one sample."""
+        self.samples.append((at, usage(pid)))
+
+    @property
+    def first(self) -> Usage:
+        """The sample at ready."""
+        return self.samples[0][1]
+
+    @property
+    def last(self) -> Usage:
+        """The final sample."""
+        return self.samples[-1][1]
+
+    def span_s(self) -> float:
+        """Seconds between the first and the last sample."""
+        return self.samples[-1][0] - self.samples[0][0]
+
+    def peak_kib(self, *, own: bool) -> int:
+        """The highest RSS: VmHWM for the process alone, sampled VmRSS for the tree."""
+        if own:
+            return max(self.last.own_hwm_kib, *(u.own_rss_kib for _, u in self.samples))
+        return max(u.rss_kib for _, u in self.samples)
+
+    def final_kib(self, *, own: bool) -> int:
+        """The last sampled RSS."""
+        return self.last.own_rss_kib if own else self.last.rss_kib
+
+    def idle_ticks_s(self, *, own: bool) -> float:
+        """utime+stime spent between the first and the last sample."""
+        if own:
+            return self.last.own_ticks_s - self.first.own_ticks_s
+        return self.last.tree_ticks_s - self.first.tree_ticks_s
+
+    def idle_sched_s(self, *, own: bool) -> float:
+        """On-CPU time spent between the first and the last sample."""
+        if own:
+            return self.last.own_sched_s - self.first.own_sched_s
+        return self.last.tree_sched_s - self.first.tree_sched_s
+
+    def per_hour(self, *, own: bool) -> float:
+        """Idle on-CPU seconds extrapolated to an hour."""
+        span = self.span_s()
+        return self.idle_sched_s(own=own) / span * 3600 if span > 0 else 0.0
+
+
+# --- running it ----------------------------------------------------------------------------------
+
+
+def mb(kib: int) -> str:
+    """KiB as MB (10^6 bytes), the unit of the target."""
+    return f"{kib * 1024 / MB:6.1f} MB"
+
+
+def write_config(root: Path, nvml_state: Path) -> Path:
+    """A configuration for the daemon: the fake devices, state in ``root``, one watched unit."""
+    config = root / "gpuguard.toml"
+    config.write_text(
+        f'device_glob = "{nvml_state}/dev/nvidia*"\n'
+        f'state_dir = "{root}/state"\n'
+        f'runtime_dir = "{root}/run"\n'
+        f'[units."{UNIT}"]\n'
+    )
+    return config
+
+
+def journalctl_wrapper(root: Path, journal: Path) -> Path:
+    """A directory holding ``journalctl``: the real one, pointed at the bench journal."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "journalctl"
+    wrapper.write_text(f'#!/bin/sh\nexec {JOURNALCTL} --directory="{journal}" "$@"\n')
+    wrapper.chmod(0o755)
+    return bin_dir
+
+
+def following(pid: int) -> int:
+    """How many of ``pid``'s children are a ``journalctl --follow`` (history replay done)."""
+    count = 0
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            count += b"--follow" in argv
+    return count
+
+
+def wait_ready(snapshot: Path, daemon: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until the daemon has said ready and both its journal streams follow live."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            raise SystemExit(f"the daemon exited with status {daemon.returncode} before ready")
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(snapshot.read_text()).get("ready") and following(daemon.pid) == 2:
+                return
+        time.sleep(0.05)
+    raise SystemExit(f"the daemon was not ready with its journal attached within {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM, then SIGKILL after 10 s; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def log_summary(log: Path) -> tuple[int, list[str]]:
+    """(lines, the warning and error events) of the daemon's JSON log."""
+    lines = log.read_text(errors="replace").splitlines()
+    worse = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("level") in {"warning", "error"}:
+                worse.append(f"{record.get('level')}: {record.get('event')}")
+    return len(lines), worse
+
+
+def report(  # noqa: PLR0913 - the pieces of one report, passed once
+    out: TextIO,
+    *,
+    args: argparse.Namespace,
+    daemon: Series,
+    baseline: Series,
+    startup: tuple[float, float],
+    appended: int,
+) -> None:
+    """Print the table and the ratios."""
+    startup_s, startup_cpu = startup
+    print(
+        f"daemon idle: gpuguard run watching {UNIT} (idle) next to journalctl --follow alone, "
+        f"{daemon.span_s():.0f} s after ready, sampled every {args.sample_every:g} s; "
+        f"{appended} health-check lines appended (every {args.append_every:g} s); "
+        f"{os.cpu_count()} CPUs",
+        file=out,
+    )
+    print(
+        "  journal: real files written by systemd-journal-remote; the daemon's journalctl is "
+        "/usr/bin/journalctl behind a PATH wrapper adding --directory= (a test double for the "
+        "journal's location only)",
+        file=out,
+    )
+    print(
+        f"  daemon start-up to ready with both journal streams following: {startup_s:.2f} s, "
+        f"{startup_cpu:.2f} CPU s (imports, NVML, history replay; not in the idle figures)",
+        file=out,
+    )
+    print(
+        f"  {'':34} {'RSS peak':>9} {'RSS final':>9} {'CPU idle':>9} {'(ticks)':>8}"
+        f" {'CPU/hour':>9}",
+        file=out,
+    )
+    rows = [
+        ("gpuguard run (the Python process)", daemon, True),
+        (f"gpuguard run + its {daemon.last.children} journalctl", daemon, False),
+        ("journalctl --follow alone", baseline, False),
+    ]
+    for name, series, own in rows:
+        print(
+            f"  {name:<34} {mb(series.peak_kib(own=own))} {mb(series.final_kib(own=own))} "
+            f"{series.idle_sched_s(own=own):7.3f} s {series.idle_ticks_s(own=own):6.2f} s "
+            f"{series.per_hour(own=own):7.3f} s",
+            file=out,
+        )
+    print(
+        "  (CPU idle: on-CPU time from /proc/PID/schedstat; ticks: utime+stime from "
+        f"/proc/PID/stat, {1 / CLK_TCK:g} s resolution; CPU/hour: CPU idle extrapolated)",
+        file=out,
+    )
+    base_hour = max(baseline.per_hour(own=False), 1e-6)
+    print(
+        f"  daemon + journalctl RSS = {daemon.last.rss_kib / max(1, baseline.last.rss_kib):.1f}x"
+        f" journalctl alone; CPU per hour = {daemon.per_hour(own=False) / base_hour:,.0f}x "
+        f"journalctl alone ({daemon.per_hour(own=False):.3f} s vs "
+        f"{baseline.per_hour(own=False):.3f} s)",
+        file=out,
+    )
+    rss = daemon.peak_kib(own=True) * 1024
+    hour = daemon.per_hour(own=False)
+    print(
+        f"  targets: daemon RSS peak {rss / MB:.1f} MB < {RSS_TARGET_MB} MB: "
+        f"{'met' if rss < RSS_TARGET_MB * MB else 'MISSED'}; CPU {hour:.2f} s/hour (with its "
+        f"journalctl) < {CPU_TARGET_S_PER_HOUR:g} s: "
+        f"{'met' if hour < CPU_TARGET_S_PER_HOUR else 'MISSED'}",
+        file=out,
+    )
+    print(
+        f"  over the whole run (start-up included): daemon + journalctl "
+        f"{daemon.last.tree_sched_s:.2f} CPU s, journalctl alone "
+        f"{baseline.last.tree_sched_s:.2f} CPU s",
+        file=out,
+    )
+
+
+def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
+    """Set up the fake host and the journal, run both, sample, report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=600, help="idle time measured")
+    parser.add_argument("--sample-every", type=float, default=5.0)
+    parser.add_argument(
+        "--append-every", type=float, default=60.0, help="seconds between appends (0: never)"
+    )
+    parser.add_argument("--append-lines", type=int, default=10)
+    parser.add_argument("--release", choices=("bookworm", "trixie"), default="bookworm")
+    parser.add_argument("--keep-log", type=Path, help="copy the daemon's log here")
+    args = parser.parse_args()
+    if not JOURNAL_REMOTE.exists() or not Path(JOURNALCTL).exists():
+        print(
+            "needs journalctl and systemd-journal-remote (apt-get install systemd-journal-remote)",
+            file=sys.stderr,
+        )
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpuguard-bench-") as tmp:
+        root = Path(tmp)
+        nvml_state = write_state(root / "nvml")
+        journal = BenchJournal(root / "journal", args.release)
+        journal.seed()
+        env = nvml_environ(nvml_state)
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            env.pop(name, None)
+        env["PATH"] = f"{journalctl_wrapper(root, journal.directory)}:{env.get('PATH', '')}"
+        log = root / "daemon.log"
+        argv = [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
+        baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
+        with log.open("wb") as log_out:
+            started = time.monotonic()
+            daemon = subprocess.Popen(
+                [*argv, "run"], env=env, stdout=log_out, stderr=subprocess.STDOUT
+            )
+            baseline = subprocess.Popen(
+                baseline_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                wait_ready(root / "run" / "daemon.json", daemon, 60)
+                startup = (time.monotonic() - started, usage(daemon.pid).tree_sched_s)
+                daemon_series, baseline_series = Series(), Series()
+                began = time.monotonic()
+                next_append = began + args.append_every if args.append_every > 0 else None
+                while True:
+                    now = time.monotonic()
+                    daemon_series.add(now, daemon.pid)
+                    baseline_series.add(now, baseline.pid)
+                    if daemon.poll() is not None or baseline.poll() is not None:
+                        raise SystemExit("the daemon or the baseline journalctl exited early")
+                    if now - began >= args.seconds:
+                        break
+                    if next_append is not None and now >= next_append:
+                        journal.health_checks(args.append_lines)
+                        next_append += args.append_every
+                    time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
+                snapshot = json.loads((root / "run" / "daemon.json").read_text())
+            finally:
+                status = stop(daemon)
+                stop(baseline)
+        lines, worse = log_summary(log)
+        if args.keep_log:
+            shutil.copy(log, args.keep_log)
+    report(
+        sys.stdout,
+        args=args,
+        daemon=daemon_series,
+        baseline=baseline_series,
+        startup=startup,
+        appended=journal.appended - len(journal.history),
+    )
+    print(
+        f"  daemon: journal {snapshot['journal']['state']} at the end, exit status {status} on "
+        f"SIGTERM, {lines} log lines, warnings/errors: {worse or 'none'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
