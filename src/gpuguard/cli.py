@@ -312,6 +312,8 @@ def _run(settings: Settings) -> int:
         saved = state.read_json(daemon.unit_state_path(settings.state_dir, unit))
         return saved if isinstance(saved, dict) else None
 
+    # A signal writes a byte here, so SIGTERM ends the loop's long idle wait at once.
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     follower = journal.JournalFollower(
         list(settings.units),
         settings.state_dir / "journal-cursor.json",
@@ -334,10 +336,12 @@ def _run(settings: Settings) -> int:
         untouchable=_untouchable(),
         identity=procfs.read_identity(os.getpid()),
         watchdog_interval_s=notify.watchdog_interval_s(),
+        wakeup_fd=wake_read,
     )
     watchdog = daemon.Daemon(settings, follower, ports)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: watchdog.request_stop())
+    signal.set_wakeup_fd(wake_write)
     return watchdog.run()
 
 

@@ -10,6 +10,8 @@ the fake NVML, or with in-memory twins.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import select
 from collections import deque
@@ -39,7 +41,11 @@ if TYPE_CHECKING:
     from gpuguard.values import GateOutcome, ProcessIdentity
 
 SNAPSHOT_SCHEMA = 1
-SNAPSHOT_EVERY_S = 5.0
+# The snapshot is rewritten when what it says changes, and at least this often (a sign of life
+# for readers; status judges liveness by PID, not by this).
+SNAPSHOT_EVERY_S = 60.0
+# The longest the loop sleeps with nothing due: idle cost is wake-ups, so wake only for work.
+MAX_SLEEP_S = 60.0
 _STOP_WAIT_S = 300.0
 _RECENT = 10
 
@@ -131,6 +137,8 @@ class Ports:
     untouchable: frozenset[int]
     identity: ProcessIdentity | None = None
     watchdog_interval_s: float | None = None
+    wakeup_fd: int | None = None
+    """Read end of a self-pipe that signal.set_wakeup_fd writes to: SIGTERM ends a long wait."""
 
 
 @dataclass
@@ -174,6 +182,8 @@ class Daemon:
         self._started_at = ports.wall()
         self._stop = False
         self._ready = False
+        self._published: tuple[str, str] | None = None
+        self._published_at = float("-inf")
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
@@ -200,9 +210,9 @@ class Daemon:
                 self._resume_recovery(watch)
         ports.notifier.ready(self._status_line())
         self._ready = True
-        next_ping = next_snapshot = ports.monotonic()
+        next_ping = ports.monotonic()
         while not self._stop:
-            self._wait_for_journal()
+            self._wait(next_ping)
             self._handle(self._follower.read_available())
             for problem in self._follower.take_problems():
                 ports.log.warning("journal line skipped", reason=problem)
@@ -211,9 +221,7 @@ class Daemon:
             if ports.watchdog_interval_s is not None and now >= next_ping:
                 ports.notifier.watchdog()  # only from here: a stuck loop stops the pings
                 next_ping = now + ports.watchdog_interval_s
-            if now >= next_snapshot:
-                self._publish()
-                next_snapshot = now + SNAPSHOT_EVERY_S
+            self._publish()
         ports.notifier.stopping("stopping")
         self._follower.close()
         self._publish(running=False)
@@ -221,19 +229,41 @@ class Daemon:
         ports.log.info("stopped")
         return 0
 
-    def _wait_for_journal(self) -> None:
-        timeout = 1.0
+    def _wait(self, next_ping: float) -> None:
+        """Sleep until journal data, a signal, or the next thing that is due - not longer.
+
+        Idle cost is wake-ups: the loop wakes for the next watchdog ping, a journalctl restart,
+        the end of a recovery backoff or the snapshot's refresh, never on a fixed tick.
+        """
+        ports = self._ports
+        due = [MAX_SLEEP_S, self._published_at + SNAPSHOT_EVERY_S - ports.monotonic()]
+        if ports.watchdog_interval_s is not None:
+            due.append(next_ping - ports.monotonic())
         wake = self._follower.wake_in()
         if wake is not None:
-            timeout = max(0.0, min(timeout, wake))
+            due.append(wake)
+        now = ports.wall()
+        due.extend(
+            watch.decision.not_before_s - now
+            for watch in self._watches.values()
+            if watch.decision is not None
+            and watch.decision.action is Action.WAIT
+            and watch.decision.not_before_s is not None
+        )
+        timeout = max(0.0, min(due))
         fds = self._follower.fds()
+        if ports.wakeup_fd is not None:
+            fds = [*fds, ports.wakeup_fd]
+        if not fds:
+            ports.sleep(timeout)
+            return
         try:
-            if fds:
-                select.select(fds, [], [], timeout)
-            else:
-                self._ports.sleep(timeout)
+            ready, _, _ = select.select(fds, [], [], timeout)
         except InterruptedError:
             return
+        if ports.wakeup_fd is not None and ports.wakeup_fd in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(ports.wakeup_fd, 4096)  # drain: the signal's handler already ran
 
     def _handle(self, records: Sequence[JournalRecord]) -> None:
         """Feed records to the detectors; judge the units a live event may have changed."""
@@ -482,22 +512,28 @@ class Daemon:
         return f"watching {', '.join(parts)}; journal {journal.state}"
 
     def _publish(self, *, running: bool = True) -> None:
+        """Write the snapshot and STATUS= when what they say changed (or the refresh is due)."""
         ports = self._ports
         health = self._follower.health()
-        document = {
+        document: dict[str, Any] = {
             "schema_version": SNAPSHOT_SCHEMA,
             "pid": os.getpid(),
             "start_time": ports.identity.start_time if ports.identity else None,
             "running": running,
             "ready": self._ready,
             "started_at": _iso(self._started_at),
-            "updated_at": _iso(ports.wall()),
             "dry_run": self._settings.daemon.dry_run,
             "journal": {"state": health.state, "reason": health.reason},
             "units": {name: _unit_snapshot(watch) for name, watch in self._watches.items()},
         }
-        ports.write_snapshot(document)
-        ports.notifier.status(self._status_line())
+        content = (json.dumps(document, sort_keys=True, default=str), self._status_line())
+        refresh_due = ports.monotonic() >= self._published_at + SNAPSHOT_EVERY_S
+        if content == self._published and not refresh_due:
+            return
+        ports.write_snapshot(document | {"updated_at": _iso(ports.wall())})
+        if content[1] != (self._published or ("", ""))[1]:
+            ports.notifier.status(content[1])
+        self._published, self._published_at = content, ports.monotonic()
 
 
 def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
