@@ -319,6 +319,7 @@ def _run(settings: Settings) -> int:
         settings.state_dir / "journal-cursor.json",
         output_patterns=events.GPU_OOM_PATTERNS if settings.daemon.watch_output else (),
         replay_s=settings.daemon.loop_window_s,
+        fields=events.FIELDS_READ,
     )
     ports = daemon.Ports(
         gather=lambda: inventory.gather(settings),

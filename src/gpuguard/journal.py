@@ -2,7 +2,7 @@
 
 It follows, for the watched units, systemd's own messages about them and (when asked) the few
 lines of their output that match given patterns, and hands them out as plain dicts, exactly as
-``journalctl --output=json --all`` printed them (every field kept: trust is judged by the parser
+``journalctl --output=json --all`` printed them (every field kept, or the ``fields`` the owner names: trust is judged by the parser
 from ``_PID``/``_UID``/``_SYSTEMD_CGROUP``, never here). What is at risk: an event seen twice or
 never (a detector miscounts a restart loop), history mistaken for news (an action on a loop that
 is long over), a follower that dies quietly, and request-log noise parsed in Python.
@@ -199,6 +199,7 @@ class JournalFollower:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         backoff: Sequence[float] = DEFAULT_BACKOFF,
+        fields: Sequence[str] = (),
     ) -> None:
         """Check the arguments; nothing runs until ``start()``."""
         if isinstance(units, str) or not units:
@@ -225,6 +226,8 @@ class JournalFollower:
         self._clock = clock
         self._wall_clock = wall_clock
         self._backoff = tuple(backoff)
+        # Only these fields (and journalctl's __CURSOR/timestamps) when given: less to parse.
+        self._fields = tuple(fields)
         self._streams = [_Stream(LIFECYCLE, ())]
         if self.output_patterns:
             grep = "|".join(f"(?:{pattern})" for pattern in self.output_patterns)
@@ -438,6 +441,8 @@ class JournalFollower:
 
     def _argv(self, stream: _Stream) -> tuple[str, ...]:
         argv = [*self.journalctl, "--output=json", "--all", "--no-pager", "--quiet"]
+        if self._fields:
+            argv.append(f"--output-fields={','.join(self._fields)}")
         if stream.phase == "follow":
             argv += ["--follow", "--lines=all"]  # --follow implies the current boot
         else:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
+from gpuguard.events import FIELDS_READ, parse_entry
 from gpuguard.journal import DEFAULT_BACKOFF, LIFECYCLE, OUTPUT, JournalFollower, JournalRecord
 
 if TYPE_CHECKING:
@@ -207,6 +208,7 @@ class FollowerFactory(Protocol):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = lambda: WALL,
         backoff: Sequence[float] = DEFAULT_BACKOFF,
+        fields: Sequence[str] = (),
     ) -> JournalFollower:
         """A follower, not started."""
         ...
@@ -228,6 +230,7 @@ def follower(tmp_path: Path) -> Iterator[FollowerFactory]:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = lambda: WALL,
         backoff: Sequence[float] = DEFAULT_BACKOFF,
+        fields: Sequence[str] = (),
     ) -> JournalFollower:
         made = JournalFollower(
             units,
@@ -238,6 +241,7 @@ def follower(tmp_path: Path) -> Iterator[FollowerFactory]:
             clock=clock,
             wall_clock=wall_clock,
             backoff=backoff,
+            fields=fields,
         )
         made_here.append(made)
         return made
@@ -328,6 +332,29 @@ def test_lifecycle_stream_selects_only_pid1_messages_about_the_unit(
     assert {r.stream for r in records} == {LIFECYCLE}
     assert all(r.entry["_PID"] == "1" and r.entry["_UID"] == "0" for r in records)
     assert len(set(cursors(r.entry for r in records))) == len(records)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_restricted_fields_still_parse_to_the_same_events(
+    journal: Journal, follower: FollowerFactory, release: str
+) -> None:
+    """With only the fields the parser reads, every lifecycle entry gives the same event."""
+    loop_journal(journal, release)
+    full = follower(journal.argv)
+    full.start()
+    everything = collect(full, lambda r: attached(r, full)) + settle(full)
+    slim = follower(
+        journal.argv, cursor_path=full.cursor_path.with_suffix(".slim"), fields=FIELDS_READ
+    )
+    slim.start()
+    restricted = collect(slim, lambda r: attached(r, slim)) + settle(slim)
+    allowed = {*FIELDS_READ, "__CURSOR", "__REALTIME_TIMESTAMP", "__MONOTONIC_TIMESTAMP"}
+    assert all(set(r.entry) <= allowed for r in restricted)
+    assert len(restricted) == len(everything) > 10
+    events_full = [parse_entry(r.entry, UNIT) for r in everything]
+    events_slim = [parse_entry(r.entry, UNIT) for r in restricted]
+    assert events_slim == events_full
+    assert sum(e is not None for e in events_slim) > 10
 
 
 def test_several_units_are_followed_together(journal: Journal, follower: FollowerFactory) -> None:
