@@ -2,10 +2,11 @@
 
 It follows, for the watched units, systemd's own messages about them and (when asked) the few
 lines of their output that match given patterns, and hands them out as plain dicts, exactly as
-``journalctl --output=json --all`` printed them (every field kept, or the ``fields`` the owner names: trust is judged by the parser
-from ``_PID``/``_UID``/``_SYSTEMD_CGROUP``, never here). What is at risk: an event seen twice or
-never (a detector miscounts a restart loop), history mistaken for news (an action on a loop that
-is long over), a follower that dies quietly, and request-log noise parsed in Python.
+``journalctl --output=json --all`` printed them (every field, or only the ``fields`` the owner
+names; trust is judged by the parser from ``_PID``/``_UID``/``_SYSTEMD_CGROUP``, never here).
+What is at risk: an event seen twice or never (a detector miscounts a restart loop), history
+mistaken for news (an action on a loop that is long over), a follower that dies quietly, and
+request-log noise parsed in Python.
 
 How each is handled (facts: reference/nvml-systemd-facts.md §4.5, §4.6):
 
