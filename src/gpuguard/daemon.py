@@ -46,6 +46,8 @@ SNAPSHOT_SCHEMA = 1
 SNAPSHOT_EVERY_S = 60.0
 # The longest the loop sleeps with nothing due: idle cost is wake-ups, so wake only for work.
 MAX_SLEEP_S = 60.0
+# How often a verdict is re-derived from the events alone, so "starting" becomes "up".
+REFRESH_EVERY_S = 30.0
 _STOP_WAIT_S = 300.0
 _RECENT = 10
 
@@ -153,6 +155,7 @@ class _Watch:
     systemd_state: str = "unknown"
     recoveries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
     in_progress: dict[str, Any] | None = None
+    refresh_at: float = 0.0
 
 
 class Daemon:
@@ -217,6 +220,7 @@ class Daemon:
             for problem in self._follower.take_problems():
                 ports.log.warning("journal line skipped", reason=problem)
             self._retry_waiting()
+            self._refresh()
             now = ports.monotonic()
             if ports.watchdog_interval_s is not None and now >= next_ping:
                 ports.notifier.watchdog()  # only from here: a stuck loop stops the pings
@@ -277,6 +281,22 @@ class Daemon:
             self._follower.commit(*records)
         for name in touched:
             self._judge(self._watches[name])
+
+    def _refresh(self) -> None:
+        """Let verdicts age without new events: a run that stayed up for stable_s is healthy.
+
+        Only the cheap, event-only verdict: acting needs a live event (or a backoff's end),
+        so history replayed at start is still never acted on.
+        """
+        now = self._ports.wall()
+        for watch in self._watches.values():
+            if watch.diagnosis is None or now < watch.refresh_at:
+                continue
+            watch.refresh_at = now + REFRESH_EVERY_S
+            quick = watch.detector.diagnose(now, None)
+            if not quick.looping:
+                watch.planner.healthy(now)
+                self._say(watch, quick, None)
 
     def _retry_waiting(self) -> None:
         """A unit whose recovery waited out its backoff is judged again (no new event needed)."""
@@ -428,9 +448,14 @@ class Daemon:
             problem = None if outcome.passed else "; ".join(outcome.blockers)
         elif problem is None:
             problem = f"{watch.name} did not stop within {_STOP_WAIT_S:.0f} s"
-        for verb in ("reset-failed", "start"):
-            failure = ports.control(verb, watch.name)
-            problem = problem or failure
+        # Forget the loop as of now, before the start: the new run's first entries can carry a
+        # timestamp a few ms before `systemctl start` returns, and must not be dropped.
+        restarted_at = ports.wall()
+        if ports.show_unit(watch.name).active_state == "failed":
+            # Only a failed unit has anything to reset; a unit systemd unloaded after the stop
+            # (not enabled) answers "not loaded", which is no failure of the recovery.
+            problem = problem or ports.control("reset-failed", watch.name)
+        problem = problem or ports.control("start", watch.name)
         record |= {
             "finished_at": _iso(ports.wall()),
             "result": "restarted" if problem is None else "failed",
@@ -445,7 +470,7 @@ class Daemon:
             ],
             "waited_s": round(outcome.waited_s, 2) if outcome else None,
         }
-        watch.detector.reset(ports.wall())
+        watch.detector.reset(restarted_at)
         watch.in_progress = None
         watch.recoveries.append(record)
         self._save(watch)

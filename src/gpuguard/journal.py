@@ -27,7 +27,8 @@ How each is handled (facts: reference/nvml-systemd-facts.md §4.5, §4.6):
   ``--cursor=`` and drops the one entry whose ``__CURSOR`` equals it: right on 252 and on 257.
   ``--lines=all`` on every ``--follow``: 252 otherwise prints only 10 entries of the backlog
   until new data arrives.
-* **Boots.** ``--follow`` implies the current boot; the history run says ``--boot`` to match, so
+* **Boots.** Both runs say ``--boot=-0``, the newest boot in the journal (the current one; not
+  the boot ID in /proc, which a sandboxed service in a container sees as the host's), so
   nothing from before a reboot is replayed (that loop ended with the reboot). A saved cursor from
   an earlier boot is still a position in the journal: journalctl seeks to it and the boot match
   skips to the first entry of this boot. Entries of the earlier boot after the saved cursor
@@ -444,10 +445,12 @@ class JournalFollower:
         argv = [*self.journalctl, "--output=json", "--all", "--no-pager", "--quiet"]
         if self._fields:
             argv.append(f"--output-fields={','.join(self._fields)}")
+        # The newest boot in the journal ("-0"), not the boot ID in /proc: a sandboxed service
+        # in a container (ProtectKernelTunables= remounts /proc) sees the host's boot ID there,
+        # and plain --boot or --follow would then match nothing, silently (systemd 252).
+        argv.append("--boot=-0")
         if stream.phase == "follow":
-            argv += ["--follow", "--lines=all"]  # --follow implies the current boot
-        else:
-            argv.append("--boot")  # before other options: a bare -b may take the next word
+            argv += ["--follow", "--lines=all"]
         stream.drop_cursor = None
         if stream.position is not None:
             argv.append(f"--cursor={stream.position.cursor}")

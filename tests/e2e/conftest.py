@@ -5,6 +5,11 @@
 first use, about a minute), `container(...)` boots one and tears it down after the test;
 `booted` is one booted container. `GPUGUARD_E2E_MODE=copy` boots copies instead of overlays,
 `GPUGUARD_E2E_CACHE` moves the cache (default /var/cache/gpuguard-e2e).
+
+gpuguard inside (gpubox.py, docs/e2e.md): `e2e_artifacts` are the wheels and the fake NVML,
+prepared once per release and cached; `gpubox` is a booted container with gpuguard, the fake
+NVML, the fake GPU driver and the fake SGLang installed. Scenario results (measure.py) are
+printed, timeline and table, at the end of the run.
 """
 
 from __future__ import annotations
@@ -24,13 +29,18 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from e2e.container import RELEASES, Bind, Container, ensure_rootfs
+from e2e.gpubox import INSTALL_SECONDS, Artifacts, GpuBox, host_env_ok, install, prepare_artifacts
+from e2e.measure import SESSION_NOTES, SESSION_RESULTS, render_report
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
+    from _pytest.terminal import TerminalReporter
+
 RELEASES_ENV = "GPUGUARD_E2E_RELEASES"
 MODE_ENV = "GPUGUARD_E2E_MODE"  # "overlay" (default) or "copy", for a kernel without overlayfs
 REQUIRED_TOOLS = ("debootstrap", "systemd-nspawn", "nsenter", "chroot")
+SUMMARY_ENV = "GPUGUARD_E2E_SUMMARY"  # "0": no scenario summary at the end (make demo prints it)
 
 
 def selected_releases() -> list[str]:
@@ -122,3 +132,39 @@ def container(rootfs: Path) -> Iterator[ContainerFactory]:
 def booted(container: ContainerFactory) -> Container:
     """One booted container with no binds."""
     return container()
+
+
+@pytest.fixture(scope="session")
+def e2e_artifacts(release: str) -> Artifacts:
+    """The checkout's wheel, its dependencies' wheels for `release` and the fake NVML (cached)."""
+    reason = host_env_ok()
+    if reason is not None:
+        pytest.skip(reason)
+    artifacts = prepare_artifacts(release)
+    timings = ", ".join(f"{name} {seconds:.1f}" for name, seconds in artifacts.timings.items())
+    SESSION_NOTES.append(f"host artifacts for {release} (s): {timings}")
+    return artifacts
+
+
+@pytest.fixture
+def gpubox(container: ContainerFactory, e2e_artifacts: Artifacts) -> Iterator[GpuBox]:
+    """A booted container with gpuguard, the fake NVML and the fake SGLang installed."""
+    booted = container(binds=e2e_artifacts.binds())
+    box = GpuBox(booted, install_s=install(booted))
+    yield box
+    box.kill_server()  # the halt would otherwise wait out the server's stop timeout
+
+
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
+    """Print the scenarios measured in this run: each timeline, then the table."""
+    if os.environ.get(SUMMARY_ENV) == "0" or not (SESSION_RESULTS or SESSION_NOTES):
+        return
+    terminalreporter.section("gpuguard end-to-end scenarios (tests/e2e, docs/e2e.md)")
+    notes = list(SESSION_NOTES)
+    if INSTALL_SECONDS:
+        notes.append(
+            f"install in a container: {len(INSTALL_SECONDS)} times, "
+            f"{min(INSTALL_SECONDS):.1f}-{max(INSTALL_SECONDS):.1f} s"
+        )
+    for line in render_report(SESSION_RESULTS, notes=notes):
+        terminalreporter.write_line(line)

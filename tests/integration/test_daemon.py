@@ -109,7 +109,10 @@ class UnitTwin:
     def control(self, verb: str, unit: str) -> str | None:
         """Record the verb; stop makes the unit inactive, start makes it activate again."""
         self.calls.append(f"{verb} {unit}")
-        self.active = {"stop": "inactive", "start": "activating"}.get(verb, self.active)
+        # A unit stopped while it was failing stays "failed" until reset-failed.
+        self.active = {"stop": "failed", "reset-failed": "inactive", "start": "activating"}.get(
+            verb, self.active
+        )
         return None
 
 

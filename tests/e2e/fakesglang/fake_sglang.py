@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""A fake SGLang server for gpuguard's end-to-end tests: the real one where it matters.
+
+What it shares with ``python -m sglang.launch_server --tp-size N`` (README.md beside it):
+
+* Options: ``--model-path`` (required), ``--tp-size``/``--tp``, ``--mem-fraction-static``,
+  ``--port``, ``--host``; anything else is a usage error, exit 2, like argparse in SGLang.
+* Start: it "loads the model" (``--fake-load-s`` seconds: the ~100 s of a real start, short in
+  tests), then checks the GPUs through the **real pynvml** (here over the fake
+  ``libnvidia-ml.so.1``) before allocating, the way PyTorch and SGLang do. When another process
+  holds the memory it needs, it prints SGLang's errors - ``torch.OutOfMemoryError: CUDA out of
+  memory. Tried to allocate …`` from the rank that cannot allocate, ``RuntimeError: The memory
+  capacity is unbalanced. Some GPUs may be occupied by other processes.`` from the others - and
+  exits 1.
+* Otherwise the main process creates a small context on each GPU and spawns one TP worker per
+  GPU, named ``sglang::scheduler_TP0`` … (cmdline and comm, as setproctitle makes them), each
+  holding ``mem-fraction-static`` of its GPU and the ``/dev/nvidia*`` stand-ins open; then it
+  prints ``The server is fired up and ready to roll!``.
+* SIGTERM: it drains pending requests for ``--fake-drain-s`` seconds (SGLang's drain has no upper
+  bound), then terminates its workers and exits 0. ``--fake-stubborn-worker I`` (or
+  ``FAKE_SGLANG_STUBBORN_WORKER=I`` in the unit's environment) makes worker I ignore SIGTERM,
+  like a worker stuck in a collective.
+
+GPU memory is allocated through the fake driver (``fakegpu_driver.py``): each process's socket to
+it is its CUDA context, freed when the process is gone. Device files and allocations live in
+``$FAKENVML_STATE`` (``--fake-state``). Standard library plus pynvml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+MIB = 1 << 20
+GIB = 1 << 30
+READY_LINE = "The server is fired up and ready to roll!"
+_PR_SET_NAME = 15
+_WORKER_FLAG = "--fake-worker"
+_WORKER_STOP_S = 5.0
+_UNBALANCED = 0.9  # SGLang: min free memory of all ranks below 90 % of a rank's own is refused
+
+
+def _stamp(rank: int | None = None) -> str:
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return f"[{now} TP{rank}]" if rank is not None else f"[{now}]"
+
+
+def log(text: str, rank: int | None = None, *, err: bool = False) -> None:
+    """One SGLang-style log line (stdout, or stderr for errors), flushed for the journal."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"{_stamp(rank)} {text}\n")
+    stream.flush()
+
+
+def _set_comm(name: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def _open_devices(state: Path, minors: list[int]) -> list[int]:
+    """Open the device stand-ins a CUDA process keeps open (inheritable, like CUDA's)."""
+    fds = []
+    for name in ("nvidiactl", "nvidia-uvm", *(f"nvidia{minor}" for minor in minors)):
+        fd = os.open(state / "dev" / name, os.O_RDWR)
+        os.set_inheritable(fd, True)  # noqa: FBT003 - positional-only in os
+        fds.append(fd)
+    return fds
+
+
+def _create_context(driver: Path, allocations: list[tuple[int, int]]) -> socket.socket:
+    """Connect to the fake driver and allocate ``(minor, mib)`` pairs; the socket is the context."""
+    ctx = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ctx.connect(str(driver))
+    reader = ctx.makefile("r", encoding="utf-8")
+    for minor, mib in allocations:
+        ctx.sendall(f"alloc {minor} {mib}\n".encode())
+        reply = reader.readline().strip()
+        if not reply.startswith("ok "):
+            raise RuntimeError(f"fake driver refused {mib} MiB on GPU {minor}: {reply}")
+    return ctx
+
+
+# --- the TP worker ---------------------------------------------------------------------------
+
+
+def worker_main(argv: list[str]) -> None:
+    """A TP worker: hold its GPU's memory and the device files until terminated."""
+    parser = argparse.ArgumentParser(prog="sglang::scheduler")
+    parser.add_argument(_WORKER_FLAG, dest="rank", type=int, required=True)
+    parser.add_argument("--fake-gpu", type=int, required=True)
+    parser.add_argument("--fake-mib", type=int, required=True)
+    parser.add_argument("--fake-ready-fd", type=int, required=True)
+    parser.add_argument("--fake-state", type=Path, required=True)
+    parser.add_argument("--fake-driver", type=Path, required=True)
+    parser.add_argument("--fake-ignore-sigterm", action="store_true")
+    args = parser.parse_args(argv)
+    _set_comm(f"sglang::scheduler_TP{args.rank}")
+    if args.fake_ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _open_devices(args.fake_state, [args.fake_gpu])
+    context = _create_context(args.fake_driver, [(args.fake_gpu, args.fake_mib)])
+    log(
+        f"KV Cache is allocated. GPU {args.fake_gpu}: {args.fake_mib / 1024:.2f} GB in use",
+        args.rank,
+    )
+    os.write(args.fake_ready_fd, b"ok")
+    os.close(args.fake_ready_fd)
+    while context.fileno() >= 0:
+        signal.pause()
+
+
+# --- the server (main process) ---------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch_server.py",
+        description="Fake SGLang server (gpuguard e2e). Options not starting with --fake- are "
+        "SGLang's.",
+    )
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    parser.add_argument("--mem-fraction-static", type=float, default=0.85)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--fake-load-s", type=float, default=2.0, help="model load time")
+    parser.add_argument("--fake-drain-s", type=float, default=0.0, help="drain time on SIGTERM")
+    parser.add_argument("--fake-pending", type=int, default=12, help="requests left to drain")
+    parser.add_argument("--fake-main-mib", type=int, default=512, help="main context per GPU")
+    parser.add_argument(
+        "--fake-stubborn-worker",
+        type=int,
+        default=int(os.environ.get("FAKE_SGLANG_STUBBORN_WORKER", "-1")),
+        help="this TP worker ignores SIGTERM (default: $FAKE_SGLANG_STUBBORN_WORKER)",
+    )
+    parser.add_argument(
+        "--fake-state", type=Path, default=Path(os.environ.get("FAKENVML_STATE", "/nonexistent"))
+    )
+    parser.add_argument("--fake-driver", type=Path, default=Path("/run/fakegpu/driver.sock"))
+    return parser
+
+
+def _visible_gpus(tp_size: int) -> list[int]:
+    """NVML indices of the GPUs this server uses: CUDA_VISIBLE_DEVICES (indices) or 0..tp-1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    indices = [int(x) for x in visible.split(",") if x.strip()] if visible else list(range(64))
+    if len(indices) < tp_size:
+        log(f"RuntimeError: tp_size={tp_size} but only {len(indices)} GPUs visible", err=True)
+        sys.exit(1)
+    return indices[:tp_size]
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """One GPU as the server sees it through NVML before it allocates."""
+
+    rank: int
+    index: int
+    minor: int
+    total: int
+    free: int
+    need: int
+    processes: tuple[tuple[int, int | None], ...]
+
+    @property
+    def short(self) -> bool:
+        """Whether the memory this rank needs is not free."""
+        return self.free < self.need
+
+
+def gpu_facts(gpus: list[int], fraction: float, main_mib: int) -> list[GpuFacts]:
+    """Free memory and the processes on each GPU, through pynvml (like torch.cuda.mem_get_info)."""
+    import pynvml  # noqa: PLC0415, TID251 - the real bindings, as SGLang and PyTorch use them
+
+    pynvml.nvmlInit()
+    try:
+        facts = []
+        for rank, index in enumerate(gpus):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            facts.append(
+                GpuFacts(
+                    rank=rank,
+                    index=index,
+                    minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
+                    total=int(memory.total),
+                    free=int(memory.free),
+                    need=int(memory.total * fraction) + main_mib * MIB,
+                    processes=tuple((int(p.pid), p.usedGpuMemory) for p in processes),
+                )
+            )
+    finally:
+        pynvml.nvmlShutdown()
+    return facts
+
+
+def _report_oom(facts: list[GpuFacts], tp_size: int) -> None:
+    """What SGLang's ranks print when the GPUs are taken, then the main process's last words.
+
+    The rank that cannot allocate fails in PyTorch; with TP > 1 the other ranks refuse first,
+    because the smallest free memory of all ranks is under 90 % of their own.
+    """
+    min_free = min(fact.free for fact in facts)
+    for fact in facts:
+        if fact.short:
+            holders = " ".join(
+                f"Process {pid} has {(used or 0) / GIB:.2f} GiB memory in use."
+                for pid, used in fact.processes
+            )
+            log(
+                "Scheduler hit an exception: Traceback (most recent call last):",
+                fact.rank,
+                err=True,
+            )
+            log(
+                f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                f"{fact.need / GIB:.2f} GiB. GPU {fact.index} has a total capacity of "
+                f"{fact.total / GIB:.2f} GiB of which {fact.free / GIB:.2f} GiB is free. "
+                f"{holders} Of the allocated memory 0 bytes is allocated by PyTorch, and 0 bytes "
+                "is reserved by PyTorch but unallocated.",
+                fact.rank,
+                err=True,
+            )
+        elif tp_size > 1 and min_free < fact.free * _UNBALANCED:
+            log(
+                "Scheduler hit an exception: Traceback (most recent call last):",
+                fact.rank,
+                err=True,
+            )
+            log(
+                "RuntimeError: The memory capacity is unbalanced. Some GPUs may be occupied by "
+                f"other processes. min_per_gpu_memory={min_free / GIB:.2f}, "
+                f"local_gpu_memory={fact.free / GIB:.2f}, "
+                f"local_gpu_memory * 0.9={fact.free * _UNBALANCED / GIB:.2f}",
+                fact.rank,
+                err=True,
+            )
+    log("Received sigquit from a child process. It usually means the child failed.", err=True)
+
+
+class _Stop:
+    requested = False
+
+
+def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[bytes]:
+    """Start the TP worker of ``fact.rank``, named like SGLang's; return once it holds memory."""
+    rank = fact.rank
+    ready_r, ready_w = os.pipe()
+    argv = [
+        f"sglang::scheduler_TP{rank}",
+        str(Path(__file__).resolve()),
+        _WORKER_FLAG,
+        str(rank),
+        "--fake-gpu",
+        str(fact.minor),
+        "--fake-mib",
+        str(fact.need // MIB - args.fake_main_mib),
+        "--fake-ready-fd",
+        str(ready_w),
+        "--fake-state",
+        str(args.fake_state),
+        "--fake-driver",
+        str(args.fake_driver),
+    ]
+    if rank == args.fake_stubborn_worker:
+        argv.append("--fake-ignore-sigterm")
+    # argv[0] is not a path, so the interpreter cannot find its prefix itself: point it home.
+    env = {**os.environ, "PYTHONHOME": sys.base_prefix, "CUDA_VISIBLE_DEVICES": str(fact.index)}
+    proc = subprocess.Popen(
+        argv, executable=sys.executable, pass_fds=(ready_w,), env=env, stdin=subprocess.DEVNULL
+    )
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        ready.read()  # EOF: the worker holds its memory (or died)
+    if proc.poll() is not None:
+        log(f"TP worker {rank} exited with {proc.returncode} during start", err=True)
+        sys.exit(1)
+    return proc
+
+
+def server_main(argv: list[str]) -> None:
+    """The main process: load, check, allocate, spawn workers, serve, drain on SIGTERM."""
+    args = _parser().parse_args(argv)  # a bad flag exits 2 here, before any load
+    log(
+        f"server_args=ServerArgs(model_path='{args.model_path}', tp_size={args.tp_size}, "
+        f"mem_fraction_static={args.mem_fraction_static}, host='{args.host}', port={args.port})"
+    )
+    gpus = _visible_gpus(args.tp_size)
+    log(f"Load weight begin. GPUs {gpus}", 0)
+    time.sleep(args.fake_load_s)
+    log("Loading safetensors checkpoint shards: 100% Completed", 0)
+    facts = gpu_facts(gpus, args.mem_fraction_static, args.fake_main_mib)
+    if any(fact.short for fact in facts):
+        _report_oom(facts, args.tp_size)
+        sys.exit(1)
+    _open_devices(args.fake_state, [fact.minor for fact in facts])
+    context = _create_context(args.fake_driver, [(f.minor, args.fake_main_mib) for f in facts])
+    workers = [_spawn_worker(args, fact) for fact in facts]
+    signal.signal(signal.SIGTERM, lambda *_: setattr(_Stop, "requested", True))
+    log(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
+    log(READY_LINE)
+    while not _Stop.requested:
+        time.sleep(0.1)
+    _drain(args)
+    for proc in workers:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _WORKER_STOP_S
+    for proc in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    context.close()
+    log("Server shut down.")
+    sys.exit(0)
+
+
+def _drain(args: argparse.Namespace) -> None:
+    """SGLang's graceful exit: wait for the pending requests (here: ``--fake-drain-s``)."""
+    pending = args.fake_pending
+    deadline = time.monotonic() + args.fake_drain_s
+    while True:
+        log(f"Gracefully exiting... Remaining number of requests {pending}.")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(1.0, left))
+        pending = max(0, pending - 1)
+
+
+def main() -> None:
+    """Worker or server, by the first argument."""
+    argv = sys.argv[1:]
+    if argv[:1] == [_WORKER_FLAG]:
+        worker_main(argv)
+    else:
+        server_main(argv)
+
+
+if __name__ == "__main__":
+    main()

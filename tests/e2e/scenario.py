@@ -1,0 +1,130 @@
+"""What the incident scenarios share (test_incident.py, test_incident_daemon.py; docs/e2e.md).
+
+Every scenario starts the same way: the fake SGLang (`sglang.service`, tests/e2e/fakesglang)
+serves on four fake H200s; its TP3 worker ignores SIGTERM and sits in another cgroup (moved into
+a scope, as a worker started outside the unit would be: DESIGN.md §1.3). Then an operator runs
+`systemctl restart sglang.service` while 12 requests are pending: the server drains for 30 s,
+`TimeoutStopSec=3` expires, systemd SIGKILLs what is in the cgroup, and TP3 survives, holding
+about 119 GiB of GPU 3. That restart is `t0` of every measurement (`incident`). `finish` reads
+the numbers back from the journal (measure.py), prints the timeline and saves the result.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from e2e.gpubox import DAEMON, UNIT
+from e2e.measure import ScenarioResult, Timeline, measure, runs, save
+
+if TYPE_CHECKING:
+    from e2e.container import JournalEntry
+    from e2e.gpubox import GpuBox
+    from e2e.measure import Measurement
+
+WINDOW_S = float(os.environ.get("GPUGUARD_E2E_WINDOW_S", "45"))
+SETTLE_S = 3.0  # after a healthy start: time for a late failure to show (none should)
+WORKER_MIB = 122205  # TP3's share of GPU 3: 0.85 of an H200
+SERVING_MIB = WORKER_MIB + 512  # per GPU while the server runs (worker + main context)
+STOPPING = "de5b426a63be47a7b6ac3eaac82e2f6f"
+RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"
+FAILURE_RESULT = "d9b373ed55a64feb8242e02dbe79a49c"
+PROCESS_EXIT = "98e322203f7a4ed290d09fe03c09fe15"
+
+#: The fault: TP3 ignores SIGTERM (the test then moves it out of the unit's cgroup).
+STUBBORN_TP3 = "[Service]\nEnvironment=FAKE_SGLANG_STUBBORN_WORKER=3\n"
+#: For (b): the shipped drop-in raises TimeoutStopSec to 120 s as a drain budget; the test keeps
+#: the unit's 3 s so the stop ends in SIGKILL mid-drain exactly as in (a).
+SAME_STOP_TIMEOUT = "[Service]\nTimeoutStopSec=3\n"
+
+
+def incident(gpubox: GpuBox, timeline: Timeline, *, enable: bool = True) -> tuple[float, str, int]:
+    """Serve, let TP3 escape, restart during the drain; returns (t0, old invocation, TP3's PID).
+
+    The unit is enabled (`systemctl enable`), as a production server is.
+    """
+    if enable:
+        gpubox.systemctl("enable", UNIT)
+    gpubox.drop_in(UNIT, "e2e-fault.conf", STUBBORN_TP3)
+    serving = gpubox.start_server()
+    [tp3] = gpubox.pids("sglang::scheduler_TP3")
+    scope = gpubox.escape_to_scope(tp3)
+    assert gpubox.allocated() == [SERVING_MIB] * 4
+    timeline.mark(f"serving (run {serving[:8]}), 4 x {SERVING_MIB} MiB")
+    timeline.mark(f"TP3 (PID {tp3}) ignores SIGTERM and was moved to {scope}")
+    t0 = time.time()
+    timeline.t0 = t0
+    gpubox.systemctl("--no-block", "restart", UNIT)
+    timeline.mark("systemctl restart sglang.service (drain 30 s > TimeoutStopSec=3)", t0)
+    return t0, serving, tp3
+
+
+def unit_journal(gpubox: GpuBox, since_s: float) -> list[JournalEntry]:
+    """PID 1 about sglang.service, its own output, and gpuguard.service's lines."""
+    matches = [
+        "_PID=1",
+        f"UNIT={UNIT}",
+        "+",
+        f"_SYSTEMD_UNIT={UNIT}",
+        "+",
+        f"_SYSTEMD_UNIT={DAEMON}",
+    ]
+    return gpubox.box.journal([*matches, f"--since=@{int(since_s)}"])
+
+
+def finish(
+    gpubox: GpuBox,
+    timeline: Timeline,
+    *,
+    scenario: str,
+    title: str,
+    gpuguard: str,
+    window_s: float,
+    exclude: set[str],
+    actions: str,
+    notes: list[str],
+    healthy_note: str | None = None,
+) -> Measurement:
+    """Measure from the journal, print the timeline, save the result; the measurement."""
+    until = time.time()
+    entries = unit_journal(gpubox, timeline.t0 - 10)
+    measurement = measure(runs(entries, exclude=exclude), timeline.t0, until)
+    timeline.add_journal(entries, UNIT)
+    result = ScenarioResult(
+        scenario=scenario,
+        title=title,
+        release=gpubox.box.rootfs.name.split("-")[0],
+        systemd=gpubox.box.systemd_version(),
+        gpuguard=gpuguard,
+        window_s=window_s,
+        measurement=measurement,
+        actions=actions,
+        notes=[*notes, *measurement.failures[:3]],
+        timeline=timeline.lines(),
+        healthy_note=healthy_note,
+    )
+    save(result)
+    print(f"\n({scenario}) {title}")  # noqa: T201 - the timeline is the test's output
+    print("\n".join(timeline.lines()))  # noqa: T201
+    print(measurement)  # noqa: T201
+    return measurement
+
+
+def pid1_messages(gpubox: GpuBox, since_s: float, message_id: str | None = None) -> list[str]:
+    """PID 1's messages about sglang.service since `since_s` (optionally of one MESSAGE_ID)."""
+    matches = ["_PID=1", f"UNIT={UNIT}", f"--since=@{int(since_s)}"]
+    if message_id is not None:
+        matches.append(f"MESSAGE_ID={message_id}")
+    return [str(e.get("MESSAGE")) for e in gpubox.box.journal(matches)]
+
+
+def alive(gpubox: GpuBox, pid: int) -> bool:
+    """Whether PID `pid` (inside) exists and is not a zombie."""
+    done = gpubox.box.run(["ps", "-o", "stat=", "-p", str(pid)], check=False)
+    return done.returncode == 0 and not done.stdout.strip().startswith("Z")
+
+
+def story_line(line: str) -> bool:
+    """The lines of `gpuguard status` that tell the daemon's story."""
+    return line.startswith(("Daemon:", "Unit ", "    daemon:", "    recovery", "gpuguard status"))
