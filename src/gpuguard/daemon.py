@@ -185,6 +185,8 @@ class Daemon:
         self._started_at = ports.wall()
         self._stop = False
         self._ready = False
+        # Often enough that a run counts as up soon after stable_s; rarely enough to stay idle.
+        self._refresh_every_s = min(REFRESH_EVERY_S, daemon.stable_s / 2)
         self._published: tuple[str, str] | None = None
         self._published_at = float("-inf")
 
@@ -248,6 +250,11 @@ class Daemon:
             due.append(wake)
         now = ports.wall()
         due.extend(
+            watch.refresh_at - now
+            for watch in self._watches.values()
+            if watch.diagnosis is not None
+        )
+        due.extend(
             watch.decision.not_before_s - now
             for watch in self._watches.values()
             if watch.decision is not None
@@ -292,7 +299,7 @@ class Daemon:
         for watch in self._watches.values():
             if watch.diagnosis is None or now < watch.refresh_at:
                 continue
-            watch.refresh_at = now + REFRESH_EVERY_S
+            watch.refresh_at = now + self._refresh_every_s
             quick = watch.detector.diagnose(now, None)
             if not quick.looping:
                 watch.planner.healthy(now)

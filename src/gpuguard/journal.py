@@ -27,8 +27,8 @@ How each is handled (facts: reference/nvml-systemd-facts.md §4.5, §4.6):
   ``--cursor=`` and drops the one entry whose ``__CURSOR`` equals it: right on 252 and on 257.
   ``--lines=all`` on every ``--follow``: 252 otherwise prints only 10 entries of the backlog
   until new data arrives.
-* **Boots.** Both runs say ``--boot=-0``, the newest boot in the journal (the current one; not
-  the boot ID in /proc, which a sandboxed service in a container sees as the host's), so
+* **Boots.** Both runs name the boot of the journal's newest entry (the current one; not the
+  boot ID in /proc, which a sandboxed service in a container sees as the host's), so
   nothing from before a reboot is replayed (that loop ended with the reboot). A saved cursor from
   an earlier boot is still a position in the journal: journalctl seeks to it and the boot match
   skips to the first entry of this boot. Entries of the earlier boot after the saved cursor
@@ -91,6 +91,7 @@ _STOP_GRACE_S = 1.0
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 # A journal cursor: `s=…;i=…;b=…;m=…;t=…;x=…` (lower-case hex values); anything else makes
 # journalctl fail with "Failed to seek to cursor", so it is never passed on.
+_BOOT_ID = re.compile(r"[0-9a-f]{32}")
 _CURSOR = re.compile(r"[a-z]=[0-9a-f]{1,64}(?:;[a-z]=[0-9a-f]{1,64}){0,15}")
 
 State = Literal["stopped", "replaying", "attached", "restarting"]
@@ -237,6 +238,7 @@ class JournalFollower:
         self._problems: deque[str] = deque(maxlen=_PROBLEMS_KEPT)
         self._cursor_error: str | None = None
         self._started = False
+        self._boot: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -259,6 +261,7 @@ class JournalFollower:
         if self._started:
             return
         self._started = True
+        self._boot = self._newest_boot()
         saved = self._load_cursors()
         window_start = max(0.0, self._wall_clock() - self.replay_s)
         for stream in self._streams:
@@ -441,14 +444,26 @@ class JournalFollower:
 
     # -- processes ---------------------------------------------------------------------------
 
+    def _newest_boot(self) -> str | None:
+        """The _BOOT_ID of the journal's newest entry (the current boot), or None."""
+        argv = [*self.journalctl, "--lines=1", "--output=json", "--output-fields=_BOOT_ID"]
+        try:
+            done = subprocess.run(
+                [*argv, "--no-pager", "--quiet"], capture_output=True, timeout=10, check=False
+            )
+            boot = json.loads(done.stdout.splitlines()[-1]).get("_BOOT_ID")
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, AttributeError):
+            return None
+        return boot if isinstance(boot, str) and _BOOT_ID.fullmatch(boot) else None
+
     def _argv(self, stream: _Stream) -> tuple[str, ...]:
         argv = [*self.journalctl, "--output=json", "--all", "--no-pager", "--quiet"]
         if self._fields:
             argv.append(f"--output-fields={','.join(self._fields)}")
-        # The newest boot in the journal ("-0"), not the boot ID in /proc: a sandboxed service
-        # in a container (ProtectKernelTunables= remounts /proc) sees the host's boot ID there,
-        # and plain --boot or --follow would then match nothing, silently (systemd 252).
-        argv.append("--boot=-0")
+        # The journal's newest boot by its ID, not the boot ID in /proc: a sandboxed service in
+        # a container (ProtectKernelTunables= remounts /proc) sees the host's boot ID there, and
+        # --boot, --boot=-0 or a bare --follow then match nothing, silently (systemd 252).
+        argv.append(f"--boot={self._boot}" if self._boot else "--boot")
         if stream.phase == "follow":
             argv += ["--follow", "--lines=all"]
         stream.drop_cursor = None
