@@ -17,7 +17,7 @@ from gpuguard.cgroup import Attribution, attribute
 from gpuguard.redaction import display_command
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Mapping
 
     from gpuguard.values import GpuReading, NvmlReading, ProcessFacts, ProcessIdentity, ProcScan
 
@@ -190,8 +190,3 @@ def _unattributed(gpu: GpuReading, idle_threshold_bytes: int) -> int | None:
         return None
     unexplained = memory.used_bytes - sum(size for size in sizes if size is not None)
     return unexplained if unexplained > idle_threshold_bytes else 0
-
-
-def pids_named_by(nvml: NvmlReading) -> Iterable[int]:
-    """Every PID that NVML lists on any GPU (the start of the NVML-first /proc scan)."""
-    return sorted({p.pid for gpu in nvml.gpus for p in gpu.processes})

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from clirunner import Openers, UnitCgroups
-    from fakeholder import HolderSpawner
+    from fakeholder import Holder, HolderSpawner
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
 OLD_INVOCATION = "0" * 32
@@ -162,6 +162,22 @@ def in_process_nvml(fake_nvml_dir: Path, fake_state: Path, monkeypatch: pytest.M
     ctypes.CDLL(str(fake_nvml_dir / "libnvidia-ml.so.1"), mode=ctypes.RTLD_GLOBAL)
     monkeypatch.setenv("FAKENVML_STATE", str(fake_state))
     return fake_state
+
+
+def earlier_run_worker(
+    spawn_holder: HolderSpawner,
+    state: Path,
+    cgroups: UnitCgroups,
+    unit: str,
+    gpu: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Holder:
+    """A worker of an earlier run of ``unit``: in its cgroup, with the old INVOCATION_ID."""
+    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
+    worker = spawn_holder(state, gpus=(gpu,), mib=30000, name="sglang::scheduler")
+    monkeypatch.delenv("INVOCATION_ID")
+    cgroups.move(worker.pid, unit)
+    return worker
 
 
 @dataclass
@@ -301,10 +317,7 @@ def test_dry_run_acts_on_nothing(
 ) -> None:
     """With dry_run the GPU-caused loop is logged as what would be done; nothing is signalled."""
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
-    stale = spawn_holder(in_process_nvml, gpus=(2,), mib=30000, name="sglang::scheduler")
-    monkeypatch.delenv("INVOCATION_ID")
-    unit_cgroups.move(stale.pid, unit)
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
     harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=True)
 
     assert harness.daemon.run() == 0
@@ -325,10 +338,7 @@ def test_history_is_never_acted_on(
 ) -> None:
     """The same loop replayed as history at start rebuilds the window but triggers nothing."""
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
-    stale = spawn_holder(in_process_nvml, gpus=(0,), mib=30000, name="sglang::scheduler")
-    monkeypatch.delenv("INVOCATION_ID")
-    unit_cgroups.move(stale.pid, unit)
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 0, monkeypatch)
     harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False, live=False)
 
     assert harness.daemon.run() == 0
