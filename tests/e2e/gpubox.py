@@ -283,10 +283,14 @@ def _build_gpuguard(out: Path) -> None:
 
 
 def _prune(pattern: str, keep: Path, count: int = 3) -> None:
-    """Remove all but the newest `count` cache entries matching `pattern` (never `keep`)."""
+    """Remove all but the newest `count` cache entries matching `pattern` (never `keep`).
+
+    Entries made within the last hour stay: another checkout's test run may be installing them.
+    """
     entries = sorted(wheels_root().glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+    recent = time.time() - 3600
     for old in entries[count:]:
-        if old != keep:
+        if old != keep and old.stat().st_mtime < recent:
             shutil.rmtree(old, ignore_errors=True)
 
 
