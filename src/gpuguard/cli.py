@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from gpuguard.policy import KillPlan, PlanRequest
     from gpuguard.reaper import ReapResult, ReapTarget
     from gpuguard.status import DaemonView
+    from gpuguard.systemd import UnitState
     from gpuguard.values import GateOutcome, NvmlReading
 
 EX_USAGE = 64
+EX_NOPERM = 77  # sysexits.h: the command needs a permission this user lacks (root)
 
 _DESCRIPTION = """\
 gpuguard keeps GPU inference services (SGLang, vLLM) out of restart loops caused by
@@ -183,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
             name, help=text.splitlines()[0], description=text, formatter_class=raw
         )
         command.add_argument("--unit", required=True, help="the unit, e.g. sglang.service")
+        if name == "install-gate":
+            command.add_argument(
+                "--force",
+                action="store_true",
+                help="install even when systemd does not know the unit (or cannot be asked)",
+            )
     return parser
 
 
@@ -192,17 +200,20 @@ Writes /etc/systemd/system/UNIT.d/gpuguard-gate.conf - ExecStartPre= gate, ExecS
 reap, TimeoutStartSec=600, TimeoutStopSec=120, KillMode=mixed, each line commented (see
 `gpuguard` docs/gate.md) - and runs `systemctl daemon-reload`. The drop-in calls this
 gpuguard's path. A file there that gpuguard did not write, or that was edited since, is
-left alone and the command fails. Undo with `gpuguard remove-gate --unit UNIT`.
+left alone and the command fails. A unit systemd does not know (LoadState=not-found, a
+typo?) is refused, as is one systemd cannot be asked about; --force installs anyway.
+Needs root. Undo with `gpuguard remove-gate --unit UNIT`.
 
-Exit status: 0 installed or already there; 1 refused or daemon-reload failed.
+Exit status: 0 installed or already there; 1 refused or daemon-reload failed; 77 not root.
 """
 
 _REMOVE_GATE_HELP = """\
 Remove the gate drop-in that `gpuguard install-gate` wrote for a unit, then run
-`systemctl daemon-reload`. Any other file is left alone. The next start of the unit runs
-without the gate.
+`systemctl daemon-reload`. Only a file that is byte for byte what install-gate wrote is
+removed; an edited one is kept, and the command says so and fails. Any other file is left
+alone. Needs root. The next start of the unit runs without the gate.
 
-Exit status: 0 removed or not there; 1 refused or daemon-reload failed.
+Exit status: 0 removed or not there; 1 kept or daemon-reload failed; 77 not root.
 """
 
 
@@ -239,20 +250,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gate": lambda: _gate(settings, args, reading),
         "run": lambda: _run(settings),
         "reap": lambda: _reap(settings, args),
-        "install-gate": lambda: _change_gate(args.unit, install=True),
+        "install-gate": lambda: _change_gate(args.unit, install=True, force=args.force),
         "remove-gate": lambda: _change_gate(args.unit, install=False),
     }
     return commands[args.command]()
 
 
-def _change_gate(unit: str, *, install: bool) -> int:
+def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
     """Install or remove the gate drop-in, then make systemd read it."""
     from gpuguard import dropin  # noqa: PLC0415 - see module doc
 
-    if not unit.endswith(".service"):
-        sys.stderr.write(f"gpuguard: {unit!r} is not a service unit name such as sglang.service\n")
-        return EX_USAGE
-    change = dropin.install(unit, _own_executable()) if install else dropin.remove(unit)
+    command = "install-gate" if install else "remove-gate"
+    refused = _gate_change_refused(command, unit, check_unit=install and not force)
+    if refused is not None:
+        return refused
+    try:
+        change = dropin.install(unit, _own_executable()) if install else dropin.remove(unit)
+    except OSError as err:
+        sys.stderr.write(f"gpuguard {command}: {err.filename}: {err.strerror}\n")
+        return 1
     if change.refused:
         sys.stderr.write(f"gpuguard: {change.refused}\n")
         return 1
@@ -265,6 +281,35 @@ def _change_gate(unit: str, *, install: bool) -> int:
     if install:
         sys.stdout.write(f"undo with: gpuguard remove-gate --unit {unit}\n")
     return 0
+
+
+def _gate_change_refused(command: str, unit: str, *, check_unit: bool) -> int | None:
+    """The exit status when the change must not be tried at all; None to go ahead."""
+    from gpuguard import dropin, systemd  # noqa: PLC0415 - see module doc
+
+    if not unit.endswith(".service"):
+        sys.stderr.write(f"gpuguard: {unit!r} is not a service unit name such as sglang.service\n")
+        return EX_USAGE
+    if os.geteuid() != 0:
+        sys.stderr.write(
+            f"gpuguard {command}: needs root (it changes {dropin.SYSTEMD_DIR} and runs "
+            "systemctl daemon-reload)\n"
+        )
+        return EX_NOPERM
+    problem = _unit_missing(systemd.show_unit(unit)) if check_unit else None
+    if problem:
+        sys.stderr.write(f"gpuguard {command}: {problem}; --force installs it anyway\n")
+        return 1
+    return None
+
+
+def _unit_missing(unit_state: UnitState) -> str | None:
+    """Why a drop-in for this unit would guard nothing: systemd has no such unit, or cannot say."""
+    if unit_state.error:
+        return f"cannot ask systemd whether {unit_state.unit} exists ({unit_state.error})"
+    if unit_state.not_found:
+        return f"systemd has no unit {unit_state.unit} (LoadState=not-found; a typo?)"
+    return None
 
 
 def _own_executable() -> str:
@@ -358,9 +403,8 @@ def _status(settings: Settings, *, as_json: bool) -> int:
         units.append(
             status.UnitView(
                 name=name,
-                state=f"state unknown ({unit_state.error})"
-                if unit_state.error
-                else f"{unit_state.active_state} ({unit_state.sub_state})",
+                state=_unit_state_text(unit_state),
+                not_found=unit_state.not_found,
                 gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
                 gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
             )
@@ -384,6 +428,15 @@ def _status(settings: Settings, *, as_json: bool) -> int:
     else:
         sys.stdout.write(status.render_text(report))
     return int(report.level)
+
+
+def _unit_state_text(unit_state: UnitState) -> str:
+    """The unit's state in words; a unit systemd does not know is "not found", not "inactive"."""
+    if unit_state.error:
+        return f"state unknown ({unit_state.error})"
+    if unit_state.not_found:
+        return "not found (LoadState=not-found: systemd has no such unit)"
+    return f"{unit_state.active_state} ({unit_state.sub_state})"
 
 
 def _daemon_view(settings: Settings) -> DaemonView:

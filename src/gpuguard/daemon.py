@@ -153,6 +153,7 @@ class _Watch:
     diagnosis: Diagnosis | None = None
     decision: Decision | None = None
     systemd_state: str = "unknown"
+    not_found: bool = False
     recoveries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
     in_progress: dict[str, Any] | None = None
     refresh_at: float = 0.0
@@ -202,6 +203,8 @@ class Daemon:
         for watch in self._watches.values():
             self._restore(watch)
         inventory = ports.gather()
+        for watch in self._watches.values():
+            self._note_state(watch, ports.show_unit(watch.name))
         self._follower.start()
         ports.log.info(
             "started",
@@ -318,6 +321,8 @@ class Daemon:
 
     def _judge(self, watch: _Watch) -> None:
         now = self._ports.wall()
+        if watch.not_found:  # events about it: it may exist now
+            self._note_state(watch, self._ports.show_unit(watch.name))
         quick = watch.detector.diagnose(now, None)
         if not quick.looping:
             watch.planner.healthy(now)
@@ -325,7 +330,7 @@ class Daemon:
             return
         inventory = self._ports.gather()
         state = self._ports.show_unit(watch.name)
-        watch.systemd_state = _describe_state(state)
+        self._note_state(watch, state)
         evidence = self._gpu_evidence(watch.name, inventory, state)
         diagnosis = watch.detector.diagnose(now, evidence)
         decision = watch.planner.decide(diagnosis, now)
@@ -333,6 +338,15 @@ class Daemon:
         if decision.action is Action.RECOVER:
             self._recover(watch, diagnosis, inventory, state)
         self._save(watch)
+
+    def _note_state(self, watch: _Watch, state: UnitState) -> None:
+        """Remember systemd's view; say once that a watched unit does not exist (a typo?)."""
+        if state.not_found and not watch.not_found:
+            self._ports.log.warning(
+                "watched unit not found", unit=watch.name, load_state=state.load_state
+            )
+        watch.not_found = state.not_found
+        watch.systemd_state = _describe_state(state)
 
     def _say(self, watch: _Watch, diagnosis: Diagnosis, decision: Decision | None) -> None:
         """Log a verdict once when it changes, not on every event."""
@@ -538,6 +552,8 @@ class Daemon:
                 parts.append(f"{watch.name}: NEEDS OPERATOR")
             elif watch.diagnosis is not None and watch.diagnosis.looping:
                 parts.append(f"{watch.name}: restart loop ({_action(watch.decision)})")
+            elif watch.not_found:
+                parts.append(f"{watch.name}: unit not found")
             else:
                 parts.append(f"{watch.name}: ok")
         journal = self._follower.health()
@@ -572,6 +588,7 @@ def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
     diagnosis = watch.diagnosis
     return {
         "systemd_state": watch.systemd_state,
+        "unit_found": not watch.not_found,
         "looping": bool(diagnosis and diagnosis.looping),
         "verdict": diagnosis.reason if diagnosis else "no lifecycle events seen yet",
         "cause": diagnosis.cause.value if diagnosis else None,
@@ -595,6 +612,8 @@ def _action(decision: Decision | None) -> str | None:
 def _describe_state(state: UnitState) -> str:
     if state.error:
         return f"unknown ({state.error})"
+    if state.not_found:
+        return "not found (LoadState=not-found: systemd has no such unit)"
     return f"{state.active_state} ({state.sub_state})"
 
 

@@ -2,8 +2,8 @@
 
 gpuguard never changes another package's unit by itself; `gpuguard install-gate` writes this
 one file into the unit's drop-in directory when an operator asks, and `remove-gate` deletes
-only a file that gpuguard wrote. `systemd/gpuguard-gate.conf` in the source tree is this text
-rendered for the packaged binary (a test keeps the two identical).
+only a file that is still byte for byte what gpuguard wrote. `systemd/gpuguard-gate.conf` in
+the source tree is this text rendered for the packaged binary (a test keeps the two identical).
 """
 
 from __future__ import annotations
@@ -94,18 +94,40 @@ def install(unit: str, gpuguard: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Cha
 
 
 def remove(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Change:
-    """Delete the drop-in if gpuguard wrote it; never touch anything else."""
+    """Delete the drop-in only if it is byte for byte what install wrote; never anything else.
+
+    An operator's edit (a longer TimeoutStopSec=, an extra line) is theirs: the file is kept and
+    the answer says so, rather than silently undoing a change nobody asked gpuguard to undo.
+    """
     path = drop_in_path(unit, systemd_dir)
     try:
-        current = path.read_text(encoding="utf-8")
+        current = path.read_bytes()
     except FileNotFoundError:
         return Change(path, "absent")
-    if not current.startswith(MARKER):
-        return Change(path, "refused", f"{path} was not written by gpuguard; left alone")
+    if not as_installed(current):
+        return Change(
+            path,
+            "kept",
+            f"kept {path}: it is not what install-gate wrote (edited since, or another "
+            "file); delete it by hand if the gate should go",
+        )
     path.unlink()
     with contextlib.suppress(OSError):
         path.parent.rmdir()  # only if now empty: other drop-ins stay
     return Change(path, "removed")
+
+
+def as_installed(data: bytes) -> bool:
+    """Whether ``data`` is exactly the text install writes, for the gpuguard path it names."""
+    for line in data.split(b"\n"):
+        if line.startswith(_EXEC_PREFIX) and line.endswith(_EXEC_SUFFIX):
+            gpuguard = line[len(_EXEC_PREFIX) : -len(_EXEC_SUFFIX)].decode("utf-8", "replace")
+            return data == render(gpuguard).encode("utf-8")
+    return False
+
+
+_EXEC_PREFIX = b"ExecStartPre=+"
+_EXEC_SUFFIX = b" gate --unit %n"
 
 
 def daemon_reload() -> str | None:

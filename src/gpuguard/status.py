@@ -49,6 +49,7 @@ class UnitView:
     state: str
     gpu_set: str
     gate_decisions: tuple[Mapping[str, Any], ...] = ()
+    not_found: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +136,16 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
 
 
 def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
-    """A unit whose last start the gate refused is down because its GPUs are held."""
-    findings = []
+    """A watched unit systemd does not know; a unit whose last start the gate refused."""
+    findings = [
+        Finding(
+            Level.WARNING,
+            f"watched unit {unit.name} does not exist (LoadState=not-found): "
+            "check the name in the configuration",
+        )
+        for unit in units
+        if unit.not_found
+    ]
     for unit in units:
         last = unit.gate_decisions[-1] if unit.gate_decisions else None
         if last is not None and last.get("result") == "refused":
@@ -450,6 +459,7 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             {
                 "name": unit.name,
                 "state": unit.state,
+                "found": not unit.not_found,
                 "gpu_set": unit.gpu_set,
                 "gate_decisions": list(unit.gate_decisions),
             }

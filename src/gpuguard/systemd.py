@@ -6,7 +6,15 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field
 
-_PROPERTIES = ("ActiveState", "SubState", "MainPID", "InvocationID", "Environment", "NRestarts")
+_PROPERTIES = (
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "MainPID",
+    "InvocationID",
+    "Environment",
+    "NRestarts",
+)
 _TIMEOUT_S = 10
 
 
@@ -22,6 +30,16 @@ class UnitState:
     environment: dict[str, str] = field(default_factory=dict)
     n_restarts: int | None = None
     error: str | None = None
+    load_state: str | None = None
+
+    @property
+    def not_found(self) -> bool:
+        """Whether systemd has no such unit (a typo, a package not installed).
+
+        ``ActiveState=inactive`` says nothing here: systemctl answers ``LoadState=not-found``
+        with ``ActiveState=inactive`` for any name.
+        """
+        return self.load_state == "not-found"
 
     @property
     def running(self) -> bool:
@@ -64,6 +82,7 @@ def parse_show(unit: str, text: str) -> UnitState:
         invocation_id=values.get("InvocationID") or None,
         environment=parse_environment(values.get("Environment", "")),
         n_restarts=int(restarts) if restarts.isdecimal() else None,
+        load_state=values.get("LoadState") or None,
     )
 
 

@@ -57,3 +57,20 @@ def test_other_drop_ins_survive_removal(tmp_path: Path) -> None:
     other.write_text("[Service]\nNice=5\n")
     assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "removed"
     assert other.exists()
+
+
+def test_remove_keeps_an_edited_drop_in_and_says_so(tmp_path: Path) -> None:
+    """Only a byte-identical file goes, whatever gpuguard path it calls; an edit is kept."""
+    installed = dropin.install("sglang.service", "/opt/gg/bin/gpuguard", systemd_dir=tmp_path)
+    path = installed.path
+    edited = path.read_text().replace("KillMode=mixed", "KillMode=mixed\nNice=5")
+    path.write_text(edited)
+    kept = dropin.remove("sglang.service", systemd_dir=tmp_path)
+    assert kept.action == "kept"
+    assert kept.refused is not None
+    assert f"kept {path}" in kept.refused
+    assert path.read_text() == edited
+    path.write_text(dropin.render("/opt/gg/bin/gpuguard") + "\n")  # one byte more
+    assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "kept"
+    path.write_text(dropin.render("/opt/gg/bin/gpuguard"))
+    assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "removed"

@@ -1,0 +1,302 @@
+"""A unit systemd does not know, and the gate drop-in commands: what gpuguard says and refuses.
+
+systemd cannot run here outside a container, so ``systemctl`` is a small shell script put first
+on PATH (the only stand-in): it answers ``show`` the way systemd 252 answers for a unit it has
+no file for (``LoadState=not-found``, ``ActiveState=inactive``, exit 0) and records
+``daemon-reload``. Everything else is the real CLI in a subprocess, writing the real drop-in
+directory, with real privilege drops for the non-root cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from asnobody import public_dir, run_as_nobody
+
+from gpuguard import dropin
+from gpuguard.config import Settings, UnitSettings
+from gpuguard.daemon import Daemon, Ports
+from gpuguard.holders import build_inventory
+from gpuguard.journal import JournalHealth, JournalRecord
+from gpuguard.systemd import parse_show
+from gpuguard.values import NvmlHealth, NvmlReading, ProcScan
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+    from clirunner import Cli
+
+SHOW_NOT_FOUND = (
+    "LoadState=not-found\\nActiveState=inactive\\nSubState=dead\\nMainPID=0\\n"
+    "InvocationID=\\nEnvironment=\\nNRestarts=0\\n"
+)
+SHOW_LOADED = (
+    "LoadState=loaded\\nActiveState=inactive\\nSubState=dead\\nMainPID=0\\n"
+    "InvocationID=\\nEnvironment=\\nNRestarts=0\\n"
+)
+
+
+@dataclass(frozen=True)
+class Systemctl:
+    """The systemctl stand-in: which answer ``show`` gives, and the log of other verbs."""
+
+    bin_dir: Path
+    log: Path
+
+    def answer(self, show: str) -> None:
+        """(Re)write the script so ``systemctl show`` prints ``show`` (printf escapes)."""
+        script = self.bin_dir / "systemctl"
+        script.write_text(
+            "#!/bin/sh\n"
+            f"if [ \"$1\" = show ]; then printf '{show}'; exit 0; fi\n"
+            f'echo "$*" >> {self.log}\n'
+        )
+        script.chmod(0o755)
+
+    def calls(self) -> list[str]:
+        """The non-show invocations so far."""
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+
+@pytest.fixture
+def systemctl(cli: Cli, tmp_path: Path) -> Iterator[Systemctl]:
+    """A systemctl that knows no unit, first on the CLI's PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = Systemctl(bin_dir, tmp_path / "systemctl.log")
+    fake.answer(SHOW_NOT_FOUND)
+    before = cli.env["PATH"]
+    cli.env["PATH"] = f"{bin_dir}:{before}"
+    yield fake
+    cli.env["PATH"] = before
+
+
+@pytest.fixture
+def unit() -> Iterator[str]:
+    """A unit name of this test; its drop-in directory is removed afterwards."""
+    name = f"gg-truth-{uuid.uuid4().hex[:8]}.service"
+    yield name
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(dropin.drop_in_path(name).parent)
+
+
+def needs_root() -> None:
+    """The drop-in directory and the privilege drop both need root (CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+
+
+def test_install_gate_refuses_a_unit_systemd_does_not_know(
+    cli: Cli, systemctl: Systemctl, unit: str
+) -> None:
+    """No unit file: exit 1, "LoadState=not-found" named, nothing written, no reload."""
+    needs_root()
+    result = cli("install-gate", "--unit", unit)
+    assert result.code == 1
+    assert f"systemd has no unit {unit} (LoadState=not-found" in result.err
+    assert "--force" in result.err
+    assert not dropin.drop_in_path(unit).exists()
+    assert systemctl.calls() == []
+
+
+def test_install_gate_force_installs_and_remove_gate_removes(
+    cli: Cli, systemctl: Systemctl, unit: str
+) -> None:
+    """--force writes the drop-in anyway; remove-gate then removes the untouched file."""
+    needs_root()
+    installed = cli("install-gate", "--unit", unit, "--force")
+    assert installed.code == 0, installed.err
+    path = dropin.drop_in_path(unit)
+    assert dropin.as_installed(path.read_bytes())
+    removed = cli("remove-gate", "--unit", unit)
+    assert removed.code == 0, removed.err
+    assert f"{path}: removed" in removed.out
+    assert not path.exists()
+    assert systemctl.calls() == ["daemon-reload", "daemon-reload"]
+
+
+def test_install_gate_on_a_known_unit_needs_no_force(
+    cli: Cli, systemctl: Systemctl, unit: str
+) -> None:
+    """LoadState=loaded (inactive is fine: the gate guards the next start)."""
+    needs_root()
+    systemctl.answer(SHOW_LOADED)
+    result = cli("install-gate", "--unit", unit)
+    assert result.code == 0, result.err
+    assert dropin.drop_in_path(unit).exists()
+
+
+def test_remove_gate_keeps_an_edited_drop_in(cli: Cli, systemctl: Systemctl, unit: str) -> None:
+    """An operator's edit is kept and the command says so; no daemon-reload for nothing."""
+    needs_root()
+    path = dropin.drop_in_path(unit)
+    path.parent.mkdir(parents=True)
+    edited = dropin.render("/usr/bin/gpuguard").replace("TimeoutStopSec=120", "TimeoutStopSec=900")
+    path.write_text(edited)
+    result = cli("remove-gate", "--unit", unit)
+    assert result.code == 1
+    assert f"kept {path}" in result.err
+    assert "not what install-gate wrote" in result.err
+    assert path.read_text() == edited
+    assert systemctl.calls() == []
+
+
+@pytest.mark.parametrize("command", ["install-gate", "remove-gate"])
+def test_gate_commands_as_non_root_say_needs_root(
+    cli: Cli, systemctl: Systemctl, unit: str, command: str
+) -> None:
+    """As nobody: one "needs root" line, exit 77, no traceback, nothing touched."""
+    needs_root()
+    del systemctl
+    with public_dir() as public:
+        config = public / "gpuguard.toml"
+        shutil.copy(cli.config, config)
+        config.chmod(0o644)
+        result = run_as_nobody(["--config", str(config), command, "--unit", unit], cli.env)
+    assert result.code == 77, result.err
+    assert result.err == (
+        f"gpuguard {command}: needs root (it changes /etc/systemd/system and runs "
+        "systemctl daemon-reload)\n"
+    )
+    assert not dropin.drop_in_path(unit).parent.exists()
+
+
+def test_status_says_a_watched_unit_does_not_exist(
+    cli: Cli, systemctl: Systemctl, unit: str
+) -> None:
+    """Not "inactive (dead)": "not found", a WARNING, and "found": false in JSON."""
+    del systemctl
+    cli.configure(f'[units."{unit}"]\n')
+    text = cli("status")
+    assert text.code == 1, text.out
+    assert f"Unit {unit}: not found (LoadState=not-found" in text.out
+    assert "inactive (dead)" not in text.out
+    assert f"WARNING: watched unit {unit} does not exist (LoadState=not-found)" in text.out
+    doc = cli("status", "--json").json()
+    assert doc["units"][0]["found"] is False
+
+
+@dataclass
+class Quiet:
+    """Logger and sd_notify twin for the daemon: keeps what it is told."""
+
+    lines: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def info(self, event: str, **fields: object) -> None:
+        """Keep an info line."""
+        self.lines.append(("info", event, fields))
+
+    def warning(self, event: str, **fields: object) -> None:
+        """Keep a warning line."""
+        self.lines.append(("warning", event, fields))
+
+    def error(self, event: str, **fields: object) -> None:
+        """Keep an error line."""
+        self.lines.append(("error", event, fields))
+
+    def ready(self, status: str) -> None:
+        """Keep READY."""
+        self.notes.append(f"READY {status}")
+
+    def status(self, status: str) -> None:
+        """Keep STATUS."""
+        self.notes.append(f"STATUS {status}")
+
+    def watchdog(self) -> None:
+        """Ignore WATCHDOG."""
+
+    def stopping(self, status: str) -> None:
+        """Keep STOPPING."""
+        self.notes.append(f"STOPPING {status}")
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+@dataclass
+class NoJournal:
+    """Follower twin with no entries: the unit never logged anything (it does not exist)."""
+
+    def start(self) -> None:
+        """Nothing to spawn."""
+
+    def fds(self) -> list[int]:
+        """No pipes: the daemon sleeps through the injected sleep."""
+        return []
+
+    def wake_in(self) -> float | None:
+        """Never needs waking."""
+        return None
+
+    def read_available(self) -> list[JournalRecord]:
+        """Nothing ever arrives."""
+        return []
+
+    def take_problems(self) -> list[str]:
+        """No lines, no problems."""
+        return []
+
+    def commit(self, *records: JournalRecord) -> None:
+        """Nothing to commit."""
+        del records
+
+    def health(self) -> JournalHealth:
+        """Attached."""
+        return JournalHealth("attached", None, None, (), None)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+def test_daemon_says_a_watched_unit_is_not_found(tmp_path: Path) -> None:
+    """Not "watching U: ok": a warning once, "unit not found" in STATUS= and the snapshot.
+
+    The inventory is a hand-made empty one (no GPU matters here) and systemctl's answer is the
+    recorded text systemd 252 prints for an unknown unit, through the real parser.
+    """
+    unit = "nosuch.service"
+    settings = Settings(
+        units={unit: UnitSettings()}, runtime_dir=tmp_path / "run", state_dir=tmp_path / "lib"
+    )
+    empty = build_inventory(NvmlReading(NvmlHealth.OK), ProcScan(()), 0)
+    log = Quiet()
+    snapshots: list[dict[str, Any]] = []
+    turns: list[Daemon] = []
+
+    def sleep(seconds: float) -> None:
+        del seconds
+        turns[0].request_stop()
+
+    ports = Ports(
+        gather=lambda: empty,
+        show_unit=lambda name: parse_show(name, SHOW_NOT_FOUND.replace("\\n", "\n")),
+        control=lambda verb, name: f"unexpected {verb} {name}",
+        reap=lambda _targets: (),
+        notifier=log,
+        log=log,
+        wall=time.time,
+        monotonic=time.monotonic,
+        sleep=sleep,
+        write_snapshot=snapshots.append,
+        load_unit_state=lambda _name: None,
+        save_unit_state=lambda _name, _document: None,
+        untouchable=frozenset({os.getpid()}),
+    )
+    daemon = Daemon(settings, NoJournal(), ports)
+    turns.append(daemon)
+    assert daemon.run() == 0
+    warnings = [f for level, event, f in log.lines if event == "watched unit not found"]
+    assert warnings == [{"unit": unit, "load_state": "not-found"}]
+    assert f"READY watching {unit}: unit not found; journal attached" in log.notes
+    snapshot = snapshots[-1]["units"][unit]
+    assert snapshot["unit_found"] is False
+    assert snapshot["systemd_state"].startswith("not found (LoadState=not-found")

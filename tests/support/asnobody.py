@@ -1,0 +1,90 @@
+"""Run gpuguard's CLI as user ``nobody`` (uid 65534), the way an unprivileged operator would.
+
+The interpreter and its standard library may live where ``nobody`` cannot read (a pyenv under
+/root in CI), so the child imports every module the command needs while still root, then drops
+its privileges and only then calls ``gpuguard.cli.main``: what runs unprivileged is exactly
+gpuguard's code path, with the same imports already loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+_SCRIPT = r"""
+import importlib, os, sys
+for name in sys.argv[1].split(","):
+    importlib.import_module(name)
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+from gpuguard.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+# What the status, install-gate and remove-gate paths import lazily.
+PREIMPORTS = (
+    "gpuguard.cli",
+    "gpuguard.config",
+    "gpuguard.dropin",
+    "gpuguard.systemd",
+    "gpuguard.inventory",
+    "gpuguard.nvml",
+    "gpuguard.procfs",
+    "gpuguard.state",
+    "gpuguard.status",
+    "gpuguard.gpuset",
+    "gpuguard.redaction",
+    "gpuguard.holders",
+    "gpuguard.policy",
+    "gpuguard.protection",
+    "pynvml",
+    "psutil",
+    "pickle",
+    "selectors",
+    "json",
+    "encodings.idna",
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    """Exit status and output of one unprivileged run."""
+
+    code: int
+    out: str
+    err: str
+
+
+def run_as_nobody(args: list[str], env: dict[str, str], timeout: float = 60) -> Result:
+    """Run ``gpuguard ARGS`` as nobody (needs root to drop to it) and capture the result."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, ",".join(PREIMPORTS), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+        cwd="/",
+    )
+    return Result(done.returncode, done.stdout, done.stderr)
+
+
+@contextmanager
+def public_dir() -> Iterator[Path]:
+    """A directory user nobody can read (pytest's tmp_path is root's alone); removed after."""
+    path = Path(tempfile.mkdtemp(prefix="gpuguard-nobody-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
