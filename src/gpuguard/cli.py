@@ -57,13 +57,15 @@ explains, NVML's health, and for each watched unit its GPU set and last gate dec
 Exit status (monitoring-plugin convention):
   0 OK        GPUs idle, or held only by live processes
   1 WARNING   something needs a look (a left-over of a watched unit, a zombie holder,
-              NVML partly unusable but /proc shows holders)
+              a watched unit systemd does not know, NVML partly unusable but /proc
+              shows holders)
   2 CRITICAL  a lost GPU, memory no visible process explains, a holder stuck in
-              state D, NVML not answering
+              state D in the NVIDIA driver, NVML not answering
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
 
-Runs without root; it then shows what it can see and says what it cannot.
+Runs without root; it then shows what it can see and says what it cannot: another
+user's job is "not inspectable without root", never reported as vanished.
 """
 
 _REAP_HELP = """\

@@ -63,6 +63,12 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
         for gone in inventory.vanished
         if gpu_set is None or gone.gpu_index in gpu_set
     )
+    blockers.extend(
+        f"GPU {hidden.gpu_index}: NVML lists PID {hidden.pid}, which /proc does not let "
+        "gpuguard inspect"
+        for hidden in inventory.uninspectable
+        if gpu_set is None or hidden.gpu_index in gpu_set
+    )
     return tuple(blockers)
 
 

@@ -3,7 +3,8 @@
 NVML knows memory per process but can name PIDs that are gone and misses forked children that
 only inherited the device fds; /proc knows every open device file but not how much memory stands
 behind it. Neither is guessed from the other: memory that no visible process explains is reported
-as unattributed, and a PID that NVML names but /proc lacks is reported as vanished.
+as unattributed, a PID that NVML names but /proc lacks is reported as vanished, and one that /proc
+has but will not show this user (not root) as uninspectable - it exists, so it did not vanish.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class Holder:
     gpus: tuple[GpuUse, ...]
     device_files: frozenset[str]
     kernel_thread: bool
+    files_readable: bool = True
+    kernel_wait: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int:
@@ -81,6 +84,15 @@ class VanishedProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class UninspectableProcess:
+    """A PID that NVML lists and /proc has, but whose details this user may not read."""
+
+    pid: int
+    gpu_index: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class GpuOccupancy:
     """One GPU with the evidence about who uses it."""
 
@@ -98,6 +110,7 @@ class Inventory:
     gpus: tuple[GpuOccupancy, ...]
     holders: tuple[Holder, ...]
     vanished: tuple[VanishedProcess, ...]
+    uninspectable: tuple[UninspectableProcess, ...] = ()
 
     def holder(self, pid: int) -> Holder | None:
         """The holder with this PID, if any."""
@@ -116,10 +129,13 @@ def build_inventory(nvml: NvmlReading, scan: ProcScan, idle_threshold_bytes: int
     facts_by_pid = {p.identity.pid: p for p in scan.processes}
     listed: dict[int, dict[int, int | None]] = {}
     vanished: list[VanishedProcess] = []
+    hidden: list[UninspectableProcess] = []
     for gpu in nvml.gpus:
         for process in gpu.processes:
             if process.pid in facts_by_pid:
                 listed.setdefault(process.pid, {})[gpu.index] = process.used_bytes
+            elif process.pid in scan.hidden:
+                hidden.append(UninspectableProcess(process.pid, gpu.index, process.used_bytes))
             else:
                 vanished.append(VanishedProcess(process.pid, gpu.index, process.used_bytes))
     holders = tuple(
@@ -137,7 +153,7 @@ def build_inventory(nvml: NvmlReading, scan: ProcScan, idle_threshold_bytes: int
         )
         for gpu in nvml.gpus
     )
-    return Inventory(nvml, scan, gpus, holders, tuple(vanished))
+    return Inventory(nvml, scan, gpus, holders, tuple(vanished), tuple(hidden))
 
 
 def _holder(
@@ -173,6 +189,8 @@ def _holder(
         gpus=uses,
         device_files=facts.device_files,
         kernel_thread=facts.kernel_thread,
+        files_readable=facts.files_readable,
+        kernel_wait=facts.kernel_wait,
     )
 
 

@@ -22,12 +22,13 @@ root) is counted in ``ProcScan.unreadable`` so the caller can say the answer is 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import pwd
 import re
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -272,7 +273,33 @@ def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
         invocation_id=_parse_invocation_id(environ),
         device_files=devices,
         kernel_thread=stat.kernel_thread,
+        kernel_wait=_kernel_wait(base) if stat.state == "D" else (),
     )
+
+
+_STACK_FRAMES = 64
+_FRAME_CHARS = 200
+
+
+def _kernel_wait(base: str) -> tuple[str, ...]:
+    """Where a process in state D sleeps: its wchan symbol, then its kernel stack's frames.
+
+    ``stack`` lines read ``[<0>] uvm_spin_loop+0x8c/0x190 [nvidia_uvm]``: the frame, with the
+    module in brackets, is kept. Root alone may read ``stack``; without root the kernel shows
+    ``wchan`` as "0", so the answer may be empty (unknown). Bounded: a kernel stack is short,
+    but nothing read here is trusted to be.
+    """
+    frames: list[str] = []
+    with contextlib.suppress(OSError):
+        wchan = _read(base + "/wchan")[:_FRAME_CHARS].decode("ascii", "backslashreplace").strip()
+        if wchan not in {"", "0"}:
+            frames.append(wchan)
+    with contextlib.suppress(OSError):
+        for line in _read(base + "/stack").split(b"\n", _STACK_FRAMES)[:_STACK_FRAMES]:
+            frame = line.partition(b"] ")[2][:_FRAME_CHARS].decode("ascii", "backslashreplace")
+            if frame.strip():
+                frames.append(frame.strip())
+    return tuple(frames)
 
 
 def _is_kernel_thread(base: str) -> bool:
@@ -397,6 +424,29 @@ def scan_pids(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) 
         queue.extend(by_ppid.get(pid, ()))
     found.sort(key=lambda facts: facts.identity.pid)
     return ProcScan(processes=tuple(found), unreadable=unreadable, method="nvml-first")
+
+
+def read_listed(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+    """Read PIDs NVML named that the device walk did not find, to tell "gone" from "hidden".
+
+    Without root another user's fds cannot be read, so a live GPU job is missing from the walk.
+    Such a process is returned with ``files_readable`` False; one whose /proc entry exists but
+    cannot be read at all is listed in ``hidden``. A process whose fds we can read and that holds
+    no device file is left out: the PID NVML names was reused, or the process let go already.
+    """
+    matcher = _DeviceMatcher(device_glob)
+    root = os.fspath(proc_root)
+    found: list[ProcessFacts] = []
+    hidden: set[int] = set()
+    for pid in sorted(set(pids)):
+        if pid <= 0:
+            continue
+        facts, readable = _read_process(pid, root, matcher)
+        if facts is not None and not readable:
+            found.append(replace(facts, files_readable=False))
+        elif facts is None and Path(f"{root}/{pid}").exists():
+            hidden.add(pid)
+    return ProcScan(processes=tuple(found), method="listed", hidden=frozenset(hidden))
 
 
 def read_stat(pid: int, *, proc_root: Path = PROC) -> StatFields | None:

@@ -242,6 +242,15 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
         )
         for gone in inventory.vanished
     )
+    findings.extend(
+        Finding(
+            Level.OK,
+            f"GPU {hidden.gpu_index}: NVML lists PID {hidden.pid}"
+            f"{'' if hidden.used_bytes is None else f' ({_mib(hidden.used_bytes)})'}"
+            ", which exists but is not inspectable without root",
+        )
+        for hidden in inventory.uninspectable
+    )
     return findings
 
 
@@ -250,13 +259,7 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
     for holder in inventory.holders:
         who = f"PID {holder.pid} ({escape_control(holder.comm)}) holding {_gpu_list(holder)}"
         if holder.state == "D":
-            findings.append(
-                Finding(
-                    Level.CRITICAL,
-                    f"{who} is stuck in the driver "
-                    "(state D): it cannot be killed; a GPU reset or reboot may be needed",
-                )
-            )
+            findings.append(_sleep_finding(who, holder.kernel_wait))
         elif holder.state == "Z":
             findings.append(
                 Finding(
@@ -276,6 +279,36 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                     )
                 )
     return findings
+
+
+# Module and symbol names of the NVIDIA kernel driver (nvidia, nvidia_uvm, nvidia_modeset).
+_DRIVER_MARKS = ("nvidia", "uvm")
+
+
+def _sleep_finding(who: str, kernel_wait: Sequence[str]) -> Finding:
+    """State D is "stuck in the driver" only when the kernel says so.
+
+    A vfork() parent waiting for its child, or a process in disk or network I/O, is in state D
+    too and wakes on its own; calling that a driver hang would send an operator to reset a GPU.
+    """
+    driver = next((f for f in kernel_wait if any(m in f.lower() for m in _DRIVER_MARKS)), None)
+    if driver is not None:
+        return Finding(
+            Level.CRITICAL,
+            f"{who} is stuck in the NVIDIA driver (state D, in {escape_control(driver)}): "
+            "it cannot be killed; a GPU reset or reboot may be needed",
+        )
+    if kernel_wait:
+        return Finding(
+            Level.OK,
+            f"{who} is in uninterruptible sleep (state D, in {escape_control(kernel_wait[0])}, "
+            "not the NVIDIA driver): signals take effect when it wakes",
+        )
+    return Finding(
+        Level.WARNING,
+        f"{who} is in uninterruptible sleep (state D); where it waits is visible only to root "
+        "(run as root to tell a driver hang from I/O)",
+    )
 
 
 def _gpu_list(holder: Holder) -> str:
@@ -317,6 +350,11 @@ def render_text(report: StatusReport) -> str:
     lines.extend(
         f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
         for gone in inventory.vanished
+    )
+    lines.extend(
+        f"Not inspectable: PID {hidden.pid} listed by NVML on GPU {hidden.gpu_index} exists; "
+        "/proc shows its details only to root"
+        for hidden in inventory.uninspectable
     )
     lines.extend(_daemon_lines(report.daemon))
     for unit in report.units:
@@ -424,8 +462,10 @@ def _holder_line(holder: Holder, gpu_index: int | None) -> str:
     else:
         size = "fd only"
     owner = holder.owner
+    hidden = "" if holder.files_readable else "  (open files not inspectable without root)"
     return (
         f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {_clip(holder.command)}"
+        + hidden
     )
 
 
@@ -454,6 +494,10 @@ def to_json(report: StatusReport) -> dict[str, Any]:
         "vanished": [
             {"pid": v.pid, "gpu": v.gpu_index, "used_mib": _opt_mib(v.used_bytes)}
             for v in inventory.vanished
+        ],
+        "uninspectable": [
+            {"pid": u.pid, "gpu": u.gpu_index, "used_mib": _opt_mib(u.used_bytes)}
+            for u in inventory.uninspectable
         ],
         "units": [
             {
@@ -518,6 +562,7 @@ def _holder_json(holder: Holder, report: StatusReport) -> dict[str, Any]:
         "container": attribution.container,
         "invocation_id": holder.invocation_id,
         "device_files": sorted(holder.device_files),
+        "files_readable": holder.files_readable,
         "gpus": [
             {
                 "index": use.gpu_index,

@@ -113,6 +113,12 @@ class ProcessFacts:
     invocation_id: str | None = None
     device_files: frozenset[str] = field(default_factory=frozenset)
     kernel_thread: bool = False
+    files_readable: bool = True
+    """False when its fds and maps could not be read (another user's process, without root):
+    ``device_files`` is then what could be seen, not what it holds."""
+    kernel_wait: tuple[str, ...] = ()
+    """In state D only: where the kernel says it sleeps (wchan, then the stack frames root may
+    read), which tells a wait in the NVIDIA driver from ordinary I/O or a vfork() parent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,8 @@ class ProcScan:
     processes: tuple[ProcessFacts, ...]
     unreadable: int = 0
     method: str = "full"
+    hidden: frozenset[int] = frozenset()
+    """PIDs that exist in /proc but whose details this user may not read (hidepid=)."""
 
 
 @dataclass(frozen=True, slots=True)

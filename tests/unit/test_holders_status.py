@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from gpuguard.holders import build_inventory, gpu_minor_of
@@ -174,8 +175,11 @@ def test_lost_gpu_is_critical_and_others_still_reported() -> None:
 
 
 def test_d_state_holder_is_critical() -> None:
-    """A holder stuck in the driver cannot be killed: CRITICAL."""
-    level, text, _ = judge(reading(gpu(0, 100, (10, 100))), proc(10, "/dev/nvidia0", state="D"))
+    """A holder stuck in the driver (its kernel stack says so) cannot be killed: CRITICAL."""
+    stuck = replace(
+        proc(10, "/dev/nvidia0", state="D"), kernel_wait=("os_acquire_mutex+0x2a/0x50 [nvidia]",)
+    )
+    level, text, _ = judge(reading(gpu(0, 100, (10, 100))), stuck)
     assert level is Level.CRITICAL
     assert "state D" in text
 
