@@ -92,14 +92,18 @@ _GATE_HELP = """\
 Run as ExecStartPre= of a watched unit (see `systemd/gpuguard-gate.conf`): exit 0 at once
 when every GPU of the unit's set is idle; otherwise reap the stale holders of those GPUs
 (at this point everything in the unit's cgroup but the gate itself is left over from an
-earlier run), wait until the GPUs are idle, then exit 0. On timeout it exits 1 with one
-message naming who still holds what and why gpuguard would not touch it, so systemd's own
-start limits take over. Each decision is recorded and shown by `gpuguard status`.
+earlier run), wait until the GPUs are idle, then exit 0. While it waits it prints one line
+per blocker every 10 s (who holds what). On timeout it exits 1 with one message naming who
+still holds what and why gpuguard would not touch it, so systemd's own start limits take
+over. When waiting cannot help - NVML unavailable or not answering, a GPU of the set lost
+or absent - it refuses at once, in one line with the reason. Each decision is recorded and
+shown by `gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
 environment, else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
 
-Exit status: 0 start allowed; 1 GPUs still busy at the timeout; 78 invalid configuration.
+Exit status: 0 start allowed; 1 GPUs still busy at the timeout, or refused at once;
+78 invalid configuration.
 """
 
 
@@ -545,6 +549,7 @@ def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading |
 def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | None) -> int:
     from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.redaction import escape_control  # noqa: PLC0415
 
     unit = _unit_settings(settings, args.unit)
     first = inventory.gather(settings, reading)
@@ -568,12 +573,16 @@ def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | N
         log = logs.get_logger().bind(unit=args.unit, command="gate")
         return reaper.reap(targets, grace_s=grace, logger=log)
 
+    def report(line: str) -> None:
+        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape_control(line)}\n")
+
     outcome = gate.run_gate(
         gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
         gather,
         reap,
         time.monotonic,
         time.sleep,
+        report=report,
     )
     return _finish_gate(settings.runtime_dir, outcome, gpu_set)
 

@@ -1,8 +1,11 @@
 """The restart gate: free a unit's GPUs of stale holders and wait until they are idle.
 
 Runs as ``ExecStartPre=`` of the watched unit, so a start never meets GPU memory held by the
-previous run. The loop is written against injected callables (gather, reap, clock, sleep) so it
-is tested with real processes and with in-memory twins alike; it never signals anything itself.
+previous run. The loop is written against injected callables (gather, reap, clock, sleep,
+report) so it is tested with real processes and with in-memory twins alike; it never signals
+anything itself. What waiting cannot change (NVML not answering, a GPU of the set lost or
+absent) refuses the start at once; while it waits, it says who holds what at a steady interval,
+so a 300 s wait is never silent.
 """
 
 from __future__ import annotations
@@ -30,6 +33,28 @@ class GateSettings:
     idle_threshold_bytes: int
     timeout_s: float
     poll_s: float = 0.1
+    report_every_s: float = 10.0
+
+
+def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
+    """Why waiting cannot make the set idle: NVML cannot answer, a GPU of the set is lost or gone.
+
+    Empty when waiting may help. A lost GPU keeps its memory until a reset or reboot, and without
+    NVML idleness cannot be known at all: a 300 s wait would only delay the same refusal.
+    """
+    nvml = inventory.nvml
+    if nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return (nvml.reason or f"NVML {nvml.health.value}",)
+    gpu_set = settings.request.gpu_set
+    missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
+    return (
+        *(f"GPU {index} is not present" for index in missing),
+        *(
+            f"GPU {gpu.reading.index}: {gpu.reading.problem or 'lost'}"
+            for gpu in inventory.gpus
+            if gpu.reading.lost and (gpu_set is None or gpu.reading.index in gpu_set)
+        ),
+    )
 
 
 def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
@@ -80,16 +105,24 @@ def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
     return f"PID {holder.pid} ({holder.comm}, {holder.owner}) - {why}"
 
 
-def run_gate(
+def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
     settings: GateSettings,
     gather: Callable[[], Inventory],
     reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]],
     clock: Callable[[], float],
     sleep: Callable[[float], None],
+    *,
+    report: Callable[[str], None] | None = None,
 ) -> GateOutcome:
-    """Pass at once when the set is idle; else reap stale holders and wait, up to the timeout."""
+    """Pass at once when the set is idle; else reap stale holders and wait, up to the timeout.
+
+    Refuses at once when waiting cannot help (see ``hopeless``). While waiting, ``report`` gets
+    one line per blocker every ``report_every_s``.
+    """
     started = clock()
     inventory = gather()
+    if at_once := hopeless(inventory, settings):
+        return _refused_at_once(settings, clock() - started, (), {}, at_once)
     if not set_blockers(inventory, settings):
         return GateOutcome(
             settings.request.unit,
@@ -103,6 +136,7 @@ def run_gate(
     reaped: list[ReapResult] = []
     signalled: set[ProcessIdentity] = set()
     spared: dict[int, Decision] = {}
+    progress = _Progress(settings, report)
     while True:
         current = plan(inventory.holders, settings.request)
         spared.update({d.holder.pid: d for d in current.spared})
@@ -111,8 +145,10 @@ def run_gate(
             reaped.extend(reap(reap_targets(fresh)))
             signalled.update(d.holder.identity for d in fresh)
             inventory = gather()
-        blockers = set_blockers(inventory, settings)
         waited = clock() - started
+        if at_once := hopeless(inventory, settings):
+            return _refused_at_once(settings, waited, reaped, spared, at_once)
+        blockers = set_blockers(inventory, settings)
         if not blockers:
             return GateOutcome(
                 settings.request.unit,
@@ -133,8 +169,48 @@ def run_gate(
                 spared=tuple(spared.values()),
                 blockers=blockers,
             )
+        progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
         inventory = gather()
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Says who still blocks the start, one line per blocker, every ``report_every_s``."""
+
+    settings: GateSettings
+    sink: Callable[[str], None] | None
+    due: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.due = self.settings.report_every_s
+
+    def tell(self, waited: float, blockers: Sequence[str]) -> None:
+        if self.sink is None or waited < self.due:
+            return
+        for blocker in blockers:
+            self.sink(f"waiting {waited:.0f} s of {self.settings.timeout_s:g} s: {blocker}")
+        while self.due <= waited:
+            self.due += self.settings.report_every_s
+
+
+def _refused_at_once(
+    settings: GateSettings,
+    waited: float,
+    reaped: Sequence[ReapResult],
+    spared: dict[int, Decision],
+    reasons: tuple[str, ...],
+) -> GateOutcome:
+    return GateOutcome(
+        settings.request.unit,
+        passed=False,
+        fast_path=False,
+        waited_s=waited,
+        reaped=tuple(reaped),
+        spared=tuple(spared.values()),
+        blockers=reasons,
+        hopeless=True,
+    )
 
 
 def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:

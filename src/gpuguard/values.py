@@ -143,6 +143,8 @@ class GateOutcome:
     reaped: tuple[ReapResult, ...]
     spared: tuple[Decision, ...]
     blockers: tuple[str, ...]
+    hopeless: bool = False
+    """Refused without waiting out the timeout: waiting could not have made the GPUs idle."""
 
     @property
     def message(self) -> str:
@@ -154,6 +156,12 @@ class GateOutcome:
             return (
                 f"GPUs of {unit} idle after {self.waited_s:.1f} s, "
                 f"{len(self.reaped)} stale holder(s) reaped: start allowed"
+            )
+        if self.hopeless:
+            return (
+                f"start of {unit} refused at once: "
+                + "; ".join(self.blockers)
+                + ". Waiting cannot help; systemd's start limits take over."
             )
         return (
             f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "

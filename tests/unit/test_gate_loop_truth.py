@@ -1,0 +1,187 @@
+"""The gate loop refuses at once when waiting cannot help, and is never silent while it waits.
+
+Pure: the loop runs against an in-memory clock and hand-made inventories (the integration
+tests run the same loop through the CLI over the fake NVML).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpuguard.gate import GateSettings, run_gate
+from gpuguard.holders import build_inventory
+from gpuguard.policy import PlanRequest, Scope
+from gpuguard.values import (
+    MIB,
+    GpuMemory,
+    GpuReading,
+    MemoryApi,
+    NvmlHealth,
+    NvmlProcess,
+    NvmlReading,
+    ProcessFacts,
+    ProcessIdentity,
+    ProcessListKind,
+    ProcScan,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpuguard.holders import Inventory
+    from gpuguard.reaper import ReapResult, ReapTarget
+    from gpuguard.values import GateOutcome
+
+UNIT = "sglang.service"
+REQUEST = PlanRequest(
+    unit=UNIT,
+    scope=Scope.UNIT,
+    patterns=("sglang",),
+    gpu_set=frozenset({0, 1}),
+    protected_names=("nvidia-persistenced",),
+    untouchable_pids=frozenset(),
+    live_invocation=None,
+)
+
+
+def gpu(index: int, *, used_mib: int = 0, pid: int | None = None, lost: bool = False) -> GpuReading:
+    """A v2 GPU; ``pid`` holds all of its used memory."""
+    if lost:
+        return GpuReading(
+            index=index, minor=index, problem="GPU is lost (fallen off the bus)", lost=True
+        )
+    procs = () if pid is None else (NvmlProcess(pid, used_mib * MIB, ProcessListKind.COMPUTE),)
+    return GpuReading(
+        index=index,
+        minor=index,
+        memory=GpuMemory(143771 * MIB, used_mib * MIB, 0, MemoryApi.V2),
+        processes=procs,
+    )
+
+
+def foreign_job(pid: int) -> ProcessFacts:
+    """Another unit's live job on GPU 0: the gate never touches it."""
+    return ProcessFacts(
+        identity=ProcessIdentity(pid, 500),
+        ppid=1,
+        state="S",
+        comm="python3",
+        cmdline=("python3", "train.py"),
+        uid=1000,
+        user="alice",
+        cgroup="/system.slice/training.service",
+        device_files=frozenset({"/dev/nvidia0"}),
+    )
+
+
+def inventory(
+    *gpus: GpuReading, health: NvmlHealth = NvmlHealth.OK, reason: str | None = None
+) -> Inventory:
+    """An inventory with the foreign job as the only process."""
+    return build_inventory(
+        NvmlReading(health, reason, "550.54.15", gpus), ProcScan((foreign_job(77),)), 16 * MIB
+    )
+
+
+@dataclass
+class World:
+    """Clock, sleep and gather twins: every sleep advances the clock; gathers come from a script."""
+
+    script: list[Inventory]
+    now: float = 0.0
+    gathers: int = 0
+    sleeps: int = 0
+    lines: list[str] = field(default_factory=list)
+
+    def gather(self) -> Inventory:
+        """The next scripted inventory; the last one repeats."""
+        self.gathers += 1
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+    def sleep(self, seconds: float) -> None:
+        """Advance the clock."""
+        self.sleeps += 1
+        self.now += seconds
+
+    def clock(self) -> float:
+        """The in-memory monotonic clock."""
+        return self.now
+
+    def run(self, timeout_s: float = 300.0) -> GateOutcome:
+        """Run the gate over this world."""
+
+        def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+            raise AssertionError(f"nothing here is stale: {targets}")
+
+        settings = GateSettings(REQUEST, 16 * MIB, timeout_s, poll_s=0.5)
+        return run_gate(
+            settings, self.gather, reap, self.clock, self.sleep, report=self.lines.append
+        )
+
+
+def test_nvml_unavailable_refuses_at_once_in_one_line() -> None:
+    """No NVML: no 300 s wait, no sleep at all; the reason is the message."""
+    world = World(
+        [inventory(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")]
+    )
+    outcome = world.run()
+    assert not outcome.passed
+    assert world.sleeps == 0
+    message = outcome.message
+    assert message == (
+        f"start of {UNIT} refused at once: NVML unavailable: Driver Not Loaded. "
+        "Waiting cannot help; systemd's start limits take over."
+    )
+    assert "\n" not in message
+
+
+def test_a_gpu_of_the_set_lost_while_waiting_refuses_at_the_next_look() -> None:
+    """Busy, then GPU 1 falls off the bus: refused then, not at the timeout."""
+    busy = inventory(gpu(0, used_mib=8000, pid=77), gpu(1))
+    lost = inventory(gpu(0, used_mib=8000, pid=77), gpu(1, lost=True))
+    world = World([busy, busy, busy, lost])
+    outcome = world.run()
+    assert outcome.hopeless
+    assert outcome.blockers == ("GPU 1: GPU is lost (fallen off the bus)",)
+    assert world.now < 5
+
+
+def test_a_lost_gpu_outside_the_set_does_not_matter() -> None:
+    """GPU 3 lost, the set {0, 1} idle: start allowed."""
+    world = World([inventory(gpu(0), gpu(1), gpu(2), gpu(3, lost=True))])
+    outcome = world.run()
+    assert outcome.passed
+
+
+def test_a_missing_gpu_of_the_set_refuses_at_once() -> None:
+    """The set names GPU 1; NVML shows only GPU 0."""
+    outcome = World([inventory(gpu(0))]).run()
+    assert outcome.blockers == ("GPU 1 is not present",)
+    assert outcome.hopeless
+
+
+def test_waiting_reports_each_blocker_every_ten_seconds() -> None:
+    """35 s of waiting on a foreign job: reports at 10, 20 and 30 s, one line per blocker."""
+    world = World([inventory(gpu(0, used_mib=8000, pid=77), gpu(1))])
+    outcome = world.run(timeout_s=35.0)
+    assert not outcome.passed
+    assert not outcome.hopeless
+    assert [line.split(":", 1)[0] for line in world.lines] == [
+        "waiting 10 s of 35 s",
+        "waiting 20 s of 35 s",
+        "waiting 30 s of 35 s",
+    ]
+    assert all(
+        "GPU 0: 8000 MiB used, held by PID 77 (python3, training.service)" in line
+        for line in world.lines
+    )
+
+
+def test_a_quick_wait_says_nothing_extra() -> None:
+    """Idle after 2 s: no progress lines (only waits past the interval are reported)."""
+    busy = inventory(gpu(0, used_mib=8000, pid=77), gpu(1))
+    idle = inventory(gpu(0), gpu(1))
+    world = World([busy] * 4 + [idle])
+    assert world.run().passed
+    assert world.lines == []
