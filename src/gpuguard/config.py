@@ -151,6 +151,13 @@ class Settings(_Strict):
         description="A GPU with no holders is idle when NVML's used memory is at most this many "
         "MiB (idle GPUs are rarely exactly 0).",
     )
+    v1_reserved_mib: int | None = Field(
+        default=None,
+        ge=0,
+        description="Drivers < 515 have only the v1 memory API, whose used memory includes what "
+        "the driver reserves for itself: this many MiB per GPU are not counted as use. Unset: "
+        "learned per GPU while nothing holds it.",
+    )
     device_glob: str = Field(
         default="/dev/nvidia*",
         min_length=1,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.cgroup import Attribution, attribute
 from gpuguard.redaction import display_command
+from gpuguard.values import NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -143,15 +144,9 @@ def build_inventory(nvml: NvmlReading, scan: ProcScan, idle_threshold_bytes: int
         for facts in sorted(facts_by_pid.values(), key=lambda f: f.identity.pid)
         if (holder := _holder(facts, listed.get(facts.identity.pid, {}), index_of_minor))
     )
+    lists_known = nvml.health is not NvmlHealth.DRIVER_TOO_OLD
     gpus = tuple(
-        GpuOccupancy(
-            reading=gpu,
-            holder_pids=tuple(
-                h.pid for h in holders if any(u.gpu_index == gpu.index for u in h.gpus)
-            ),
-            unattributed_bytes=_unattributed(gpu, idle_threshold_bytes),
-        )
-        for gpu in nvml.gpus
+        _occupancy(gpu, holders, idle_threshold_bytes, lists_known=lists_known) for gpu in nvml.gpus
     )
     return Inventory(nvml, scan, gpus, holders, tuple(vanished), tuple(hidden))
 
@@ -194,14 +189,31 @@ def _holder(
     )
 
 
-def _unattributed(gpu: GpuReading, idle_threshold_bytes: int) -> int | None:
+def _occupancy(
+    gpu: GpuReading, holders: tuple[Holder, ...], idle_threshold_bytes: int, *, lists_known: bool
+) -> GpuOccupancy:
+    pids = tuple(h.pid for h in holders if any(u.gpu_index == gpu.index for u in h.gpus))
+    return GpuOccupancy(
+        reading=gpu,
+        holder_pids=pids,
+        unattributed_bytes=_unattributed(
+            gpu, idle_threshold_bytes, lists_known=lists_known, held=bool(pids)
+        ),
+    )
+
+
+def _unattributed(
+    gpu: GpuReading, idle_threshold_bytes: int, *, lists_known: bool, held: bool
+) -> int | None:
     """Used memory that the listed processes do not explain, beyond the idle allowance.
 
     None when it cannot be known: no memory reading, a process whose usage the driver does not
-    report, or the v1 API whose ``used`` includes an unknown reserved carve-out.
+    report, the v1 API whose reserved carve-out is not estimated (baseline.py), or a driver
+    that cannot list processes while /proc shows one holding the GPU. With no process list and
+    no holder at all, everything above the reserve is unexplained.
     """
     memory = gpu.memory
-    if memory is None or memory.reserved_bytes is None:
+    if memory is None or memory.reserved_bytes is None or (held and not lists_known):
         return None
     sizes = [p.used_bytes for p in gpu.processes]
     if any(size is None for size in sizes):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuguard import nvml, procfs
+from gpuguard import baseline, nvml, procfs, state
 from gpuguard.holders import Inventory, build_inventory
-from gpuguard.values import MIB
+from gpuguard.values import MIB, MemoryApi
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from gpuguard.config import Settings
-    from gpuguard.values import NvmlReading
+    from gpuguard.values import NvmlReading, ProcScan
+
+V1_RESERVED_FILE = "v1-reserved.json"
 
 
 def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
@@ -35,4 +40,35 @@ def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
             ),
             hidden=extra.hidden,
         )
-    return build_inventory(reading, scan, settings.idle_threshold_mib * MIB)
+    threshold = settings.idle_threshold_mib * MIB
+    if any(g.memory is not None and g.memory.api is MemoryApi.V1 for g in reading.gpus):
+        reading = _without_v1_reserve(settings, reading, scan)
+    return build_inventory(reading, scan, threshold)
+
+
+def _without_v1_reserve(settings: Settings, reading: NvmlReading, scan: ProcScan) -> NvmlReading:
+    """Learn the v1 reserve from this reading, remember it, and take it out of ``used``.
+
+    Remembered in state_dir (by root; other users learn for this run only).
+    """
+    path = settings.state_dir / V1_RESERVED_FILE
+    known = _load_learned(path)
+    raw = build_inventory(reading, scan, settings.idle_threshold_mib * MIB)
+    learned = baseline.learn(raw, known, settings.protected_processes)
+    if learned != known:
+        with contextlib.suppress(OSError):
+            state.write_json(path, learned)
+    configured = None if settings.v1_reserved_mib is None else settings.v1_reserved_mib * MIB
+    return baseline.apply(reading, configured, learned)
+
+
+def _load_learned(path: Path) -> dict[str, int]:
+    """The learned reserves (GPU model → bytes); anything malformed is dropped, not trusted."""
+    document = state.read_json(path)
+    if not isinstance(document, dict):
+        return {}
+    return {
+        model: value
+        for model, value in document.items()
+        if isinstance(model, str) and type(value) is int and value >= 0
+    }

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.policy import matching_pattern
 from gpuguard.protection import is_idle, is_protected
 from gpuguard.redaction import escape_control
-from gpuguard.values import MIB, NvmlHealth
+from gpuguard.values import MIB, MemoryApi, NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
@@ -216,8 +216,42 @@ def _nvml_findings(inventory: Inventory) -> list[Finding]:
     return [Finding(level, reason)]
 
 
-def _gpu_findings(inventory: Inventory) -> list[Finding]:
+def _v1_findings(inventory: Inventory) -> list[Finding]:
+    """Say when memory figures are estimates, and when they cannot even be that."""
+    estimated: list[str] = []
     findings: list[Finding] = []
+    for gpu in inventory.gpus:
+        memory = gpu.reading.memory
+        if memory is None or memory.api is not MemoryApi.V1:
+            continue
+        if memory.reserved_bytes is None:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"GPU {gpu.reading.index}: the v1 memory API counts the driver's reserved "
+                    "memory as used and no estimate of it exists yet, so idle cannot be told "
+                    "from busy (set v1_reserved_mib, or run gpuguard as root while it is idle)",
+                )
+            )
+        else:
+            estimated.append(
+                f"GPU {gpu.reading.index} {_mib(memory.reserved_bytes)} "
+                f"({memory.reserved_source or 'reported'})"
+            )
+    if estimated:
+        findings.insert(
+            0,
+            Finding(
+                Level.OK,
+                "memory use is estimated: the v1 memory API counts the driver's reserved memory "
+                "as used; taken out: " + ", ".join(estimated),
+            ),
+        )
+    return findings
+
+
+def _gpu_findings(inventory: Inventory) -> list[Finding]:
+    findings: list[Finding] = _v1_findings(inventory)
     for gpu in inventory.gpus:
         reading = gpu.reading
         if reading.lost:
@@ -445,6 +479,11 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
     tag = " idle" if reading.index in idle else ""
     if reading.lost:
         tag = " LOST"
+    if reading.memory is not None and reading.memory.reserved_source is not None:
+        usage += (
+            f" (estimated: {_mib(reading.memory.reserved_bytes or 0)} reserved, "
+            f"{reading.memory.reserved_source.value})"
+        )
     lines = [f"GPU {reading.index}  {name}  {usage}{tag}"]
     for pid in gpu.holder_pids:
         holder = inventory.holder(pid)
@@ -533,6 +572,9 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
             "total_mib": memory.total_bytes // MIB,
             "used_mib": memory.used_bytes // MIB,
             "reserved_mib": _opt_mib(memory.reserved_bytes),
+            "reserved_source": None
+            if memory.reserved_source is None
+            else memory.reserved_source.value,
         },
         "idle": reading.index in idle,
         "lost": reading.lost,

@@ -36,14 +36,26 @@ class MemoryApi(StrEnum):
     V1 = "v1"
 
 
+class ReservedSource(StrEnum):
+    """Where an estimate of the v1 API's reserved memory came from (see baseline.py)."""
+
+    CONFIGURED = "configured"
+    LEARNED = "learned"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuMemory:
-    """Framebuffer memory of one GPU in bytes, as NVML reported it."""
+    """Framebuffer memory of one GPU in bytes, as NVML reported it.
+
+    With the v1 API ``reserved_bytes`` is None until estimated; ``reserved_source`` then says how
+    it was, and ``used_bytes`` no longer includes it (as with v2).
+    """
 
     total_bytes: int
     used_bytes: int
     reserved_bytes: int | None
     api: MemoryApi
+    reserved_source: ReservedSource | None = None
 
 
 class ProcessListKind(StrEnum):

@@ -1,0 +1,121 @@
+"""Drivers with only the v1 memory API: idle is idle, and status says it is estimating.
+
+The fake's old-driver build (no memory v2, no *_v3 process lists) through the unmodified pynvml.
+Its v1 ``used`` is the GPU's ``used_mib`` plus allocations: ``used_mib = 530`` is what an idle
+GPU reads on a driver whose v1 call counts its reserved carve-out as used (A100/H100: ~0.5 GiB).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import uuid
+from typing import TYPE_CHECKING
+
+import pytest
+from clirunner import Cli, CliResult
+from fakestate import FakeGpu, update_gpu, write_state
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from clirunner import UnitCgroups
+    from fakeholder import HolderSpawner
+    from fakestate import NvmlEnv
+
+IDLE_V1_MIB = 530
+
+
+@pytest.fixture
+def old_cli(tmp_path: Path, nvml_env: NvmlEnv, fake_nvml_old_dir: Path) -> Cli:
+    """The CLI over four idle H200s behind an old driver whose idle v1 used is 530 MiB."""
+    del fake_nvml_old_dir  # built up front
+    state = write_state(tmp_path / "nvml-state", [FakeGpu(used_mib=IDLE_V1_MIB)] * 4)
+    runner = Cli(state, tmp_path / "gpuguard.toml", nvml_env(state, old=True))
+    runner.configure()
+    return runner
+
+
+def gate_in_unit(cli: Cli, cgroups: UnitCgroups, unit: str, *args: str) -> CliResult:
+    """Run the gate inside the unit's cgroup, as ExecStartPre= runs."""
+    procs = cgroups.ensure(unit) / "cgroup.procs"
+    argv = [sys.executable, "-m", "gpuguard", "--config", str(cli.config), "gate", "--unit", unit]
+    command = shlex.join([*argv, *args])
+    done = subprocess.run(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        capture_output=True,
+        text=True,
+        env={**cli.env, "INVOCATION_ID": uuid.uuid4().hex},
+        timeout=120,
+        check=False,
+    )
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+def test_idle_gpus_are_idle_and_status_says_it_estimates(old_cli: Cli) -> None:
+    """Not "4 of 4 GPUs in use": all idle, the reserve learned and shown as an estimate."""
+    result = old_cli("status")
+    assert "in use by live processes" not in result.out
+    assert sum(line.endswith(" idle") for line in result.out.splitlines()) == 4
+    assert f"0 MiB / 143771 MiB (estimated: {IDLE_V1_MIB} MiB reserved, learned) idle" in result.out
+    assert (
+        "OK: memory use is estimated: the v1 memory API counts the driver's reserved" in result.out
+    )
+    assert result.code == 1  # WARNING only for "driver too old"; nothing CRITICAL
+    doc = old_cli("status", "--json").json()
+    assert all(g["idle"] for g in doc["gpus"])
+    assert {g["memory"]["reserved_source"] for g in doc["gpus"]} == {"learned"}
+    assert {g["memory"]["reserved_mib"] for g in doc["gpus"]} == {IDLE_V1_MIB}
+    learned = json.loads((old_cli.config.parent / "lib" / "v1-reserved.json").read_text())
+    assert learned == {"NVIDIA H200 143771 MiB": IDLE_V1_MIB << 20}
+
+
+def test_gate_passes_idle_gpus(old_cli: Cli, unit_cgroups: UnitCgroups) -> None:
+    """The gate no longer refuses idle GPUs on an old driver."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    result = gate_in_unit(old_cli, unit_cgroups, unit, "--timeout", "3")
+    assert result.code == 0, result.err
+    assert "start allowed" in result.err
+
+
+def test_memory_no_process_explains_is_reported(old_cli: Cli, unit_cgroups: UnitCgroups) -> None:
+    """3000 MiB on GPU 2 with no holder: unattributed (CRITICAL), and the gate waits on it.
+
+    Its idle siblings teach the reserve, so the leak is not learned as GPU 2's reserve.
+    """
+    update_gpu(old_cli.state, 2, unattributed_mib=3000)
+    result = old_cli("status")
+    assert result.code == 2, result.out
+    assert "Unattributed: GPU 2: 3000 MiB" in result.out
+    assert old_cli("status", "--json").json()["gpus"][2]["unattributed_mib"] == 3000
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    old_cli.configure(f'[units."{unit}"]\ngpus = [2]\n')
+    gate = gate_in_unit(old_cli, unit_cgroups, unit, "--timeout", "2")
+    assert gate.code == 1
+    assert "GPU 2: 3000 MiB used" in gate.err
+
+
+def test_a_holder_keeps_its_gpu_busy(old_cli: Cli, spawn_holder: HolderSpawner) -> None:
+    """A real holder of 1000 MiB on GPU 0: busy, its memory shown, not called unattributed."""
+    holder = spawn_holder(old_cli.state, gpus=(0,), mib=1000)
+    doc = old_cli("status", "--json").json()
+    gpu0 = doc["gpus"][0]
+    assert not gpu0["idle"]
+    assert gpu0["memory"]["used_mib"] == 1000
+    assert gpu0["unattributed_mib"] is None  # sizes unknown without the v3 process lists
+    assert gpu0["holder_pids"] == [holder.pid]
+    assert all(g["idle"] for g in doc["gpus"][1:])
+
+
+def test_configured_reserve_wins(old_cli: Cli) -> None:
+    """v1_reserved_mib set: it is what is taken out, shown as configured."""
+    old_cli.configure("v1_reserved_mib = 520\n")
+    doc = old_cli("status", "--json").json()
+    assert {g["memory"]["reserved_source"] for g in doc["gpus"]} == {"configured"}
+    assert {g["memory"]["used_mib"] for g in doc["gpus"]} == {IDLE_V1_MIB - 520}
+    assert all(g["idle"] for g in doc["gpus"])  # 10 MiB, within idle_threshold_mib (16)
+    old_cli.configure("v1_reserved_mib = 100\n")
+    doc = old_cli("status", "--json").json()
+    assert not any(g["idle"] for g in doc["gpus"])  # the operator's word, even when too small
