@@ -43,7 +43,8 @@ def learn(
 ) -> dict[str, int]:
     """``known`` (model → bytes) lowered by every v1 GPU that nothing holds in ``inventory``.
 
-    ``inventory`` must be built from the raw reading (``used`` still including the reserve).
+    ``inventory`` must be built from the raw reading (``used`` still including the reserve), by
+    root: without root another user's job is invisible in /proc and would look like no holder.
     """
     learned = dict(known)
     for gpu in inventory.gpus:

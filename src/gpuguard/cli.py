@@ -65,7 +65,9 @@ Exit status (monitoring-plugin convention):
  78           the configuration file is invalid
 
 Runs without root; it then shows what it can see and says what it cannot: another
-user's job is "not inspectable without root", never reported as vanished.
+user's job is "not inspectable without root", never reported as vanished. With the v1
+memory API (drivers older than 515) the driver's reserved memory is estimated
+(v1_reserved_mib, else learned as root from idle GPUs) and the figures say so.
 """
 
 _REAP_HELP = """\

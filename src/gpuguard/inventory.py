@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -47,14 +48,17 @@ def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
 
 
 def _without_v1_reserve(settings: Settings, reading: NvmlReading, scan: ProcScan) -> NvmlReading:
-    """Learn the v1 reserve from this reading, remember it, and take it out of ``used``.
+    """Learn the v1 reserve from this reading (root only), remember it, take it out of ``used``.
 
-    Remembered in state_dir (by root; other users learn for this run only).
+    Without root another user's job is invisible in /proc, so other users only use what root
+    learned and stored in state_dir.
     """
     path = settings.state_dir / V1_RESERVED_FILE
     known = _load_learned(path)
-    raw = build_inventory(reading, scan, settings.idle_threshold_mib * MIB)
-    learned = baseline.learn(raw, known, settings.protected_processes)
+    learned = known
+    if os.geteuid() == 0:
+        raw = build_inventory(reading, scan, settings.idle_threshold_mib * MIB)
+        learned = baseline.learn(raw, known, settings.protected_processes)
     if learned != known:
         with contextlib.suppress(OSError):
             state.write_json(path, learned)

@@ -8,6 +8,7 @@ GPU reads on a driver whose v1 call counts its reserved carve-out as used (A100/
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 import pytest
+from asnobody import public_dir, run_as_nobody
 from clirunner import Cli, CliResult
 from fakestate import FakeGpu, update_gpu, write_state
 
@@ -119,3 +121,21 @@ def test_configured_reserve_wins(old_cli: Cli) -> None:
     old_cli.configure("v1_reserved_mib = 100\n")
     doc = old_cli("status", "--json").json()
     assert not any(g["idle"] for g in doc["gpus"])  # the operator's word, even when too small
+
+
+def test_without_root_nothing_is_learned_but_roots_estimate_is_used(nvml_env: NvmlEnv) -> None:
+    """As nobody: no estimate yet → WARNING, not "busy"; after root's run → the estimate."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to user nobody")
+    with public_dir() as public:
+        state = write_state(public / "nvml-state", [FakeGpu(used_mib=IDLE_V1_MIB)] * 4)
+        cli = Cli(state, public / "gpuguard.toml", nvml_env(state, old=True))
+        cli.configure()
+        unprivileged = run_as_nobody(["--config", str(cli.config), "status"], cli.env)
+        assert "in use by live processes" not in unprivileged.out
+        assert "no estimate of it exists yet" in unprivileged.out
+        assert not (public / "lib" / "v1-reserved.json").exists()
+        assert cli("status").code == 1  # root learns (and stores) the reserve
+        (public / "lib").chmod(0o755)
+        unprivileged = run_as_nobody(["--config", str(cli.config), "status"], cli.env)
+        assert unprivileged.out.count("reserved, learned) idle") == 4, unprivileged.out

@@ -114,3 +114,14 @@ def test_hidden_pid_is_uninspectable_not_vanished() -> None:
     )
     blockers = set_blockers(inventory, GateSettings(request, 16 * MIB, 1.0))
     assert "GPU 0: NVML lists PID 10, which /proc does not let gpuguard inspect" in blockers
+
+
+def test_v1_gpu_without_an_estimate_is_a_warning_not_busy_by_live_processes() -> None:
+    """No reserve known yet: say so; never "in use by live processes" when nobody holds it."""
+    v1 = GpuReading(index=0, minor=0, memory=GpuMemory(143771 * MIB, 530 * MIB, None, MemoryApi.V1))
+    nvml = NvmlReading(NvmlHealth.OK, None, "512.15", (v1,))
+    report = assess(build_inventory(nvml, ProcScan(()), 16 * MIB), CONTEXT, NOW)
+    assert report.level is Level.WARNING
+    assert report.headline.startswith(
+        "GPU 0: the v1 memory API counts the driver's reserved memory as used and no estimate"
+    )
