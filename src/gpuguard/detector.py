@@ -27,6 +27,11 @@ Rules (``diagnose``), over the events of the last ``window_s`` seconds:
   it only resets on a manual start, so a server that crashes once a week climbs it too);
 * a PENDING newest run is not a loop by those counts: the daemon acts between runs, not on a
   server that is still loading and might come up;
+* a run ended by a stop job (``JOB_TYPE=stop`` on "Stopping"/"Stopped": an operator's
+  ``systemctl stop``, a conflicting unit, gpuguard itself) is STOPPED: someone wanted it down,
+  so it ends the series like an OK run and a STOPPED newest run is never a loop, whatever its
+  stop looked like (a stop that timed out fails the run too) — the daemon must not start a
+  unit an operator just stopped. systemd's own restarts say ``JOB_TYPE=restart``;
 * immediate loop, whether the newest run failed or is still starting (it will fail too): the
   newest run found a left-over process in its control group while starting, or the first start
   after a stop timeout failed;
@@ -34,6 +39,14 @@ Rules (``diagnose``), over the events of the last ``window_s`` seconds:
   series printed a GPU out-of-memory message; ``not-gpu-related`` when an inventory was taken,
   the GPUs are idle with no stale holder, and two or more failed runs ended the same way (unit
   result, exit code and status); ``unknown`` otherwise.
+
+Time is the journal's monotonic clock of one boot (``UnitEvent.monotonic_s``; the caller's ``now``
+is ``time.monotonic()``, the same clock): a wall-clock step moves no event in or out of the
+window. Events of another boot replace the timeline (the journal is followed for one boot).
+The wall clock appears only in evidence lines, for people.
+
+At most ``_OOM_PER_RUN`` out-of-memory lines are kept per run: the first explains the failure;
+200,000 of them would only cost memory and time in every verdict.
 
 After a recovery restarted the unit, call ``reset(now)``: window expiry alone would keep the
 handled failures counted for ``window_s`` and make the first failure after the recovery look like
@@ -138,6 +151,8 @@ class _Outcome(StrEnum):
 
     FAILED = "failed"
     OK = "ok"
+    STOPPED = "stopped"
+    """Ended by a stop job someone asked for: not a failure to count, and never restarted."""
     PENDING = "pending"
     UNKNOWN = "unknown"
 
@@ -148,6 +163,8 @@ _START_KINDS: Final = frozenset(
 _IGNORED_FOR_VERDICT: Final = frozenset({EventKind.STOPPING, EventKind.STOPPED})
 # A main process killed by one of these ended cleanly for systemd (SuccessExitStatus= implied).
 _CLEAN_SIGNALS: Final = frozenset({"TERM", "INT", "HUP", "PIPE"})
+_ENDS_SERIES: Final = frozenset({_Outcome.OK, _Outcome.STOPPED})
+_OOM_PER_RUN: Final = 3
 _EVIDENCE_LINES: Final = 20
 _SHOWN_HOLDERS: Final = 3
 _SHORT_ID: Final = 8
@@ -172,19 +189,20 @@ class _Run:
     exit: UnitEvent | None = None
     deactivated_s: float | None = None
     start_limit_s: float | None = None
+    stop_requested_s: float | None = None
     left_over: list[UnitEvent] = field(default_factory=list)
     oom: list[UnitEvent] = field(default_factory=list)
 
     def add(self, event: UnitEvent) -> None:
         """Fold one event of this run in."""
-        self.first_s = min(self.first_s, event.realtime_s)
+        self.first_s = min(self.first_s, event.monotonic_s)
         kind = event.kind
         if kind in _START_KINDS:
             self.start_marker = True
         if kind is EventKind.STARTED:
-            self.started_s = _earliest(self.started_s, event.realtime_s)
+            self.started_s = _earliest(self.started_s, event.monotonic_s)
         elif kind is EventKind.DEACTIVATED:
-            self.deactivated_s = _earliest(self.deactivated_s, event.realtime_s)
+            self.deactivated_s = _earliest(self.deactivated_s, event.monotonic_s)
         elif kind is EventKind.LEFT_OVER_PROCESS:
             self.left_over.append(event)
         elif kind is EventKind.GPU_OOM_OUTPUT:
@@ -197,17 +215,19 @@ class _Run:
         match event.kind:
             case EventKind.FAILED:
                 self.result = self.result or event.result
-                self._fail(event.realtime_s)
+                self._fail(event.monotonic_s)
             case EventKind.START_FAILED:
                 self.job_result = self.job_result or event.result
-                self._fail(event.realtime_s)
+                self._fail(event.monotonic_s)
             case EventKind.START_LIMIT_HIT:
-                self.start_limit_s = _earliest(self.start_limit_s, event.realtime_s)
-                self._fail(event.realtime_s)
+                self.start_limit_s = _earliest(self.start_limit_s, event.monotonic_s)
+                self._fail(event.monotonic_s)
             case EventKind.MAIN_EXITED:
                 self.exit = self.exit or event
                 if not _clean_exit(event):
-                    self._fail(event.realtime_s)
+                    self._fail(event.monotonic_s)
+            case EventKind.STOPPING | EventKind.STOPPED if event.job_type == "stop":
+                self.stop_requested_s = _earliest(self.stop_requested_s, event.monotonic_s)
             case _:
                 pass
 
@@ -215,7 +235,12 @@ class _Run:
         self.failure_s = _earliest(self.failure_s, at_s)
 
     def outcome(self, now: float, stable_s: float) -> _Outcome:
-        """FAILED, OK, PENDING or UNKNOWN at ``now``."""
+        """STOPPED, FAILED, OK, PENDING or UNKNOWN at ``now``."""
+        if self.stop_requested_s is not None:
+            # A clean end is OK whoever asked; one that failed (a stop that timed out) was
+            # still wanted: STOPPED, never a failure of the series.
+            clean = self.failure_s is None and self.deactivated_s is not None
+            return _Outcome.OK if clean else _Outcome.STOPPED
         if self.failure_s is not None:
             return _Outcome.FAILED
         if self.deactivated_s is not None:
@@ -262,7 +287,7 @@ class _View:
     known: tuple[tuple[_Run, _Outcome], ...]
     """The runs whose start or outcome the window shows."""
     episode: tuple[tuple[_Run, _Outcome], ...]
-    """The known runs after the newest good one: the current series."""
+    """The known runs after the newest OK or STOPPED one: the current series."""
     n_restarts: int | None
 
     @property
@@ -299,8 +324,9 @@ class Detector:
     """Restart-loop detection for one unit: ``observe`` events, ``diagnose`` at a given time.
 
     Events of other units, duplicates (same cursor), events older than the window before the
-    newest one seen, and events up to the last ``reset`` are ignored. Events are kept in
-    realtime order whatever order they arrive in; nothing reads a clock.
+    newest one seen, events up to the last ``reset`` and out-of-memory lines past
+    ``_OOM_PER_RUN`` of a run are ignored. Events are kept in monotonic order whatever order
+    they arrive in; nothing reads a clock.
     """
 
     def __init__(
@@ -314,6 +340,10 @@ class Detector:
         self._cursors: set[str] = set()
         self._newest_s: float | None = None
         self._floor_s: float | None = None
+        self._boot: str | None = None
+        self._oom_kept: dict[str | None, int] = {}
+        # Wall minus monotonic at the newest event with a wall stamp: evidence times for people.
+        self._wall_offset_s: float | None = None
 
     @property
     def events(self) -> tuple[UnitEvent, ...]:
@@ -328,15 +358,26 @@ class Detector:
         """
         if event.unit != self.unit or event.cursor in self._cursors:
             return False
-        if self._floor_s is not None and event.realtime_s <= self._floor_s:
+        if event.boot_id != self._boot:
+            # Monotonic stamps of two boots cannot be compared: the newer boot's timeline wins
+            # (the follower reads one boot, so this happens once, at the first event).
+            self._drop(len(self._events))
+            self._boot, self._newest_s, self._floor_s = event.boot_id, None, None
+        if self._floor_s is not None and event.monotonic_s <= self._floor_s:
             return False
         horizon = self.settings.window_s
-        if self._newest_s is not None and event.realtime_s < self._newest_s - horizon:
+        if self._newest_s is not None and event.monotonic_s < self._newest_s - horizon:
             return False
+        if event.kind is EventKind.GPU_OOM_OUTPUT:
+            if self._oom_kept.get(event.invocation_id, 0) >= _OOM_PER_RUN:
+                return False
+            self._oom_kept[event.invocation_id] = self._oom_kept.get(event.invocation_id, 0) + 1
         bisect.insort_right(self._events, event, key=_position)
         self._cursors.add(event.cursor)
-        if self._newest_s is None or event.realtime_s > self._newest_s:
-            self._newest_s = event.realtime_s
+        if self._newest_s is None or event.monotonic_s > self._newest_s:
+            self._newest_s = event.monotonic_s
+            if event.realtime_s is not None:
+                self._wall_offset_s = event.realtime_s - event.monotonic_s
             self._forget_before(self._newest_s - horizon)
         return live and event.kind not in _IGNORED_FOR_VERDICT
 
@@ -349,7 +390,7 @@ class Detector:
         journal resume) are ignored too.
         """
         self._floor_s = now if self._floor_s is None else max(self._floor_s, now)
-        self._drop(sum(1 for event in self._events if event.realtime_s <= now))
+        self._drop(sum(1 for event in self._events if event.monotonic_s <= now))
 
     def diagnose(self, now: float, gpu: GpuEvidence | None) -> Diagnosis:
         """The verdict at ``now`` from the events in the window and, if given, a GPU inventory."""
@@ -373,10 +414,10 @@ class Detector:
 
     def _view(self, now: float) -> _View:
         since = now - self.settings.window_s
-        events = tuple(event for event in self._events if event.realtime_s >= since)
+        events = tuple(event for event in self._events if event.monotonic_s >= since)
         runs = tuple((run, run.outcome(now, self.settings.stable_s)) for run in _runs(events))
         known = tuple(pair for pair in runs if pair[1] is not _Outcome.UNKNOWN)
-        good = [index for index, (_, out) in enumerate(known) if out is _Outcome.OK]
+        good = [index for index, (_, out) in enumerate(known) if out in _ENDS_SERIES]
         episode = known[good[-1] + 1 :] if good else known
         restarts = [e.n_restarts for e in events if e.kind is EventKind.RESTART_SCHEDULED]
         return _View(now, events, runs, known, episode, restarts[-1] if restarts else None)
@@ -388,11 +429,8 @@ class Detector:
             window = _secs(self.settings.window_s)
             return _not_looping(f"no start or failure of {self.unit} in the last {window}")
         run, outcome = newest
-        if outcome is _Outcome.OK:
-            if run.deactivated_s is not None:
-                return _not_looping(f"the last run {_abbrev(run)} ended cleanly")
-            up_s = _secs(view.now - (run.started_s or view.now))
-            return _not_looping(f"run {_abbrev(run)} is up for {up_s} without failing")
+        if outcome in _ENDS_SERIES:
+            return self._settled(view, run, outcome)
         rules = (self._streak_rule, self._counter_rule, self._left_over_rule, self._timeout_rule)
         held = [v for v in (rule(view, run, outcome) for rule in rules) if v is not None]
         if held:
@@ -406,6 +444,19 @@ class Detector:
             f"{streak} failed run{'' if streak == 1 else 's'} in a row within "
             f"{_secs(self.settings.window_s)}; a loop takes {self.settings.min_starts}",
         )
+
+    def _settled(self, view: _View, run: _Run, outcome: _Outcome) -> _Verdict:
+        """Why a newest run that ended OK or was stopped on request is no loop."""
+        if outcome is _Outcome.STOPPED:
+            return _not_looping(
+                f"run {_abbrev(run)} was stopped by a stop job at "
+                f"{self._clock(run.stop_requested_s or view.now)} (an operator, a conflicting "
+                "unit or gpuguard): a stopped unit stays stopped"
+            )
+        if run.deactivated_s is not None:
+            return _not_looping(f"the last run {_abbrev(run)} ended cleanly")
+        up_s = _secs(view.now - (run.started_s or view.now))
+        return _not_looping(f"run {_abbrev(run)} is up for {up_s} without failing")
 
     def _streak_rule(self, view: _View, run: _Run, outcome: _Outcome) -> _Verdict | None:
         """The newest run failed, and so did the ``min_starts`` runs before it (itself included)."""
@@ -452,14 +503,14 @@ class Detector:
             later = [
                 (run, outcome)
                 for run, outcome in view.known
-                if run.first_s > event.realtime_s and run.invocation_id != event.invocation_id
+                if run.first_s > event.monotonic_s and run.invocation_id != event.invocation_id
             ]
             if not later:
                 continue
             run, outcome = later[0]
             if outcome is _Outcome.FAILED and run.invocation_id in current:
                 return _looping(
-                    f"a stop timed out at {self._clock(event.realtime_s)} and the next "
+                    f"a stop timed out at {self._clock(event.monotonic_s)} and the next "
                     f"start, run {_abbrev(run)}, failed",
                     immediate=True,
                 )
@@ -473,7 +524,13 @@ class Detector:
         return tuple(f"{self._clock(at_s)} {text}" for at_s, text in lines[-_EVIDENCE_LINES:])
 
     def _clock(self, at_s: float) -> str:
-        return datetime.fromtimestamp(at_s, self._tz).strftime("%H:%M:%S")
+        """A monotonic time as the wall clock showed it near the newest event ("?" if unknown)."""
+        if self._wall_offset_s is None:
+            return "?"
+        try:
+            return datetime.fromtimestamp(at_s + self._wall_offset_s, self._tz).strftime("%H:%M:%S")
+        except (ValueError, OverflowError, OSError):
+            return "?"
 
     def _forget_before(self, since: float) -> None:
         """Forget the events older than ``since``."""
@@ -483,6 +540,12 @@ class Detector:
         """Forget the ``count`` oldest events."""
         for event in self._events[:count]:
             self._cursors.discard(event.cursor)
+            if event.kind is EventKind.GPU_OOM_OUTPUT:
+                left = self._oom_kept.get(event.invocation_id, 1) - 1
+                if left > 0:
+                    self._oom_kept[event.invocation_id] = left
+                else:
+                    self._oom_kept.pop(event.invocation_id, None)
         del self._events[:count]
 
 
@@ -500,11 +563,11 @@ def _runs(events: Iterable[UnitEvent]) -> list[_Run]:
             continue
         run = by_id.get(event.invocation_id)
         if run is None:
-            run = by_id[event.invocation_id] = _Run(event.invocation_id, event.realtime_s)
+            run = by_id[event.invocation_id] = _Run(event.invocation_id, event.monotonic_s)
         run.add(event)
     runs = sorted(by_id.values(), key=lambda run: (run.first_s, run.invocation_id))
     for event in orphans:
-        owners = [run for run in runs if run.first_s <= event.realtime_s]
+        owners = [run for run in runs if run.first_s <= event.monotonic_s]
         if owners:
             owners[-1].add(event)
     return runs
@@ -520,15 +583,17 @@ def _run_lines(run: _Run, outcome: _Outcome) -> list[tuple[float, str]]:
             seen.add((event.pid, event.comm))
             lines.append(
                 (
-                    event.realtime_s,
+                    event.monotonic_s,
                     f"run {short} found left-over process {event.pid} ({event.comm}) at start",
                 )
             )
     if run.oom:
-        lines.append((run.oom[0].realtime_s, f"run {short} printed: {_cut(run.oom[0].message)}"))
+        lines.append((run.oom[0].monotonic_s, f"run {short} printed: {_cut(run.oom[0].message)}"))
     if run.start_limit_s is not None:
         lines.append((run.start_limit_s, f"run {short}: start limit hit, no more restarts"))
-    if outcome is _Outcome.FAILED and run.failure_s is not None:
+    if run.stop_requested_s is not None:
+        lines.append((run.stop_requested_s, f"run {short} stopped by a stop job"))
+    if outcome in {_Outcome.FAILED, _Outcome.STOPPED} and run.failure_s is not None:
         lines.append((run.failure_s, f"run {short} failed: {run.describe_failure()}"))
     elif outcome is _Outcome.OK and run.deactivated_s is not None:
         lines.append((run.deactivated_s, f"run {short} ended cleanly"))
@@ -545,14 +610,14 @@ def _event_lines(events: Iterable[UnitEvent]) -> list[tuple[float, str]]:
         short = _abbrev(event.invocation_id)
         if event.kind is EventKind.STOP_TIMED_OUT:
             state = "final-sigterm" if event.final else "stop-sigterm"
-            lines.append((event.realtime_s, f"run {short}: {state} timed out, SIGKILL sent"))
+            lines.append((event.monotonic_s, f"run {short}: {state} timed out, SIGKILL sent"))
         elif event.kind is EventKind.SURVIVED_SIGKILL:
             which = "final SIGKILL" if event.final else "SIGKILL"
-            lines.append((event.realtime_s, f"run {short}: processes survived {which}"))
+            lines.append((event.monotonic_s, f"run {short}: processes survived {which}"))
         elif event.kind is EventKind.RESTART_SCHEDULED:
             restart = event
     if restart is not None:
-        lines.append((restart.realtime_s, f"restart scheduled, counter at {restart.n_restarts}"))
+        lines.append((restart.monotonic_s, f"restart scheduled, counter at {restart.n_restarts}"))
     return lines
 
 
@@ -617,7 +682,7 @@ def _earliest(current: float | None, candidate: float) -> float:
 
 def _position(event: UnitEvent) -> tuple[float, str]:
     """Journal order: by time, then by cursor so ties sort the same whatever the arrival."""
-    return (event.realtime_s, event.cursor)
+    return (event.monotonic_s, event.cursor)
 
 
 def _abbrev(run: _Run | str | None) -> str:

@@ -68,11 +68,17 @@ class UnitEvent:
     "Starting"/"Started" and the left-over warning), ``_SYSTEMD_INVOCATION_ID`` on output.
     ``message`` is the decoded text, ANSI sequences removed, control characters escaped and cut
     to about 300 characters: for people, never for decisions.
+
+    Time is the journal's per-boot monotonic stamp with ``boot_id``, never the wall clock: a wall
+    that steps (NTP, a wrong RTC) would age events that just happened, or keep old ones young.
     """
 
     kind: EventKind
     unit: str
-    realtime_s: float
+    monotonic_s: float
+    """Where the entry sits on its boot's timeline (``__MONOTONIC_TIMESTAMP``): decisions use it."""
+    realtime_s: float | None
+    """The wall clock when journald stored it (``__REALTIME_TIMESTAMP``): only shown to people."""
     cursor: str
     invocation_id: str | None
     boot_id: str | None
@@ -93,6 +99,9 @@ class UnitEvent:
     """left-over-process: its command name."""
     final: bool = False
     """stop-timed-out / survived-sigkill: the final-sigterm / final SIGKILL variant."""
+    job_type: str | None = None
+    """stopping / stopped: the job that stops the unit (JOB_TYPE): ``stop`` is a stop job someone
+    asked for (an operator, a conflict, gpuguard), ``restart`` systemd's or a restart request."""
 
 
 # MESSAGE_IDs from sd-messages.h (identical in systemd 249…257; facts §4.1).
@@ -119,15 +128,20 @@ GPU_OOM_PATTERNS: Final[tuple[str, ...]] = (
     r"The memory capacity is unbalanced\. Some GPUs may be occupied by other processes",
     # SGLang KV-cache sizing.
     r"Not enough memory\. Please try to increase --mem-fraction-static",
-    # vLLM: "Free memory on device (6.9/8.0 GiB) on startup is less than desired GPU memory …".
-    r"Free memory on device .* on startup is less than desired",
+    # vLLM: "Free memory on device (6.9/8.0 GiB) on startup is less than desired GPU memory …",
+    # newer: "Free memory on device cuda:0 (6.9/79.2 GiB) on startup …". The gap is bounded:
+    # an unbounded `.*` between two literals is quadratic on a long line (212 s in PCRE2 for
+    # 859 KiB of repeated prefixes), a bounded one costs at most its bound per prefix.
+    r"Free memory on device .{1,80} on startup is less than desired",
 )
 """Case-sensitive regexes for lines servers print when GPU memory is already taken (facts §7).
 
 Plain syntax shared by Python ``re`` and PCRE2 (``journalctl --grep`` with
 ``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses it.
-They are matched against the decoded MESSAGE with ANSI sequences removed: a pre-filter on raw
-JSON lines must let MESSAGEs that journalctl printed as byte arrays through.
+They are matched against the first ``OUTPUT_SCAN_CHARS`` of the decoded MESSAGE with ANSI
+sequences removed: a pre-filter on raw JSON lines must let MESSAGEs that journalctl printed as
+byte arrays through. Every pattern is linear in PCRE2 and ``re`` alike: literals, and no gap
+without a small bound.
 """
 
 GPU_OOM_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in GPU_OOM_PATTERNS)
@@ -143,6 +157,7 @@ FIELDS_READ: Final = (
     "EXIT_STATUS",
     "UNIT_RESULT",
     "JOB_RESULT",
+    "JOB_TYPE",
     "COMMAND",
     "_PID",
     "_UID",
@@ -152,14 +167,16 @@ FIELDS_READ: Final = (
     "_TRANSPORT",
     "_BOOT_ID",
 )
-"""Every field parse_entry reads (journalctl adds __CURSOR and the timestamps itself): the
+"""Every field parse_entry reads (journalctl adds __CURSOR, __REALTIME_TIMESTAMP and
+__MONOTONIC_TIMESTAMP itself): the
 follower asks journalctl for these only, which halves what Python has to json.loads."""
 
 _GPU_OOM = re.compile(GPU_OOM_REGEX)
 
 # Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; facts §4.1, §4.7).
 _LEFT_OVER = re.compile(
-    r"Found left-over process (?P<pid>\d{1,10}) \((?P<comm>.*)\) in control group while starting"
+    r"Found left-over process (?P<pid>\d{1,10}) \((?P<comm>.{0,64})\) "
+    r"in control group while starting"
 )
 _STOP_TIMEOUT = re.compile(r"State '(?P<state>(?:stop|final)-sigterm)' timed out\.")
 _SURVIVED = re.compile(r"Processes still around after (?P<final>final )?SIGKILL\.")
@@ -173,6 +190,13 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _INT = re.compile(r"[+-]?\d{1,18}")
 MESSAGE_LIMIT: Final = 300
 """Characters of MESSAGE kept on an event."""
+OUTPUT_SCAN_CHARS: Final = 64 * 1024
+"""Characters of a MESSAGE examined at all: a server's out-of-memory phrase comes in its first
+line; what a hostile unit prints past this costs nothing (a 1 MiB line is cut, not scanned)."""
+_PID1_SCAN_CHARS: Final = 4096
+"""PID 1's messages are short; the text matched against them is cut to this (linear anyway)."""
+_MAX_REALTIME_US: Final = 253_402_300_799_999_999
+"""9999-12-31T23:59:59.999999Z: past it, no datetime can show the stamp (it is left out)."""
 
 
 def is_trusted(entry: Mapping[str, object], unit: str) -> bool:
@@ -200,25 +224,39 @@ def parse_entry(entry: Mapping[str, object], unit: str) -> UnitEvent | None:
     if not isinstance(entry, Mapping):
         return None
     cursor = _string(entry.get("__CURSOR"))
-    realtime_s = _realtime_s(entry.get("__REALTIME_TIMESTAMP"))
-    if not cursor or realtime_s is None:
+    monotonic_s = _timestamp_s(entry.get("__MONOTONIC_TIMESTAMP"))
+    if not cursor or monotonic_s is None:
         return None
+    where = _Where(
+        cursor,
+        monotonic_s,
+        _timestamp_s(entry.get("__REALTIME_TIMESTAMP")),
+        _string(entry.get("_BOOT_ID")) or None,
+    )
     if is_trusted(entry, unit):
-        return _lifecycle_event(entry, unit, cursor, realtime_s)
+        return _lifecycle_event(entry, unit, where)
     if _is_unit_output(entry, unit):
-        return _output_event(entry, unit, cursor, realtime_s)
+        return _output_event(entry, unit, where)
     return None
 
 
-def _lifecycle_event(
-    entry: Mapping[str, object], unit: str, cursor: str, realtime_s: float
-) -> UnitEvent | None:
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """An entry's position: cursor, boot timeline, and the wall clock for people."""
+
+    cursor: str
+    monotonic_s: float
+    realtime_s: float | None
+    boot_id: str | None
+
+
+def _lifecycle_event(entry: Mapping[str, object], unit: str, where: _Where) -> UnitEvent | None:
     """The event in an entry PID 1 wrote: by MESSAGE_ID, else by its fixed text.
 
     The kind and its fields are worked out first and the event is built once: building a
     placeholder and replace()-ing it cost half of the parse (bench/journal_throughput.py).
     """
-    text = decode_message(entry.get("MESSAGE"))
+    text = decode_message(entry.get("MESSAGE"), limit=_PID1_SCAN_CHARS)
     message_id = _string(entry.get("MESSAGE_ID"))
     if message_id:
         kind = MESSAGE_IDS.get(message_id.lower())
@@ -229,10 +267,11 @@ def _lifecycle_event(
         return None
     return UnitEvent(
         unit=unit,
-        realtime_s=realtime_s,
-        cursor=cursor,
+        monotonic_s=where.monotonic_s,
+        realtime_s=where.realtime_s,
+        cursor=where.cursor,
         invocation_id=_string(entry.get("INVOCATION_ID")) or None,
-        boot_id=_string(entry.get("_BOOT_ID")) or None,
+        boot_id=where.boot_id,
         message=_display(text),
         **fields,
     )
@@ -254,12 +293,13 @@ def _fields_by_id(
                 "exit_status": status,
                 "signal": _signal_name(status) if code in {"killed", "dumped"} else None,
             }
-        case EventKind.FAILED:
-            return {"kind": kind, "result": _string(entry.get("UNIT_RESULT")) or None}
-        case EventKind.START_FAILED:
-            return {"kind": kind, "result": _string(entry.get("JOB_RESULT")) or None}
+        case EventKind.FAILED | EventKind.START_FAILED:
+            field = "UNIT_RESULT" if kind is EventKind.FAILED else "JOB_RESULT"
+            return {"kind": kind, "result": _string(entry.get(field)) or None}
         case EventKind.RESTART_SCHEDULED:
             return {"kind": kind, "n_restarts": _integer(entry.get("N_RESTARTS"))}
+        case EventKind.STOPPING | EventKind.STOPPED:
+            return {"kind": kind, "job_type": _string(entry.get("JOB_TYPE")) or None}
         case _:
             return {"kind": kind}
 
@@ -304,11 +344,9 @@ def _is_unit_output(entry: Mapping[str, object], unit: str) -> bool:
     )
 
 
-def _output_event(
-    entry: Mapping[str, object], unit: str, cursor: str, realtime_s: float
-) -> UnitEvent | None:
+def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> UnitEvent | None:
     """A ``gpu-oom-output`` event when the unit's output says GPU memory was taken, else None."""
-    text = decode_message(entry.get("MESSAGE"))
+    text = decode_message(entry.get("MESSAGE"), limit=OUTPUT_SCAN_CHARS)
     if text is None:
         return None
     match = _GPU_OOM.search(text)
@@ -320,29 +358,33 @@ def _output_event(
     return UnitEvent(
         kind=EventKind.GPU_OOM_OUTPUT,
         unit=unit,
-        realtime_s=realtime_s,
-        cursor=cursor,
+        monotonic_s=where.monotonic_s,
+        realtime_s=where.realtime_s,
+        cursor=where.cursor,
         invocation_id=_string(entry.get("_SYSTEMD_INVOCATION_ID")) or None,
-        boot_id=_string(entry.get("_BOOT_ID")) or None,
+        boot_id=where.boot_id,
         message=_display(shown),
     )
 
 
-def decode_message(value: object) -> str | None:
+def decode_message(value: object, *, limit: int | None = None) -> str | None:
     """The text of a MESSAGE as journalctl's JSON gives it, ANSI sequences removed; None if absent.
 
     A string stays a string; an array of byte values (non-printable or non-UTF-8 content) is
     decoded as UTF-8 with replacement characters; a field sent twice (an array of values) is
     joined with newlines; ``null`` (over 4096 bytes without ``--all``) and anything else is None.
+    With ``limit``, only about the first ``limit`` characters are decoded and returned: the cost
+    of a hostile megabyte line stays that of its first ``limit`` characters.
     """
     if isinstance(value, str):
-        return _ANSI.sub("", value)
+        return _ANSI.sub("", value[:limit])[:limit]
     if isinstance(value, list) and value:
-        if all(_is_byte(item) for item in value):
-            return _ANSI.sub("", bytes(value).decode("utf-8", errors="replace"))
-        parts = [decode_message(item) for item in value if not _is_byte(item)]
+        head = value[: None if limit is None else 4 * limit]  # UTF-8: at most 4 bytes a char
+        if all(_is_byte(item) for item in head):
+            return _ANSI.sub("", bytes(head).decode("utf-8", errors="replace"))[:limit]
+        parts = [decode_message(item, limit=limit) for item in value if not _is_byte(item)]
         if len(parts) == len(value) and all(part is not None for part in parts):
-            return "\n".join(part for part in parts if part is not None)
+            return "\n".join(part for part in parts if part is not None)[:limit]
     return None
 
 
@@ -381,10 +423,13 @@ def _integer(value: object) -> int | None:
     return None
 
 
-def _realtime_s(value: object) -> float | None:
-    """``__REALTIME_TIMESTAMP`` (µs since the epoch) in seconds, or None when malformed."""
+def _timestamp_s(value: object) -> float | None:
+    """A journal timestamp (µs) in seconds; None when malformed, negative or past year 9999.
+
+    Past 9999 no ``datetime`` can show it (``ValueError``), and no boot lasts that long.
+    """
     micros = _integer(value)
-    if micros is None or micros < 0:
+    if micros is None or not 0 <= micros <= _MAX_REALTIME_US:
         return None
     return micros / 1_000_000
 

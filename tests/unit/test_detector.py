@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import replace
 from datetime import timedelta, timezone
 from pathlib import Path
@@ -18,6 +19,7 @@ from gpuguard.events import MESSAGE_IDS, EventKind, UnitEvent, parse_entry
 
 if TYPE_CHECKING:
     import random
+    from collections.abc import Callable
 
 UNIT = "sglang.service"
 OTHER = "vllm.service"
@@ -67,6 +69,7 @@ class Journal:
         pid: int | None = None,
         comm: str | None = None,
         final: bool = False,
+        job_type: str | None = None,
     ) -> UnitEvent:
         """One event, its message as systemd (or the unit) would write it."""
         template = TEXTS.get(kind, f"{kind.value} {UNIT}")
@@ -82,6 +85,7 @@ class Journal:
         return UnitEvent(
             kind=kind,
             unit=unit,
+            monotonic_s=round(at * 1_000_000) / 1_000_000,
             realtime_s=round(at * 1_000_000) / 1_000_000,
             cursor=f"s=test;i={next(CURSORS):x}",
             invocation_id=invocation,
@@ -95,6 +99,7 @@ class Journal:
             pid=pid,
             comm=comm,
             final=final,
+            job_type=job_type,
         )
 
     def failed_run(
@@ -166,7 +171,8 @@ def journal_entry(event: UnitEvent, *, forged: bool = False) -> dict[str, object
     """
     entry: dict[str, object] = {
         "__CURSOR": event.cursor + (";forged" if forged else ""),
-        "__REALTIME_TIMESTAMP": str(round(event.realtime_s * 1_000_000)),
+        "__REALTIME_TIMESTAMP": str(round((event.realtime_s or 0) * 1_000_000)),
+        "__MONOTONIC_TIMESTAMP": str(round(event.monotonic_s * 1_000_000)),
         "_BOOT_ID": event.boot_id,
         "MESSAGE": event.message,
     }
@@ -311,7 +317,7 @@ def test_events_older_than_the_window_before_the_newest_are_dropped() -> None:
     """The detector keeps only the events within window_s of the newest one it saw."""
     events = failures(4, spacing=300)
     detector = fed(events)
-    assert min(event.realtime_s for event in detector.events) >= T0 + 900 - W
+    assert min(event.monotonic_s for event in detector.events) >= T0 + 900 - W
     stale = replace(events[0], cursor="s=test;i=late")
     assert not detector.observe(stale, live=True)
 
@@ -368,7 +374,7 @@ def test_forged_and_foreign_entries_never_count_as_churn(
         {**entry, "UNIT": OTHER, "__CURSOR": f"{entry['__CURSOR']};other"} for entry in entries
     ]
     mixed = entries + rng.sample(forged, len(forged)) + foreign
-    mixed.sort(key=lambda entry: int(str(entry["__REALTIME_TIMESTAMP"])))
+    mixed.sort(key=lambda entry: int(str(entry["__MONOTONIC_TIMESTAMP"])))
     honest, tampered = Detector(UNIT), Detector(UNIT)
     for entry in entries:
         event = parse_entry(entry, UNIT)
@@ -378,7 +384,7 @@ def test_forged_and_foreign_entries_never_count_as_churn(
         event = parse_entry(entry, UNIT)
         if event is not None:
             tampered.observe(event, live=True)
-    now = max((event.realtime_s for event in events), default=T0) + 1
+    now = max((event.monotonic_s for event in events), default=T0) + 1
     assert tampered.diagnose(now, IDLE) == honest.diagnose(now, IDLE)
 
 
@@ -390,7 +396,7 @@ def test_replayed_history_never_asks_for_action(events: list[UnitEvent]) -> None
     """History observed with live=False never returns True, yet informs later diagnoses."""
     replayed = Detector(UNIT)
     assert not any(replayed.observe(event, live=False) for event in events)
-    now = max((event.realtime_s for event in events), default=T0) + 1
+    now = max((event.monotonic_s for event in events), default=T0) + 1
     assert replayed.diagnose(now, IDLE) == fed(events).diagnose(now, IDLE)
 
 
@@ -402,7 +408,7 @@ def test_duplicates_and_out_of_order_arrival_change_nothing(
     messy = events + rng.sample(events, len(events) // 2)
     rng.shuffle(messy)
     in_order, resumed = fed(events), fed(messy)
-    now = max((event.realtime_s for event in events), default=T0) + later
+    now = max((event.monotonic_s for event in events), default=T0) + later
     assert resumed.diagnose(now, IDLE) == in_order.diagnose(now, IDLE)
     assert resumed.diagnose(now, None) == in_order.diagnose(now, None)
 
@@ -649,7 +655,7 @@ def test_evidence_times_follow_the_given_time_zone() -> None:
 
 def last_time(events: list[UnitEvent]) -> float:
     """The time of the newest event."""
-    return max(event.realtime_s for event in events)
+    return max(event.monotonic_s for event in events)
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -664,7 +670,7 @@ def test_recorded_restart_loop_is_a_loop_with_a_gpu_cause(release: str, name: st
     assert diagnosis.n_restarts == 5
     assert diagnosis.cause is Cause.STALE_GPU_HOLDERS
     assert "CUDA error: out of memory" in diagnosis.cause_detail
-    first_failure = min(e.realtime_s for e in events if e.kind is EventKind.MAIN_EXITED)
+    first_failure = min(e.monotonic_s for e in events if e.kind is EventKind.MAIN_EXITED)
     assert diagnosis.first_failure_s == first_failure
     assert sum("failed: exit-code (status 1)" in line for line in diagnosis.evidence) == 5
     assert any("start limit hit" in line for line in diagnosis.evidence)
@@ -684,7 +690,7 @@ def test_recorded_loop_is_judged_only_when_a_run_has_failed(release: str) -> Non
     """Fed live, the recorded loop becomes a loop at the third failure, not while starting."""
     detector = Detector(UNIT)
     verdicts = [
-        (event.kind, detector.diagnose(event.realtime_s, None).looping)
+        (event.kind, detector.diagnose(event.monotonic_s, None).looping)
         for event in sample_events(release, "restart-loop-start-limit")
         if detector.observe(event, live=True)
     ]
@@ -704,9 +710,9 @@ def test_recorded_left_over_start_is_immediate_until_it_ends_cleanly(release: st
     for event in events:
         detector.observe(event, live=True)
         if event.kind is EventKind.STARTED and immediate_at is None:
-            diagnosis = detector.diagnose(event.realtime_s, None)
+            diagnosis = detector.diagnose(event.monotonic_s, None)
             if diagnosis.immediate:
-                immediate_at = event.realtime_s
+                immediate_at = event.monotonic_s
                 assert diagnosis.looping
                 assert "left-over process" in diagnosis.reason
                 assert "(sglang-worker)" in diagnosis.reason
@@ -718,17 +724,22 @@ def test_recorded_left_over_start_is_immediate_until_it_ends_cleanly(release: st
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_recorded_stop_timeout_then_failed_start_is_immediate(release: str) -> None:
-    """The recorded stop timeout is one failure, no loop; a failed start after it is immediate."""
+    """The recorded stop (a stop job) timed out: stopped, no loop; a failed start after it is.
+
+    The stop job was asked for, so its timeout is no failure of the series; once someone starts
+    the unit again and that start fails, the timeout explains it: an immediate loop.
+    """
     events = sample_events(release, "stop-sigterm-timeout")
     end = last_time(events)
     detector = fed(events)
     alone = detector.diagnose(end + 1, None)
     assert not alone.looping
-    assert alone.failures_in_window == 1
+    assert "stopped by a stop job" in alone.reason
+    assert alone.failures_in_window == 0
     assert any("stop-sigterm timed out" in line for line in alone.evidence)
     assert any("failed: timeout (killed by SIGKILL)" in line for line in alone.evidence)
     for event in Journal().failed_run(99, end + 5):
-        detector.observe(event, live=True)
+        detector.observe(replace(event, boot_id=events[0].boot_id), live=True)
     after = detector.diagnose(end + 10, None)
     assert after.looping
     assert after.immediate
@@ -754,3 +765,118 @@ def test_left_over_on_a_failed_run_of_a_loop_is_still_immediate() -> None:
     assert diagnosis.looping
     assert diagnosis.immediate
     assert diagnosis.reason.startswith("3 failed runs in a row")
+
+
+# --- the operator's intent ----------------------------------------------------------------------
+
+
+def timed_out_stop(journal: Journal, run: str, at: float, job_type: str) -> list[UnitEvent]:
+    """A stop of ``run`` by a ``job_type`` job whose SIGTERM timed out (what systemd logs)."""
+    return [
+        journal.event(EventKind.STOPPING, at, run, job_type=job_type),
+        journal.event(EventKind.STOP_TIMED_OUT, at + 90, run),
+        journal.event(
+            EventKind.MAIN_EXITED, at + 90.01, run, exit_code="killed", exit_status=9, signal="KILL"
+        ),
+        journal.event(EventKind.FAILED, at + 90.02, run, result="timeout"),
+        journal.event(EventKind.STOPPED, at + 90.03, run, job_type=job_type),
+    ]
+
+
+def test_an_operators_stop_after_a_timed_out_restart_is_no_loop() -> None:
+    """Restart, then the operator's `systemctl stop`, both timing out: stopped, not a loop.
+
+    On main this was an immediate loop ("a stop timed out … and the next start failed"), and
+    with stale holders a recovery that ended by starting the unit the operator had stopped.
+    """
+    journal = Journal()
+    events = [
+        journal.event(EventKind.STARTED, T0, inv(1)),
+        *timed_out_stop(journal, inv(1), T0 + 10, "restart"),
+        journal.event(EventKind.STARTED, T0 + 101, inv(2)),
+        *timed_out_stop(journal, inv(2), T0 + 150, "stop"),
+    ]
+    stale = GpuEvidence(stale_holders=("PID 77 (python3) holds GPU 0: from an earlier run",))
+    diagnosis = fed(events).diagnose(T0 + 241, stale)
+    assert not diagnosis.looping
+    assert not diagnosis.immediate
+    assert "stopped by a stop job" in diagnosis.reason
+    assert any("stopped by a stop job" in line for line in diagnosis.evidence)
+
+
+def test_a_stop_job_ends_a_restart_loop() -> None:
+    """A loop that an operator stops (between two restarts) is over: the stop ends the series."""
+    journal = Journal()
+    loop = failures(3)
+    assert fed(loop).diagnose(T0 + 60, None).looping
+    stop = journal.event(EventKind.STOPPED, T0 + 50, inv(2), job_type="stop")
+    after = fed([*loop, stop]).diagnose(T0 + 60, None)
+    assert not after.looping
+    restart = journal.event(EventKind.STOPPED, T0 + 50, inv(2), job_type="restart")
+    assert fed([*loop, restart]).diagnose(T0 + 60, None).looping
+
+
+# --- time from the journal, not the wall --------------------------------------------------------
+
+
+def with_wall(events: list[UnitEvent], wall: Callable[[float], float | None]) -> list[UnitEvent]:
+    """The same events with their wall stamps rewritten (the monotonic stamps are untouched)."""
+    return [replace(event, realtime_s=wall(event.monotonic_s)) for event in events]
+
+
+def test_a_wall_clock_step_back_is_not_aging() -> None:
+    """An NTP step back of more than the window between two failures does not hide the loop."""
+    stepped = with_wall(failures(3), lambda at: at - (0 if at < T0 + 30 else 2 * W))
+    diagnosis = fed(stepped).diagnose(T0 + 60, None)
+    assert diagnosis.looping
+    assert diagnosis.starts_in_window == 3
+
+
+def test_one_entry_stamped_in_the_future_ages_nothing() -> None:
+    """A single entry with a wall stamp a year ahead leaves later events in the window."""
+    events = failures(3)
+    future = with_wall(events[:1], lambda at: at + 365 * 86400) + events[1:]
+    diagnosis = fed(future).diagnose(T0 + 60, None)
+    assert diagnosis.looping
+    assert diagnosis.starts_in_window == 3
+
+
+def test_wall_stamps_past_year_9999_or_missing_only_hide_the_clock() -> None:
+    """Without a showable wall stamp the verdict is the same; evidence times read "?"."""
+    events = with_wall(failures(3), lambda _at: None)
+    diagnosis = fed(events).diagnose(T0 + 60, None)
+    assert diagnosis.looping
+    assert all(line.startswith("? ") for line in diagnosis.evidence)
+    huge = with_wall(failures(3), lambda _at: 253_402_300_799.0)
+    far = fed([*huge[:-1], replace(huge[-1], realtime_s=253_402_300_799.0 + 10**6)])
+    assert far.diagnose(T0 + 60, None).looping
+
+
+def test_another_boot_starts_a_new_timeline() -> None:
+    """Monotonic stamps of two boots are not compared: the new boot's events replace the old."""
+    old = failures(3)
+    new_boot = [replace(event, boot_id="c" * 32) for event in Journal().failed_run(7, 5.0)]
+    detector = fed([*old, *new_boot])
+    assert {event.boot_id for event in detector.events} == {"c" * 32}
+    assert detector.diagnose(10.0, None).starts_in_window == 1
+
+
+# --- bounded memory for hostile output ----------------------------------------------------------
+
+
+def test_out_of_memory_lines_are_kept_a_few_per_run() -> None:
+    """200,000 OOM lines of one run (~150 MiB and 0.4 s per verdict on main) keep only a few."""
+    journal = Journal()
+    loop = failures(3)
+    flood = [
+        journal.event(EventKind.GPU_OOM_OUTPUT, T0 + 41 + n * 1e-6, inv(2)) for n in range(200_000)
+    ]
+    detector = Detector(UNIT)
+    for event in [*loop, *flood]:
+        detector.observe(event, live=True)
+    oom = [event for event in detector.events if event.kind is EventKind.GPU_OOM_OUTPUT]
+    assert len(oom) <= 3
+    started = time.perf_counter()
+    diagnosis = detector.diagnose(T0 + 60, None)
+    assert time.perf_counter() - started < 0.05
+    assert diagnosis.cause is Cause.STALE_GPU_HOLDERS

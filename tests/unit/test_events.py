@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from gpuguard.events import (
     GPU_OOM_REGEX,
     MESSAGE_IDS,
     MESSAGE_LIMIT,
+    OUTPUT_SCAN_CHARS,
     EventKind,
     UnitEvent,
     decode_message,
@@ -71,6 +75,7 @@ def pid1_entry(message: object, **fields: object) -> dict[str, object]:
     entry: dict[str, object] = {
         "__CURSOR": "s=1;i=1",
         "__REALTIME_TIMESTAMP": "1795973481485610",
+        "__MONOTONIC_TIMESTAMP": "81485610",
         "_PID": "1",
         "_UID": "0",
         "_SYSTEMD_CGROUP": "/init.scope",
@@ -90,6 +95,7 @@ def output_entry(message: object, **fields: object) -> dict[str, object]:
     entry: dict[str, object] = {
         "__CURSOR": "s=1;i=2",
         "__REALTIME_TIMESTAMP": "1795973481486594",
+        "__MONOTONIC_TIMESTAMP": "81486594",
         "_PID": "57",
         "_UID": "0",
         "_SYSTEMD_CGROUP": f"/system.slice/{UNIT}",
@@ -327,13 +333,45 @@ def test_unit_output_yields_only_gpu_oom_evidence() -> None:
     assert oom.n_restarts is None
 
 
-def test_missing_cursor_or_timestamp_gives_no_event() -> None:
-    """Without a cursor and a realtime timestamp an entry cannot be placed: None."""
+def test_missing_cursor_or_monotonic_stamp_gives_no_event() -> None:
+    """Without a cursor and a monotonic timestamp an entry cannot be placed: None."""
     entry = pid1_entry("Started x.", MESSAGE_ID="39f53479d3a045ac8e11786248231fbf")
     assert parse_entry(entry, UNIT) is not None
     assert parse_entry({**entry, "__CURSOR": None}, UNIT) is None
-    assert parse_entry({**entry, "__REALTIME_TIMESTAMP": "soon"}, UNIT) is None
-    assert parse_entry({**entry, "__REALTIME_TIMESTAMP": "-5"}, UNIT) is None
+    assert parse_entry({**entry, "__MONOTONIC_TIMESTAMP": "soon"}, UNIT) is None
+    assert parse_entry({**entry, "__MONOTONIC_TIMESTAMP": "-5"}, UNIT) is None
+    del entry["__MONOTONIC_TIMESTAMP"]
+    assert parse_entry(entry, UNIT) is None
+
+
+@pytest.mark.parametrize("stamp", ["soon", "-5", "253402300800000000", "999999999999999999", None])
+def test_a_wall_stamp_nobody_can_show_is_left_out_not_fatal(stamp: object) -> None:
+    """A malformed or post-9999 __REALTIME_TIMESTAMP (ValueError on main) leaves realtime_s None.
+
+    Decisions use the monotonic stamp; the wall stamp is only shown, so the event still counts.
+    """
+    entry = pid1_entry("Started x.", MESSAGE_ID="39f53479d3a045ac8e11786248231fbf")
+    event = parse_entry({**entry, "__REALTIME_TIMESTAMP": stamp}, UNIT)
+    assert event is not None
+    assert event.realtime_s is None
+    assert event.monotonic_s == 81.48561
+
+
+def test_stop_jobs_say_who_asked() -> None:
+    """Stop messages carry JOB_TYPE: ``stop`` for a requested stop, ``restart`` otherwise."""
+    stopping = pid1_entry(
+        "Stopping sglang.service...", MESSAGE_ID="de5b426a63be47a7b6ac3eaac82e2f6f", JOB_TYPE="stop"
+    )
+    stopped = pid1_entry(
+        "Stopped sglang.service.", MESSAGE_ID="9d1aaa27d60140bd96365438aad20286", JOB_TYPE="restart"
+    )
+    first, second = parse_entry(stopping, UNIT), parse_entry(stopped, UNIT)
+    assert first is not None
+    assert (first.kind, first.job_type) == (EventKind.STOPPING, "stop")
+    assert second is not None
+    assert (second.kind, second.job_type) == (EventKind.STOPPED, "restart")
+    forged = output_entry("Stopping sglang.service...", JOB_TYPE="stop")
+    assert parse_entry(forged, UNIT) is None
 
 
 @pytest.mark.parametrize(
@@ -466,3 +504,87 @@ def test_any_byte_message_decodes_to_one_escaped_line(data: bytes) -> None:
     event = parse_entry(output_entry([*data, *b" CUDA out of memory"]), UNIT)
     assert event is not None
     assert not re.search(r"[\x00-\x1f\x7f-\x9f]", event.message)
+
+
+# --- hostile output: linear matching ------------------------------------------------------------
+
+HOSTILE_KIB = 859
+"""The line that cost 212 s in `journalctl --grep` and 37 s in Python on main."""
+
+
+def hostile_vllm_line() -> str:
+    """The vLLM phrase's prefix repeated without its tail: quadratic for an unbounded gap."""
+    return "Free memory on device " * (HOSTILE_KIB * 1024 // 22)
+
+
+def test_a_hostile_output_line_is_parsed_in_linear_time() -> None:
+    """An 859 KiB line of repeated prefixes costs milliseconds, not 37 s (only 64 KiB are read)."""
+    for message in (hostile_vllm_line(), list(hostile_vllm_line().encode())):
+        started = time.perf_counter()
+        assert parse_entry(output_entry(message), UNIT) is None
+        assert time.perf_counter() - started < 1.0
+
+
+def test_the_oom_phrase_in_the_first_64_kib_still_counts() -> None:
+    """Bounding the text keeps what servers print: the phrase after a long log prefix matches."""
+    line = "x" * (OUTPUT_SCAN_CHARS - 200) + "torch.OutOfMemoryError: CUDA out of memory."
+    event = parse_entry(output_entry(line + "y" * 1_000_000), UNIT)
+    assert event is not None
+    assert event.kind is EventKind.GPU_OOM_OUTPUT
+    assert parse_entry(output_entry("x" * OUTPUT_SCAN_CHARS + line), UNIT) is None
+
+
+class Pcre2:
+    """PCRE2 through ctypes: the engine `journalctl --grep` hands the patterns to.
+
+    Not a mock: the real library, called the way journalctl calls it (compile, then match).
+    """
+
+    def __init__(self) -> None:
+        """Load libpcre2-8 (skip the test where it is not installed)."""
+        name = ctypes.util.find_library("pcre2-8")
+        if name is None:
+            pytest.skip("libpcre2-8 is not installed")
+        lib = ctypes.CDLL(name)
+        lib.pcre2_compile_8.restype = ctypes.c_void_p
+        lib.pcre2_compile_8.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_void_p,
+        ]
+        lib.pcre2_match_data_create_from_pattern_8.restype = ctypes.c_void_p
+        lib.pcre2_match_data_create_from_pattern_8.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.pcre2_match_8.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        self._lib = lib
+
+    def search(self, pattern: str, subject: bytes) -> bool:
+        """Whether ``pattern`` matches somewhere in ``subject`` (PCRE2 defaults, case-sensitive)."""
+        error, offset = ctypes.c_int(), ctypes.c_size_t()
+        raw = pattern.encode()
+        code = self._lib.pcre2_compile_8(raw, len(raw), 0, error, offset, None)
+        assert code, f"PCRE2 refused the pattern at {offset.value}: error {error.value}"
+        data = self._lib.pcre2_match_data_create_from_pattern_8(code, None)
+        result: int = self._lib.pcre2_match_8(code, subject, len(subject), 0, 0, data, None)
+        assert result >= -1, f"PCRE2 failed with {result}"
+        return result > 0
+
+
+def test_the_grep_pattern_is_linear_for_pcre2() -> None:
+    """PCRE2, the engine of journalctl --grep, runs the 859 KiB line fast (212 s on main)."""
+    pcre2 = Pcre2()
+    started = time.perf_counter()
+    assert not pcre2.search(GPU_OOM_REGEX, hostile_vllm_line().encode())
+    assert time.perf_counter() - started < 2.0
+    vllm = "Free memory on device cuda:0 (6.9/79.2 GiB) on startup is less than desired GPU"
+    assert pcre2.search(GPU_OOM_REGEX, vllm.encode())
