@@ -388,6 +388,7 @@ def _run(settings: Settings) -> int:
         load_unit_state=load_unit_state,
         save_unit_state=save_unit_state,
         untouchable=_untouchable(),
+        boot_id=_boot_id(),
         identity=procfs.read_identity(os.getpid()),
         watchdog_interval_s=notify.watchdog_interval_s(),
         wakeup_fd=wake_read,
@@ -397,6 +398,15 @@ def _run(settings: Settings) -> int:
         signal.signal(signum, lambda *_: watchdog.request_stop())
     signal.set_wakeup_fd(wake_write)
     return watchdog.run()
+
+
+def _boot_id() -> str | None:
+    """The current boot's ID: the daemon compares monotonic times only within one boot."""
+    try:
+        text = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
+    return text.replace("-", "") or None
 
 
 def _status(settings: Settings, *, as_json: bool) -> int:

@@ -6,6 +6,14 @@ the window but is never acted on), and recover a loop with a GPU cause the way t
 stop the unit, reap its stale holders, wait until its GPUs are idle, reset-failed, start.
 Every adapter is passed in (``Ports``), so tests drive the same loop with real processes and
 the fake NVML, or with in-memory twins.
+
+Time is ``Ports.monotonic`` (the journal's per-boot monotonic clock) for every decision: the
+detector's window, the recovery backoff, refreshes. The wall clock only stamps records for
+people. The operator's intent wins: a run ended by a stop job is no loop (the detector), a unit
+that is inactive is never started, and an interrupted recovery is resumed only in the same
+boot, soon after it began, with the unit as the recovery left it, and never under ``dry_run``.
+Long steps (an NVML snapshot, the reaper's grace, a systemctl call) keep the watchdog fed from a
+helper thread, for no longer than the step's own deadline allows.
 """
 
 from __future__ import annotations
@@ -14,17 +22,25 @@ import contextlib
 import json
 import os
 import select
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from gpuguard.detector import Detector, GpuEvidence, LoopSettings
 from gpuguard.events import parse_entry
 from gpuguard.gate import GateSettings, run_gate, set_blockers
 from gpuguard.gpuset import resolve_gpu_set
 from gpuguard.policy import PlanRequest, Scope, plan
-from gpuguard.recovery import Action, RecoveryLimits, RecoveryPlanner
+from gpuguard.recovery import (
+    Action,
+    Decision,
+    Interrupted,
+    RecoveryLimits,
+    RecoveryPlanner,
+    resume_problem,
+)
 from gpuguard.values import MIB
 
 if TYPE_CHECKING:
@@ -36,7 +52,6 @@ if TYPE_CHECKING:
     from gpuguard.holders import Inventory
     from gpuguard.journal import JournalHealth, JournalRecord
     from gpuguard.reaper import ReapResult, ReapTarget
-    from gpuguard.recovery import Decision
     from gpuguard.systemd import UnitState
     from gpuguard.values import GateOutcome, ProcessIdentity
 
@@ -50,6 +65,14 @@ MAX_SLEEP_S = 60.0
 REFRESH_EVERY_S = 30.0
 _STOP_WAIT_S = 300.0
 _RECENT = 10
+# Beyond a long step's own deadline (NVML's timeout, the reaper's grace, systemctl's 10 s): the
+# /proc walk, the reaper's SIGKILL wait, a busy host. Past it the watchdog goes hungry.
+_STEP_SLACK_S = 30.0
+# An interrupted recovery is resumed only if it could still be running: the stop wait, the
+# gate's timeout and one restart of the daemon.
+_RESUME_SLACK_S = 60.0
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 class Logger(Protocol):
@@ -137,6 +160,9 @@ class Ports:
     load_unit_state: Callable[[str], dict[str, Any] | None]
     save_unit_state: Callable[[str, dict[str, Any]], None]
     untouchable: frozenset[int]
+    boot_id: str | None = None
+    """This boot's ID (/proc/sys/kernel/random/boot_id): monotonic times are only compared
+    within one boot."""
     identity: ProcessIdentity | None = None
     watchdog_interval_s: float | None = None
     wakeup_fd: int | None = None
@@ -183,6 +209,10 @@ class Daemon:
             name: _Watch(name, Detector(name, loop), RecoveryPlanner(limits))
             for name in settings.units
         }
+        self._gather = self._fed(settings.nvml_timeout_s, ports.gather)
+        self._show_unit = self._fed(0.0, ports.show_unit)
+        self._control = self._fed(0.0, ports.control)
+        self._reap = self._fed(settings.reap_grace_s, ports.reap)
         self._started_at = ports.wall()
         self._stop = False
         self._ready = False
@@ -198,13 +228,22 @@ class Daemon:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Start up, then loop until asked to stop; 0 on a clean shutdown."""
+        """Start up, then loop until asked to stop; 0 on a clean shutdown.
+
+        Whatever ends the loop (an exception included), journalctl goes with it.
+        """
+        try:
+            return self._run()
+        finally:
+            self._follower.close()
+
+    def _run(self) -> int:
         ports = self._ports
         for watch in self._watches.values():
             self._restore(watch)
-        inventory = ports.gather()
+        inventory = self._gather()
         for watch in self._watches.values():
-            self._note_state(watch, ports.show_unit(watch.name))
+            self._note_state(watch, self._show_unit(watch.name))
         self._follower.start()
         ports.log.info(
             "started",
@@ -245,13 +284,13 @@ class Daemon:
         the end of a recovery backoff or the snapshot's refresh, never on a fixed tick.
         """
         ports = self._ports
-        due = [MAX_SLEEP_S, self._published_at + SNAPSHOT_EVERY_S - ports.monotonic()]
+        now = ports.monotonic()
+        due = [MAX_SLEEP_S, self._published_at + SNAPSHOT_EVERY_S - now]
         if ports.watchdog_interval_s is not None:
-            due.append(next_ping - ports.monotonic())
+            due.append(next_ping - now)
         wake = self._follower.wake_in()
         if wake is not None:
             due.append(wake)
-        now = ports.wall()
         due.extend(
             watch.refresh_at - now
             for watch in self._watches.values()
@@ -298,7 +337,7 @@ class Daemon:
         Only the cheap, event-only verdict: acting needs a live event (or a backoff's end),
         so history replayed at start is still never acted on.
         """
-        now = self._ports.wall()
+        now = self._ports.monotonic()
         for watch in self._watches.values():
             if watch.diagnosis is None or now < watch.refresh_at:
                 continue
@@ -310,7 +349,7 @@ class Daemon:
 
     def _retry_waiting(self) -> None:
         """A unit whose recovery waited out its backoff is judged again (no new event needed)."""
-        now = self._ports.wall()
+        now = self._ports.monotonic()
         for watch in self._watches.values():
             decision = watch.decision
             waiting = decision is not None and decision.action is Action.WAIT
@@ -320,20 +359,28 @@ class Daemon:
     # -- judging and acting --------------------------------------------------------------------
 
     def _judge(self, watch: _Watch) -> None:
-        now = self._ports.wall()
+        now = self._ports.monotonic()
         if watch.not_found:  # events about it: it may exist now
-            self._note_state(watch, self._ports.show_unit(watch.name))
+            self._note_state(watch, self._show_unit(watch.name))
         quick = watch.detector.diagnose(now, None)
         if not quick.looping:
             watch.planner.healthy(now)
             self._say(watch, quick, None)
             return
-        inventory = self._ports.gather()
-        state = self._ports.show_unit(watch.name)
+        inventory = self._gather()
+        state = self._show_unit(watch.name)
         self._note_state(watch, state)
         evidence = self._gpu_evidence(watch.name, inventory, state)
         diagnosis = watch.detector.diagnose(now, evidence)
         decision = watch.planner.decide(diagnosis, now)
+        if decision.action is Action.RECOVER and state.active_state == "inactive":
+            # Nothing will start it again (a restart pending is "activating"): someone stopped
+            # it, and gpuguard does not start a unit that was stopped on purpose.
+            decision = Decision(
+                Action.REPORT,
+                f"{watch.name} is inactive with no restart pending: it was stopped on purpose, "
+                "and gpuguard does not start it",
+            )
         self._say(watch, diagnosis, decision)
         if decision.action is Action.RECOVER:
             self._recover(watch, diagnosis, inventory, state)
@@ -411,11 +458,14 @@ class Daemon:
         self, watch: _Watch, diagnosis: Diagnosis, inventory: Inventory, state: UnitState
     ) -> None:
         ports = self._ports
-        now = ports.wall()
+        now = ports.monotonic()
         request = self._request(watch.name, inventory, state, None)
         planned = [d.holder.pid for d in plan(inventory.holders, request).to_reap]
         record: dict[str, Any] = {
-            "started_at": _iso(now),
+            "started_at": _iso(ports.wall()),
+            "started_monotonic_s": now,
+            "boot_id": ports.boot_id,
+            "invocation_id": state.invocation_id,
             "reason": diagnosis.reason,
             "evidence": list(diagnosis.evidence),
             "planned_pids": planned,
@@ -441,10 +491,45 @@ class Daemon:
         self._carry_out(watch, record)
 
     def _resume_recovery(self, watch: _Watch) -> None:
-        """A recovery interrupted by our own death (SIGKILL, crash) is finished, not repeated."""
+        """A recovery interrupted by our own death (SIGKILL, crash) is finished, not repeated.
+
+        Only when it is this boot's, young, the unit is as the recovery left it and dry_run is
+        off (``recovery.resume_problem``); otherwise it is closed as abandoned, untouched.
+        """
         record = watch.in_progress
         assert record is not None  # noqa: S101 - checked by the caller
-        self._ports.log.warning(
+        ports = self._ports
+        state = self._show_unit(watch.name)
+        problem = resume_problem(
+            Interrupted(
+                record_boot=record.get("boot_id"),
+                record_started_s=record.get("started_monotonic_s"),
+                record_invocation=record.get("invocation_id"),
+                boot=ports.boot_id,
+                now=ports.monotonic(),
+                active_state=None if state.error else state.active_state,
+                invocation=state.invocation_id,
+            ),
+            dry_run=self._settings.daemon.dry_run,
+            within_s=_STOP_WAIT_S + self._settings.gate_timeout_s + _RESUME_SLACK_S,
+        )
+        if problem is not None:
+            ports.log.warning(
+                "interrupted recovery not resumed",
+                unit=watch.name,
+                since=record.get("started_at"),
+                reason=problem,
+            )
+            record |= {
+                "finished_at": _iso(ports.wall()),
+                "result": "abandoned",
+                "problem": f"not resumed: {problem}",
+            }
+            watch.in_progress = None
+            watch.recoveries.append(record)
+            self._save(watch)
+            return
+        ports.log.warning(
             "resuming interrupted recovery", unit=watch.name, since=record.get("started_at")
         )
         self._carry_out(watch, record)
@@ -453,30 +538,30 @@ class Daemon:
         ports = self._ports
         ports.notifier.status(f"recovering {watch.name}")
         ports.log.warning("recovery: stopping unit", unit=watch.name)
-        problem = ports.control("stop", watch.name)
+        problem = self._control("stop", watch.name)
         stopped = problem is None and self._wait_stopped(watch.name)
         outcome: GateOutcome | None = None
         if stopped:
-            inventory = ports.gather()
-            state = ports.show_unit(watch.name)
+            inventory = self._gather()
+            state = self._show_unit(watch.name)
             settings = self._gate_settings(self._request(watch.name, inventory, state, None))
             pending = [inventory]
 
             def gather() -> Inventory:
-                return pending.pop() if pending else ports.gather()
+                return pending.pop() if pending else self._gather()
 
-            outcome = run_gate(settings, gather, ports.reap, ports.monotonic, self._heartbeat_sleep)
+            outcome = run_gate(settings, gather, self._reap, ports.monotonic, self._heartbeat_sleep)
             problem = None if outcome.passed else "; ".join(outcome.blockers)
         elif problem is None:
             problem = f"{watch.name} did not stop within {_STOP_WAIT_S:.0f} s"
         # Forget the loop as of now, before the start: the new run's first entries can carry a
         # timestamp a few ms before `systemctl start` returns, and must not be dropped.
-        restarted_at = ports.wall()
-        if ports.show_unit(watch.name).active_state == "failed":
+        restarted_at = ports.monotonic()
+        if self._show_unit(watch.name).active_state == "failed":
             # Only a failed unit has anything to reset; a unit systemd unloaded after the stop
             # (not enabled) answers "not loaded", which is no failure of the recovery.
-            problem = problem or ports.control("reset-failed", watch.name)
-        problem = problem or ports.control("start", watch.name)
+            problem = problem or self._control("reset-failed", watch.name)
+        problem = problem or self._control("start", watch.name)
         record |= {
             "finished_at": _iso(ports.wall()),
             "result": "restarted" if problem is None else "failed",
@@ -508,11 +593,43 @@ class Daemon:
     def _wait_stopped(self, unit: str) -> bool:
         deadline = self._ports.monotonic() + _STOP_WAIT_S
         while self._ports.monotonic() < deadline:
-            state = self._ports.show_unit(unit)
+            state = self._show_unit(unit)
             if state.error is None and not state.running:
                 return True
             self._heartbeat_sleep(0.5)
         return False
+
+    def _fed(self, deadline_s: float, step: Callable[_P, _T]) -> Callable[_P, _T]:
+        """``step`` run while a helper thread feeds the watchdog, for its deadline plus slack.
+
+        A step that waits on its own deadline (an NVML snapshot, the reaper's grace, systemctl)
+        can outlast WatchdogSec although nothing is wrong; the helper pings meanwhile. It stops
+        at ``deadline_s + _STEP_SLACK_S`` whatever happens, so a step that hangs for good still
+        starves the watchdog and systemd restarts the daemon.
+        """
+        interval = self._ports.watchdog_interval_s
+        if interval is None:
+            return step
+        notifier, clock = self._ports.notifier, self._ports.monotonic
+
+        def fed(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            done = threading.Event()
+            until = clock() + deadline_s + _STEP_SLACK_S
+
+            def feed() -> None:
+                # Every half interval: the main loop's last ping may be almost an interval old.
+                while not done.wait(interval / 2) and clock() < until:
+                    notifier.watchdog()
+
+            feeder = threading.Thread(target=feed, name="watchdog-feeder", daemon=True)
+            feeder.start()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                done.set()
+                feeder.join()
+
+        return fed
 
     def _heartbeat_sleep(self, seconds: float) -> None:
         """Sleep inside a recovery while still proving to systemd's watchdog that we live."""
@@ -526,6 +643,7 @@ class Daemon:
         self._ports.save_unit_state(
             watch.name,
             {
+                "boot_id": self._ports.boot_id,
                 "planner": watch.planner.export(),
                 "recoveries": list(watch.recoveries),
                 "in_progress": watch.in_progress,
@@ -533,15 +651,40 @@ class Daemon:
         )
 
     def _restore(self, watch: _Watch) -> None:
+        """Take back a unit's saved state, field by field: a wrong type is named and left out.
+
+        The file is root's, but a crash, an editor or an older version can leave anything valid
+        JSON in it; a field of the wrong type starts that part fresh, it never stops the daemon.
+        """
         saved = self._ports.load_unit_state(watch.name)
         if not saved:
             return
-        watch.planner.restore(saved.get("planner") or {})
-        for record in saved.get("recoveries") or []:
-            if isinstance(record, dict):
-                watch.recoveries.append(record)
+        problems: list[str] = []
+        planner = saved.get("planner")
+        if isinstance(planner, dict):
+            same_boot = self._ports.boot_id is not None and saved.get("boot_id") == (
+                self._ports.boot_id
+            )
+            problems += [
+                f"planner: {p}" for p in watch.planner.restore(planner, same_boot=same_boot)
+            ]
+        elif planner is not None:
+            problems.append("planner is not an object")
+        recoveries = saved.get("recoveries")
+        if isinstance(recoveries, list):
+            kept = [record for record in recoveries if isinstance(record, dict)]
+            watch.recoveries.extend(kept)
+            if len(kept) < len(recoveries):
+                problems.append(f"{len(recoveries) - len(kept)} recoveries are not objects")
+        elif recoveries is not None:
+            problems.append("recoveries is not a list")
         in_progress = saved.get("in_progress")
-        watch.in_progress = in_progress if isinstance(in_progress, dict) else None
+        if isinstance(in_progress, dict):
+            watch.in_progress = in_progress
+        elif in_progress is not None:
+            problems.append("in_progress is not an object")
+        for problem in problems:
+            self._ports.log.warning("saved state ignored in part", unit=watch.name, problem=problem)
 
     # -- what operators see -------------------------------------------------------------------
 

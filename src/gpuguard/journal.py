@@ -48,12 +48,15 @@ How each is handled (facts: reference/nvml-systemd-facts.md §4.5, §4.6):
   missing journalctl is a ``restarting`` state with a reason, not an exception.
 
 Each journalctl runs in its own process group, so ``close()`` also ends what a wrapper forked
-(``nsenter -t PID -a journalctl`` forks journalctl into the container's pid namespace).
+(``nsenter -t PID -a journalctl`` forks journalctl into the container's pid namespace). It is
+also started with ``PR_SET_PDEATHSIG=SIGKILL``: if the follower's process dies without closing
+(SIGKILL, a crash), the kernel kills the journalctl it started; none is left running.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -88,6 +91,7 @@ _READ_BUDGET = 4 << 20  # bytes per stream per read_available(), so one stream c
 _PROBLEMS_KEPT = 100
 _EXCERPT = 120
 _STOP_GRACE_S = 1.0
+_PR_SET_PDEATHSIG = 1
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 # A journal cursor: `s=…;i=…;b=…;m=…;t=…;x=…` (lower-case hex values); anything else makes
 # journalctl fail with "Failed to seek to cursor", so it is never passed on.
@@ -497,6 +501,8 @@ class JournalFollower:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 process_group=0,  # close() ends the group, with whatever a wrapper forked
+                # Only prctl and getppid run in the child, no lock is taken: safe with threads.
+                preexec_fn=_die_with_parent(),  # noqa: PLW1509
             )
         except OSError as err:
             self._failed(stream, _spawn_error(stream.argv[0], err))
@@ -645,6 +651,25 @@ class JournalFollower:
             if pipe is not None:
                 pipe.close()
         return returncode
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """What the child runs before exec: ask the kernel for SIGKILL when its parent dies.
+
+    libc is loaded and the parent's PID taken here, in the parent: the child only calls
+    prctl(2) and getppid(2). A parent already gone before the prctl is caught by comparing PIDs.
+    The kernel ties the signal to the *thread* that forked: the follower is driven from one
+    long-lived thread (the daemon's main loop).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def child() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return child
 
 
 def _end_group(proc: subprocess.Popen[bytes]) -> int:

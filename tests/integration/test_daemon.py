@@ -11,8 +11,10 @@ daemon against a real systemd.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from clirunner import Openers, UnitCgroups
+
+    Entry = dict[str, object]
     from fakeholder import Holder, HolderSpawner
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
@@ -191,6 +195,11 @@ class Harness:
     saved: dict[str, dict[str, Any]]
 
 
+BOOT = "b" * 32
+UPTIME_S = 100_000.0
+"""Added to time.monotonic() when there are no entries: a host up long enough for old records."""
+
+
 def build(
     tmp_path: Path,
     state: Path,
@@ -199,6 +208,9 @@ def build(
     *,
     dry_run: bool,
     live: bool = True,
+    reap_grace_s: float = 1.0,
+    watchdog_interval_s: float | None = None,
+    recorder: Recorder | None = None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -206,13 +218,16 @@ def build(
         device_glob=f"{state}/dev/nvidia*",
         runtime_dir=tmp_path / "run",
         state_dir=tmp_path / "lib",
-        reap_grace_s=1.0,
+        reap_grace_s=reap_grace_s,
         gate_timeout_s=20.0,
         daemon=DaemonSettings(dry_run=dry_run),
     )
-    newest = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
-    twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]))
-    recorder = Recorder()
+    newest = max((int(str(e["__REALTIME_TIMESTAMP"])) for e in entries), default=0) / 1e6
+    # The daemon's monotonic clock is the journal's: a second after the newest recorded entry.
+    newest_mono = max((int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries), default=None)
+    shift = UPTIME_S if newest_mono is None else newest_mono / 1e6 + 1.0 - time.monotonic()
+    twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]) if entries else "a" * 32)
+    recorder = recorder or Recorder()
     snapshots: list[dict[str, Any]] = []
     saved: dict[str, dict[str, Any]] = {}
     turns = [0]
@@ -235,12 +250,14 @@ def build(
         notifier=recorder,
         log=recorder,
         wall=lambda: newest + 1.0,
-        monotonic=__import__("time").monotonic,
+        monotonic=lambda: time.monotonic() + shift,
         sleep=sleep,
         write_snapshot=snapshots.append,
         load_unit_state=saved.get,
         save_unit_state=saved.__setitem__,
         untouchable=frozenset({os.getpid()}),
+        boot_id=BOOT,
+        watchdog_interval_s=watchdog_interval_s,
     )
     follower = ReplayFollower(entries, live=live)
     daemon = Daemon(settings, follower, ports)
@@ -345,3 +362,257 @@ def test_history_is_never_acted_on(
     assert harness.unit.calls == []
     assert not process_gone(stale.pid)
     assert not any(event == "restart loop" for _, event, _ in harness.log.lines)
+
+
+# --- the operator's intent ----------------------------------------------------------------------
+
+
+def timed_out_stop_entries(unit: str, invocation: str, job_type: str, at_us: int) -> list[Entry]:
+    """A recorded run (systemd 252) whose stop timed out, as a ``job_type`` job, moved to ``at_us``.
+
+    The sample is an operator's `systemctl stop`; ``job_type="restart"`` is the same stop as a
+    restart job logs it. Times keep their spacing; cursors and the invocation are made unique.
+    """
+    lines = (SAMPLES / "stop-sigterm-timeout.jsonl").read_text().splitlines()
+    recorded = [json.loads(line) for line in lines]
+    pid1 = [e for e in recorded if e.get("_PID") == "1" and e.get("UNIT") == "sglang.service"]
+    first = int(pid1[0]["__MONOTONIC_TIMESTAMP"])
+    moved = []
+    for number, entry in enumerate(pid1):
+        shift = int(entry["__MONOTONIC_TIMESTAMP"]) - first
+        changed = dict(entry) | {
+            "UNIT": unit,
+            "INVOCATION_ID": invocation,
+            "__CURSOR": f"s=0;i={invocation[:8]}{number:x}",
+            "__MONOTONIC_TIMESTAMP": str(at_us + shift),
+            "__REALTIME_TIMESTAMP": str(1_795_970_000_000_000 + at_us + shift),
+        }
+        if "JOB_TYPE" in changed:
+            changed["JOB_TYPE"] = job_type if changed["JOB_TYPE"] == "stop" else changed["JOB_TYPE"]
+        moved.append(changed)
+    return moved
+
+
+def test_an_operators_stop_is_never_undone(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart, then the operator's stop, both timing out, stale holders on the GPU: no action.
+
+    On main: an "immediate restart loop", and a recovery ending in `systemctl start` of the unit
+    the operator had just stopped.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 1, monkeypatch)
+    entries = [
+        *timed_out_stop_entries(unit, "1" * 32, "restart", 1_000_000_000),
+        *timed_out_stop_entries(unit, "2" * 32, "stop", 1_010_000_000),
+    ]
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
+    harness.unit.active = "failed"  # a stop that timed out leaves the unit failed
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stale.pid)
+    assert not any(event == "restart loop" for _, event, _ in harness.log.lines)
+    verdict = harness.snapshots[-1]["units"][unit]
+    assert not verdict["looping"]
+    assert "stopped by a stop job" in verdict["verdict"]
+
+
+def test_an_inactive_unit_is_not_started(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU-caused loop, but the unit is inactive (nothing will restart it): only reported."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+    harness.unit.active = "inactive"
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stale.pid)
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["action"] == "report"
+    assert "stopped on purpose" in last["action_reason"]
+
+
+# --- interrupted recoveries ----------------------------------------------------------------------
+
+
+def interrupted_record(*, boot: str | None, age_s: float, invocation: str) -> dict[str, Any]:
+    """A recovery record left by a daemon that died mid-recovery ``age_s`` ago."""
+    return {
+        "started_at": "2026-12-01T00:00:00+00:00",
+        "started_monotonic_s": time.monotonic() + UPTIME_S - age_s,
+        "boot_id": boot,
+        "invocation_id": invocation,
+        "reason": "3 failed runs in a row",
+        "evidence": [],
+        "planned_pids": [],
+    }
+
+
+@pytest.mark.parametrize(
+    ("boot", "age_s", "dry_run", "why"),
+    [
+        ("c" * 32, 5.0, False, "another boot"),
+        (None, 5.0, False, "another boot"),
+        (BOOT, 5000.0, False, "younger than"),
+        (BOOT, 5.0, True, "dry_run"),
+    ],
+)
+def test_an_interrupted_recovery_is_resumed_only_when_safe(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    boot: str | None,
+    age_s: float,
+    dry_run: bool,
+    why: str,
+) -> None:
+    """Another boot, an old record or dry_run: closed as abandoned, the unit left alone.
+
+    On main any record was resumed at start: a record from another boot stopped and started a
+    healthy unit, and dry_run did not prevent it.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    harness = build(tmp_path, in_process_nvml, unit, [], dry_run=dry_run)
+    harness.unit.active = "failed"
+    record = interrupted_record(boot=boot, age_s=age_s, invocation=harness.unit.invocation)
+    harness.saved[unit] = {"in_progress": record}
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert harness.saved[unit]["in_progress"] is None
+    closed = harness.saved[unit]["recoveries"][-1]
+    assert closed["result"] == "abandoned"
+    assert why in closed["problem"]
+    line = next(
+        f for _, event, f in harness.log.lines if event == "interrupted recovery not resumed"
+    )
+    assert why in str(line["reason"])
+
+
+def test_a_healthy_unit_is_not_touched_by_an_old_record(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """Same boot and young, but the unit runs again under a new invocation: not resumed."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    harness = build(tmp_path, in_process_nvml, unit, [], dry_run=False)
+    harness.unit.active = "active"
+    harness.saved[unit] = {
+        "in_progress": interrupted_record(boot=BOOT, age_s=5, invocation="9" * 32)
+    }
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert "someone else started it" in harness.saved[unit]["recoveries"][-1]["problem"]
+
+
+def test_a_fresh_interrupted_recovery_is_finished(tmp_path: Path, in_process_nvml: Path) -> None:
+    """A young record of the same boot, the unit still stopped: stop (a no-op), reset, start."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    harness = build(tmp_path, in_process_nvml, unit, [], dry_run=False)
+    harness.unit.active = "failed"
+    record = interrupted_record(boot=BOOT, age_s=5, invocation=harness.unit.invocation)
+    harness.saved[unit] = {"in_progress": record}
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {unit}", f"reset-failed {unit}", f"start {unit}"]
+    assert harness.saved[unit]["recoveries"][-1]["result"] == "restarted"
+
+
+# --- hostile state ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {"planner": [1]},
+        {"planner": {"attempts_without_help": "x", "needs_operator": 1}},
+        {"recoveries": "x", "in_progress": 5},
+        {"recoveries": [1, {"result": "restarted"}], "in_progress": [2]},
+    ],
+)
+def test_a_state_file_of_the_wrong_shape_starts_fresh(
+    tmp_path: Path, in_process_nvml: Path, saved: dict[str, Any]
+) -> None:
+    """Valid JSON with wrong types (main: a crash at start) is named in a warning and ignored."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+    harness.saved[unit] = saved
+
+    assert harness.daemon.run() == 0
+
+    assert any(event == "saved state ignored in part" for _, event, _ in harness.log.lines)
+    assert harness.log.notes[0].startswith("READY")
+    assert not harness.snapshots[-1]["units"][unit]["needs_operator"]
+
+
+# --- the watchdog ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TimedRecorder(Recorder):
+    """A recorder that also keeps when each WATCHDOG=1 was sent."""
+
+    pings: list[float] = field(default_factory=list)
+
+    def watchdog(self) -> None:
+        """Keep the time of the ping."""
+        self.pings.append(time.monotonic())
+        super().watchdog()
+
+
+def test_the_watchdog_is_fed_through_a_long_reap(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 3 s reap grace (a holder that ignores SIGTERM) leaves no gap over one ping interval.
+
+    On main the daemon sent nothing while it reaped (36 s with reap_grace_s = 30 against
+    WatchdogSec=30); here the interval is 0.4 s, so a silent 3 s grace is plainly visible.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
+    stale = spawn_holder(
+        in_process_nvml, gpus=(0,), mib=30000, name="sglang::scheduler", ignore_sigterm=True
+    )
+    monkeypatch.delenv("INVOCATION_ID")
+    unit_cgroups.move(stale.pid, unit)
+    recorder = TimedRecorder()
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        loop_entries(unit),
+        dry_run=False,
+        reap_grace_s=3.0,
+        watchdog_interval_s=0.4,
+        recorder=recorder,
+    )
+    started = time.monotonic()
+
+    assert harness.daemon.run() == 0
+
+    finished = time.monotonic()
+    assert process_gone(stale.pid)
+    assert harness.unit.calls[-1] == f"start {unit}"
+    assert finished - started >= 3.0
+    times = [started, *recorder.pings, finished]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 0.8

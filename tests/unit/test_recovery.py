@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from gpuguard.detector import Cause, Diagnosis
-from gpuguard.recovery import Action, RecoveryLimits, RecoveryPlanner
+from gpuguard.recovery import (
+    Action,
+    Interrupted,
+    RecoveryLimits,
+    RecoveryPlanner,
+    resume_problem,
+)
 
 LIMITS = RecoveryLimits(max_attempts=2, backoff_s=100.0, stable_s=300.0)
 
@@ -63,19 +73,92 @@ def test_a_stable_run_heals() -> None:
 
 
 def test_state_survives_a_restart() -> None:
-    """What export() saves, restore() takes back; garbage is ignored."""
+    """What export() saves, restore() takes back; each malformed value is named and ignored."""
     planner = RecoveryPlanner(LIMITS)
     planner.recovered(1000)
     planner.recovered(1500)
     planner.decide(diagnosis(), 5000)
     again = RecoveryPlanner(LIMITS)
-    again.restore(planner.export())
+    assert again.restore(planner.export(), same_boot=True) == ()
     assert again.needs_operator
     assert again.attempts_without_help == 2
     fresh = RecoveryPlanner(LIMITS)
-    fresh.restore({"attempts_without_help": "x", "last_recovery_s": None, "needs_operator": 1})
+    problems = fresh.restore(
+        {"attempts_without_help": "x", "last_recovery_monotonic_s": [1], "needs_operator": 1},
+        same_boot=True,
+    )
+    assert len(problems) == 3
     assert fresh.attempts_without_help == 0
     assert not fresh.needs_operator
+    assert fresh.decide(diagnosis(), 1).action is Action.RECOVER
+
+
+def test_a_backoff_from_another_boot_is_over() -> None:
+    """Monotonic times of an earlier boot mean nothing now: its backoff does not hold."""
+    planner = RecoveryPlanner(LIMITS)
+    planner.recovered(1000)
+    same, other = RecoveryPlanner(LIMITS), RecoveryPlanner(LIMITS)
+    same.restore(planner.export(), same_boot=True)
+    other.restore(planner.export(), same_boot=False)
+    assert same.decide(diagnosis(), 1050).action is Action.WAIT
+    assert other.decide(diagnosis(), 1050).action is Action.RECOVER
+    assert other.attempts_without_help == 1
+
+
+BOOT = "b" * 32
+
+
+def interrupted(**changes: object) -> Interrupted:
+    """A recovery interrupted 30 s ago in this boot, with the unit as the recovery left it."""
+    found: dict[str, Any] = {
+        "record_boot": BOOT,
+        "record_started_s": 1000.0,
+        "record_invocation": "a" * 32,
+        "boot": BOOT,
+        "now": 1030.0,
+        "active_state": "failed",
+        "invocation": "a" * 32,
+    }
+    return Interrupted(**(found | changes))
+
+
+def test_a_fresh_interrupted_recovery_in_this_boot_is_resumed() -> None:
+    """Same boot, young, unit stopped (or our stop still pending): finish it."""
+    assert resume_problem(interrupted(), dry_run=False, within_s=900) is None
+    assert resume_problem(interrupted(active_state="inactive"), dry_run=False, within_s=900) is None
+    pending = interrupted(active_state="deactivating")
+    assert resume_problem(pending, dry_run=False, within_s=900) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"record_boot": "c" * 32}, "another boot"),
+        ({"record_boot": None}, "another boot"),
+        ({"boot": None}, "another boot"),
+        ({"record_started_s": "yesterday"}, "does not say when"),
+        ({"now": 5000.0}, "only a recovery younger"),
+        ({"now": 10.0}, "only a recovery younger"),
+        ({"active_state": None}, "cannot say"),
+        ({"active_state": "active", "invocation": "d" * 32}, "someone else started it"),
+        ({"active_state": "activating", "invocation": "d" * 32}, "someone else started it"),
+        ({"active_state": "deactivating", "invocation": "d" * 32}, "someone else started it"),
+    ],
+)
+def test_an_interrupted_recovery_is_not_resumed_when(changes: dict[str, Any], says: str) -> None:
+    """Another boot, an old or undated record, or a unit someone started: left alone.
+
+    On main a record from another boot stopped and started a healthy unit.
+    """
+    problem = resume_problem(interrupted(**changes), dry_run=False, within_s=900)
+    assert problem is not None
+    assert says in problem
+
+
+def test_dry_run_never_resumes() -> None:
+    """dry_run is honoured on the resume path too (main resumed with dry_run = true)."""
+    problem = resume_problem(interrupted(), dry_run=True, within_s=900)
+    assert problem == "dry_run is set"
 
 
 def test_not_looping_is_no_action() -> None:
