@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
-from gpuguard.events import FIELDS_READ, parse_entry
+from gpuguard.events import FIELDS_READ, GPU_OOM_REGEX, parse_entry
 from gpuguard.journal import DEFAULT_BACKOFF, LIFECYCLE, OUTPUT, JournalFollower, JournalRecord
 
 if TYPE_CHECKING:
@@ -813,3 +813,82 @@ def test_bad_arguments_are_refused_up_front(tmp_path: Path) -> None:
         JournalFollower(["sglang.service _PID=1"], cursor)
     with pytest.raises(ValueError, match="is not a regex"):
         JournalFollower([UNIT], cursor, output_patterns=["CUDA (out"])
+
+
+# --- hostile output and a dead owner ------------------------------------------------------------
+
+
+def test_a_hostile_line_costs_journalctl_grep_no_time(journal: Journal) -> None:
+    """859 KiB of repeated "Free memory on device " under --grep: about a second at most.
+
+    On main the unbounded vLLM pattern made this one line cost 212 s in journalctl.
+    """
+    base = retime(sample("bookworm", "restart-loop-start-limit"), boot=BOOT_A, start_us=T0_US)
+    line = next(e for e in base if e.get("_SYSTEMD_UNIT") == UNIT)
+    hostile = made(line, base, MESSAGE="Free memory on device " * (859 * 1024 // 22))
+    real = made(
+        line,
+        [*base, hostile],
+        MESSAGE="Free memory on device (6.9/8.0 GiB) on startup is less than desired GPU memory",
+    )
+    journal.append([*base, hostile, real])
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            *journal.argv,
+            "--output=json",
+            "--all",
+            "--no-pager",
+            f"--grep={GPU_OOM_REGEX}",
+            "--case-sensitive=yes",
+            f"_SYSTEMD_UNIT={UNIT}",
+        ],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert time.monotonic() - started < 5.0
+    messages = [json.loads(text)["MESSAGE"] for text in done.stdout.splitlines()]
+    assert real["MESSAGE"] in messages
+    assert hostile["MESSAGE"] not in messages
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from gpuguard.journal import JournalFollower
+watcher = JournalFollower(["sglang.service"], Path(sys.argv[1]), journalctl=sys.argv[2:])
+watcher.start()
+print(watcher.health().streams[0].pid, flush=True)
+time.sleep(60)
+"""
+# A journalctl that does not notice its reader is gone: the real one polls stdout for POLLHUP
+# only while it follows, not while it replays a long history, nor does a wrapper (nsenter).
+STUCK_JOURNALCTL = """
+import sys, time
+if "--lines=1" not in sys.argv:
+    time.sleep(60)
+"""
+
+
+def test_journalctl_dies_with_its_owner(tmp_path: Path) -> None:
+    """A follower's owner killed by SIGKILL leaves no journalctl behind (PR_SET_PDEATHSIG).
+
+    On main the daemon died (a ValueError) and left its journalctl running.
+    """
+    stuck = tmp_path / "journalctl.py"
+    stuck.write_text(STUCK_JOURNALCTL)
+    argv = [sys.executable, "-c", OWNER, str(tmp_path / "cursor.json"), sys.executable, str(stuck)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            assert owner.stdout is not None
+            child = int(owner.stdout.readline())
+            assert Path(f"/proc/{child}").exists()
+            os.kill(owner.pid, signal.SIGKILL)
+            owner.wait(timeout=10)
+            deadline = time.monotonic() + 5
+            while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not Path(f"/proc/{child}").exists()
+        finally:
+            owner.kill()
