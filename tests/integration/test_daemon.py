@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from fakeholder import process_gone
-from fakestate import update_gpu
+from fakestate import update_gpu, update_state
 
 from gpuguard import inventory, reaper
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
@@ -576,17 +576,20 @@ class TimedRecorder(Recorder):
         super().watchdog()
 
 
-def test_the_watchdog_is_fed_through_a_long_reap(
+@pytest.mark.parametrize(("slow", "reap_grace_s"), [("reap", 3.0), ("nvml", 0.0)])
+def test_the_watchdog_is_fed_through_long_steps(
     tmp_path: Path,
     in_process_nvml: Path,
     spawn_holder: HolderSpawner,
     unit_cgroups: UnitCgroups,
     monkeypatch: pytest.MonkeyPatch,
+    slow: str,
+    reap_grace_s: float,
 ) -> None:
-    """A 3 s reap grace (a holder that ignores SIGTERM) leaves no gap over one ping interval.
+    """A 3 s reap grace, or NVML answering in 1.5 s, leaves no gap over one ping interval.
 
-    On main the daemon sent nothing while it reaped (36 s with reap_grace_s = 30 against
-    WatchdogSec=30); here the interval is 0.4 s, so a silent 3 s grace is plainly visible.
+    On main the daemon sent nothing while it reaped and gathered (gaps of 36 s and 45 s against
+    WatchdogSec=30); here the interval is 0.4 s, so a silent long step is plainly visible.
     """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
@@ -595,6 +598,8 @@ def test_the_watchdog_is_fed_through_a_long_reap(
     )
     monkeypatch.delenv("INVOCATION_ID")
     unit_cgroups.move(stale.pid, unit)
+    if slow == "nvml":
+        update_state(in_process_nvml, block_call="nvmlDeviceGetCount_v2", block_ms=1500)
     recorder = TimedRecorder()
     harness = build(
         tmp_path,
@@ -602,7 +607,7 @@ def test_the_watchdog_is_fed_through_a_long_reap(
         unit,
         loop_entries(unit),
         dry_run=False,
-        reap_grace_s=3.0,
+        reap_grace_s=reap_grace_s,
         watchdog_interval_s=0.4,
         recorder=recorder,
     )
