@@ -117,12 +117,15 @@ process at start - and works out whether stale GPU holders cause them. A loop wi
 cause is recovered: stop the unit, reap its stale holders (the same policy and reaper as the
 gate), wait until its GPUs are idle, reset-failed, start. Recoveries back off; after
 recovery_max_attempts that did not help the unit is marked "needs operator" (CRITICAL in
-`gpuguard status`). Loops without a GPU cause are reported, never acted on. With
+`gpuguard status`). Loops without a GPU cause are reported, never acted on. A unit stopped
+by a stop job (an operator's `systemctl stop`) or inactive is never started. With
 `[daemon] dry_run = true` it logs what it would do and does nothing.
 
-History replayed at start rebuilds the detection window but is never acted on. It logs JSON
-lines to stdout (the journal), sends READY=1 after the first inventory and journal attach,
-WATCHDOG=1 from its main loop, and writes a snapshot to runtime_dir/daemon.json that
+History replayed at start rebuilds the detection window but is never acted on; time is the
+journal's monotonic clock, never the wall. A recovery interrupted by its death is resumed
+only in the same boot, soon after, with the unit still stopped. It logs JSON lines to stdout
+(the journal), sends READY=1 after the first inventory and journal attach, WATCHDOG=1 from
+its main loop and through each long step, and writes a snapshot to runtime_dir/daemon.json that
 `gpuguard status` shows. SIGTERM stops it cleanly.
 
 Exit status: 0 after SIGTERM; 78 invalid configuration.
