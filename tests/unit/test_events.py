@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuguard.detector import Detector, GpuEvidence
 from gpuguard.events import (
     GPU_OOM_PATTERNS,
     GPU_OOM_REGEX,
@@ -419,6 +420,8 @@ def test_ordinary_output_is_not_gpu_oom(line: str) -> None:
 FIELD_NAMES = [
     "__CURSOR",
     "__REALTIME_TIMESTAMP",
+    "__MONOTONIC_TIMESTAMP",
+    "JOB_TYPE",
     "_PID",
     "_UID",
     "_SYSTEMD_CGROUP",
@@ -450,6 +453,9 @@ INTERESTING_STRINGS = [
     "exited",
     "killed",
     "1795973481485610",
+    "253402300800000000",
+    "999999999999999999",
+    "stop",
     "sglang.service: Found left-over process 65 (w) in control group while starting unit.",
     "sglang.service: State 'stop-sigterm' timed out. Killing.",
     "sglang.service: Processes still around after final SIGKILL.",
@@ -487,6 +493,22 @@ def test_parse_entry_never_raises_and_trusts_only_systemd(entry: dict[str, objec
         assert is_trusted(entry, UNIT)
         assert from_systemd
         assert entry.get("_UID") == "0"
+
+
+@given(journal_entries, journal_entries)
+def test_no_parsed_entry_makes_the_detector_raise(
+    first: dict[str, object], second: dict[str, object]
+) -> None:
+    """Whatever two entries parse to, observing and judging them never raises.
+
+    On main a __REALTIME_TIMESTAMP past 9999 raised ValueError in the detector: the daemon died.
+    """
+    detector = Detector(UNIT)
+    for entry in (first, second):
+        event = parse_entry(entry, UNIT)
+        if event is not None:
+            detector.observe(event, live=True)
+            detector.diagnose(event.monotonic_s + 1, GpuEvidence(stale_holders=("x",)))
 
 
 @given(journal_entries)
