@@ -504,11 +504,9 @@ class Daemon:
             Interrupted(
                 record_boot=record.get("boot_id"),
                 record_started_s=record.get("started_monotonic_s"),
-                record_invocation=record.get("invocation_id"),
                 boot=ports.boot_id,
                 now=ports.monotonic(),
                 active_state=None if state.error else state.active_state,
-                invocation=state.invocation_id,
             ),
             dry_run=self._settings.daemon.dry_run,
             within_s=_STOP_WAIT_S + self._settings.gate_timeout_s + _RESUME_SLACK_S,

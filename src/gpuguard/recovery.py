@@ -153,16 +153,12 @@ class Interrupted:
     """The boot ID the record was written in (from the state file: any JSON)."""
     record_started_s: object
     """Monotonic seconds when the recovery began (from the state file: any JSON)."""
-    record_invocation: object
-    """The unit's invocation the recovery stopped (from the state file: any JSON)."""
     boot: str | None
     """This boot's ID, None when unknown."""
     now: float
     """Monotonic seconds now."""
     active_state: str | None
     """The unit's ActiveState now, None when systemd could not be asked."""
-    invocation: str | None
-    """The unit's InvocationID now."""
 
 
 def resume_problem(found: Interrupted, *, dry_run: bool, within_s: float) -> str | None:
@@ -186,16 +182,16 @@ def resume_problem(found: Interrupted, *, dry_run: bool, within_s: float) -> str
 
 
 def _unit_problem(found: Interrupted) -> str | None:
-    """Why the unit is not as the interrupted recovery left it (stopped, or our stop pending)."""
+    """Why the unit is not as the interrupted recovery left it: stopped, or its stop under way.
+
+    The stop is not matched to an invocation: in a restart loop systemd starts a new one every
+    few seconds, and the recovery's stop may have met any of them.
+    """
     if found.active_state is None:
         return "systemd cannot say what state the unit is in"
-    ours = found.active_state == "deactivating" and found.invocation == found.record_invocation
-    if found.active_state in {"inactive", "failed"} or ours:
+    if found.active_state in {"inactive", "failed", "deactivating"}:
         return None
-    return (
-        f"the unit is {found.active_state} again (invocation {found.invocation}): "
-        "someone else started it"
-    )
+    return f"the unit is {found.active_state}: someone or something started it since"
 
 
 def _is_count(value: object) -> TypeGuard[int]:

@@ -506,7 +506,7 @@ def test_an_interrupted_recovery_is_resumed_only_when_safe(
 def test_a_healthy_unit_is_not_touched_by_an_old_record(
     tmp_path: Path, in_process_nvml: Path
 ) -> None:
-    """Same boot and young, but the unit runs again under a new invocation: not resumed."""
+    """Same boot and young, but the unit runs again (someone started it): not resumed."""
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     harness = build(tmp_path, in_process_nvml, unit, [], dry_run=False)
     harness.unit.active = "active"
@@ -517,7 +517,7 @@ def test_a_healthy_unit_is_not_touched_by_an_old_record(
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    assert "someone else started it" in harness.saved[unit]["recoveries"][-1]["problem"]
+    assert "started it since" in harness.saved[unit]["recoveries"][-1]["problem"]
 
 
 def test_a_fresh_interrupted_recovery_is_finished(tmp_path: Path, in_process_nvml: Path) -> None:
