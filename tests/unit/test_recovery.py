@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpuguard.detector import Cause, Diagnosis
 from gpuguard.recovery import (
@@ -162,3 +164,42 @@ def test_dry_run_never_resumes() -> None:
 def test_not_looping_is_no_action() -> None:
     """A healthy unit needs nothing."""
     assert RecoveryPlanner(LIMITS).decide(diagnosis(looping=False), 1).action is Action.NONE
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=10,
+)
+saved_planners = st.dictionaries(
+    st.sampled_from(["attempts_without_help", "last_recovery_monotonic_s", "needs_operator"])
+    | st.text(max_size=8),
+    json_values,
+)
+
+
+@given(saved_planners, st.booleans())
+def test_restore_takes_any_json_without_raising(saved: dict[str, Any], same_boot: bool) -> None:
+    """Whatever a state file holds, restore() keeps only well-typed values and never raises."""
+    planner = RecoveryPlanner(LIMITS)
+    problems = planner.restore(saved, same_boot=same_boot)
+    assert isinstance(planner.attempts_without_help, int)
+    assert planner.attempts_without_help >= 0
+    assert isinstance(planner.needs_operator, bool)
+    assert len(problems) <= len(saved)
+    assert planner.decide(diagnosis(), 10**6).action in set(Action)
+
+
+@given(json_values, json_values, st.sampled_from([None, "inactive", "failed", "active", "x"]))
+def test_resume_problem_takes_any_record_without_raising(
+    boot: object, started: object, state: str | None
+) -> None:
+    """Any record fields give a reason or None; a malformed record is never resumed."""
+    found = interrupted(record_boot=boot, record_started_s=started, active_state=state)
+    problem = resume_problem(found, dry_run=False, within_s=900)
+    if boot != BOOT or not isinstance(started, (int, float)) or isinstance(started, bool):
+        assert problem is not None
