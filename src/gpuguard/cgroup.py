@@ -52,37 +52,52 @@ class Attribution:
     inside a container or outside any unit. ``user_unit`` says the path lies inside a user
     manager (below ``user@UID.service``), so ``unit`` is one of that user's units.
     ``slice`` is the nearest enclosing ``.slice``; ``container`` is a stable container name.
+    ``unknown`` says the cgroup could not be read or parsed: nobody may claim the process.
     """
 
     unit: str | None = None
     user_unit: bool = False
     slice: str | None = None
     container: str | None = None
+    unknown: bool = False
 
 
-def parse_cgroup(text: str) -> str:
-    """Return the cgroup path systemd uses for a process, from ``/proc/PID/cgroup`` text.
+def parse_cgroup(text: str) -> str | None:
+    r"""Return the cgroup path systemd uses for a process, from ``/proc/PID/cgroup`` text.
 
     cgroup v2 has one ``0::/path`` line. Hybrid hosts also list v1 hierarchies: the ``0::``
     path is preferred when it says more than ``/``, else the ``name=systemd`` hierarchy's path.
-    A v2 cgroup removed under a process ends in `` (deleted)``, which is dropped. Returns ""
-    when nothing usable is there.
+    A v2 cgroup removed under a process ends in `` (deleted)``, which is dropped.
+
+    A cgroup name may hold any byte but ``/`` and NUL, so a delegated subtree can write what
+    looks like a line of its own: lines are split on ``\n`` only (never ``\r`` or the other
+    breaks ``str.splitlines`` knows), and text with a malformed line or a hierarchy named twice
+    is a forgery or garbage. Returns None when nothing trustworthy is there: the owner is then
+    unknown, and an unknown owner is never reaped by unit scope.
     """
-    unified = ""
-    named = ""
-    for line in text.splitlines():
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    unified: str | None = None
+    named: str | None = None
+    seen: set[str] = set()
+    for line in lines:
         hierarchy, sep1, rest = line.partition(":")
         controllers, sep2, path = rest.partition(":")
-        if not (sep1 and sep2):
-            continue
+        malformed = not (sep1 and sep2 and hierarchy.isdecimal() and path.startswith("/"))
+        if malformed or hierarchy in seen:
+            return None
+        seen.add(hierarchy)
         path = path.removesuffix(_DELETED)
         if hierarchy == "0" and not controllers:
             unified = path
         elif "name=systemd" in controllers.split(","):
+            if named is not None:
+                return None
             named = path
-    if unified and (unified != "/" or not named):
+    if unified is not None and (unified != "/" or named is None):
         return unified
-    return named or unified
+    return named
 
 
 def _unescape(name: str) -> str:
@@ -140,8 +155,15 @@ def _container_at(components: list[str], index: int) -> str | None:
     return result
 
 
-def attribute(path: str) -> Attribution:
-    """Attribute a cgroup path (as returned by :func:`parse_cgroup`) to a unit or container."""
+def attribute(path: str | None) -> Attribution:
+    """Attribute a cgroup path (as returned by :func:`parse_cgroup`) to a unit or container.
+
+    The unit is the first unit below the slices: whatever lies deeper is inside it (a delegated
+    subtree may name its cgroups ``sglang.service`` at will). Only below ``user@UID.service``
+    do the names come from a manager again, the user's own, whose units are marked user units.
+    """
+    if path is None:
+        return Attribution(unknown=True)
     components = [c for c in path.split("/") if c and c not in {".", ".."}]
     unit: str | None = None
     slice_: str | None = None
@@ -150,13 +172,14 @@ def attribute(path: str) -> Attribution:
         container = _container_at(components, index)
         if container is not None:
             return Attribution(unit=None, user_unit=user, slice=slice_, container=container)
+        if unit is not None:
+            continue
         if component.endswith(".slice"):
             slice_ = component
         elif component.endswith(_UNIT_SUFFIXES):
-            if _USER_MANAGER.fullmatch(component) and index + 1 < len(components):
+            if _USER_MANAGER.fullmatch(component) and index + 1 < len(components) and not user:
                 # Below user@UID.service the user's own manager names the units.
                 user = True
-                unit = None
                 continue
             unit = component
     return Attribution(unit=unit, user_unit=user, slice=slice_)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from gpuguard.reaper import ReapResult, ReapTarget
     from gpuguard.status import DaemonView
     from gpuguard.systemd import UnitState
-    from gpuguard.values import GateOutcome, NvmlReading
+    from gpuguard.values import GateOutcome, NvmlReading, UnitProvenance
 
 EX_USAGE = 64
 EX_NOPERM = 77  # sysexits.h: the command needs a permission this user lacks (root)
@@ -391,6 +391,7 @@ def _run(settings: Settings) -> int:
         load_unit_state=load_unit_state,
         save_unit_state=save_unit_state,
         untouchable=_untouchable(),
+        provenance=systemd.provenance,
         boot_id=_boot_id(),
         identity=procfs.read_identity(os.getpid()),
         watchdog_interval_s=notify.watchdog_interval_s(),
@@ -494,8 +495,13 @@ def _untouchable() -> frozenset[int]:
     return frozenset({me, *procfs.ancestor_pids(me)})
 
 
-def _request(
-    settings: Settings, unit: str, scope: str, gpu_set: GpuSet, live: str | None
+def _request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what each command learned
+    settings: Settings,
+    unit: str,
+    scope: str,
+    gpu_set: GpuSet,
+    live: str | None,
+    provenance: UnitProvenance,
 ) -> PlanRequest:
     from gpuguard.policy import PlanRequest, Scope  # noqa: PLC0415 - see module doc
 
@@ -506,6 +512,7 @@ def _request(
         gpu_set=gpu_set.indices,
         protected_names=settings.protected_processes,
         untouchable_pids=_untouchable(),
+        provenance=provenance,
         live_invocation=live,
     )
 
@@ -571,11 +578,13 @@ def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | N
     inside = _inside_unit(args.unit)
     # Inside the unit the gate inherits its environment (EnvironmentFile= included); outside,
     # ask systemd, which knows Environment= only, and keep the running invocation's processes.
-    unit_state = None if inside else systemd.show_unit(args.unit)
-    environment = dict(os.environ) if inside else (unit_state.environment if unit_state else {})
-    live = unit_state.invocation_id if unit_state is not None and unit_state.running else None
+    # Either way systemd names the unit's user and runs, the evidence for its left-overs.
+    unit_state = systemd.show_unit(args.unit)
+    environment = dict(os.environ) if inside else unit_state.environment
+    live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit.gpus, environment, first.nvml.gpus)
-    request = _request(settings, args.unit, args.scope, gpu_set, live)
+    provenance = systemd.provenance(unit_state, inside=inside)
+    request = _request(settings, args.unit, args.scope, gpu_set, live, provenance)
     timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     pending = [first]
@@ -653,12 +662,14 @@ def _reap(settings: Settings, args: argparse.Namespace) -> int:
     unit_state = systemd.show_unit(unit_name)
     # As the unit's ExecStopPost= the run is over even though systemd still says
     # "deactivating": everything else in the cgroup is left over, as at the gate.
-    running = unit_state.running and not _inside_unit(unit_name)
-    live = unit_state.invocation_id if running else None
+    inside = _inside_unit(unit_name)
+    live = unit_state.invocation_id if unit_state.running and not inside else None
     found = inventory.gather(settings)
     unit = _unit_settings(settings, unit_name)
     gpu_set = resolve_gpu_set(unit.gpus, unit_state.environment, found.nvml.gpus)
-    kill_plan = policy.plan(found.holders, _request(settings, unit_name, args.scope, gpu_set, live))
+    provenance = systemd.provenance(unit_state, inside=inside)
+    request = _request(settings, unit_name, args.scope, gpu_set, live, provenance)
+    kill_plan = policy.plan(found.holders, request)
     notes = (
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
     )

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from gpuguard.journal import JournalHealth, JournalRecord
     from gpuguard.reaper import ReapResult, ReapTarget
     from gpuguard.systemd import UnitState
-    from gpuguard.values import GateOutcome, ProcessIdentity
+    from gpuguard.values import GateOutcome, ProcessIdentity, UnitProvenance
 
 SNAPSHOT_SCHEMA = 1
 # The snapshot is rewritten when what it says changes, and at least this often (a sign of life
@@ -160,6 +160,8 @@ class Ports:
     load_unit_state: Callable[[str], dict[str, Any] | None]
     save_unit_state: Callable[[str, dict[str, Any]], None]
     untouchable: frozenset[int]
+    provenance: Callable[[UnitState], UnitProvenance]
+    """What ties a process to an ended run of a unit (systemd.provenance)."""
     boot_id: str | None = None
     """This boot's ID (/proc/sys/kernel/random/boot_id): monotonic times are only compared
     within one boot."""
@@ -432,6 +434,7 @@ class Daemon:
             gpu_set=gpu_set.indices,
             protected_names=settings.protected_processes,
             untouchable_pids=self._ports.untouchable,
+            provenance=self._ports.provenance(state),
             live_invocation=live,
         )
 

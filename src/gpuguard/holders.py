@@ -53,6 +53,8 @@ class Holder:
     kernel_thread: bool
     files_readable: bool = True
     kernel_wait: tuple[str, ...] = ()
+    uids: tuple[int, ...] = ()
+    """Real, effective, saved and filesystem uid; empty when /proc did not say."""
 
     @property
     def pid(self) -> int:
@@ -63,6 +65,8 @@ class Holder:
     def owner(self) -> str:
         """Who the process belongs to, for humans: container, else unit, else "no unit"."""
         attribution = self.attribution
+        if attribution.unknown:
+            return "unknown cgroup"
         if attribution.container:
             return attribution.container
         if attribution.unit:
@@ -186,6 +190,7 @@ def _holder(
         kernel_thread=facts.kernel_thread,
         files_readable=facts.files_readable,
         kernel_wait=facts.kernel_wait,
+        uids=facts.uids,
     )
 
 

@@ -4,6 +4,15 @@ The rules refuse first. PID 1 and 2, kernel threads, gpuguard and its ancestors 
 inside the unit's own cgroup) and protected processes are never touched whatever the scope.
 Holders only of GPUs outside the unit's set are kept: two servers often share a host, and one's
 gate must never reap the other's workers. Only then does the scope decide.
+
+Provenance before pattern: in unit scope a process outside the unit's cgroup is the unit's only
+with positive evidence that it came from an ended run of this unit: its ``INVOCATION_ID`` (set
+by systemd for every process of a run and inherited by children) names such a run, and it runs
+as the unit's user, so no tenant can hand its own server to the gate by naming it ``sglang``
+(and a forged id only exposes processes its own user could kill anyway). An invocation id
+belongs to one unit, so two gates never claim one process. Processes whose cgroup is unknown,
+and everything in the cgroup while systemd's view of the unit is unknown, are never reaped by
+unit scope. Command-line patterns reach further only with the explicit ``patterns`` scope.
 """
 
 from __future__ import annotations
@@ -18,13 +27,14 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     from gpuguard.holders import Holder
+    from gpuguard.values import UnitProvenance
 
 
 class Scope(StrEnum):
     """How far a reap may reach."""
 
     UNIT = "unit"
-    """The unit's own cgroup, plus orphans (reparented to PID 1) matching its patterns."""
+    """The unit's own cgroup, plus processes proven to come from its earlier runs."""
     PATTERNS = "patterns"
     """Also any holder whose command matches the unit's patterns, wherever it runs."""
     ALL = "all"
@@ -55,6 +65,7 @@ class PlanRequest:
     ``live_invocation`` is the invocation of the unit that is running right now, whose processes
     are live and must be kept; None when nothing of the unit is live (it is stopped, or the gate
     runs before its start, where everything in the cgroup but the gate is left over).
+    ``provenance`` is what ties a process outside the cgroup to an ended run of the unit.
     """
 
     unit: str
@@ -63,6 +74,7 @@ class PlanRequest:
     gpu_set: frozenset[int] | None
     protected_names: tuple[str, ...]
     untouchable_pids: frozenset[int]
+    provenance: UnitProvenance
     live_invocation: str | None = None
 
 
@@ -89,7 +101,8 @@ def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
 
     A holder that would be kept only because it is neither in the unit nor an orphan is reaped
     when its parent is: a TP worker forked by a stale server inherited its device fds and its
-    staleness. Refusals and the GPU set still win over inheritance.
+    staleness. Only a child in the same cgroup and with the same uids inherits. Refusals and
+    the GPU set still win over inheritance.
     """
     decisions = {holder.pid: decide(holder, request) for holder in holders}
     changed = True
@@ -104,6 +117,7 @@ def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
                 and _outside_gpu_set(decision.holder, request) is None
                 and not _in_unit(decision.holder, request.unit)
                 and decision.holder.attribution == parent.holder.attribution
+                and decision.holder.uids == parent.holder.uids
             ):
                 decisions[pid] = Decision(
                     decision.holder,
@@ -152,21 +166,62 @@ def _by_scope(holder: Holder, request: PlanRequest) -> Decision:
         return _in_unit_decision(holder, request)
     pattern = matching_pattern(holder, request.patterns)
     owner = holder.owner
+    attribution = holder.attribution
+    foreign_service = attribution.unit is not None and attribution.unit.endswith(".service")
     if request.scope is Scope.ALL:
         verdict, reason = Verdict.REAP, f"scope all: every unprotected holder ({owner})"
     elif pattern is not None and request.scope is Scope.PATTERNS:
         verdict, reason = Verdict.REAP, f"scope patterns: matches {pattern!r} ({owner})"
-    elif pattern is not None and _orphan(holder):
-        verdict = Verdict.REAP
-        reason = f"orphan matching {pattern!r}: a worker of {request.unit} that outlived its parent"
-    elif owner != "no unit":
+    elif attribution.unknown:
+        verdict = Verdict.KEEP
+        reason = "its cgroup could not be read or parsed: owner unknown, never reaped by scope unit"
+    elif foreign_service or attribution.container is not None:
         verdict, reason = Verdict.KEEP, f"belongs to {owner}, not {request.unit}"
     else:
-        verdict, reason = Verdict.KEEP, f"not in {request.unit} and not an orphan of it"
+        return _provenance_decision(holder, request, pattern)
     return Decision(holder, verdict, reason)
 
 
+def _provenance_decision(holder: Holder, request: PlanRequest, pattern: str | None) -> Decision:
+    """A process outside the unit's cgroup: reaped only if it provably came from an ended run."""
+    unit = request.unit
+    provenance = request.provenance
+    invocation = holder.invocation_id
+    where = f"not in {unit}'s cgroup ({holder.owner})"
+    if pattern is not None:
+        where += f"; matching {pattern!r} is no evidence"
+    if provenance.problem is not None:
+        why = f"systemd's view of {unit} is unknown ({provenance.problem})"
+    elif invocation is None:
+        why = f"no evidence it came from {unit}: its environment names no INVOCATION_ID"
+    elif invocation == request.live_invocation:
+        return Decision(holder, Verdict.KEEP, f"live process of the running {unit}")
+    elif invocation not in provenance.invocations:
+        why = f"its INVOCATION_ID {invocation[:12]} names no ended run of {unit}"
+    elif provenance.uid is None:
+        why = f"{unit}'s User= could not be resolved to a uid"
+    elif set(holder.uids) != {provenance.uid}:
+        uids = "/".join(str(uid) for uid in holder.uids) or "unknown"
+        why = f"it runs as uid {uids}, not as {unit}'s user (uid {provenance.uid})"
+    else:
+        return Decision(
+            holder,
+            Verdict.REAP,
+            f"left over from an earlier run of {unit} (invocation {invocation[:12]}, "
+            f"uid {provenance.uid}) outside its cgroup",
+        )
+    return Decision(holder, Verdict.KEEP, f"{where}; {why}")
+
+
 def _in_unit_decision(holder: Holder, request: PlanRequest) -> Decision:
+    problem = request.provenance.problem
+    if problem is not None:
+        return Decision(
+            holder,
+            Verdict.KEEP,
+            f"systemd's view of {request.unit} is unknown ({problem}): "
+            "nothing in its cgroup is reaped",
+        )
     live = _live(holder, request)
     if live is not None:
         return Decision(holder, Verdict.KEEP, live)
@@ -191,13 +246,6 @@ def _live(holder: Holder, request: PlanRequest) -> str | None:
     if holder.invocation_id == live:
         return f"live process of the running {request.unit}"
     return None
-
-
-def _orphan(holder: Holder) -> bool:
-    """Reparented to PID 1 and owned by no other service or container."""
-    attribution = holder.attribution
-    foreign_service = attribution.unit is not None and attribution.unit.endswith(".service")
-    return holder.ppid == 1 and not foreign_service and attribution.container is None
 
 
 def matching_pattern(holder: Holder, patterns: Sequence[str]) -> str | None:

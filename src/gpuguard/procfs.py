@@ -47,6 +47,11 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _CHUNK = 1 << 16
 _DELETED = " (deleted)"
 _INVOCATION_ID = re.compile(rb"[0-9a-f]{32}")
+_INVOCATION_KEY = b"INVOCATION_ID="
+# The environment is the process's to write and may be large (up to a quarter of its stack
+# limit): only this much is read. An INVOCATION_ID beyond it is not found, which only ever
+# spares a process.
+ENVIRON_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,16 +116,22 @@ class _DeviceMatcher:
         return path.startswith(self.prefix) and self._match(path) is not None
 
 
-def _read(path: str) -> bytes:
-    """Read a whole /proc file; /proc files may return short reads, so read until EOF."""
+def _read(path: str, limit: int | None = None) -> bytes:
+    """Read a /proc file to EOF (short reads happen), or its first ``limit`` bytes."""
     fd = os.open(path, _READ_FLAGS)
     try:
-        chunk = os.read(fd, _CHUNK)
+        chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit))
         if not chunk:
             return chunk
         chunks = [chunk]
-        while chunk := os.read(fd, _CHUNK):
+        size = len(chunk)
+        while limit is None or size < limit:
+            want = _CHUNK if limit is None else min(_CHUNK, limit - size)
+            chunk = os.read(fd, want)
+            if not chunk:
+                break
             chunks.append(chunk)
+            size += len(chunk)
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -193,28 +204,35 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def _parse_uid(status: bytes) -> int | None:
-    """Return the real uid from ``/proc/PID/status``.
+def parse_uids(status: bytes) -> tuple[int, ...]:
+    """Return the real, effective, saved and filesystem uids from ``/proc/PID/status``.
 
     The last ``Uid:`` line is used: only the ``Name:`` line before it is process-controlled.
+    Empty when the line is missing or malformed.
     """
     at = status.rfind(b"\nUid:")
     if at < 0:
-        return None
+        return ()
     fields = status[at + 5 :].split(b"\n", 1)[0].split()
-    try:
-        return int(fields[0])
-    except (IndexError, ValueError):
+    if len(fields) != 4 or not all(field.isdigit() for field in fields):
+        return ()
+    return tuple(int(field) for field in fields)
+
+
+def parse_invocation_id(environ: bytes) -> str | None:
+    """Return ``INVOCATION_ID`` from a NUL-separated environment block, if it is unambiguous.
+
+    It counts only as a systemd id (32 lower-case hex digits) named exactly once: a block with
+    two (``getenv`` and a shell disagree on which wins), a malformed value, or the variable cut
+    off by the read limit gives None. Linear in the size of the block.
+    """
+    items = environ.split(b"\0")
+    if not environ.endswith(b"\0"):
+        items.pop()  # cut off by the read limit (or the kernel's view of a rewritten block)
+    found = [item[len(_INVOCATION_KEY) :] for item in items if item.startswith(_INVOCATION_KEY)]
+    if len(found) != 1 or not _INVOCATION_ID.fullmatch(found[0]):
         return None
-
-
-def _parse_invocation_id(environ: bytes) -> str | None:
-    """Return ``INVOCATION_ID`` from an environment block when it is a systemd id (32 hex)."""
-    for item in environ.split(b"\0"):
-        if item.startswith(b"INVOCATION_ID="):
-            value = item[len(b"INVOCATION_ID=") :]
-            return value.decode() if _INVOCATION_ID.fullmatch(value) else None
-    return None
+    return found[0].decode("ascii")
 
 
 def _split_cmdline(data: bytes) -> tuple[str, ...]:
@@ -233,10 +251,10 @@ def _read_stat(base: str) -> StatFields | None:
         return None
 
 
-def _read_optional(path: str) -> bytes | None:
+def _read_optional(path: str, limit: int | None = None) -> bytes | None:
     """Read a file that may be unreadable for us; vanishing still propagates."""
     try:
-        return _read(path)
+        return _read(path, limit)
     except _VANISHED:
         raise
     except OSError:
@@ -252,10 +270,9 @@ def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
         cmdline = _read_optional(base + "/cmdline") or b""
         status = _read_optional(base + "/status") or b""
         cgroup = _read_optional(base + "/cgroup") or b""
-        environ = _read_optional(base + "/environ") or b""
-        uid = _parse_uid(status)
-        if uid is None:
-            uid = os.stat(base).st_uid
+        environ = _read_optional(base + "/environ", ENVIRON_LIMIT) or b""
+        uids = parse_uids(status)
+        uid = uids[0] if uids else os.stat(base).st_uid
     except _VANISHED:
         return None
     again = _read_stat(base)
@@ -268,9 +285,10 @@ def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
         comm=stat.comm,
         cmdline=_redacted(_split_cmdline(cmdline)),
         uid=uid,
+        uids=uids,
         user=_user_name(uid),
         cgroup=parse_cgroup(cgroup.decode("utf-8", "backslashreplace")),
-        invocation_id=_parse_invocation_id(environ),
+        invocation_id=parse_invocation_id(environ),
         device_files=devices,
         kernel_thread=stat.kernel_thread,
         kernel_wait=_kernel_wait(base) if stat.state == "D" else (),

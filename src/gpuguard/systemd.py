@@ -1,10 +1,20 @@
-"""The systemd adapter: unit state through ``systemctl`` as a subprocess (no D-Bus library)."""
+"""The systemd adapter: unit state through ``systemctl`` as a subprocess (no D-Bus library).
+
+Also what ties a process to one of a unit's runs (:func:`provenance`): the invocation ids PID 1
+logged for the unit this boot, read with ``journalctl`` from entries only PID 1 can write
+(journald stamps ``_PID`` itself), and the uid of the unit's ``User=``.
+"""
 
 from __future__ import annotations
 
+import json
+import pwd
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass, field
+
+from gpuguard.values import UnitProvenance
 
 _PROPERTIES = (
     "LoadState",
@@ -14,8 +24,15 @@ _PROPERTIES = (
     "InvocationID",
     "Environment",
     "NRestarts",
+    "User",
+    "DynamicUser",
 )
 _TIMEOUT_S = 10
+_INVOCATION_ID = re.compile(r"[0-9a-f]{32}")
+# PID 1 logs a handful of entries per run (starting, started, stopped, consumed…): this many of
+# the newest cover hundreds of runs; each line is a few hundred bytes.
+_JOURNAL_ENTRIES = 4096
+_JOURNAL_LINE_LIMIT = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +46,8 @@ class UnitState:
     invocation_id: str | None = None
     environment: dict[str, str] = field(default_factory=dict)
     n_restarts: int | None = None
+    user: str | None = None
+    dynamic_user: bool = False
     error: str | None = None
     load_state: str | None = None
 
@@ -83,6 +102,8 @@ def parse_show(unit: str, text: str) -> UnitState:
         environment=parse_environment(values.get("Environment", "")),
         n_restarts=int(restarts) if restarts.isdecimal() else None,
         load_state=values.get("LoadState") or None,
+        user=values.get("User") or None,
+        dynamic_user=values.get("DynamicUser") == "yes",
     )
 
 
@@ -121,3 +142,93 @@ def control(verb: str, unit: str) -> str | None:
     if result.returncode != 0:
         return f"systemctl {verb} {unit}: {result.stderr.strip() or f'exit {result.returncode}'}"
     return None
+
+
+def unit_uid(state: UnitState) -> int | None:
+    """The uid the unit's processes run as: ``User=`` resolved, root when unset; None if unknown.
+
+    A ``DynamicUser=`` unit's user exists only while it runs (and is named after the unit when
+    ``User=`` is unset); when the name does not resolve the uid is unknown.
+    """
+    name = state.user
+    if name is None:
+        if not state.dynamic_user:
+            return 0
+        name = state.unit.rsplit(".", 1)[0]
+    if name.isdecimal():
+        return int(name)
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_invocations(text: str, unit: str) -> frozenset[str]:
+    """The invocation ids in ``journalctl -o json`` output that PID 1 logged for ``unit``.
+
+    Total and linear: an over-long line, a line that is not a JSON object, an entry not stamped
+    ``_PID=1``, naming another unit or a malformed id is skipped.
+    """
+    found: set[str] = set()
+    for line in text.split("\n"):
+        if not line or len(line) > _JOURNAL_LINE_LIMIT:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or entry.get("_PID") != "1" or entry.get("UNIT") != unit:
+            continue
+        invocation = entry.get("INVOCATION_ID")
+        if isinstance(invocation, str) and _INVOCATION_ID.fullmatch(invocation):
+            found.add(invocation)
+    return frozenset(found)
+
+
+def logged_invocations(unit: str) -> frozenset[str]:
+    """The invocation ids PID 1 logged for ``unit`` this boot; empty when the journal is silent.
+
+    Only the journal's newest entries are read (bounded), and only PID 1's: ``journalctl -u``
+    would also match the unit's own chatty output.
+    """
+    try:
+        result = subprocess.run(
+            [
+                "journalctl",
+                "--boot",
+                "--quiet",
+                "--no-pager",
+                "--output=json",
+                "--output-fields=INVOCATION_ID,UNIT,_PID",
+                f"--lines={_JOURNAL_ENTRIES}",
+                "_PID=1",
+                f"UNIT={unit}",
+            ],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return parse_invocations(result.stdout, unit) if result.returncode == 0 else frozenset()
+
+
+def provenance(state: UnitState, *, inside: bool = False) -> UnitProvenance:
+    """What ties a process to an ended run of the unit, from systemd's answer and its journal.
+
+    ``inside``: gpuguard runs in the unit's own cgroup (its ExecStartPre= or ExecStopPost=), so
+    no other run of the unit is live whatever systemctl says; its cgroup may be reaped even when
+    systemd cannot be asked, but nothing outside it is, for want of the unit's user and runs.
+    """
+    if state.error is not None:
+        return UnitProvenance(None if inside else state.error)
+    if state.running and state.invocation_id is None and not inside:
+        return UnitProvenance(f"{state.unit} is running but systemd names no invocation id")
+    runs = set(logged_invocations(state.unit))
+    if state.invocation_id is not None:
+        runs.add(state.invocation_id)  # a stopped unit still names its last, ended run
+    if state.running and not inside:
+        runs.discard(state.invocation_id or "")  # the live run is not a left-over
+    return UnitProvenance(None, frozenset(runs), unit_uid(state))

@@ -112,7 +112,12 @@ class NvmlReading:
 
 @dataclass(frozen=True, slots=True)
 class ProcessFacts:
-    """What /proc says about one process, with secrets already removed from its command line."""
+    """What /proc says about one process, with secrets already removed from its command line.
+
+    ``cgroup`` is None when ``/proc/PID/cgroup`` could not be read or parsed (owner unknown);
+    ``invocation_id`` is the ``INVOCATION_ID`` of its environment (readable by root only);
+    ``uids`` are its real, effective, saved and filesystem uids (empty when unknown).
+    """
 
     identity: ProcessIdentity
     ppid: int
@@ -121,8 +126,9 @@ class ProcessFacts:
     cmdline: tuple[str, ...]
     uid: int
     user: str
-    cgroup: str
+    cgroup: str | None
     invocation_id: str | None = None
+    uids: tuple[int, ...] = ()
     device_files: frozenset[str] = field(default_factory=frozenset)
     kernel_thread: bool = False
     files_readable: bool = True
@@ -131,6 +137,23 @@ class ProcessFacts:
     kernel_wait: tuple[str, ...] = ()
     """In state D only: where the kernel says it sleeps (wchan, then the stack frames root may
     read), which tells a wait in the NVIDIA driver from ordinary I/O or a vfork() parent."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitProvenance:
+    """What marks a process as coming from one of a unit's runs, as systemd told it.
+
+    ``problem`` says why systemd's view of the unit is unknown (systemctl failed); then nothing
+    in the unit's cgroup is reaped, since its live run cannot be told from a stale one.
+    ``invocations`` are the unit's invocation ids known for this boot: the running one and the
+    earlier ones PID 1 logged. ``uid`` is the uid the unit runs as (``User=`` resolved, root
+    when unset), None when it cannot be resolved: a process outside the cgroup is the unit's
+    left-over only if its environment names one of ``invocations`` and it runs as ``uid``.
+    """
+
+    problem: str | None
+    invocations: frozenset[str] = frozenset()
+    uid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

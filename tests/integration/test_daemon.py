@@ -24,7 +24,7 @@ import pytest
 from fakeholder import process_gone
 from fakestate import update_gpu, update_state
 
-from gpuguard import inventory, reaper
+from gpuguard import inventory, reaper, systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
 from gpuguard.daemon import Daemon, Ports
 from gpuguard.journal import JournalHealth, JournalRecord
@@ -256,6 +256,7 @@ def build(
         load_unit_state=saved.get,
         save_unit_state=saved.__setitem__,
         untouchable=frozenset({os.getpid()}),
+        provenance=systemd.provenance,
         boot_id=BOOT,
         watchdog_interval_s=watchdog_interval_s,
     )

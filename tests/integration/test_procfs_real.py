@@ -165,6 +165,7 @@ def test_holder_is_found_with_its_real_identity(
     own = read_identity(os.getpid())
     assert own is not None
     assert facts.identity.start_time >= own.start_time
+    assert facts.cgroup is not None
     assert facts.cgroup in Path(f"/proc/{helper.pid}/cgroup").read_text(encoding="utf-8")
 
 

@@ -51,10 +51,57 @@ def test_deleted_suffix_is_dropped() -> None:
     assert parse_cgroup("0::/system.slice/old.service (deleted)\n") == "/system.slice/old.service"
 
 
-@pytest.mark.parametrize("text", ["", "garbage", "::::", "\n\n", "0:", "x:y", "\x00\xff"])
-def test_garbage_cgroup_text_gives_empty_or_text(text: str) -> None:
-    """Unparseable text yields a string (possibly empty) without raising."""
-    assert isinstance(parse_cgroup(text), str)
+@pytest.mark.parametrize(
+    "text", ["", "garbage", "::::", "\n\n", "0:", "x:y", "\x00\xff", "0::relative\n", "a::/x\n"]
+)
+def test_garbage_cgroup_text_is_unknown(text: str) -> None:
+    """Unparseable text gives no path at all (the owner is unknown), without raising."""
+    assert parse_cgroup(text) is None
+    assert attribute_text(text) == Attribution(unknown=True)
+
+
+def test_carriage_return_in_a_cgroup_name_forges_no_line() -> None:
+    r"""Attack: a delegated cgroup named ``x\r0::sglang.service`` was read as a line of its own.
+
+    On main ``str.splitlines`` split at the ``\r`` and the process was attributed to the system
+    unit; split on ``\n`` only, the name stays one path component inside the user's manager.
+    """
+    path = "/user.slice/user-1000.slice/user@1000.service/app.slice/x\r0::sglang.service"
+    attribution = attribute_text(f"0::{path}\n")
+    assert attribution.unit != "sglang.service" or attribution.user_unit
+    assert attribution.user_unit
+    for breaker in ("\r", "\x0b", "\x0c", "\x1c", "\x85", "\u2028"):
+        session = "/user.slice/user-1000.slice/session-3.scope"
+        text = f"0::{session}/x{breaker}0::/system.slice/sglang.service\n"
+        assert attribute_text(text).unit == "session-3.scope", repr(breaker)
+
+
+def test_newline_in_a_cgroup_name_makes_the_owner_unknown() -> None:
+    """A name with a real newline writes a second hierarchy line: the text is a forgery."""
+    forged = "0::/user.slice/user-1000.slice/session-3.scope/x\n0::/system.slice/sglang.service\n"
+    assert parse_cgroup(forged) is None
+    hybrid = (
+        "1:name=systemd:/user.slice/user-1000.slice/session-3.scope\n"
+        "0::/user.slice/user-1000.slice/session-3.scope/x\n"
+        "7:name=systemd:/system.slice/sglang.service\n"
+    )
+    assert parse_cgroup(hybrid) is None
+
+
+def test_a_delegated_subtree_cannot_name_the_unit() -> None:
+    """Below a unit everything is that unit's: a sub-cgroup called sglang.service is not ours."""
+    attribution = attribute("/system.slice/tenant-runner.service/sglang.service")
+    assert attribution.unit == "tenant-runner.service"
+    assert attribute("/system.slice/sglang.service/worker").unit == "sglang.service"
+
+
+@given(st.text(alphabet=st.characters(blacklist_characters="/\x00\n"), min_size=1, max_size=40))
+def test_no_name_in_a_user_session_reaches_the_system_unit(name: str) -> None:
+    """Whatever a user names a cgroup in their session, the owner is never the system unit."""
+    text = f"0::/user.slice/user-1000.slice/session-3.scope/{name}\n"
+    attribution = attribute_text(text)
+    assert attribution.unit != "sglang.service" or attribution.unknown or attribution.user_unit
+    assert attribution.unit in {"session-3.scope", None}
 
 
 def _a(

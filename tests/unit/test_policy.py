@@ -8,12 +8,16 @@ from hypothesis import strategies as st
 from gpuguard.cgroup import Attribution
 from gpuguard.holders import GpuUse, Holder
 from gpuguard.policy import PlanRequest, Scope, Verdict, decide, plan
-from gpuguard.values import ProcessIdentity
+from gpuguard.values import ProcessIdentity, UnitProvenance
 
 UNIT = "sglang.service"
 PROTECTED = ("nvidia-persistenced", "Xorg", "gpuguard")
 LIVE = "a" * 32
 OLD = "b" * 32
+OTHER = "c" * 32  # a run of another unit
+ROOT = (0, 0, 0, 0)
+TENANT = (1000, 1000, 1000, 1000)
+PROVEN = UnitProvenance(None, frozenset({OLD}), uid=0)
 
 
 def holder(
@@ -28,6 +32,8 @@ def holder(
     ppid: int = 50,
     invocation: str | None = OLD,
     kernel_thread: bool = False,
+    uids: tuple[int, ...] = ROOT,
+    unknown: bool = False,
 ) -> Holder:
     """A GPU holder with the attributes the policy looks at."""
     return Holder(
@@ -37,11 +43,14 @@ def holder(
         user="root",
         comm=comm,
         cmdline=cmdline,
-        attribution=Attribution(unit=unit, user_unit=user_unit, container=container),
+        attribution=Attribution(
+            unit=unit, user_unit=user_unit, container=container, unknown=unknown
+        ),
         invocation_id=invocation,
         gpus=tuple(GpuUse(g, None, listed_by_nvml=False, holds_device_file=True) for g in gpus),
         device_files=frozenset(f"/dev/nvidia{g}" for g in gpus),
         kernel_thread=kernel_thread,
+        uids=uids,
     )
 
 
@@ -51,15 +60,18 @@ def request(
     gpu_set: frozenset[int] | None = frozenset({0, 1, 2, 3}),
     untouchable: frozenset[int] = frozenset({4242}),
     live: str | None = None,
+    provenance: UnitProvenance = PROVEN,
+    unit: str = UNIT,
 ) -> PlanRequest:
     """A plan request for the watched unit."""
     return PlanRequest(
-        unit=UNIT,
+        unit=unit,
         scope=scope,
         patterns=("sglang",),
         gpu_set=gpu_set,
         protected_names=PROTECTED,
         untouchable_pids=untouchable,
+        provenance=provenance,
         live_invocation=live,
     )
 
@@ -111,17 +123,87 @@ def test_other_unit_on_our_gpus_is_kept_in_unit_scope() -> None:
     assert decide(other, request(Scope.ALL)).verdict is Verdict.REAP
 
 
-def test_orphan_matching_patterns_is_reaped() -> None:
-    """A worker reparented to PID 1 outside any service, matching the patterns, is reaped."""
+def test_orphan_from_an_ended_run_is_reaped() -> None:
+    """Outside the cgroup, an ended run's INVOCATION_ID and the unit's uid prove a left-over."""
     orphan = holder(unit=None, ppid=1, cmdline=("sglang::scheduler_TP0",))
     decision = decide(orphan, request())
     assert decision.verdict is Verdict.REAP
-    assert "orphan" in decision.reason
+    assert "left over from an earlier run of sglang.service (invocation bbbbbbbbbbbb" in (
+        decision.reason
+    )
 
 
-def test_session_process_with_live_parent_is_not_an_orphan() -> None:
-    """An operator's sglang in a shell session is kept in unit scope (its parent is alive)."""
-    manual = holder(unit="session-4.scope", ppid=3000, cmdline=("python3", "-m", "sglang"))
+def test_tenants_own_server_matching_the_pattern_is_spared() -> None:
+    """Attack: another user's `nohup python -m sglang.launch_server` (PPID 1, in their session).
+
+    Main SIGTERMed it as "orphan matching 'sglang'"; a pattern is no evidence of provenance.
+    """
+    tenant = holder(unit="session-7.scope", ppid=1, invocation=None, uids=TENANT)
+    decision = decide(tenant, request())
+    assert decision.verdict is Verdict.KEEP
+    assert "matching 'sglang' is no evidence" in decision.reason
+    assert "its environment names no INVOCATION_ID" in decision.reason
+    assert decide(tenant, request(Scope.PATTERNS)).verdict is Verdict.REAP  # explicit choice
+
+
+def test_a_borrowed_invocation_id_does_not_make_another_users_process_killable() -> None:
+    """INVOCATION_ID is only an environment variable: without the unit's uid it proves nothing."""
+    forged = holder(unit="session-7.scope", ppid=1, invocation=OLD, uids=TENANT)
+    decision = decide(forged, request())
+    assert decision.verdict is Verdict.KEEP
+    assert "runs as uid 1000/1000/1000/1000, not as sglang.service's user (uid 0)" in (
+        decision.reason
+    )
+    setuid = holder(unit=None, ppid=1, invocation=OLD, uids=(1000, 0, 0, 0))
+    assert decide(setuid, request()).verdict is Verdict.KEEP
+    unresolved = UnitProvenance(None, frozenset({OLD}), uid=None)
+    decision = decide(holder(unit=None, ppid=1), request(provenance=unresolved))
+    assert decision.verdict is Verdict.KEEP
+    assert "User= could not be resolved" in decision.reason
+
+
+def test_two_gates_never_claim_one_process() -> None:
+    """An invocation id belongs to one unit: of two units' gates only its own reaps an orphan."""
+    orphan = holder(unit=None, ppid=1, invocation=OTHER)
+    mine = decide(orphan, request())
+    theirs = decide(
+        orphan,
+        request(unit="sglang-b.service", provenance=UnitProvenance(None, frozenset({OTHER}), 0)),
+    )
+    assert mine.verdict is Verdict.KEEP
+    assert "names no ended run of sglang.service" in mine.reason
+    assert theirs.verdict is Verdict.REAP
+
+
+def test_the_live_run_outside_its_cgroup_is_kept() -> None:
+    """A process carrying the running invocation's id is live, inside the cgroup or not."""
+    decision = decide(holder(unit=None, ppid=1, invocation=LIVE), request(live=LIVE))
+    assert decision.verdict is Verdict.KEEP
+    assert decision.reason == "live process of the running sglang.service"
+
+
+def test_unknown_cgroup_is_never_reaped_by_unit_scope() -> None:
+    """Attack: forged or unparseable cgroup text makes the owner unknown, and unknown is kept."""
+    decision = decide(holder(unit=None, ppid=1, unknown=True), request())
+    assert decision.verdict is Verdict.KEEP
+    assert "owner unknown" in decision.reason
+
+
+def test_nothing_in_the_cgroup_is_reaped_when_systemd_cannot_be_asked() -> None:
+    """Attack: with systemctl failing, `reap --unit` took every cgroup member for a left-over."""
+    blind = UnitProvenance("systemctl show sglang.service: Failed to connect to bus")
+    decision = decide(holder(invocation=LIVE), request(provenance=blind))
+    assert decision.verdict is Verdict.KEEP
+    assert "systemd's view of sglang.service is unknown (systemctl show" in decision.reason
+    assert "nothing in its cgroup is reaped" in decision.reason
+    assert decide(holder(unit=None, ppid=1), request(provenance=blind)).verdict is Verdict.KEEP
+
+
+def test_session_process_without_provenance_is_kept() -> None:
+    """An operator's sglang in a shell session is kept in unit scope: nothing ties it to us."""
+    manual = holder(
+        unit="session-4.scope", ppid=3000, cmdline=("python3", "-m", "sglang"), invocation=None
+    )
     assert decide(manual, request()).verdict is Verdict.KEEP
     assert decide(manual, request(Scope.PATTERNS)).verdict is Verdict.REAP
 
@@ -129,10 +211,11 @@ def test_session_process_with_live_parent_is_not_an_orphan() -> None:
 def test_children_of_a_reaped_orphan_are_reaped() -> None:
     """TP workers forked by a stale orphan inherit its staleness, transitively."""
     parent = holder(10, unit=None, ppid=1, cmdline=("sglang::scheduler_TP0",))
-    child = holder(11, unit=None, ppid=10, cmdline=("python3", "worker.py"))
-    grandchild = holder(12, unit=None, ppid=11, cmdline=("python3", "worker.py"))
+    child = holder(11, unit=None, ppid=10, cmdline=("python3", "worker.py"), invocation=None)
+    grandchild = holder(12, unit=None, ppid=11, cmdline=("python3", "worker.py"), invocation=None)
     foreign = holder(13, unit="other.service", ppid=10, cmdline=("python3", "worker.py"))
-    result = plan([grandchild, child, parent, foreign], request())
+    other_user = holder(14, unit=None, ppid=10, invocation=None, uids=TENANT)
+    result = plan([grandchild, child, parent, foreign, other_user], request())
     assert {d.holder.pid for d in result.to_reap} == {10, 11, 12}
     assert "child of reaped PID 11" in next(d.reason for d in result.to_reap if d.holder.pid == 12)
 
@@ -163,8 +246,10 @@ holders_strategy = st.builds(
     comm=st.sampled_from(["python3", "nvidia-persistenced", "Xorg", "gpuguard", "sglang::sched"]),
     cmdline=st.sampled_from([("python3", "-m", "sglang"), ("train.py",), ()]),
     ppid=st.sampled_from([0, 1, 2, 77]),
-    invocation=st.sampled_from([LIVE, OLD, None]),
+    invocation=st.sampled_from([LIVE, OLD, OTHER, None]),
     kernel_thread=st.booleans(),
+    uids=st.sampled_from([ROOT, TENANT, (0, 1000, 0, 0), ()]),
+    unknown=st.booleans(),
 )
 requests_strategy = st.builds(
     request,
@@ -172,6 +257,9 @@ requests_strategy = st.builds(
     gpu_set=st.sampled_from([None, frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})]),
     untouchable=st.frozensets(st.integers(1, 5000), max_size=5),
     live=st.sampled_from([None, LIVE]),
+    provenance=st.sampled_from(
+        [PROVEN, UnitProvenance("no bus"), UnitProvenance(None, frozenset({OLD, LIVE}), None)]
+    ),
 )
 
 
@@ -196,9 +284,14 @@ def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest
         in_unit = in_unit and h.attribution.container is None
         if in_unit and req.live_invocation is not None:
             assert h.invocation_id not in (req.live_invocation, None)
+        if req.scope is Scope.UNIT:
+            assert req.provenance.problem is None
+            assert not h.attribution.unknown
         if req.scope is Scope.UNIT and not in_unit:
             parent = verdicts.get(h.ppid)
             inherited = parent is not None and parent.verdict is Verdict.REAP
-            assert inherited or h.ppid == 1
+            proven = h.invocation_id in req.provenance.invocations
+            assert inherited or (proven and set(h.uids) == {req.provenance.uid})
+            assert h.invocation_id != req.live_invocation or inherited
             assert h.attribution.container is None
             assert not (h.attribution.unit or "").endswith(".service")
