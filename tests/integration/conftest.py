@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from clirunner import CGROUP2, Cli, Openers, UnitCgroups
+from clirunner import CGROUP2, Cli, FakeSystemd, Openers, UnitCgroups
 
 from gpuguard import configfile
 
@@ -60,3 +60,12 @@ def opener() -> Iterator[Openers]:
     openers = Openers([])
     yield openers
     openers.stop()
+
+
+@pytest.fixture
+def fake_systemd(cli: Cli, tmp_path: Path) -> FakeSystemd:
+    """Test doubles of systemctl and journalctl, first on the CLI's PATH (see FakeSystemd)."""
+    doubles = FakeSystemd(tmp_path / "fake-systemd-bin")
+    doubles.bin_dir.mkdir()
+    cli.env["PATH"] = f"{doubles.bin_dir}:{cli.env.get('PATH', '/usr/bin:/bin')}"
+    return doubles

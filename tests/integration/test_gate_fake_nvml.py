@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from clirunner import CliResult
+from clirunner import ENDED, CliResult
 from fakeholder import process_gone
 from fakestate import allocated_mib, update_gpu
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from clirunner import Cli, Openers, UnitCgroups
+    from clirunner import Cli, FakeSystemd, Openers, UnitCgroups
     from fakeholder import HolderSpawner
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
@@ -211,13 +211,23 @@ def test_cuda_visible_devices_of_the_unit_sets_the_gpus(
 
 
 def test_orphaned_worker_outside_the_cgroup_is_reaped(
-    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+    cli: Cli,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    fake_systemd: FakeSystemd,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A worker reparented to PID 1 outside any unit, matching the patterns, is reaped."""
+    """A worker of an ended run, reparented outside any unit, is reaped by the next gate.
+
+    Its INVOCATION_ID names a run PID 1 logged for the unit and it runs as the unit's user.
+    """
     unit = unit_name()
+    fake_systemd(unit, state="activating")  # as seen from the gate, its ExecStartPre=
+    monkeypatch.setenv("INVOCATION_ID", ENDED)
     server = spawn_holder(
         cli.state, gpus=(0,), mib=4000, children=1, leave_child=True, name="sglang::scheduler"
     )
+    monkeypatch.delenv("INVOCATION_ID")
     server.terminate()  # the parent exits, leaving the child behind (reparented)
     server.wait()
     orphan = server.children[0]
@@ -229,7 +239,7 @@ def test_orphaned_worker_outside_the_cgroup_is_reaped(
     result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "10", "--grace", "0.5")
     assert result.code == 0, result.err
     assert process_gone(orphan)
-    assert "orphan matching 'sglang'" in result.err
+    assert f"left over from an earlier run of {unit} (invocation {ENDED[:12]}" in result.err
 
 
 def _ppid(pid: int) -> int | None:

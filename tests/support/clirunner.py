@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
+ENDED = "0123456789abcdef0123456789abcdef"  # an earlier run of a unit, as PID 1 logged it
+LAST = "fedcba9876543210fedcba9876543210"  # a unit's current or last run
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,50 @@ class Openers:
             process = self.processes.pop()
             process.kill()
             process.wait()
+
+
+@dataclass(frozen=True)
+class FakeSystemd:
+    """Test doubles of ``systemctl`` and ``journalctl`` in ``bin_dir``.
+
+    systemd cannot run in this container (its PID 1 is not systemd), so what it would say about
+    a unit comes from these; the end-to-end suite runs the real one.
+    """
+
+    bin_dir: Path
+
+    def __call__(
+        self,
+        unit: str | None,
+        *,
+        state: str = "inactive",
+        last: str = LAST,
+        logged: tuple[str, ...] = (ENDED,),
+        user: str = "",
+    ) -> None:
+        """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
+
+        ``systemctl show`` reports ``unit`` in ``state`` with ``last`` as its invocation and
+        ``user`` as its User=; ``journalctl`` prints PID 1's entries naming ``logged``.
+        """
+        if unit is None:
+            systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
+            journal = ""
+        else:
+            show = (
+                f"ActiveState={state}\nSubState=x\nMainPID=0\nInvocationID={last}\n"
+                f"Environment=\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
+            )
+            systemctl = f'[ "$1" = show ] || exit 1\nprintf %s {shlex.quote(show)}\n'
+            journal = "".join(
+                json.dumps({"__CURSOR": f"s={i}", "_PID": "1", "UNIT": unit, "INVOCATION_ID": x})
+                + "\n"
+                for i, x in enumerate(logged)
+            )
+        for name, body in (
+            ("systemctl", systemctl),
+            ("journalctl", f"printf %s {shlex.quote(journal)}\n"),
+        ):
+            path = self.bin_dir / name
+            path.write_text(f"#!/bin/sh\n{body}")
+            path.chmod(0o755)

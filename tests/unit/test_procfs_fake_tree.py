@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuguard.holders import build_inventory
+from gpuguard.policy import PlanRequest, Scope, Verdict, plan
 from gpuguard.procfs import (
+    ENVIRON_LIMIT,
     PF_KTHREAD,
     ancestor_pids,
     parse_stat,
@@ -22,7 +25,13 @@ from gpuguard.procfs import (
     scan_pids,
 )
 from gpuguard.redaction import REDACTED
-from gpuguard.values import ProcessIdentity
+from gpuguard.values import (
+    NvmlHealth,
+    NvmlReading,
+    ProcessIdentity,
+    ProcScan,
+    UnitProvenance,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -424,3 +433,42 @@ def test_fake_tree_is_not_confused_with_real_proc(proc: FakeProc) -> None:
     assert os.getpid() not in [
         p.identity.pid for p in scan_pids([os.getpid()], GLOB, proc_root=proc.root).processes
     ]
+
+
+def test_unparseable_cgroup_text_makes_an_unknown_owner_that_is_spared(proc: FakeProc) -> None:
+    """Forged cgroup text (a hierarchy named twice) gives no cgroup, and the holder is spared.
+
+    The whole path: procfs reads it, holders attributes it, the policy keeps it in unit scope.
+    """
+    forged = "0::/user.slice/user-1000.slice/session-3.scope/x\n0::/system.slice/sglang.service\n"
+    proc.add(FakeProcess(pid=300, ppid=1, cgroup=forged, fds={3: "/dev/nvidia0"}, uid=0))
+    [facts] = scan_device_holders(GLOB, proc_root=proc.root).processes
+    assert facts.cgroup is None
+    assert facts.uids == (0, 0, 0, 0)
+    inventory = build_inventory(NvmlReading(NvmlHealth.OK), ProcScan((facts,)), 0)
+    [holder] = inventory.holders
+    assert holder.owner == "unknown cgroup"
+    request = PlanRequest(
+        unit="sglang.service",
+        scope=Scope.UNIT,
+        patterns=("sglang",),
+        gpu_set=None,
+        protected_names=(),
+        untouchable_pids=frozenset(),
+        provenance=UnitProvenance(None, frozenset({INVOCATION}), uid=0),
+    )
+    [decision] = plan([holder], request).decisions
+    assert decision.verdict is Verdict.KEEP
+    assert "owner unknown" in decision.reason
+
+
+def test_environ_is_read_only_up_to_its_limit(proc: FakeProc) -> None:
+    """A huge environment is read boundedly; an INVOCATION_ID past the limit is not seen."""
+    padding = "x" * (ENVIRON_LIMIT + 10)
+    proc.add(
+        FakeProcess(
+            pid=301, environ={"PAD": padding, "INVOCATION_ID": INVOCATION}, fds={3: "/dev/nvidia0"}
+        )
+    )
+    [facts] = scan_device_holders(GLOB, proc_root=proc.root).processes
+    assert facts.invocation_id is None
