@@ -78,7 +78,10 @@ who will be signalled and why, who is spared and why - and asks on a terminal un
 
 Scopes:
   unit      (default) processes in the unit's cgroup that do not belong to its running
-            invocation, plus orphans (reparented to PID 1) matching the unit's patterns
+            invocation, plus processes outside it proven to come from an ended run of the
+            unit (their INVOCATION_ID names one, and they run as the unit's User=); a
+            command line matching the patterns is no proof. Nothing in the cgroup is
+            reaped while systemd cannot say whether the unit runs
   patterns  also any holder whose command line matches the unit's patterns
   all       every holder that is not protected: the old `fuser -k`, opt-in only
 
