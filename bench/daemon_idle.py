@@ -293,6 +293,7 @@ def write_config(root: Path, nvml_state: Path) -> Path:
     """A configuration for the daemon: the fake devices, state in ``root``, one watched unit."""
     config = root / "gpuguard.toml"
     config.write_text(
+        "allow_plain_device_files = true\n"
         f'device_glob = "{nvml_state}/dev/nvidia*"\n'
         f'state_dir = "{root}/state"\n'
         f'runtime_dir = "{root}/run"\n'

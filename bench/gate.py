@@ -78,7 +78,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="gpuguard-bench-") as tmp:
             state = write_state(Path(tmp) / "state")
             config = Path(tmp) / "gpuguard.toml"
-            config.write_text(f'device_glob = "{state}/dev/nvidia*"\nruntime_dir = "{tmp}/run"\n')
+            config.write_text(
+                "allow_plain_device_files = true\n"
+                f'device_glob = "{state}/dev/nvidia*"\nruntime_dir = "{tmp}/run"\n'
+            )
             env = nvml_environ(state)
             gate = [sys.executable, "-m", "gpuguard", "--config", str(config), "gate"]
             gate += ["--unit", unit]

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from gpuguard.config import Settings
 
 _SETTING = re.compile(r"^#(?=[A-Za-z_\[])")
-_KEY = re.compile(r"^\[?([A-Za-z_]+)[\]\s.=]")
+_KEY = re.compile(r"^\[?([A-Za-z_][A-Za-z0-9_]*)[\]\s.=]")
 _EXAMPLE = re.compile(r"#\s*example\b")
 
 

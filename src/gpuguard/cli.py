@@ -252,13 +252,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         fast, reading = _gate_fast_path(args)
         if fast is not None:
             return fast
-    from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415 - see module doc
+    from gpuguard.config import ConfigError, load_settings, warnings  # noqa: PLC0415
 
     try:
         settings = load_settings(args.config)
     except ConfigError as err:
         sys.stderr.write(f"gpuguard: invalid configuration: {err}\n")
         return err.exit_code
+    from gpuguard.configfile import config_path  # noqa: PLC0415 - see module doc
+
+    for warning in warnings(settings):
+        sys.stderr.write(f"gpuguard: warning: {config_path(args.config)[0]}: {warning}\n")
     commands: dict[str, Callable[[], int]] = {
         "status": lambda: _status(settings, as_json=args.json),
         "gate": lambda: _gate(settings, args, reading),

@@ -2,16 +2,27 @@
 
 Every field has a default, so a host without ``/etc/gpuguard/gpuguard.toml`` runs as documented.
 A bad file is refused whole with one message naming the file, the key and the reason: guessing
-at a typo in a tool that kills processes is worse than not starting.
+at a typo in a tool that kills processes is worse than not starting. Values a root process acts
+on are bounded (no infinity, no NaN, no timeout of a year), the device glob must name character
+devices, and the protected list can only grow unless the file says otherwise in its own key.
 """
 
 from __future__ import annotations
 
+import glob
 import re
+import stat
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from gpuguard.configfile import EX_CONFIG, config_path, store_validated
 
@@ -38,6 +49,10 @@ DEFAULT_PROTECTED = (
 )
 
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]+\.service")
+_MIN_PATTERN_CHARS = 3  # non-space characters: " " or "py" would match nearly any command line
+_MAX_PATTERN_CHARS = 256
+_DAY_S = 86400.0
+_GLOB_CHECKED = 4096  # existing matches of device_glob checked at load (/dev is small)
 
 
 class ConfigError(Exception):
@@ -49,7 +64,7 @@ class ConfigError(Exception):
 class _Strict(BaseModel):
     """Strict types (no "16" for 16) but TOML arrays become tuples and strings become paths."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -72,9 +87,22 @@ class UnitSettings(_Strict):
     )
     patterns: tuple[str, ...] = Field(
         default=("sglang", "sglang::scheduler", "sglang::detokenizer"),
-        description="Command-line substrings that identify this unit's processes after they "
-        "escaped its cgroup (orphaned TP workers).",
+        description="Command-line substrings that look like this unit's processes; a match alone "
+        "never makes a process the unit's (scope patterns reaches them explicitly).",
     )
+
+    @field_validator("patterns")
+    @classmethod
+    def _patterns_specific(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in value:
+            if len("".join(pattern.split())) < _MIN_PATTERN_CHARS:
+                raise ValueError(
+                    f"{pattern!r} is too short: a pattern needs at least {_MIN_PATTERN_CHARS} "
+                    "non-space characters"
+                )
+            if len(pattern) > _MAX_PATTERN_CHARS:
+                raise ValueError(f"a pattern is longer than {_MAX_PATTERN_CHARS} characters")
+        return value
 
     @field_validator("gpus")
     @classmethod
@@ -101,30 +129,37 @@ class DaemonSettings(_Strict):
     loop_min_starts: int = Field(
         default=3,
         ge=2,
+        le=1000,
         description="Starts (distinct runs) inside loop_window_s that, ending in failure, make a "
         "restart loop.",
     )
-    loop_window_s: float = Field(default=600.0, gt=0, description="The detection window.")
+    loop_window_s: float = Field(
+        default=600.0, gt=0, le=_DAY_S, description="The detection window."
+    )
     restart_counter_threshold: int = Field(
         default=5,
         ge=1,
+        le=100000,
         description="A 'Scheduled restart job' with at least this N_RESTARTS, after at least two "
         "failed runs, is a loop.",
     )
     recovery_max_attempts: int = Field(
         default=3,
         ge=1,
+        le=100,
         description="Recoveries that did not help before the unit is marked 'needs operator'.",
     )
     recovery_backoff_s: float = Field(
         default=120.0,
         ge=0,
+        le=_DAY_S,
         description="Minimum time between two recoveries of one unit; doubles after each one "
         "that did not help.",
     )
     stable_s: float = Field(
         default=300.0,
         gt=0,
+        le=_DAY_S,
         description="A recovered unit that runs this long without failing counts as healed.",
     )
     watch_output: bool = Field(
@@ -148,6 +183,7 @@ class Settings(_Strict):
     idle_threshold_mib: int = Field(
         default=16,
         ge=0,
+        le=4096,
         description="A GPU with no holders is idle when NVML's used memory is at most this many "
         "MiB (idle GPUs are rarely exactly 0).",
     )
@@ -158,14 +194,24 @@ class Settings(_Strict):
         "the driver reserves for itself: this many MiB per GPU are not counted as use. Unset: "
         "learned per GPU while nothing holds it.",
     )
+    allow_plain_device_files: bool = Field(
+        default=False,
+        description="For tests only: let device_glob name plain files (fake GPUs) anywhere.",
+    )
     device_glob: str = Field(
         default="/dev/nvidia*",
         min_length=1,
-        description="Device files whose holders count as GPU users.",
+        max_length=4096,
+        description="Character devices whose holders count as GPU users.",
+    )
+    replace_protected_processes: bool = Field(
+        default=False,
+        description="Let protected_processes replace the built-in list instead of extending it.",
     )
     protected_processes: tuple[str, ...] = Field(
         default=DEFAULT_PROTECTED,
-        description="Process names (comm or argv[0] basename) gpuguard never signals.",
+        description="Process names (comm or argv[0] basename) gpuguard never signals, added to "
+        "the built-in list.",
     )
     nvml_timeout_s: float = Field(
         default=10.0,
@@ -182,6 +228,7 @@ class Settings(_Strict):
     gate_timeout_s: float = Field(
         default=300.0,
         gt=0,
+        le=3600,
         description="How long `gpuguard gate` waits for the unit's GPUs to become idle before "
         "refusing the start; keep TimeoutStartSec above it.",
     )
@@ -200,10 +247,45 @@ class Settings(_Strict):
 
     @field_validator("device_glob")
     @classmethod
-    def _absolute_glob(cls, value: str) -> str:
+    def _device_glob(cls, value: str, info: ValidationInfo) -> str:
         if not value.startswith("/"):
             raise ValueError("must be an absolute path pattern such as /dev/nvidia*")
+        if "\0" in value or "/../" in f"{value}/" or "/./" in f"{value}/":
+            raise ValueError("must be a plain absolute path pattern (no NUL, '.' or '..')")
+        literal = value[: next((i for i, ch in enumerate(value) if ch in "*?["), len(value))]
+        if literal.endswith("/"):
+            raise ValueError(
+                "must start its file name with literal characters (/dev/nvidia*, not /dev/*): "
+                "otherwise every open file is a GPU"
+            )
+        if info.data.get("allow_plain_device_files"):
+            return value
+        if not literal.startswith("/dev/"):
+            raise ValueError(
+                "must name character devices under /dev/ (allow_plain_device_files = true is "
+                "for tests with fake devices only)"
+            )
+        for index, match in enumerate(glob.iglob(value)):  # noqa: PTH207 - an absolute glob
+            if index >= _GLOB_CHECKED:
+                break
+            try:
+                mode = Path(match).stat().st_mode
+            except OSError:
+                continue  # vanished or dangling: nothing to hold
+            if not (stat.S_ISCHR(mode) or stat.S_ISDIR(mode)):
+                raise ValueError(f"matches {match!r}, which is not a character device")
         return value
+
+    @field_validator("protected_processes")
+    @classmethod
+    def _protected(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        """``protected_processes = []`` must not unprotect nvidia-persistenced: it only adds."""
+        if any(not name.strip() for name in value):
+            raise ValueError("a protected process name is empty")
+        if info.data.get("replace_protected_processes"):
+            return value
+        added = dict.fromkeys(value)
+        return DEFAULT_PROTECTED + tuple(name for name in added if name not in DEFAULT_PROTECTED)
 
     @field_validator("units")
     @classmethod
@@ -214,6 +296,31 @@ class Settings(_Strict):
             if not _UNIT_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a service unit name such as sglang.service")
         return value
+
+
+def warnings(settings: Settings) -> tuple[str, ...]:
+    """What is valid but probably wrong: units whose GPU sets overlap or may overlap.
+
+    Two units on one GPU wait on each other's processes at every gate; neither is reaped by the
+    other (provenance), so the start that comes second is refused.
+    """
+    found: list[str] = []
+    units = list(settings.units.items())
+    for index, (name, unit) in enumerate(units):
+        for other, other_unit in units[index + 1 :]:
+            if unit.gpus is None or other_unit.gpus is None:
+                continue
+            shared = [gpu for gpu in unit.gpus if gpu in other_unit.gpus]
+            if shared:
+                listed = ", ".join(str(gpu) for gpu in shared)
+                found.append(f"units: {name} and {other} both list GPU {listed}")
+    unset = [name for name, unit in units if unit.gpus is None]
+    if len(units) > 1 and unset:
+        found.append(
+            f"units: {', '.join(unset)} set no gpus: with several units, each may use every GPU "
+            "(unless CUDA_VISIBLE_DEVICES says otherwise); give each unit its own"
+        )
+    return tuple(found)
 
 
 def load_settings(cli_path: Path | None = None) -> Settings:

@@ -67,6 +67,7 @@ FIRED_UP = "The server is fired up and ready to roll!"
 #: The test configuration: short grace and backoff so scenarios take seconds, not minutes.
 CONFIG = f"""\
 # gpuguard e2e configuration (tests/e2e/gpubox.py)
+allow_plain_device_files = true
 device_glob = "{STATE}/dev/nvidia*"
 reap_grace_s = 1.0
 gate_timeout_s = 60.0

@@ -317,7 +317,10 @@ def test_sandbox_keeps_what_gpuguard_needs(
     install(box, deb)
     box.run(["cp", "/fakelib/libnvidia-ml.so.1", "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"])
     box.run(["ldconfig"])
-    box.write_file("/etc/gpuguard/gpuguard.toml", 'device_glob = "/srv/fake/dev/nvidia*"\n')
+    box.write_file(
+        "/etc/gpuguard/gpuguard.toml",
+        'allow_plain_device_files = true\ndevice_glob = "/srv/fake/dev/nvidia*"\n',
+    )
     box.run(["useradd", "--create-home", "inference"])
     box.run_as(
         "inference",

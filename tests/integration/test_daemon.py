@@ -215,6 +215,7 @@ def build(
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
         units={unit: UnitSettings()},
+        allow_plain_device_files=True,
         device_glob=f"{state}/dev/nvidia*",
         runtime_dir=tmp_path / "run",
         state_dir=tmp_path / "lib",

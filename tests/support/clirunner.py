@@ -51,6 +51,7 @@ class Cli:
     def configure(self, extra: str = "") -> None:
         """Rewrite the config: the fake's device glob, a private runtime dir, then ``extra``."""
         self.config.write_text(
+            "allow_plain_device_files = true\n"
             f'device_glob = "{self.state}/dev/nvidia*"\n'
             f'runtime_dir = "{self.config.parent}/run"\n'
             f'state_dir = "{self.config.parent}/lib"\n' + extra

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguard.config import ConfigError, Settings, load_settings, parse_settings
+from gpuguard.config import (
+    DEFAULT_PROTECTED,
+    ConfigError,
+    Settings,
+    load_settings,
+    parse_settings,
+    warnings,
+)
 from gpuguard.configfile import EX_CONFIG
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 HERE = Path("/etc/gpuguard/gpuguard.toml")
 
@@ -31,6 +44,7 @@ def test_full_file_is_read() -> None:
     settings = parse_settings(
         b"""
 idle_threshold_mib = 64
+allow_plain_device_files = true
 device_glob = "/tmp/fake/dev/nvidia*"
 protected_processes = ["nvidia-persistenced", "my-monitor"]
 nvml_timeout_s = 2.5
@@ -66,6 +80,21 @@ patterns = ["vllm"]
         (b'[units."a.service"]\ngpus = [1, 1]', 'units."a.service".gpus: lists a GPU twice'),
         (b'[units."a.service"]\ngpus = ["x"]', "is neither an index nor a UUID"),
         (b"nvml_timeout_s = 0", "nvml_timeout_s: Input should be greater than 0"),
+        (b'device_glob = "/*"', "device_glob: must start its file name with literal characters"),
+        (b'device_glob = "/dev/*"', "device_glob: must start its file name with literal"),
+        (b'device_glob = "/tmp/x/nvidia*"', "device_glob: must name character devices under /dev/"),
+        (b'device_glob = "/dev/../tmp/nv*"', "device_glob: must be a plain absolute path pattern"),
+        (b'[units."a.service"]\npatterns = [" "]', "' ' is too short: a pattern needs at least 3"),
+        (b'[units."a.service"]\npatterns = [""]', "'' is too short"),
+        (b'[units."a.service"]\npatterns = ["sglang", " p y "]', "' p y ' is too short"),
+        (b"gate_timeout_s = inf", "gate_timeout_s: Input should be a finite number"),
+        (b"reap_grace_s = nan", "reap_grace_s: Input should be a finite number"),
+        (b"[daemon]\nloop_window_s = -inf", "daemon.loop_window_s: Input should be a finite"),
+        (b"[daemon]\nstable_s = 1e300", "daemon.stable_s: Input should be less than or equal"),
+        (b"[daemon]\nrecovery_backoff_s = 1e9", "daemon.recovery_backoff_s: Input should be less"),
+        (b"gate_timeout_s = 86400.0", "gate_timeout_s: Input should be less than or equal to 3600"),
+        (b"idle_threshold_mib = 200000", "idle_threshold_mib: Input should be less than or equal"),
+        (b"protected_processes = [' ']", "protected_processes: a protected process name is empty"),
         (b"[[broken", "invalid TOML"),
         (b"\xff\xfe", "not UTF-8 text"),
     ],
@@ -112,3 +141,75 @@ def test_cli_exits_78_with_one_message(tmp_path: Path) -> None:
     assert len(lines) == 1
     assert str(path) in lines[0]
     assert "idle_threshold_mib" in lines[0]
+
+
+@pytest.fixture
+def dev_dir() -> Iterator[Path]:
+    """A directory under /dev holding a plain file (root only, like the tests' CI)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a file under /dev")
+    path = Path("/dev") / f"gpuguard-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    (path / "nvidia0").write_text("")
+    yield path
+    (path / "nvidia0").unlink()
+    path.rmdir()
+
+
+def test_device_glob_must_name_character_devices(dev_dir: Path) -> None:
+    """A glob matching a plain file is refused unless the test setting allows plain files."""
+    text = f'device_glob = "{dev_dir}/nvidia*"'.encode()
+    with pytest.raises(ConfigError, match=r"nvidia0', which is not a character device"):
+        parse_settings(text, HERE)
+    allowed = parse_settings(b"allow_plain_device_files = true\n" + text, HERE)
+    assert allowed.device_glob == f"{dev_dir}/nvidia*"
+    assert parse_settings(b'device_glob = "/dev/nul*"', HERE).device_glob == "/dev/nul*"
+
+
+def test_protected_processes_only_extend_the_built_in_list() -> None:
+    """`protected_processes = []` does not unprotect nvidia-persistenced; replacing is explicit."""
+    assert parse_settings(b"protected_processes = []", HERE).protected_processes == (
+        DEFAULT_PROTECTED
+    )
+    extended = parse_settings(b'protected_processes = ["my-monitor", "Xorg"]', HERE)
+    assert extended.protected_processes == (*DEFAULT_PROTECTED, "my-monitor")
+    replaced = parse_settings(
+        b'replace_protected_processes = true\nprotected_processes = ["my-monitor"]', HERE
+    )
+    assert replaced.protected_processes == ("my-monitor",)
+    for settings in (extended, replaced):  # the gate's cache stores the dump and reloads it
+        assert Settings.model_validate(settings.model_dump(mode="json")) == settings
+
+
+def test_overlapping_gpu_sets_are_warned_about() -> None:
+    """Two units listing one GPU, or several units of which one sets none, get a warning."""
+    overlap = parse_settings(
+        b'[units."a.service"]\ngpus = [0, 1]\n[units."b.service"]\ngpus = [1, 2]\n', HERE
+    )
+    assert warnings(overlap) == ("units: a.service and b.service both list GPU 1",)
+    unset = parse_settings(b'[units."a.service"]\ngpus = [0]\n[units."b.service"]\n', HERE)
+    assert "b.service set no gpus" in warnings(unset)[0]
+    disjoint = parse_settings(
+        b'[units."a.service"]\ngpus = [0]\n[units."b.service"]\ngpus = [1]\n', HERE
+    )
+    assert warnings(disjoint) == ()
+    assert warnings(Settings()) == ()
+
+
+def test_cli_warns_in_one_line_and_runs(tmp_path: Path) -> None:
+    """A warning does not stop the command: one line on stderr naming the file."""
+    path = tmp_path / "g.toml"
+    path.write_text(
+        f'runtime_dir = "{tmp_path}/run"\n[units."a.service"]\ngpus = [0]\n'
+        '[units."b.service"]\ngpus = [0]\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuguard", "--config", str(path), "status", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode != 78
+    warned = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warned == [f"gpuguard: warning: {path}: units: a.service and b.service both list GPU 0"]
