@@ -122,6 +122,12 @@ def test_b_gate_dropin_first_start_succeeds(gpubox: GpuBox) -> None:
     assert {h["invocation_id"] for h in status["holders"]} == {healthy}
     assert decisions, "the gate recorded no decision"
     assert decisions[-1]["result"] == "passed"
+    # Reaped on provenance, not on its name: the INVOCATION_ID systemd gave the old run (and PID 1
+    # logged) is in TP3's environment, outside the unit's cgroup (by the gate or the
+    # ExecStopPost= reap, whichever came first).
+    reasons = [str(e.get("MESSAGE")) for e in gpubox.box.journal([f"_SYSTEMD_UNIT={UNIT}"])]
+    proof = f"left over from an earlier run of {UNIT} (invocation {serving[:12]}, uid 0)"
+    assert any(str(tp3) in line and proof in line for line in reasons), reasons[-20:]
 
 
 def _gate_summary(decision: dict[str, object]) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -102,3 +104,23 @@ def test_the_live_run_is_never_an_ended_one() -> None:
     assert ID in provenance(running, inside=True).invocations  # as ExecStopPost=
     stopped = UnitState(UNIT, active_state="inactive", invocation_id=ID)
     assert ID in provenance(stopped).invocations
+
+
+SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples"
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_real_journals_name_the_units_runs(release: str) -> None:
+    """Recorded real journals (systemd 252, 257): PID 1 stamps every run's INVOCATION_ID."""
+    found: set[str] = set()
+    for sample in sorted((SAMPLES / release).glob("*.jsonl")):
+        text = sample.read_text(encoding="utf-8")
+        runs = parse_invocations(text, UNIT)
+        expected = set()
+        for line in text.splitlines():
+            entry = json.loads(line)
+            if entry.get("_PID") == "1" and entry.get("UNIT") == UNIT:
+                expected.add(entry["INVOCATION_ID"])
+        assert runs == expected, sample.name
+        found |= runs
+    assert len(found) >= 3
