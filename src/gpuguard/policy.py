@@ -99,7 +99,7 @@ class KillPlan:
 def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
     """Decide for every holder; the result never contains a refused process under REAP.
 
-    A holder that would be kept only because it is neither in the unit nor an orphan is reaped
+    A holder kept only for want of its own evidence (outside the unit, no provenance) is reaped
     when its parent is: a TP worker forked by a stale server inherited its device fds and its
     staleness. Only a child in the same cgroup and with the same uids inherits. Refusals and
     the GPU set still win over inheritance.

@@ -1,8 +1,8 @@
 """The systemd adapter: unit state through ``systemctl`` as a subprocess (no D-Bus library).
 
 Also what ties a process to one of a unit's runs (:func:`provenance`): the invocation ids PID 1
-logged for the unit this boot, read with ``journalctl`` from entries only PID 1 can write
-(journald stamps ``_PID`` itself), and the uid of the unit's ``User=``.
+logged for the unit, read with ``journalctl`` from entries only PID 1 can write (journald stamps
+``_PID`` itself), and the uid of the unit's ``User=``.
 """
 
 from __future__ import annotations
@@ -186,16 +186,18 @@ def parse_invocations(text: str, unit: str) -> frozenset[str]:
 
 
 def logged_invocations(unit: str) -> frozenset[str]:
-    """The invocation ids PID 1 logged for ``unit`` this boot; empty when the journal is silent.
+    """The invocation ids PID 1 logged for ``unit``; empty when the journal is silent.
 
     Only the journal's newest entries are read (bounded), and only PID 1's: ``journalctl -u``
-    would also match the unit's own chatty output.
+    would also match the unit's own chatty output. No ``--boot``: a sandboxed service in a
+    container sees the host's boot ID and would match nothing, and an id from an earlier boot
+    is harmless (no process survives a reboot; one carrying such an id forged it as the unit's
+    own user, who could signal it anyway).
     """
     try:
         result = subprocess.run(
             [
                 "journalctl",
-                "--boot",
                 "--quiet",
                 "--no-pager",
                 "--output=json",

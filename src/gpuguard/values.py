@@ -145,10 +145,11 @@ class UnitProvenance:
 
     ``problem`` says why systemd's view of the unit is unknown (systemctl failed); then nothing
     in the unit's cgroup is reaped, since its live run cannot be told from a stale one.
-    ``invocations`` are the unit's invocation ids known for this boot: the running one and the
-    earlier ones PID 1 logged. ``uid`` is the uid the unit runs as (``User=`` resolved, root
-    when unset), None when it cannot be resolved: a process outside the cgroup is the unit's
-    left-over only if its environment names one of ``invocations`` and it runs as ``uid``.
+    ``invocations`` are the unit's ended runs: the invocation ids PID 1 logged for it and the
+    last one systemd names, never the running one. ``uid`` is the uid the unit runs as
+    (``User=`` resolved, root when unset), None when it cannot be resolved: a process outside
+    the cgroup is the unit's left-over only if its environment names one of ``invocations``
+    and it runs as ``uid``.
     """
 
     problem: str | None
