@@ -25,7 +25,7 @@ from gpuguard.config import Settings, UnitSettings
 from gpuguard.daemon import Daemon, Ports
 from gpuguard.holders import build_inventory
 from gpuguard.journal import JournalHealth, JournalRecord
-from gpuguard.systemd import parse_show
+from gpuguard.systemd import parse_show, provenance
 from gpuguard.values import NvmlHealth, NvmlReading, ProcScan
 
 if TYPE_CHECKING:
@@ -290,6 +290,7 @@ def test_daemon_says_a_watched_unit_is_not_found(tmp_path: Path) -> None:
         load_unit_state=lambda _name: None,
         save_unit_state=lambda _name, _document: None,
         untouchable=frozenset({os.getpid()}),
+        provenance=provenance,
     )
     daemon = Daemon(settings, NoJournal(), ports)
     turns.append(daemon)

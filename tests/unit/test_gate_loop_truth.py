@@ -24,6 +24,7 @@ from gpuguard.values import (
     ProcessIdentity,
     ProcessListKind,
     ProcScan,
+    UnitProvenance,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ REQUEST = PlanRequest(
     gpu_set=frozenset({0, 1}),
     protected_names=("nvidia-persistenced",),
     untouchable_pids=frozenset(),
+    provenance=UnitProvenance(None),
     live_invocation=None,
 )
 

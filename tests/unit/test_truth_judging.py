@@ -21,6 +21,7 @@ from gpuguard.values import (
     ProcessIdentity,
     ProcessListKind,
     ProcScan,
+    UnitProvenance,
 )
 
 NOW = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
@@ -110,6 +111,7 @@ def test_hidden_pid_is_uninspectable_not_vanished() -> None:
         gpu_set=frozenset({0}),
         protected_names=(),
         untouchable_pids=frozenset(),
+        provenance=UnitProvenance(None),
         live_invocation=None,
     )
     blockers = set_blockers(inventory, GateSettings(request, 16 * MIB, 1.0))
