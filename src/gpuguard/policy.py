@@ -233,7 +233,12 @@ def _in_unit_decision(holder: Holder, request: PlanRequest) -> Decision:
 
 def _in_unit(holder: Holder, unit: str) -> bool:
     attribution = holder.attribution
-    return attribution.unit == unit and not attribution.user_unit and attribution.container is None
+    return (
+        attribution.unit == unit
+        and not attribution.user_unit
+        and attribution.container is None
+        and not attribution.unknown
+    )
 
 
 def _live(holder: Holder, request: PlanRequest) -> str | None:

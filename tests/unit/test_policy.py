@@ -281,7 +281,7 @@ def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest
         if req.gpu_set is not None and h.gpus:
             assert {u.gpu_index for u in h.gpus} & req.gpu_set
         in_unit = h.attribution.unit == UNIT and not h.attribution.user_unit
-        in_unit = in_unit and h.attribution.container is None
+        in_unit = in_unit and h.attribution.container is None and not h.attribution.unknown
         if in_unit and req.live_invocation is not None:
             assert h.invocation_id not in (req.live_invocation, None)
         if req.scope is Scope.UNIT:
