@@ -577,8 +577,8 @@ def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading |
 
 def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | None) -> int:
     from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.escaping import escape  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
-    from gpuguard.redaction import escape_control  # noqa: PLC0415
 
     unit = _unit_settings(settings, args.unit)
     first = inventory.gather(settings, reading)
@@ -605,7 +605,7 @@ def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | N
         return reaper.reap(targets, grace_s=grace, logger=log)
 
     def report(line: str) -> None:
-        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape_control(line)}\n")
+        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line)}\n")
 
     outcome = gate.run_gate(
         gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),

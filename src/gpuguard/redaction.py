@@ -1,8 +1,9 @@
 """Remove secrets from command lines before anyone sees them, and print them safely.
 
 Inference servers take credentials on the command line (``--api-key``, ``HF_TOKEN=…`` through
-``env``), and gpuguard writes command lines to the journal, to ``/run/gpuguard`` and to the
-terminal: a leaked key there is readable by every operator. Everything here is pure.
+``env``, a JSON ``--model-loader-extra-config``, a URL with ``?token=``), and gpuguard writes
+command lines to the journal, to ``/run/gpuguard`` and to the terminal: a leaked key there is
+readable by every operator. Everything here is pure.
 
 The rule, applied to each argument in turn:
 
@@ -20,16 +21,32 @@ The rule, applied to each argument in turn:
    the exception.
 3. ``--flag=value`` becomes ``--flag=<redacted>``; ``--flag value`` redacts the next argument,
    unless that argument starts with ``--`` (then the secret flag was a switch and the next
-   argument is a flag of its own, processed normally).
+   argument is a flag of its own, processed normally). A next argument that is itself a
+   secret flag (``--api-key -token x``) is hidden *and* hides the one after it.
 4. ``NAME=value`` (an environment assignment, as passed to ``env`` or ``docker run -e``) is
    redacted when ``NAME`` is secret by rules 1 and 2 (``HF_TOKEN=…``, ``OPENAI_API_KEY=…``).
-5. ``scheme://user:password@host`` keeps the user and loses the password.
-6. An argument containing whitespace (``sh -c "… --api-key X"``, or a process that rewrote its
-   argv with setproctitle) is split on whitespace and the same rules apply to its words.
-   Shell quoting inside it is not parsed, so a quoted secret containing spaces may leak its
-   tail: the cost of not guessing at shell syntax.
+5. ``scheme://user:password@host`` keeps the user and loses the password; in a query string
+   (``?token=…``, ``&api_key=…``) a secret parameter loses its value.
+6. HTTP headers with a secret name (``Authorization: Bearer x``, ``X-Api-Key: x``) lose their
+   value; an authentication scheme word (``Bearer``, ``Basic``, …) stays and the credential
+   after it goes. ``Bearer`` alone hides the next word too.
+7. In JSON or Python-dict text (``{"hf_token": "x"}``, also escaped inside another string), a
+   secret key's value is hidden, under rules 1 and 2.
+8. The body of a PEM block (``-----BEGIN … PRIVATE KEY-----`` … ``-----END …``) is hidden, in
+   one argument or spread over several; an unterminated block is hidden to the end.
+9. ``-p VALUE`` (the short password option of sshpass and others) hides VALUE unless it looks
+   like a port or port mapping (digits, ``.``, ``:``, ``[``, ``]``, ``-``, ``/tcp``), or a path
+   (``mkdir -p /x``): a password of digits only is shown. Glued forms (``-pSECRET``) are not
+   recognised: ``find -print`` and ``-perm`` look the same.
+10. An argument containing whitespace (``sh -c "… --api-key X"``, or a process that rewrote its
+    argv with setproctitle) is split on whitespace and the same rules apply to its words.
+    Shell quoting inside it is not parsed, so a quoted secret containing spaces may leak its
+    tail: the cost of not guessing at shell syntax.
 
-Redaction keeps the number of arguments and is idempotent.
+Redaction keeps the number of arguments and is idempotent. It is linear in the length of the
+command line: no recursion, and every regular expression is anchored at a delimiter and bounded
+or possessive, so a hostile argument (``-a=-a=…``, 128 KiB of ``a`` ending in ``://``) costs what
+its length costs.
 """
 
 from __future__ import annotations
@@ -37,6 +54,8 @@ from __future__ import annotations
 import re
 import shlex
 from typing import TYPE_CHECKING
+
+from gpuguard.escaping import escape
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -92,11 +111,40 @@ _LIMIT_WORDS = frozenset(
         "reserved",
     }
 )
+# A value longer than this is never treated as a number (rule 2) or a port (rule 9).
+_SHORT_VALUE = 64
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+_PORTISH = re.compile(r"[0-9.:\[\]-]+(?:/(?:tcp|udp|sctp))?")
 _WORD_SPLIT = re.compile(r"[-_.]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)[^/@\s]+(?P<at>@)")
 _WHITESPACE = re.compile(r"(\s+)")
+# Every rule needs one of these in the (lower-cased) text: a word without any is kept as it is
+# after one scan in C, which keeps ordinary long arguments cheap.
+_MAYBE_SECRET = re.compile(r"key|token|secret|pass|pwd|cred|cookie|auth|bearer|://|(?<!\S)-p(?!\S)")
+_ANY_WHITESPACE = re.compile(r"\s")
+# After "://": user, ":", password, "@". Neither part can hold "/", so the spans that two
+# "://" in one argument scan never overlap.
+_USERINFO = re.compile(r"[^/:@\s]*+:(?P<password>[^/@\s]++)@")
+# Query parameters: the name is bounded and cannot hold the separators that start another.
+_QUERY_KEY = re.compile(r"[?&](?P<name>[A-Za-z0-9_.\[\]-]{1,128})=")
+_QUERY_VALUE = re.compile(r"[^&#\s]*+")
+# A JSON or dict key (possibly inside an escaped string: \"hf_token\") and its colon.
+_JSON_KEY = re.compile(r"""(?P<quote>["'])(?P<name>[A-Za-z0-9_.-]{1,128})\\*(?P=quote)\s*+:\s*+""")
+_JSON_BARE_VALUE = re.compile(r"""[^\s,}\]"'\\]*+""")
+# A header word: an optional "--flag=" or shell quote in front, the name, a colon, the rest.
+_HEADER = re.compile(
+    r"""(?:[^=]*+=)?["']?(?P<name>[A-Za-z][A-Za-z0-9-]{0,127}):(?P<rest>.*)""", re.DOTALL
+)
+_AUTH_SCHEMES = frozenset({"bearer", "basic", "digest", "token", "negotiate", "apikey"})
+_PATH_START = ("/", "./", "../", "~")
+_PEM_BEGIN = "-----BEGIN"
+_PEM_END = "-----END"
+_PEM_DASHES = "-----"
+
+
+# A word that announces a secret next word: its kind ("flag", "header", "credential", "short")
+# and the name the value is given under.
+_Pending = tuple[str, str]
 
 
 def _secret_words(name: str) -> list[str]:
@@ -118,12 +166,18 @@ def _is_counter(name: str, secret_words: list[str]) -> bool:
     return any(word in _LIMIT_WORDS for word in words)
 
 
-def _is_secret_name(name: str, value: str) -> bool:
-    """Whether ``value`` given under ``name`` must be hidden."""
+def _is_number(text: str, start: int = 0, end: int | None = None) -> bool:
+    """Whether ``text[start:end]`` is a number; long texts never are (bounded work)."""
+    stop = len(text) if end is None else end
+    return stop - start <= _SHORT_VALUE and _NUMBER.fullmatch(text, start, stop) is not None
+
+
+def _hides(name: str, numeric: bool) -> bool:
+    """Whether a value given under ``name`` must be hidden (``numeric``: the value is a number)."""
     words = _secret_words(name)
     if not words:
         return False
-    return not (_is_counter(name, words) and _NUMBER.fullmatch(value) is not None)
+    return not (numeric and _is_counter(name, words))
 
 
 def _takes_value(arg: str) -> bool:
@@ -134,18 +188,123 @@ def _takes_value(arg: str) -> bool:
 
 
 def _redact_assignment(arg: str) -> str | None:
-    """Redact a whole ``--flag=value`` or ``NAME=value`` argument; None when it is not secret."""
-    name, equals, value = arg.partition("=")
-    if not equals or value == REDACTED:
-        return None
-    if not name.startswith("-"):
-        secret = _ENV_NAME.fullmatch(name) is not None and _is_secret_name(name, value)
-        return f"{name}={REDACTED}" if secret else None
-    if _is_secret_name(name.lstrip("-"), value):
-        return f"{name}={REDACTED}"
-    # ``-e=HF_TOKEN=x``: the value may be a secret assignment of its own.
-    inner = _redact_assignment(value)
-    return None if inner is None else f"{name}={inner}"
+    """Redact a whole ``--flag=value`` or ``NAME=value`` argument; None when it is not secret.
+
+    ``-e=HF_TOKEN=x`` nests: while the name is a flag that is not secret, its value is looked
+    at as an assignment of its own. A loop over positions, so ``-a=-a=…`` costs its length.
+    """
+    pos = 0
+    while True:
+        equals = arg.find("=", pos)
+        if equals < 0:
+            return None
+        start = equals + 1
+        if len(arg) - start == len(REDACTED) and arg.endswith(REDACTED):
+            return None
+        name = arg[pos:equals]
+        numeric = _is_number(arg, start)
+        if not name.startswith("-"):
+            secret = _ENV_NAME.fullmatch(name) is not None and _hides(name, numeric)
+            return arg[:start] + REDACTED if secret else None
+        if _hides(name.lstrip("-"), numeric):
+            return arg[:start] + REDACTED
+        pos = start
+
+
+def _redact_json(arg: str) -> str:
+    """Hide the values of secret keys in JSON or dict text (rule 7).
+
+    A key that is not secret consumes only itself, so a value holding more JSON is searched too.
+    """
+    pieces: list[str] = []
+    done = 0
+    pos = 0
+    while (match := _JSON_KEY.search(arg, pos)) is not None:
+        pos = match.end()
+        name = match["name"]
+        if not _secret_words(name):
+            continue
+        start, end, after = _json_value(arg, pos)
+        if end == start or not _hides(name, _is_number(arg, start, end)):
+            continue
+        if arg[start:end] != REDACTED:
+            pieces += (arg[done:start], REDACTED)
+            done = end
+        pos = after
+    if not pieces:
+        return arg
+    pieces.append(arg[done:])
+    return "".join(pieces)
+
+
+def _json_value(arg: str, pos: int) -> tuple[int, int, int]:
+    """The span of the value that starts at ``pos`` and where scanning resumes after it.
+
+    A quoted value ends at the next quote of its kind (backslashes that escape that quote stay
+    outside the span); an unterminated one runs to the end. A bare value (number, ``true``) ends
+    at whitespace, a comma, a bracket or a quote.
+    """
+    quote_at = pos
+    while quote_at < len(arg) and arg[quote_at] == "\\":
+        quote_at += 1
+    if quote_at < len(arg) and arg[quote_at] in "\"'":
+        start = quote_at + 1
+        close = arg.find(arg[quote_at], start)
+        end = len(arg) if close < 0 else close
+        after = end
+        while end > start and arg[end - 1] == "\\":
+            end -= 1
+        return start, end, after
+    bare = _JSON_BARE_VALUE.match(arg, pos)
+    end = pos if bare is None else bare.end()
+    return pos, end, end
+
+
+def _redact_url(word: str) -> str:
+    """Hide URL passwords and secret query parameters in one word (rule 5)."""
+    if "://" in word:
+        word = _replace_spans(word, _url_password_spans(word))
+    if "=" in word and ("?" in word or "&" in word):
+        word = _replace_spans(word, _query_spans(word))
+    return word
+
+
+def _url_password_spans(word: str) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while (found := word.find("://", pos)) >= 0:
+        match = _USERINFO.match(word, found + 3)
+        if match is None:
+            pos = found + 3
+        else:
+            spans.append(match.span("password"))
+            pos = match.end()
+    return spans
+
+
+def _query_spans(word: str) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while (match := _QUERY_KEY.search(word, pos)) is not None:
+        pos = match.end()
+        value = _QUERY_VALUE.match(word, pos)
+        end = pos if value is None else value.end()
+        if _hides(match["name"], _is_number(word, pos, end)):
+            spans.append((pos, end))
+            pos = end
+    return spans
+
+
+def _replace_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    """``text`` with each (ordered, disjoint) non-empty span replaced by REDACTED."""
+    pieces: list[str] = []
+    done = 0
+    for start, end in spans:
+        if end > start:
+            pieces += (text[done:start], REDACTED)
+            done = end
+    pieces.append(text[done:])
+    return "".join(pieces)
 
 
 def _redact_arg(arg: str) -> str:
@@ -153,29 +312,95 @@ def _redact_arg(arg: str) -> str:
     whole = _redact_assignment(arg)
     if whole is not None:
         return whole
-    if any(ch.isspace() for ch in arg):
+    if "'" in arg or '"' in arg:
+        arg = _redact_json(arg)
+    if _ANY_WHITESPACE.search(arg):
         return _redact_spaced(arg)
-    if "://" in arg:
-        return _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}{m['at']}", arg)
-    return arg
+    return _redact_url(arg)
+
+
+def _header(word: str) -> tuple[str, _Pending | None] | None:
+    """A secret header in ``word`` (rule 6): the word to show and what the next word is.
+
+    None when ``word`` is no secret header. The pending value is ("header", name) when the
+    value follows in the next word, ("credential", "") after a scheme word, None when the word
+    held it all.
+    """
+    match = _HEADER.match(word)
+    if match is None or not _secret_words(match["name"]):
+        return None
+    name, rest = match["name"], match["rest"]
+    if not rest:
+        return word, ("header", name)
+    if rest.lower() in _AUTH_SCHEMES:
+        return word, ("credential", "")
+    # auth://…, authserver:8080, and counters (max-tokens:512) are no credentials.
+    if rest.startswith("/") or rest.isdecimal() or not _hides(name, _is_number(rest)):
+        return None
+    return word[: match.start("rest")] + REDACTED, None
+
+
+def _keeps_short_value(value: str) -> bool:
+    """Whether the value after ``-p`` is shown: a port, a port mapping or a path (rule 9)."""
+    if value.startswith(_PATH_START):
+        return True
+    short = len(value) <= _SHORT_VALUE
+    return short and _PORTISH.fullmatch(value) is not None and any(c.isdigit() for c in value)
+
+
+def _pending_hides(kind: str, name: str, word: str) -> bool:
+    """Whether ``word``, following a word that announced a value of ``kind``, is hidden."""
+    if kind == "credential":
+        return True
+    if kind == "short":
+        return not _keeps_short_value(word)
+    return _hides(name, _is_number(word))
 
 
 def _redact_words(words: Sequence[str]) -> list[str]:
-    """Apply the rules to a list of arguments, where a bare secret flag hides the next one."""
+    """Apply the rules to a list of arguments, where some words announce a secret next one."""
     out: list[str] = []
-    pending_flag: str | None = None
+    pending: _Pending | None = None
     for word in words:
-        if pending_flag is not None and word and not word.startswith("--"):
-            out.append(REDACTED if _is_secret_name(pending_flag, word) else word)
-            pending_flag = None
-            continue
-        pending_flag = None
-        if _takes_value(word):
-            pending_flag = word.lstrip("-")
-            out.append(word)
+        if pending is not None and _consumes(pending, word):
+            shown, pending = _value_word(pending, word)
+        elif _MAYBE_SECRET.search(word.lower()) is None:
+            shown, pending = word, None
         else:
-            out.append(_redact_arg(word))
+            shown, pending = _word(word)
+        out.append(shown)
     return out
+
+
+def _consumes(pending: _Pending, word: str) -> bool:
+    """Whether ``word`` is the value an earlier word announced (a ``--flag`` never is)."""
+    return bool(word) and not word.startswith("-" if pending[0] == "short" else "--")
+
+
+def _value_word(pending: _Pending, word: str) -> tuple[str, _Pending | None]:
+    """Show an announced value, and what it announces in turn."""
+    kind, name = pending
+    if kind == "header" and word.lower() in _AUTH_SCHEMES:
+        return word, ("credential", "")
+    shown = REDACTED if _pending_hides(kind, name, word) else word
+    # `--api-key -token x`: "-token" is hidden as a value and still hides "x" as a flag.
+    return shown, ("flag", word.lstrip("-")) if _takes_value(word) else None
+
+
+def _word(word: str) -> tuple[str, _Pending | None]:
+    """Show a word no earlier word announced, and what it announces."""
+    if _takes_value(word):
+        return word, ("flag", word.lstrip("-"))
+    if _ANY_WHITESPACE.search(word):
+        return _redact_arg(word), None
+    if word == "-p":
+        return word, ("short", "")
+    if word.lower().lstrip("'\"") == "bearer":
+        return word, ("credential", "")
+    header = _header(word)
+    if header is not None:
+        return header
+    return _redact_arg(word), None
 
 
 def _redact_spaced(arg: str) -> str:
@@ -186,44 +411,54 @@ def _redact_spaced(arg: str) -> str:
     return "".join(parts)
 
 
+def _redact_pem(args: Sequence[str]) -> list[str]:
+    """Hide the bodies of PEM blocks, within one argument or across several (rule 8)."""
+    out: list[str] = []
+    state = "out"  # "out", "label" (after -----BEGIN, before its closing dashes) or "body"
+    for arg in args:
+        if state == "out" and _PEM_BEGIN not in arg:
+            out.append(arg)
+            continue
+        pieces: list[str] = []
+        done = 0
+        pos = 0
+        while True:
+            if state == "out":
+                found = arg.find(_PEM_BEGIN, pos)
+                if found < 0:
+                    break
+                pos, state = found + len(_PEM_BEGIN), "label"
+            elif state == "label":
+                found = arg.find(_PEM_DASHES, pos)
+                if found < 0:
+                    break
+                pos, state = found + len(_PEM_DASHES), "body"
+            else:
+                found = arg.find(_PEM_END, pos)
+                end = len(arg) if found < 0 else found
+                if end > pos:
+                    pieces += (arg[done:pos], REDACTED)
+                    done = end
+                if found < 0:
+                    break
+                pos, state = found + len(_PEM_END), "out"
+        pieces.append(arg[done:])
+        out.append("".join(pieces))
+    return out
+
+
 def redact_cmdline(argv: Sequence[str]) -> tuple[str, ...]:
     """Return ``argv`` with the values of secret-looking flags and variables replaced.
 
     The result has exactly as many elements as ``argv``; see the module docstring for the rule.
     """
-    return tuple(_redact_words(list(argv)))
+    return tuple(_redact_words(_redact_pem(argv)))
 
 
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x1b": "\\e"}
-
-
-def _escape_char(ch: str) -> str:
-    """Escape one non-printable character as a C-style escape."""
-    if ch in _ESCAPES:
-        return _ESCAPES[ch]
-    code = ord(ch)
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-def escape_control(text: str) -> str:
-    """Return ``text`` with control, format and line-separator characters escaped.
-
-    A process chooses its own name and argv: unescaped, a newline or terminal escape in them
-    could forge lines in our journal entries, status screens and reports.
-    """
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escape_char(ch) for ch in text)
-
-
-def display_command(argv: Sequence[str]) -> str:
+def display_command(argv: Sequence[str], limit: int | None = None) -> str:
     """Join a (redacted again, to be safe) command line into one printable line for humans.
 
-    Arguments are shell-quoted where needed, then control characters are escaped, so the
-    result never contains a newline or a terminal escape sequence.
+    Arguments are shell-quoted where needed, then escaped (gpuguard.escaping), so the result
+    never contains a newline or a terminal escape sequence; ``limit`` bounds its length.
     """
-    return " ".join(escape_control(shlex.quote(arg)) for arg in redact_cmdline(argv))
+    return escape(" ".join(shlex.quote(arg) for arg in redact_cmdline(argv)), limit)

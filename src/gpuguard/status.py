@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.escaping import escape
 from gpuguard.policy import matching_pattern
 from gpuguard.protection import is_idle, is_protected
-from gpuguard.redaction import escape_control
 from gpuguard.values import MIB, MemoryApi, NvmlHealth
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
         last = unit.gate_decisions[-1] if unit.gate_decisions else None
         if last is not None and last.get("result") == "refused":
             blockers = _list(last.get("blockers"))
-            why = escape_control(str(blockers[0])) if blockers else "GPUs busy"
+            why = escape(str(blockers[0])) if blockers else "GPUs busy"
             findings.append(
                 Finding(
                     Level.CRITICAL,
@@ -180,14 +180,14 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: recoveries did not break its restart loop "
-                    f"({escape_control(str(unit.get('verdict')))})",
+                    f"({escape(str(unit.get('verdict')))})",
                 )
             )
         elif unit.get("looping"):
             findings.append(
                 Finding(
                     Level.WARNING,
-                    f"{name} is in a restart loop: {escape_control(str(unit.get('verdict')))}; "
+                    f"{name} is in a restart loop: {escape(str(unit.get('verdict')))}; "
                     f"cause {unit.get('cause')}; daemon action {unit.get('action')}",
                 )
             )
@@ -291,7 +291,7 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
 def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
     findings: list[Finding] = []
     for holder in inventory.holders:
-        who = f"PID {holder.pid} ({escape_control(holder.comm)}) holding {_gpu_list(holder)}"
+        who = f"PID {holder.pid} ({escape(holder.comm)}) holding {_gpu_list(holder)}"
         if holder.state == "D":
             findings.append(_sleep_finding(who, holder.kernel_wait))
         elif holder.state == "Z":
@@ -329,13 +329,13 @@ def _sleep_finding(who: str, kernel_wait: Sequence[str]) -> Finding:
     if driver is not None:
         return Finding(
             Level.CRITICAL,
-            f"{who} is stuck in the NVIDIA driver (state D, in {escape_control(driver)}): "
+            f"{who} is stuck in the NVIDIA driver (state D, in {escape(driver)}): "
             "it cannot be killed; a GPU reset or reboot may be needed",
         )
     if kernel_wait:
         return Finding(
             Level.OK,
-            f"{who} is in uninterruptible sleep (state D, in {escape_control(kernel_wait[0])}, "
+            f"{who} is in uninterruptible sleep (state D, in {escape(kernel_wait[0])}, "
             "not the NVIDIA driver): signals take effect when it wakes",
         )
     return Finding(
@@ -410,7 +410,7 @@ def _daemon_lines(daemon: DaemonView | None) -> list[str]:
     snapshot = daemon.snapshot
     journal = _dict(snapshot.get("journal"))
     dry = ", DRY RUN" if snapshot.get("dry_run") else ""
-    reason = f": {escape_control(str(journal['reason']))}" if journal.get("reason") else ""
+    reason = f": {escape(str(journal['reason']))}" if journal.get("reason") else ""
     return [
         (
             f"Daemon: {daemon.state} (PID {snapshot.get('pid')}, since "
@@ -427,19 +427,19 @@ def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
         return []
     lines = [
         (
-            f"daemon: {escape_control(str(watch.get('verdict')))} "
+            f"daemon: {escape(str(watch.get('verdict')))} "
             f"(starts in window {watch.get('starts_in_window')}, "
             f"restart counter {watch.get('n_restarts')}, action {watch.get('action')})"
         )
     ]
     if watch.get("looping"):
-        detail = escape_control(str(watch.get("cause_detail")))
+        detail = escape(str(watch.get("cause_detail")))
         lines.append(f"  cause {watch.get('cause')}: {detail}")
-        lines.extend(f"  {escape_control(str(line))}" for line in _list(watch.get("evidence"))[-5:])
+        lines.extend(f"  {escape(str(line))}" for line in _list(watch.get("evidence"))[-5:])
     lines.extend(
         f"recovery {record.get('started_at')}: {record.get('result')}"
         f", reaped {len(_list(record.get('reaped')))}"
-        + (f": {escape_control(str(record['problem']))}" if record.get("problem") else "")
+        + (f": {escape(str(record['problem']))}" if record.get("problem") else "")
         for record in map(_dict, _list(watch.get("recoveries"))[-3:])
     )
     if watch.get("needs_operator"):
@@ -466,7 +466,7 @@ def _gate_line(entry: Mapping[str, Any]) -> str:
         f", reaped {len(reaped)}, spared {len(spared)}"
     )
     blockers = entry.get("blockers") or []
-    return line + (f": {escape_control(str(blockers[0]))}" if blockers else "")
+    return line + (f": {escape(str(blockers[0]))}" if blockers else "")
 
 
 def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) -> list[str]:

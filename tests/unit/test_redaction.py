@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.redaction import REDACTED, display_command, escape_control, redact_cmdline
+from gpuguard.escaping import escape
+from gpuguard.redaction import REDACTED, display_command, redact_cmdline
 
 SECRET_FLAGS = [
     "--api-key",
@@ -162,7 +163,7 @@ def test_display_command_escapes_newlines_and_terminal_escapes() -> None:
     assert "\n" not in text
     assert "\x1b" not in text
     assert "\u202e" not in text
-    assert text == "python 'x\\nERROR forged line' '\\e[31mred' 'a b' '\\u202e'"
+    assert text == "python 'x\\nERROR forged line' '\\x1b[31mred' 'a b' '\\u202e'"
 
 
 def test_display_command_redacts() -> None:
@@ -177,6 +178,6 @@ def test_display_command_is_always_one_printable_line(argv: list[str]) -> None:
 
 
 @given(st.text())
-def test_escape_control_output_is_printable(text: str) -> None:
-    """escape_control always returns printable text."""
-    assert escape_control(text).isprintable()
+def test_escape_output_is_printable(text: str) -> None:
+    """escape always returns printable text."""
+    assert escape(text).isprintable()
