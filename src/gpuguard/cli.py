@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard import __version__
 from gpuguard.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
+from gpuguard.escaping import escape
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 EX_USAGE = 64
 EX_NOPERM = 77  # sysexits.h: the command needs a permission this user lacks (root)
 
+# The gate's verdict is one journal entry; journald splits lines longer than LineMax (48K).
+_GATE_LINE_LIMIT = 8192
 _DESCRIPTION = """\
 gpuguard keeps GPU inference services (SGLang, vLLM) out of restart loops caused by
 processes that still hold GPU memory after the service stopped. It finds who holds each
@@ -640,7 +643,9 @@ def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> in
         state.record_gate_decision(runtime_dir, outcome.unit, record)
     except OSError as err:
         sys.stderr.write(f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}\n")
-    sys.stderr.write(f"gpuguard gate: {outcome.message} [{gpu_set.describe()}]\n")
+    # One journal entry whatever the blockers hold: escaped, and cut below journald's LineMax.
+    line = escape(f"{outcome.message} [{gpu_set.describe()}]", _GATE_LINE_LIMIT)
+    sys.stderr.write(f"gpuguard gate: {line}\n")
     return 0 if outcome.passed else 1
 
 
@@ -731,17 +736,17 @@ def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
     if gpu_set.note:
         lines.append(f"  note: {gpu_set.note}")
     for decision in kill_plan.to_reap:
-        holder = decision.holder
-        lines.append(f"  reap  pid {holder.pid:<7} {holder.command[:60]}  - {decision.reason}")
+        command = escape(decision.holder.command, 60)
+        lines.append(f"  reap  pid {decision.holder.pid:<7} {command}  - {decision.reason}")
     for decision in kill_plan.spared:
-        holder = decision.holder
+        command = escape(decision.holder.command, 60)
         lines.append(
-            f"  spare pid {holder.pid:<7} {holder.command[:60]}  - "
+            f"  spare pid {decision.holder.pid:<7} {command}  - "
             f"{decision.verdict.value}: {decision.reason}"
         )
     if not kill_plan.decisions:
         lines.append("  no process holds these GPUs")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{escape(line)}\n" for line in lines)
 
 
 def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
@@ -811,7 +816,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
             used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"
             lines.append(f"GPU {g.reading.index}: {used} used")
         lines.extend(f"still busy: {b}" for b in blockers)
-        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.write("".join(f"{escape(line)}\n" for line in lines))
     if args.dry_run:
         return 0  # a plan was asked for and shown; busy GPUs are its subject, not a failure
     return 0 if not blockers else 1

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from gpuguard.detector import Detector, GpuEvidence, LoopSettings
+from gpuguard.escaping import escape
 from gpuguard.events import parse_entry
 from gpuguard.gate import GateSettings, run_gate, set_blockers
 from gpuguard.gpuset import resolve_gpu_set
@@ -443,7 +444,7 @@ class Daemon:
         live = state.invocation_id if state.running else None
         request = self._request(unit, inventory, state, live)
         stale = tuple(
-            f"PID {d.holder.pid} ({d.holder.comm}) holds GPU "
+            f"PID {d.holder.pid} ({escape(d.holder.comm)}) holds GPU "
             + ",".join(str(u.gpu_index) for u in d.holder.gpus)
             + f": {d.reason}"
             for d in plan(inventory.holders, request).to_reap

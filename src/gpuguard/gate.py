@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpuguard.escaping import escape
 from gpuguard.policy import Decision, PlanRequest, Verdict, plan
 from gpuguard.protection import is_idle
 from gpuguard.values import MIB, GateOutcome, NvmlHealth
@@ -102,7 +103,7 @@ def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
     why = (
         "would be reaped" if decision.verdict is Verdict.REAP else f"not touched: {decision.reason}"
     )
-    return f"PID {holder.pid} ({holder.comm}, {holder.owner}) - {why}"
+    return f"PID {holder.pid} ({escape(holder.comm)}, {holder.owner}) - {why}"
 
 
 def run_gate(  # noqa: PLR0913 - the loop's whole world, injected

@@ -15,6 +15,7 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING
 
 from gpuguard.cgroup import Attribution, attribute
+from gpuguard.escaping import escape
 from gpuguard.redaction import display_command
 from gpuguard.values import NvmlHealth
 
@@ -63,20 +64,24 @@ class Holder:
 
     @property
     def owner(self) -> str:
-        """Who the process belongs to, for humans: container, else unit, else "no unit"."""
+        """Who the process belongs to, for humans: container, else unit, else "no unit".
+
+        Escaped: a user names its own cgroups and containers.
+        """
         attribution = self.attribution
         if attribution.unknown:
             return "unknown cgroup"
         if attribution.container:
-            return attribution.container
+            return escape(attribution.container)
         if attribution.unit:
-            return f"{attribution.unit} (user)" if attribution.user_unit else attribution.unit
+            unit = escape(attribution.unit)
+            return f"{unit} (user)" if attribution.user_unit else unit
         return "no unit"
 
     @property
     def command(self) -> str:
         """The command line for humans: secrets already redacted, control characters escaped."""
-        return display_command(self.cmdline) or f"[{self.comm}]"
+        return display_command(self.cmdline) or f"[{escape(self.comm)}]"
 
 
 @dataclass(frozen=True, slots=True)

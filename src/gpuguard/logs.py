@@ -10,12 +10,32 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from gpuguard.escaping import escape
+
 if TYPE_CHECKING:
     from typing import TextIO
 
-    from structlog.typing import FilteringBoundLogger, Processor
+    from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
 _INFO = 20  # logging.INFO, spelled out so that the stdlib logging module need not be imported
+# A text field's length in a log line. journald splits a line longer than LineMax (48K) into
+# entries of their own, and the second would start with text a process chose.
+FIELD_LIMIT = 2048
+
+
+def escape_fields(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
+    """Escape every text field, and every text in a list field, and bound its length.
+
+    Fields carry command lines, process and unit names and reasons built from them; in the
+    readable form they would reach the terminal raw, and in both forms an overlong one would
+    let journald split the line.
+    """
+    for key, value in event.items():
+        if isinstance(value, str):
+            event[key] = escape(value, FIELD_LIMIT)
+        elif isinstance(value, list | tuple):
+            event[key] = [escape(v, FIELD_LIMIT) if isinstance(v, str) else v for v in value]
+    return event
 
 
 def configure_logging(json: bool, stream: TextIO | None = None) -> None:
@@ -23,7 +43,8 @@ def configure_logging(json: bool, stream: TextIO | None = None) -> None:
 
     ``json=True`` writes one JSON object per line, which journald stores as the message and
     tools can parse; ``json=False`` writes ``key=value`` lines for a person at a terminal.
-    Lines below INFO are dropped.
+    Lines below INFO are dropped. Text fields are escaped and bounded (``escape_fields``) in
+    both forms, so a log line is one line whatever a process chose to call itself.
     """
     import structlog  # noqa: PLC0415 - structlog is slow to import; load it only when used
 
@@ -32,6 +53,7 @@ def configure_logging(json: bool, stream: TextIO | None = None) -> None:
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        escape_fields,
     ]
     if json:
         processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from gpuguard.escaping import escape
+
 
 class Notifier:
     """Talks to systemd when started by it (NOTIFY_SOCKET set); a no-op otherwise."""
@@ -65,6 +67,9 @@ def watchdog_interval_s() -> float | None:
 
 
 def _line(text: str) -> str:
-    """One Latin-1 line: sdnotify encodes Latin-1 and would silently drop anything else."""
-    single = " ".join(text.split())
+    """One Latin-1 line: sdnotify encodes Latin-1 and would silently drop anything else.
+
+    Escaped too: `systemctl status` shows the line on root's terminal.
+    """
+    single = escape(" ".join(text.split()))
     return single.encode("latin-1", "replace").decode("latin-1")

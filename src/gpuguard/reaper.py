@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from gpuguard import procfs
+from gpuguard.escaping import escape
 from gpuguard.logs import get_logger
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def _refuse(targets: Sequence[ReapTarget]) -> None:
     seen: dict[int, int] = {}
     for target in targets:
         pid = target.identity.pid
-        what = f"PID {pid} ({target.command!r})"
+        what = f"PID {pid} ({escape(target.command, 200)})"
         if pid <= 2:
             raise ValueError(f"refusing to signal {what}: init and kthreadd are never reaped")
         if pid == own or pid in ancestors:
@@ -205,10 +206,11 @@ def _pin(item: _Tracked, proc_root: Path, log: EventLogger) -> None:
     if stat is None:
         _settle(item, ReapOutcome.GONE, "no such process", log)
     elif stat.start_time != target.identity.start_time:
-        detail = f"PID {pid} now names a process started at {stat.start_time} ({stat.comm!r})"
+        detail = f"PID {pid} now names a process started at {stat.start_time} ({escape(stat.comm)})"
         _settle(item, ReapOutcome.PID_REUSED, detail, log)
     elif stat.kernel_thread:
-        raise ValueError(f"refusing to signal PID {pid} ({stat.comm!r}): it is a kernel thread")
+        name = escape(stat.comm)
+        raise ValueError(f"refusing to signal PID {pid} ({name}): it is a kernel thread")
     elif _has_exited(item.fd):
         _settle(item, ReapOutcome.GONE, "already exited (a zombie its parent has not reaped)", log)
     else:

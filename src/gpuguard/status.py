@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gpuguard.holders import GpuOccupancy, Holder, Inventory
 
 SCHEMA_VERSION = 1
+_COMMAND_WIDTH = 100
 
 
 class Level(IntEnum):
@@ -401,7 +402,9 @@ def render_text(report: StatusReport) -> str:
         + (f", {scan.unreadable} processes not readable" if scan.unreadable else "")
     )
     lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
-    return "\n".join(lines) + "\n"
+    # Every line is escaped once more as a whole: whatever foreign text reached it (a process
+    # or cgroup name, a unit's environment, systemctl's error), it stays on its own line.
+    return "\n".join(escape(line) for line in lines) + "\n"
 
 
 def _daemon_lines(daemon: DaemonView | None) -> list[str]:
@@ -502,15 +505,10 @@ def _holder_line(holder: Holder, gpu_index: int | None) -> str:
         size = "fd only"
     owner = holder.owner
     hidden = "" if holder.files_readable else "  (open files not inspectable without root)"
-    return (
-        f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {_clip(holder.command)}"
-        + hidden
-    )
-
-
-def _clip(text: str, width: int = 100) -> str:
-    """Keep one holder on one line of a wide terminal; --json has the whole command line."""
-    return text if len(text) <= width else text[: width - 3] + "..."
+    # At most 100 characters of command line: one holder stays on one line of a wide terminal;
+    # --json has the whole command line.
+    command = escape(holder.command, _COMMAND_WIDTH)
+    return f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {command}{hidden}"
 
 
 def to_json(report: StatusReport) -> dict[str, Any]:
