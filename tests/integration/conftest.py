@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CGROUP2, Cli, FakeSystemd, Openers, UnitCgroups
+from hostile import HostileProcesses
 
 from gpuguard import configfile
 
@@ -69,3 +70,11 @@ def fake_systemd(cli: Cli, tmp_path: Path) -> FakeSystemd:
     doubles.bin_dir.mkdir()
     cli.env["PATH"] = f"{doubles.bin_dir}:{cli.env.get('PATH', '/usr/bin:/bin')}"
     return doubles
+
+
+@pytest.fixture
+def hostile() -> Iterator[HostileProcesses]:
+    """Factory for device holders with attacker-chosen names and command lines (killed after)."""
+    processes = HostileProcesses([])
+    yield processes
+    processes.stop()
