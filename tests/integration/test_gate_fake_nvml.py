@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from clirunner import Cli, FakeSystemd, Openers, UnitCgroups
     from fakeholder import HolderSpawner
+    from hostile import HostileProcesses
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
@@ -325,3 +326,40 @@ def test_unkillable_holder_fails_clearly_without_hanging(
     assert "unkillable" in result.err
     assert "state D" in result.err
     assert f"PID {stuck.pid}" in result.err.strip().splitlines()[-1]
+
+
+def test_gate_verdict_stays_one_line_whatever_holders_are_called(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """A holder's name and cgroup are escaped in the verdict: one journal line, no forged one."""
+    unit = unit_name()
+    job = spawn_holder(cli.state, gpus=(0,), mib=1000, name="x\nOK: start ok")
+    unit_cgroups.move(job.pid, "gg-\x1b]0;pwn\x07\u202e.service")
+    result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "1")
+    assert result.code == 1
+    assert [ch for ch in result.err if not ch.isprintable() and ch != "\n"] == []
+    verdict = [line for line in result.err.splitlines() if line.startswith("gpuguard gate:")]
+    assert len(verdict) == 1
+    assert not any(line.startswith("OK") for line in result.err.splitlines())
+    assert f"PID {job.pid} (x\\nOK: start ok, gg-\\x1b]0;pwn\\x07\\u202e.service)" in verdict[0]
+
+
+def test_gate_timeout_holds_against_hostile_command_lines(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups, hostile: HostileProcesses
+) -> None:
+    """1.75 MiB of `-a=-a=…` and `…://` arguments on a busy GPU: refused on time, no traceback.
+
+    Such arguments once crashed the gate (RecursionError: every start refused) or kept a gate
+    with --timeout 3 busy for 136 s.
+    """
+    unit = unit_name()
+    job = spawn_holder(cli.state, gpus=(0,), mib=1000, name="python3 train.py")
+    unit_cgroups.move(job.pid, unit_name().replace("sglang", "training"))
+    arg_max = 128 * 1024 - 1
+    hostile(cli.state, 0, args=["-a=" * (arg_max // 3), "a" * (arg_max - 3) + "://"] * 7)
+    started = time.monotonic()
+    result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "3", timeout=120)
+    assert time.monotonic() - started < 20
+    assert "Traceback" not in result.err
+    assert result.code == 1
+    assert result.err.splitlines()[-1].startswith(f"gpuguard gate: GPUs of {unit} still busy")

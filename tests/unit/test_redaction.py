@@ -179,5 +179,5 @@ def test_display_command_is_always_one_printable_line(argv: list[str]) -> None:
 
 @given(st.text())
 def test_escape_output_is_printable(text: str) -> None:
-    """escape always returns printable text."""
+    """Escape always returns printable text."""
     assert escape(text).isprintable()
