@@ -32,8 +32,9 @@ The rule, applied to each argument in turn:
    after it goes. ``Bearer`` alone hides the next word too.
 7. In JSON or Python-dict text (``{"hf_token": "x"}``, also escaped inside another string), a
    secret key's value is hidden, under rules 1 and 2.
-8. The body of a PEM block (``-----BEGIN … PRIVATE KEY-----`` … ``-----END …``) is hidden, in
-   one argument or spread over several; an unterminated block is hidden to the end.
+8. A PEM block (``-----BEGIN RSA PRIVATE KEY-----`` … ``-----END RSA PRIVATE KEY-----``) is
+   hidden from its BEGIN label to its END marker, in one argument or spread over several:
+   ``-----BEGIN<redacted>-----END RSA PRIVATE KEY-----``; an unterminated one to the end.
 9. ``-p VALUE`` (the short password option of sshpass and others) hides VALUE unless it looks
    like a port or port mapping (digits, ``.``, ``:``, ``[``, ``]``, ``-``, ``/tcp``), or a path
    (``mkdir -p /x``): a password of digits only is shown. Glued forms (``-pSECRET``) are not
@@ -42,11 +43,17 @@ The rule, applied to each argument in turn:
     argv with setproctitle) is split on whitespace and the same rules apply to its words.
     Shell quoting inside it is not parsed, so a quoted secret containing spaces may leak its
     tail: the cost of not guessing at shell syntax.
+11. The work is bounded: a command line gets 10,000 pieces inspected one by one (a word that
+    may hold a secret, a nested ``=``, a JSON key, a query parameter; a real command line has
+    a few hundred). Past that, the rest of the argument being inspected and every later word
+    that would need a look are hidden whole. A word with none of the rules' trigger texts
+    (``key``, ``token``, ``secret``, ``pass``, ``pwd``, ``cred``, ``cookie``, ``auth``,
+    ``bearer``, ``://``, a lone ``-p``) costs a few substring scans and is shown as it is.
 
 Redaction keeps the number of arguments and is idempotent. It is linear in the length of the
 command line: no recursion, and every regular expression is anchored at a delimiter and bounded
 or possessive, so a hostile argument (``-a=-a=…``, 128 KiB of ``a`` ending in ``://``) costs what
-its length costs.
+its length costs, and rule 11 caps what that is.
 """
 
 from __future__ import annotations
@@ -111,6 +118,9 @@ _LIMIT_WORDS = frozenset(
         "reserved",
     }
 )
+# Pieces of one command line inspected one by one (rule 11): each costs a few microseconds of
+# Python, a real command line has a few hundred, a hostile 2 MiB one could have a million.
+_BUDGET = 10_000
 # A value longer than this is never treated as a number (rule 2) or a port (rule 9).
 _SHORT_VALUE = 64
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
@@ -119,12 +129,13 @@ _WORD_SPLIT = re.compile(r"[-_.]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _WHITESPACE = re.compile(r"(\s+)")
 # Every rule needs one of these in the (lower-cased) text: a word without any is kept as it is
-# after one scan in C, which keeps ordinary long arguments cheap.
-_MAYBE_SECRET = re.compile(r"key|token|secret|pass|pwd|cred|cookie|auth|bearer|://|(?<!\S)-p(?!\S)")
+# after a few substring scans in C, which keeps ordinary long arguments cheap.
+_TRIGGERS = ("key", "token", "secret", "pass", "pwd", "cred", "cookie", "auth", "bearer", "://")
+_SHORT_P = re.compile(r"(?:^|\s)-p(?:\s|$)")
 _ANY_WHITESPACE = re.compile(r"\s")
-# After "://": user, ":", password, "@". Neither part can hold "/", so the spans that two
-# "://" in one argument scan never overlap.
-_USERINFO = re.compile(r"[^/:@\s]*+:(?P<password>[^/@\s]++)@")
+# "://", user, ":", password, "@". Neither part can hold "/", so the spans that two "://" in
+# one argument scan never overlap: linear, unlike a pattern that also matched the scheme.
+_URL_PASSWORD = re.compile(r"://[^/:@\s]*+:(?P<password>[^/@\s]++)@")
 # Query parameters: the name is bounded and cannot hold the separators that start another.
 _QUERY_KEY = re.compile(r"[?&](?P<name>[A-Za-z0-9_.\[\]-]{1,128})=")
 _QUERY_VALUE = re.compile(r"[^&#\s]*+")
@@ -132,14 +143,34 @@ _QUERY_VALUE = re.compile(r"[^&#\s]*+")
 _JSON_KEY = re.compile(r"""(?P<quote>["'])(?P<name>[A-Za-z0-9_.-]{1,128})\\*(?P=quote)\s*+:\s*+""")
 _JSON_BARE_VALUE = re.compile(r"""[^\s,}\]"'\\]*+""")
 # A header word: an optional "--flag=" or shell quote in front, the name, a colon, the rest.
+# A word starting with "-" can only be read with the flag, any other only without: one reading.
 _HEADER = re.compile(
-    r"""(?:[^=]*+=)?["']?(?P<name>[A-Za-z][A-Za-z0-9-]{0,127}):(?P<rest>.*)""", re.DOTALL
+    r"""(?:-[A-Za-z0-9_-]{0,127}=)?["']?(?P<name>[A-Za-z][A-Za-z0-9-]{0,127}):(?P<rest>.*)""",
+    re.DOTALL,
 )
 _AUTH_SCHEMES = frozenset({"bearer", "basic", "digest", "token", "negotiate", "apikey"})
 _PATH_START = ("/", "./", "../", "~")
 _PEM_BEGIN = "-----BEGIN"
 _PEM_END = "-----END"
-_PEM_DASHES = "-----"
+
+
+class _BudgetSpentError(Exception):
+    """The budget of one command line is spent: what is being inspected is hidden whole."""
+
+
+class _Budget:
+    """How many more pieces of one command line may be inspected one by one (rule 11)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = _BUDGET
+
+    def spend(self) -> None:
+        """Count one piece; raise _BudgetSpentError once there were too many."""
+        self.left -= 1
+        if self.left < 0:
+            raise _BudgetSpentError
 
 
 # A word that announces a secret next word: its kind ("flag", "header", "credential", "short")
@@ -187,7 +218,7 @@ def _takes_value(arg: str) -> bool:
     return bool(_secret_words(arg.lstrip("-")))
 
 
-def _redact_assignment(arg: str) -> str | None:
+def _redact_assignment(arg: str, budget: _Budget) -> str | None:
     """Redact a whole ``--flag=value`` or ``NAME=value`` argument; None when it is not secret.
 
     ``-e=HF_TOKEN=x`` nests: while the name is a flag that is not secret, its value is looked
@@ -198,9 +229,8 @@ def _redact_assignment(arg: str) -> str | None:
         equals = arg.find("=", pos)
         if equals < 0:
             return None
+        budget.spend()
         start = equals + 1
-        if len(arg) - start == len(REDACTED) and arg.endswith(REDACTED):
-            return None
         name = arg[pos:equals]
         numeric = _is_number(arg, start)
         if not name.startswith("-"):
@@ -211,7 +241,7 @@ def _redact_assignment(arg: str) -> str | None:
         pos = start
 
 
-def _redact_json(arg: str) -> str:
+def _redact_json(arg: str, budget: _Budget) -> str:
     """Hide the values of secret keys in JSON or dict text (rule 7).
 
     A key that is not secret consumes only itself, so a value holding more JSON is searched too.
@@ -220,6 +250,7 @@ def _redact_json(arg: str) -> str:
     done = 0
     pos = 0
     while (match := _JSON_KEY.search(arg, pos)) is not None:
+        budget.spend()
         pos = match.end()
         name = match["name"]
         if not _secret_words(name):
@@ -260,32 +291,24 @@ def _json_value(arg: str, pos: int) -> tuple[int, int, int]:
     return pos, end, end
 
 
-def _redact_url(word: str) -> str:
+def _redact_url(word: str, budget: _Budget) -> str:
     """Hide URL passwords and secret query parameters in one word (rule 5)."""
     if "://" in word:
         word = _replace_spans(word, _url_password_spans(word))
     if "=" in word and ("?" in word or "&" in word):
-        word = _replace_spans(word, _query_spans(word))
+        word = _replace_spans(word, _query_spans(word, budget))
     return word
 
 
 def _url_password_spans(word: str) -> list[tuple[int, int]]:
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    while (found := word.find("://", pos)) >= 0:
-        match = _USERINFO.match(word, found + 3)
-        if match is None:
-            pos = found + 3
-        else:
-            spans.append(match.span("password"))
-            pos = match.end()
-    return spans
+    return [match.span("password") for match in _URL_PASSWORD.finditer(word)]
 
 
-def _query_spans(word: str) -> list[tuple[int, int]]:
+def _query_spans(word: str, budget: _Budget) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
     pos = 0
     while (match := _QUERY_KEY.search(word, pos)) is not None:
+        budget.spend()
         pos = match.end()
         value = _QUERY_VALUE.match(word, pos)
         end = pos if value is None else value.end()
@@ -307,16 +330,16 @@ def _replace_spans(text: str, spans: list[tuple[int, int]]) -> str:
     return "".join(pieces)
 
 
-def _redact_arg(arg: str) -> str:
+def _redact_arg(arg: str, budget: _Budget) -> str:
     """Redact one argument on its own (without looking at its neighbours)."""
-    whole = _redact_assignment(arg)
+    whole = _redact_assignment(arg, budget)
     if whole is not None:
         return whole
     if "'" in arg or '"' in arg:
-        arg = _redact_json(arg)
+        arg = _redact_json(arg, budget)
     if _ANY_WHITESPACE.search(arg):
-        return _redact_spaced(arg)
-    return _redact_url(arg)
+        return _redact_spaced(arg, budget)
+    return _redact_url(arg, budget)
 
 
 def _header(word: str) -> tuple[str, _Pending | None] | None:
@@ -357,19 +380,36 @@ def _pending_hides(kind: str, name: str, word: str) -> bool:
     return _hides(name, _is_number(word))
 
 
-def _redact_words(words: Sequence[str]) -> list[str]:
-    """Apply the rules to a list of arguments, where some words announce a secret next one."""
+def _redact_words(words: Sequence[str], budget: _Budget) -> list[str]:
+    """Apply the rules to a list of arguments, where some words announce a secret next one.
+
+    Once the budget is spent, every word left is hidden without a look (rule 11).
+    """
     out: list[str] = []
     pending: _Pending | None = None
-    for word in words:
-        if pending is not None and _consumes(pending, word):
-            shown, pending = _value_word(pending, word)
-        elif _MAYBE_SECRET.search(word.lower()) is None:
-            shown, pending = word, None
-        else:
-            shown, pending = _word(word)
+    for index, word in enumerate(words):
+        if pending is None and not _may_hide(word):
+            out.append(word)
+            continue
+        try:
+            budget.spend()
+            if pending is not None and _consumes(pending, word):
+                shown, pending = _value_word(pending, word)
+            else:
+                shown, pending = _word(word, budget)
+        except _BudgetSpentError:
+            out.extend(REDACTED if rest else rest for rest in words[index:])
+            break
         out.append(shown)
     return out
+
+
+def _may_hide(word: str) -> bool:
+    """Whether any rule could hide something in ``word`` (else it is shown as it is)."""
+    lower = word.lower()
+    return any(trigger in lower for trigger in _TRIGGERS) or (
+        "-p" in word and _SHORT_P.search(word) is not None
+    )
 
 
 def _consumes(pending: _Pending, word: str) -> bool:
@@ -387,12 +427,12 @@ def _value_word(pending: _Pending, word: str) -> tuple[str, _Pending | None]:
     return shown, ("flag", word.lstrip("-")) if _takes_value(word) else None
 
 
-def _word(word: str) -> tuple[str, _Pending | None]:
+def _word(word: str, budget: _Budget) -> tuple[str, _Pending | None]:
     """Show a word no earlier word announced, and what it announces."""
     if _takes_value(word):
         return word, ("flag", word.lstrip("-"))
     if _ANY_WHITESPACE.search(word):
-        return _redact_arg(word), None
+        return _redact_arg(word, budget), None
     if word == "-p":
         return word, ("short", "")
     if word.lower().lstrip("'\"") == "bearer":
@@ -400,48 +440,49 @@ def _word(word: str) -> tuple[str, _Pending | None]:
     header = _header(word)
     if header is not None:
         return header
-    return _redact_arg(word), None
+    return _redact_arg(word, budget), None
 
 
-def _redact_spaced(arg: str) -> str:
+def _redact_spaced(arg: str, budget: _Budget) -> str:
     """Redact inside one argument that holds a whole command line (``sh -c``, setproctitle)."""
     parts = _WHITESPACE.split(arg)
     # Even indexes are words (possibly empty at the ends), odd ones the whitespace between them.
-    parts[0::2] = _redact_words(parts[0::2])
+    parts[0::2] = _redact_words(parts[0::2], budget)
     return "".join(parts)
 
 
 def _redact_pem(args: Sequence[str]) -> list[str]:
-    """Hide the bodies of PEM blocks, within one argument or across several (rule 8)."""
+    """Hide what lies between -----BEGIN and -----END, in one argument or across several.
+
+    The label goes with the body: a rule that hid it would need a marker (its closing dashes)
+    that the other rules, applied after this one, could hide in turn. The two markers this
+    needs cannot be: a body is hidden up to its -----END before any other rule looks, and a
+    word starting with "--" is never taken as a value.
+    """
     out: list[str] = []
-    state = "out"  # "out", "label" (after -----BEGIN, before its closing dashes) or "body"
+    inside = False
     for arg in args:
-        if state == "out" and _PEM_BEGIN not in arg:
+        if not inside and _PEM_BEGIN not in arg:
             out.append(arg)
             continue
         pieces: list[str] = []
         done = 0
         pos = 0
         while True:
-            if state == "out":
+            if not inside:
                 found = arg.find(_PEM_BEGIN, pos)
                 if found < 0:
                     break
-                pos, state = found + len(_PEM_BEGIN), "label"
-            elif state == "label":
-                found = arg.find(_PEM_DASHES, pos)
-                if found < 0:
-                    break
-                pos, state = found + len(_PEM_DASHES), "body"
-            else:
-                found = arg.find(_PEM_END, pos)
-                end = len(arg) if found < 0 else found
-                if end > pos:
-                    pieces += (arg[done:pos], REDACTED)
-                    done = end
-                if found < 0:
-                    break
-                pos, state = found + len(_PEM_END), "out"
+                pos, inside = found + len(_PEM_BEGIN), True
+                continue
+            found = arg.find(_PEM_END, pos)
+            end = len(arg) if found < 0 else found
+            if end > pos:
+                pieces += (arg[done:pos], REDACTED)
+                done = end
+            if found < 0:
+                break
+            pos, inside = found + len(_PEM_END), False
         pieces.append(arg[done:])
         out.append("".join(pieces))
     return out
@@ -452,7 +493,7 @@ def redact_cmdline(argv: Sequence[str]) -> tuple[str, ...]:
 
     The result has exactly as many elements as ``argv``; see the module docstring for the rule.
     """
-    return tuple(_redact_words(_redact_pem(argv)))
+    return tuple(_redact_words(_redact_pem(argv), _Budget()))
 
 
 def display_command(argv: Sequence[str], limit: int | None = None) -> str:
