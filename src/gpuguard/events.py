@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+from gpuguard.escaping import escape
+
 
 class EventKind(StrEnum):
     """What happened to a unit, as systemd (or, for ``gpu-oom-output``, the unit) said it."""
@@ -186,7 +188,6 @@ _OTHER_EXIT = re.compile(r"(?:Control|Condition check) process exited")
 
 _OUTPUT_TRANSPORTS: Final = frozenset({"stdout", "journal", "syslog"})
 _ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _INT = re.compile(r"[+-]?\d{1,18}")
 MESSAGE_LIMIT: Final = 300
 """Characters of MESSAGE kept on an event."""
@@ -394,19 +395,8 @@ def _is_byte(item: object) -> bool:
 
 
 def _display(text: str | None) -> str:
-    """``text`` on one line for people: control characters escaped, cut to MESSAGE_LIMIT."""
-    if not text:
-        return ""
-    escaped = _CONTROL.sub(_escape, text)
-    if len(escaped) <= MESSAGE_LIMIT:
-        return escaped
-    return escaped[: MESSAGE_LIMIT - 1] + "…"
-
-
-def _escape(match: re.Match[str]) -> str:
-    """A control character as a visible escape."""
-    char = match.group()
-    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(char, f"\\x{ord(char):02x}")
+    """``text`` on one line for people: escaped (gpuguard.escaping), cut to MESSAGE_LIMIT."""
+    return escape(text, MESSAGE_LIMIT) if text else ""
 
 
 def _string(value: object) -> str | None:
