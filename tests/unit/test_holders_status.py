@@ -271,3 +271,28 @@ def test_refused_gate_is_critical() -> None:
     assert report.level is Level.CRITICAL
     assert "refused the last start of sglang.service at t2: GPU 1: 500 MiB used" in report.headline
     assert "gate t2 refused" in render_text(report)
+
+
+def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
+    """The name shown in place of an empty command line is escaped, as are owners and findings."""
+    level, text, doc = judge(
+        reading(gpu(0, 1000, (10, 1000)), gpu(1, 500, (11, 500))),
+        proc(10, "/dev/nvidia0", comm="\nOK: all idle", cmdline=()),
+        proc(
+            11,
+            "/dev/nvidia1",
+            cgroup="/system.slice/gg-\x1b]0;pwn\x07\u202e.service",
+            comm="\x1b[2Jsglang",
+            cmdline=("python3", "-m", "sglang\r\x1b[KOK", "a\u2028b"),
+        ),
+    )
+    lines = text.splitlines()
+    assert not [line for line in lines if line.startswith("OK")]
+    assert all(line.isprintable() for line in lines)
+    assert "[\\nOK: all idle]" in text
+    assert "gg-\\x1b]0;pwn\\x07\\u202e.service" in text
+    assert "sglang\\r\\x1b[KOK" in text
+    assert "a\\u2028b" in text
+    assert level.name == "WARNING"  # the look-alike outside its unit, named escaped
+    assert "(\\x1b[2Jsglang)" in text
+    assert json.loads(json.dumps(doc))["holders"][0]["comm"] == "\nOK: all idle"
