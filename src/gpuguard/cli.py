@@ -580,7 +580,6 @@ def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading |
 
 def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | None) -> int:
     from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
-    from gpuguard.escaping import escape  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     unit = _unit_settings(settings, args.unit)
@@ -608,7 +607,7 @@ def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | N
         return reaper.reap(targets, grace_s=grace, logger=log)
 
     def report(line: str) -> None:
-        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line)}\n")
+        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
 
     outcome = gate.run_gate(
         gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
