@@ -111,6 +111,8 @@ def _entry(message: object) -> dict[str, object]:
     return {
         "__CURSOR": "s=1;i=1",
         "__REALTIME_TIMESTAMP": "1764000000000000",
+        "__MONOTONIC_TIMESTAMP": "86400000000",
+        "_BOOT_ID": "0123456789abcdef0123456789abcdef",
         "_SYSTEMD_UNIT": "sglang.service",
         "_TRANSPORT": "stdout",
         "_PID": "4242",
