@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from gpuguard.values import GpuReading, NvmlReading, ProcessFacts, ProcessIdentity, ProcScan
 
 _GPU_NODE = re.compile(r"nvidia(\d+)")
+# The command line shown to people, in records and in logs: a process may have 2 MiB of it
+# (status --json keeps the whole, redacted ``cmdline``).
+COMMAND_LIMIT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +83,8 @@ class Holder:
 
     @property
     def command(self) -> str:
-        """The command line for humans: secrets already redacted, control characters escaped."""
-        return display_command(self.cmdline) or f"[{escape(self.comm)}]"
+        """The command line for humans: redacted, escaped, at most COMMAND_LIMIT characters."""
+        return display_command(self.cmdline, COMMAND_LIMIT) or f"[{escape(self.comm)}]"
 
 
 @dataclass(frozen=True, slots=True)
