@@ -110,16 +110,15 @@ def _short(container_id: str) -> str:
     return container_id[:12].lower()
 
 
-def _in_kubepods(components: list[str], index: int) -> bool:
-    """Whether a ``kubepods`` hierarchy encloses ``components[index]``."""
-    return any(c.startswith("kubepods") for c in components[:index])
+def _kube(components: list[str], index: int, *, in_kubepods: bool) -> str | None:
+    """Name a kubepods container when ``components[index]`` is a pod's cgroup.
 
-
-def _kube(components: list[str], index: int) -> str | None:
-    """Name a kubepods container when ``components[index]`` is a pod's cgroup."""
+    ``in_kubepods``: a ``kubepods`` hierarchy encloses ``components[index]`` (carried by the
+    caller's walk, so a path of many components costs linear time, not quadratic).
+    """
     here = components[index]
     match = _KUBE_POD_SLICE.fullmatch(here)
-    if match is None and _in_kubepods(components, index):
+    if match is None and in_kubepods:
         match = _KUBE_POD_DIR.fullmatch(here)
     if match is None:
         return None
@@ -131,7 +130,7 @@ def _kube(components: list[str], index: int) -> str | None:
     return f"kubepods:{uid}"
 
 
-def _container_at(components: list[str], index: int) -> str | None:
+def _container_at(components: list[str], index: int, *, in_kubepods: bool) -> str | None:
     """Return the container that ``components[index]`` opens, or None."""
     here = components[index]
     after = components[index + 1] if index + 1 < len(components) else None
@@ -151,7 +150,7 @@ def _container_at(components: list[str], index: int) -> str | None:
     ):
         result = f"machine:{_unescape(match.group(1))}"
     else:
-        result = _kube(components, index)
+        result = _kube(components, index, in_kubepods=in_kubepods)
     return result
 
 
@@ -168,8 +167,10 @@ def attribute(path: str | None) -> Attribution:
     unit: str | None = None
     slice_: str | None = None
     user = False
+    in_kubepods = False
     for index, component in enumerate(components):
-        container = _container_at(components, index)
+        container = _container_at(components, index, in_kubepods=in_kubepods)
+        in_kubepods = in_kubepods or component.startswith("kubepods")
         if container is not None:
             return Attribution(unit=None, user_unit=user, slice=slice_, container=container)
         if unit is not None:
