@@ -370,7 +370,9 @@ def _run(settings: Settings) -> int:
 
     def save_unit_state(unit: str, document: dict[str, Any]) -> None:
         try:
-            state.write_json(daemon.unit_state_path(settings.state_dir, unit), document)
+            state.write_json(
+                daemon.unit_state_path(settings.state_dir, unit), document, durable=True
+            )
         except OSError as err:
             log.warning("cannot save unit state", unit=unit, error=str(err))
 
@@ -554,7 +556,8 @@ def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading |
     if cached is None or not _inside_unit(args.unit):
         return None, None
     unit = cached["units"].get(args.unit) or {}
-    reading = nvml.read_gpus(float(cached["nvml_timeout_s"]))
+    library = cached["nvml_library"]
+    reading = nvml.read_gpus(float(cached["nvml_timeout_s"]), library and Path(library))
     if reading.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
         return None, reading
     gpu_set = resolve_gpu_set(unit.get("gpus"), dict(os.environ), reading.gpus)

@@ -24,7 +24,8 @@ from pydantic import (
     field_validator,
 )
 
-from gpuguard.configfile import EX_CONFIG, config_path, store_validated
+from gpuguard.configfile import EX_CONFIG, config_path, read_config, store_validated
+from gpuguard.files import UnsafePathError
 
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",
@@ -213,6 +214,11 @@ class Settings(_Strict):
         description="Process names (comm or argv[0] basename) gpuguard never signals, added to "
         "the built-in list.",
     )
+    nvml_library: Path | None = Field(
+        default=None,
+        description="The driver's libnvidia-ml.so.1 by absolute path; unset: found in ldconfig's "
+        "cache or the distribution's library directories (never through LD_LIBRARY_PATH).",
+    )
     nvml_timeout_s: float = Field(
         default=10.0,
         gt=0,
@@ -287,6 +293,13 @@ class Settings(_Strict):
         added = dict.fromkeys(value)
         return DEFAULT_PROTECTED + tuple(name for name in added if name not in DEFAULT_PROTECTED)
 
+    @field_validator("nvml_library")
+    @classmethod
+    def _absolute_library(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError("must be an absolute path such as /usr/lib/x86_64-linux-gnu/…")
+        return value
+
     @field_validator("units")
     @classmethod
     def _units_named(cls, value: dict[str, UnitSettings]) -> dict[str, UnitSettings]:
@@ -327,13 +340,15 @@ def load_settings(cli_path: Path | None = None) -> Settings:
     """Read the configuration; a missing default file means all defaults."""
     path, explicit = config_path(cli_path)
     try:
-        raw = path.read_bytes()
+        raw = read_config(path)
     except FileNotFoundError:
         if explicit:
             raise ConfigError(f"{path}: no such file") from None
         settings = Settings()
         store_validated(path, None, settings.model_dump(mode="json"))
         return settings
+    except UnsafePathError as err:
+        raise ConfigError(f"{path}: not trusted: {err}") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
     settings = parse_settings(raw, path)

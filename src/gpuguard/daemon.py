@@ -34,6 +34,7 @@ from gpuguard.events import parse_entry
 from gpuguard.gate import GateSettings, run_gate, set_blockers
 from gpuguard.gpuset import resolve_gpu_set
 from gpuguard.policy import PlanRequest, Scope, plan
+from gpuguard.records import bound_record
 from gpuguard.recovery import (
     Action,
     Decision,
@@ -488,7 +489,7 @@ class Daemon:
                     "systemctl start",
                 ],
             )
-            watch.recoveries.append(record)
+            watch.recoveries.append(bound_record(record))
             return
         watch.in_progress = record
         self._save(watch)
@@ -580,7 +581,7 @@ class Daemon:
         }
         watch.detector.reset(restarted_at)
         watch.in_progress = None
-        watch.recoveries.append(record)
+        watch.recoveries.append(bound_record(record))
         self._save(watch)
         log = ports.log.info if problem is None else ports.log.error
         log(

@@ -13,8 +13,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard import files, programs
+
 SYSTEMD_DIR = Path("/etc/systemd/system")
 FILE_NAME = "gpuguard-gate.conf"
+_MAX_BYTES = 64 * 1024
 MARKER = "# gpuguard drop-in for a GPU inference unit (SGLang, vLLM)."
 
 _TEMPLATE = f"""\
@@ -70,14 +73,17 @@ def drop_in_path(unit: str, systemd_dir: Path = SYSTEMD_DIR) -> Path:
 def install(unit: str, gpuguard: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Change:
     """Write the drop-in; refuse to overwrite a file an operator changed."""
     path = drop_in_path(unit, systemd_dir)
-    text = render(gpuguard)
     try:
-        current = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        current = None
-    if current == text:
+        return _install(path, render(gpuguard))
+    except files.UnsafePathError as err:
+        return Change(path, "refused", str(err))
+
+
+def _install(path: Path, text: str) -> Change:
+    current = _current(path)
+    if current == text.encode("utf-8"):
         return Change(path, "unchanged")
-    if current is not None and not current.startswith(MARKER):
+    if current is not None and not current.startswith(MARKER.encode("utf-8")):
         return Change(path, "refused", f"{path} exists and was not written by gpuguard")
     if current is not None:
         return Change(
@@ -86,10 +92,7 @@ def install(unit: str, gpuguard: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Cha
             f"{path} was changed since gpuguard wrote it; remove it first "
             "(gpuguard remove-gate) or edit it by hand",
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{FILE_NAME}.tmp")
-    temp.write_text(text, encoding="utf-8")
-    temp.replace(path)
+    files.write_file(path, text.encode("utf-8"), mode=0o644, durable=True)
     return Change(path, "installed")
 
 
@@ -101,8 +104,14 @@ def remove(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Change:
     """
     path = drop_in_path(unit, systemd_dir)
     try:
-        current = path.read_bytes()
-    except FileNotFoundError:
+        return _remove(path)
+    except files.UnsafePathError as err:
+        return Change(path, "refused", str(err))
+
+
+def _remove(path: Path) -> Change:
+    current = _current(path)
+    if current is None:
         return Change(path, "absent")
     if not as_installed(current):
         return Change(
@@ -111,10 +120,18 @@ def remove(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> Change:
             f"kept {path}: it is not what install-gate wrote (edited since, or another "
             "file); delete it by hand if the gate should go",
         )
-    path.unlink()
+    files.remove_file(path)
     with contextlib.suppress(OSError):
         path.parent.rmdir()  # only if now empty: other drop-ins stay
     return Change(path, "removed")
+
+
+def _current(path: Path) -> bytes | None:
+    """The drop-in's bytes, None when absent; its directories must be root's (files.py)."""
+    try:
+        return files.read_file(path, max_bytes=_MAX_BYTES)
+    except FileNotFoundError:
+        return None
 
 
 def as_installed(data: bytes) -> bool:
@@ -133,8 +150,8 @@ _EXEC_SUFFIX = b" gate --unit %n"
 def daemon_reload() -> str | None:
     """Make systemd read the change; None, or why it could not."""
     try:
-        result = subprocess.run(
-            ["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=60, check=False
+        result = programs.run(
+            ["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=60
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"systemctl daemon-reload failed: {err}"

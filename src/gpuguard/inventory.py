@@ -28,7 +28,7 @@ def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
     are then read one by one: without root a live job of another user is merely uninspectable.
     """
     if reading is None:
-        reading = nvml.read_gpus(settings.nvml_timeout_s)
+        reading = nvml.read_gpus(settings.nvml_timeout_s, settings.nvml_library)
     scan = procfs.scan_device_holders(settings.device_glob)
     found = {facts.identity.pid for facts in scan.processes}
     listed = {p.pid for gpu in reading.gpus for p in gpu.processes} - found

@@ -69,6 +69,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self, cast
 
+from gpuguard import programs
 from gpuguard.state import read_json, write_json
 
 if TYPE_CHECKING:
@@ -452,9 +453,7 @@ class JournalFollower:
         """The _BOOT_ID of the journal's newest entry (the current boot), or None."""
         argv = [*self.journalctl, "--lines=1", "--output=json", "--output-fields=_BOOT_ID"]
         try:
-            done = subprocess.run(
-                [*argv, "--no-pager", "--quiet"], capture_output=True, timeout=10, check=False
-            )
+            done = programs.run([*argv, "--no-pager", "--quiet"], capture_output=True, timeout=10)
             boot = json.loads(done.stdout.splitlines()[-1]).get("_BOOT_ID")
         except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, AttributeError):
             return None
@@ -495,14 +494,14 @@ class JournalFollower:
         stream.argv = self._argv(stream)
         stream.spawned_at = self._clock()
         try:
-            stream.proc = subprocess.Popen(
+            stream.proc = programs.popen(
                 stream.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 process_group=0,  # close() ends the group, with whatever a wrapper forked
                 # Only prctl and getppid run in the child, no lock is taken: safe with threads.
-                preexec_fn=_die_with_parent(),  # noqa: PLW1509
+                preexec_fn=_die_with_parent(),
             )
         except OSError as err:
             self._failed(stream, _spawn_error(stream.argv[0], err))

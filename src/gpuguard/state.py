@@ -1,44 +1,39 @@
-"""The state store: small JSON documents written atomically (temp file + rename).
+"""The state store: small JSON documents written atomically through the files adapter.
 
 A reader (``gpuguard status``) never sees half a file, and a crash mid-write loses at most the
-newest record. Files are readable by operators; command lines in them are already redacted.
+newest record. Files are readable by operators (0644 whatever the umask); command lines in them
+are already redacted, and every record is size-bounded (records.py) before it is kept.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from typing import TYPE_CHECKING, Any
+
+from gpuguard import files
+from gpuguard.records import bound_record
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 GATE_HISTORY = 20
+# A state document is at most GATE_HISTORY bounded records; anything larger is not ours.
+READ_MAX = 4 * 1024 * 1024
 
 
-def write_json(path: Path, document: object) -> None:
-    """Replace ``path`` with ``document`` atomically, creating its directory if needed."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    # One writer per process at a time; the PID keeps concurrent writers (two gates) apart.
-    # Not tempfile: importing it costs the gate's fast path ~5 ms.
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with temp.open("w", encoding="utf-8") as out:
-            json.dump(document, out, indent=1, sort_keys=True)
-            out.write("\n")
-        temp.chmod(0o644)
-        temp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        raise
+def write_json(path: Path, document: object, *, mode: int = 0o644, durable: bool = False) -> None:
+    """Replace ``path`` with ``document`` atomically, creating its directory if needed.
+
+    ``durable``: fsync (persistent state under state_dir); /run's files need not survive a crash.
+    """
+    data = json.dumps(document, indent=1, sort_keys=True) + "\n"
+    files.write_file(path, data.encode(), mode=mode, durable=durable)
 
 
 def read_json(path: Path) -> Any:  # noqa: ANN401 - JSON is untyped until the caller checks it
-    """The document at ``path``, or None when it is missing or unreadable."""
+    """The document at ``path``, or None when it is missing, unreadable or not safely ours."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(files.read_file(path, max_bytes=READ_MAX))
     except (OSError, ValueError):
         return None
 
@@ -49,11 +44,13 @@ def gate_log_path(runtime_dir: Path, unit: str) -> Path:
 
 
 def record_gate_decision(runtime_dir: Path, unit: str, decision: dict[str, Any]) -> None:
-    """Append one decision to the unit's history, keeping the newest GATE_HISTORY."""
+    """Append one size-bounded decision to the unit's history, keeping the newest GATE_HISTORY."""
     path = gate_log_path(runtime_dir, unit)
     history = read_json(path)
     entries = history if isinstance(history, list) else []
-    write_json(path, [*entries, decision][-GATE_HISTORY:])
+    recent = entries[-GATE_HISTORY + 1 :]
+    kept = [bound_record(entry) for entry in recent if isinstance(entry, dict)]
+    write_json(path, [*kept, bound_record(decision)])
 
 
 def gate_decisions(runtime_dir: Path, unit: str) -> list[dict[str, Any]]:

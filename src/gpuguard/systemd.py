@@ -14,6 +14,7 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field
 
+from gpuguard import programs
 from gpuguard.values import UnitProvenance
 
 _PROPERTIES = (
@@ -69,12 +70,11 @@ class UnitState:
 def show_unit(unit: str) -> UnitState:
     """Ask systemd for the unit's state; failures become ``error``, never exceptions."""
     try:
-        result = subprocess.run(
+        result = programs.run(
             ["systemctl", "show", unit, *(f"--property={p}" for p in _PROPERTIES)],
             capture_output=True,
             text=True,
             timeout=_TIMEOUT_S,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         return UnitState(unit, error=f"systemctl failed: {err}")
@@ -130,12 +130,11 @@ def control(verb: str, unit: str) -> str | None:
     if verb not in {"stop", "start", "reset-failed"}:
         raise ValueError(f"unsupported systemctl verb {verb!r}")
     try:
-        result = subprocess.run(
+        result = programs.run(
             ["systemctl", "--no-block", verb, unit],
             capture_output=True,
             text=True,
             timeout=_TIMEOUT_S,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"systemctl {verb} {unit} failed: {err}"
@@ -195,7 +194,7 @@ def logged_invocations(unit: str) -> frozenset[str]:
     own user, who could signal it anyway).
     """
     try:
-        result = subprocess.run(
+        result = programs.run(
             [
                 "journalctl",
                 "--quiet",
@@ -210,7 +209,6 @@ def logged_invocations(unit: str) -> frozenset[str]:
             text=True,
             errors="replace",
             timeout=_TIMEOUT_S,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()
