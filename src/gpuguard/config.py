@@ -73,7 +73,7 @@ class _Strict(BaseModel):
         annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
         if isinstance(value, list):
             return tuple(value)
-        if isinstance(value, str) and annotation is Path:
+        if isinstance(value, str) and annotation in (Path, Path | None):
             return Path(value)
         return value
 

@@ -355,18 +355,27 @@ def build_fake_nvml(old: bool = False) -> Path:
     return lib.parent
 
 
+def fake_library(old: bool = False) -> Path:
+    """The fake ``libnvidia-ml.so.1`` by absolute path (built if needed).
+
+    gpuguard is told it through ``nvml_library`` in its configuration; it never follows
+    ``LD_LIBRARY_PATH``, and neither do these helpers.
+    """
+    return build_fake_nvml(old=old) / LIB_NAME
+
+
 def nvml_environ(
     state_dir: Path, old: bool = False, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """An environment for a subprocess whose pynvml loads the fake and reads ``state_dir``.
+    """An environment for a subprocess that uses the fake NVML reading ``state_dir``.
 
-    ``LD_LIBRARY_PATH`` must be set before the interpreter starts (glibc caches it), so this is
-    for subprocesses only. ``base`` defaults to ``os.environ``.
+    ``FAKENVML_LIBRARY`` names the library (for raw pynvml scripts, which load it by that path
+    before pynvml's own ``dlopen("libnvidia-ml.so.1")`` finds it by soname). ``LD_LIBRARY_PATH``
+    is removed: nothing may depend on it. ``base`` defaults to ``os.environ``.
     """
     env = dict(os.environ if base is None else base)
-    lib_dir = str(build_fake_nvml(old=old))
-    previous = env.get("LD_LIBRARY_PATH")
-    env["LD_LIBRARY_PATH"] = f"{lib_dir}:{previous}" if previous else lib_dir
+    env.pop("LD_LIBRARY_PATH", None)
+    env["FAKENVML_LIBRARY"] = str(fake_library(old=old))
     env["FAKENVML_STATE"] = str(state_dir)
     return env
 
@@ -375,5 +384,5 @@ class NvmlEnv(Protocol):
     """The ``nvml_env`` fixture: an environment for subprocesses that use the fake NVML."""
 
     def __call__(self, state: Path, old: bool = False) -> dict[str, str]:
-        """``os.environ`` plus ``LD_LIBRARY_PATH`` (the fake first) and ``FAKENVML_STATE``."""
+        """``os.environ`` plus ``FAKENVML_LIBRARY`` and ``FAKENVML_STATE``, no LD_LIBRARY_PATH."""
         ...

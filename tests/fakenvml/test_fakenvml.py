@@ -1,7 +1,7 @@
 """The fake libnvidia-ml.so.1 seen through the real pynvml, and the gpu_hold.py helper.
 
-Every NVML check runs in a subprocess (``LD_LIBRARY_PATH`` only takes effect at interpreter
-start), so these tests never load the fake into the pytest process.
+Every NVML check runs in a subprocess that loads the fake by absolute path before pynvml finds it
+by soname (never through ``LD_LIBRARY_PATH``), so these tests never load it into pytest itself.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 _PRELUDE = """\
 import ctypes, json, os, sys, time
+ctypes.CDLL(os.environ["FAKENVML_LIBRARY"])  # pynvml's dlopen then finds it by soname
 import pynvml
 
 def out(value):

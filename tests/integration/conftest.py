@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CGROUP2, Cli, FakeSystemd, Openers, UnitCgroups
+from fakestate import fake_library
 from hostile import HostileProcesses
 
 from gpuguard import configfile
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 @pytest.fixture
 def cli(fake_state: Path, nvml_env: NvmlEnv, tmp_path: Path) -> Iterator[Cli]:
     """The CLI over four fake idle H200s; its entry in the validated-config cache is removed."""
-    runner = Cli(fake_state, tmp_path / "gpuguard.toml", nvml_env(fake_state))
+    runner = Cli(fake_state, tmp_path / "gpuguard.toml", nvml_env(fake_state), fake_library())
     runner.configure()
     yield runner
     with contextlib.suppress(OSError):

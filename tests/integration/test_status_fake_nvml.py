@@ -10,9 +10,11 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from fakestate import FakeGpu, update_gpu, update_state, write_state
+from fakestate import FakeGpu, fake_library, update_gpu, update_state, write_state
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from clirunner import Cli, UnitCgroups
     from fakeholder import HolderSpawner
 
@@ -116,10 +118,11 @@ def test_lost_gpu_is_critical_and_the_rest_reported(cli: Cli) -> None:
     assert [g["memory"] is not None for g in doc["gpus"]] == [True, False, True, True]
 
 
-def test_nvml_library_missing_is_unknown(cli: Cli) -> None:
-    """Without libnvidia-ml.so.1 on the library path: NVML unavailable, exit 3."""
-    env = {k: v for k, v in cli.env.items() if k != "LD_LIBRARY_PATH"}
-    result = _run(cli, env)
+def test_nvml_library_missing_is_unknown(cli: Cli, tmp_path: Path) -> None:
+    """With no libnvidia-ml.so.1 where the configuration says: NVML unavailable, exit 3."""
+    missing = tmp_path / "no-driver" / "libnvidia-ml.so.1"
+    cli.config.write_text(cli.config.read_text().replace(str(cli.library), str(missing)))
+    result = _run(cli, cli.env)
     assert result.returncode == 3
     first = result.stdout.splitlines()[0]
     assert first.startswith("gpuguard status: UNKNOWN - NVML unavailable:")
@@ -140,6 +143,9 @@ def test_driver_without_v3_symbols_says_too_old(
 ) -> None:
     """A driver < 510 lacks the _v3 process calls: "driver too old", holders still found."""
     holder = spawn_holder(cli.state, gpus=(0,), mib=100)
+    cli.config.write_text(
+        cli.config.read_text().replace(str(cli.library), str(fake_library(old=True)))
+    )
     result = _run(cli, nvml_env(cli.state, old=True), "--json")
     doc = __import__("json").loads(result.stdout)
     assert result.returncode == 1

@@ -35,6 +35,7 @@ class Cli:
     state: Path
     config: Path
     env: dict[str, str]
+    library: Path
 
     def __call__(self, *args: str, timeout: float = 60) -> CliResult:
         """Run one command and capture it."""
@@ -49,9 +50,10 @@ class Cli:
         return CliResult(done.returncode, done.stdout, done.stderr)
 
     def configure(self, extra: str = "") -> None:
-        """Rewrite the config: the fake's device glob, a private runtime dir, then ``extra``."""
+        """Rewrite the config: the fake library and devices, private state dirs, then ``extra``."""
         self.config.write_text(
             "allow_plain_device_files = true\n"
+            f'nvml_library = "{self.library}"\n'
             f'device_glob = "{self.state}/dev/nvidia*"\n'
             f'runtime_dir = "{self.config.parent}/run"\n'
             f'state_dir = "{self.config.parent}/lib"\n' + extra
