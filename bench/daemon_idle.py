@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, TextIO
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS / "fakenvml"))
 
-from fakestate import nvml_environ, write_state  # noqa: E402 - found through the path set above
+from fakestate import fake_library, nvml_environ, write_state  # noqa: E402 - found through the path set above
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -294,6 +294,7 @@ def write_config(root: Path, nvml_state: Path) -> Path:
     config = root / "gpuguard.toml"
     config.write_text(
         "allow_plain_device_files = true\n"
+        f'nvml_library = "{fake_library()}"\n'
         f'device_glob = "{nvml_state}/dev/nvidia*"\n'
         f'state_dir = "{root}/state"\n'
         f'runtime_dir = "{root}/run"\n'
@@ -303,13 +304,19 @@ def write_config(root: Path, nvml_state: Path) -> Path:
 
 
 def journalctl_wrapper(root: Path, journal: Path) -> Path:
-    """A directory holding ``journalctl``: the real one, pointed at the bench journal."""
+    """A ``journalctl`` that runs a copy of the real one, pointed at the bench journal.
+
+    gpuguard runs /usr/bin/journalctl by absolute path, never through PATH, so the daemon runs
+    in a private mount namespace with this wrapper bound over /usr/bin/journalctl (see main).
+    """
     bin_dir = root / "bin"
     bin_dir.mkdir()
+    real = bin_dir / "journalctl.real"
+    shutil.copy2(JOURNALCTL, real)
     wrapper = bin_dir / "journalctl"
-    wrapper.write_text(f'#!/bin/sh\nexec {JOURNALCTL} --directory="{journal}" "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {real} --directory="{journal}" "$@"\n')
     wrapper.chmod(0o755)
-    return bin_dir
+    return wrapper
 
 
 def following(pid: int) -> int:
@@ -446,6 +453,9 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
     parser.add_argument("--release", choices=("bookworm", "trixie"), default="bookworm")
     parser.add_argument("--keep-log", type=Path, help="copy the daemon's log here")
     args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (the daemon runs in a private mount namespace)", file=sys.stderr)
+        return 2
     if not JOURNAL_REMOTE.exists() or not Path(JOURNALCTL).exists():
         print(
             "needs journalctl and systemd-journal-remote (apt-get install systemd-journal-remote)",
@@ -460,9 +470,12 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         env = nvml_environ(nvml_state)
         for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             env.pop(name, None)
-        env["PATH"] = f"{journalctl_wrapper(root, journal.directory)}:{env.get('PATH', '')}"
+        wrapper = journalctl_wrapper(root, journal.directory)
         log = root / "daemon.log"
-        argv = [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
+        argv += [f'mount --bind {wrapper} {JOURNALCTL} && exec "$@"', "sh"]
+        argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
         baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
         baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
         with log.open("wb") as log_out:

@@ -28,7 +28,7 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS / "fakenvml"))
 
 from fakeholder import HolderSpawner  # noqa: E402 - found through the path set just above
-from fakestate import nvml_environ, update_gpu, write_state  # noqa: E402
+from fakestate import fake_library, nvml_environ, update_gpu, write_state  # noqa: E402
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 FLOOR = """
@@ -80,6 +80,7 @@ def main() -> int:
             config = Path(tmp) / "gpuguard.toml"
             config.write_text(
                 "allow_plain_device_files = true\n"
+                f'nvml_library = "{fake_library()}"\n'
                 f'device_glob = "{state}/dev/nvidia*"\nruntime_dir = "{tmp}/run"\n'
             )
             env = nvml_environ(state)

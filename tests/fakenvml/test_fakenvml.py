@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 _PRELUDE = """\
 import ctypes, json, os, sys, time
-ctypes.CDLL(os.environ["FAKENVML_LIBRARY"])  # pynvml's dlopen then finds it by soname
+if "FAKENVML_LIBRARY" in os.environ:  # pynvml's dlopen then finds it by soname
+    ctypes.CDLL(os.environ["FAKENVML_LIBRARY"])
 import pynvml
 
 def out(value):

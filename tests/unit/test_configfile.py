@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import pytest
@@ -72,3 +73,28 @@ def test_absent_default_file_caches_defaults(
     cached = configfile.load_validated(None)
     assert cached is not None
     assert list(cached["units"]) == ["sglang.service"]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["other version", "other format", "no stamp", "key missing", "wrong type", "not JSON"],
+)
+def test_an_unexpected_cache_is_a_miss(tmp_path: Path, cache_dir: Path, damage: str) -> None:
+    """Another gpuguard's cache, a missing key, a wrong type or garbage: a miss, never a crash."""
+    path = tmp_path / "g.toml"
+    path.write_text("idle_threshold_mib = 7\n")
+    load_settings(path)
+    (entry,) = cache_dir.iterdir()
+    document = json.loads(entry.read_text())
+    if damage == "other version":
+        document["version"] = "0.0.1"
+    elif damage == "other format":
+        document["format"] = configfile.CACHE_FORMAT - 1
+    elif damage == "no stamp":
+        del document["format"], document["version"]
+    elif damage == "key missing":
+        del document["settings"]["nvml_timeout_s"]
+    elif damage == "wrong type":
+        document["settings"]["idle_threshold_mib"] = "7"
+    entry.write_text("{" if damage == "not JSON" else json.dumps(document))
+    assert configfile.load_validated(path) is None
