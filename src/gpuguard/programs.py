@@ -9,6 +9,7 @@ with an environment of two fixed variables, nothing inherited: no ``LD_PRELOAD``
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -29,12 +30,12 @@ def resolve(name: str) -> str:
     if name.startswith("/"):
         return name
     if "/" in name or not name:
-        raise FileNotFoundError(f"{name!r}: a program is named by absolute path or plain name")
+        raise FileNotFoundError(errno.ENOENT, "neither an absolute path nor a plain name", name)
     for directory in SYSTEM_DIRS:
         candidate = f"{directory}/{name}"
         if os.access(candidate, os.X_OK) and Path(candidate).is_file():
             return candidate
-    raise FileNotFoundError(f"{name}: not found in {', '.join(SYSTEM_DIRS)}")
+    raise FileNotFoundError(errno.ENOENT, f"not found in {', '.join(SYSTEM_DIRS)}", name)
 
 
 def argv(command: Sequence[str]) -> list[str]:

@@ -10,7 +10,6 @@ daemon against a real systemd.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import os
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from fakeholder import process_gone
-from fakestate import update_gpu, update_state
+from fakestate import fake_library, update_gpu, update_state
 
 from gpuguard import inventory, reaper, systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
@@ -162,8 +161,8 @@ class Recorder:
 
 @pytest.fixture
 def in_process_nvml(fake_nvml_dir: Path, fake_state: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Load the fake NVML into this process (pynvml then finds it by its soname)."""
-    ctypes.CDLL(str(fake_nvml_dir / "libnvidia-ml.so.1"), mode=ctypes.RTLD_GLOBAL)
+    """The fake NVML's state for this process's NVML workers (build names the library)."""
+    del fake_nvml_dir  # requested so the build happens (and fails) once, up front
     monkeypatch.setenv("FAKENVML_STATE", str(fake_state))
     return fake_state
 
@@ -216,6 +215,7 @@ def build(
     settings = Settings(
         units={unit: UnitSettings()},
         allow_plain_device_files=True,
+        nvml_library=fake_library(),
         device_glob=f"{state}/dev/nvidia*",
         runtime_dir=tmp_path / "run",
         state_dir=tmp_path / "lib",

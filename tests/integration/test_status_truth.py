@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from asnobody import public_dir, run_as_nobody
 from clirunner import Cli
-from fakestate import add_alloc, write_state
+from fakestate import add_alloc, fake_library, write_state
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -33,7 +33,7 @@ def public_cli(nvml_env: NvmlEnv) -> Iterator[Cli]:
         pytest.skip("needs root to drop to user nobody")
     with public_dir() as public:
         state = write_state(public / "nvml-state")
-        runner = Cli(state, public / "gpuguard.toml", nvml_env(state))
+        runner = Cli(state, public / "gpuguard.toml", nvml_env(state), fake_library())
         runner.configure()
         yield runner
 

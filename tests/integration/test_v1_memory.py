@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 from asnobody import public_dir, run_as_nobody
 from clirunner import Cli, CliResult
-from fakestate import FakeGpu, update_gpu, write_state
+from fakestate import FakeGpu, fake_library, update_gpu, write_state
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -35,7 +35,9 @@ def old_cli(tmp_path: Path, nvml_env: NvmlEnv, fake_nvml_old_dir: Path) -> Cli:
     """The CLI over four idle H200s behind an old driver whose idle v1 used is 530 MiB."""
     del fake_nvml_old_dir  # built up front
     state = write_state(tmp_path / "nvml-state", [FakeGpu(used_mib=IDLE_V1_MIB)] * 4)
-    runner = Cli(state, tmp_path / "gpuguard.toml", nvml_env(state, old=True))
+    runner = Cli(
+        state, tmp_path / "gpuguard.toml", nvml_env(state, old=True), fake_library(old=True)
+    )
     runner.configure()
     return runner
 
@@ -129,7 +131,9 @@ def test_without_root_nothing_is_learned_but_roots_estimate_is_used(nvml_env: Nv
         pytest.skip("needs root to drop to user nobody")
     with public_dir() as public:
         state = write_state(public / "nvml-state", [FakeGpu(used_mib=IDLE_V1_MIB)] * 4)
-        cli = Cli(state, public / "gpuguard.toml", nvml_env(state, old=True))
+        cli = Cli(
+            state, public / "gpuguard.toml", nvml_env(state, old=True), fake_library(old=True)
+        )
         cli.configure()
         unprivileged = run_as_nobody(["--config", str(cli.config), "status"], cli.env)
         assert "in use by live processes" not in unprivileged.out
