@@ -8,7 +8,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -39,19 +38,7 @@ def gate_in_unit(
 ) -> CliResult:
     """Run the gate the way systemd runs ExecStartPre=: as a process inside the unit's cgroup."""
     procs = cgroups.ensure(unit) / "cgroup.procs"
-    command = shlex.join(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "--config",
-            str(cli.config),
-            "gate",
-            "--unit",
-            unit,
-            *list(args),
-        ]
-    )
+    command = shlex.join(cli.command("gate", "--unit", unit, *args))
     done = subprocess.run(
         ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
         capture_output=True,

@@ -1,10 +1,11 @@
 """A unit systemd does not know, and the gate drop-in commands: what gpuguard says and refuses.
 
-systemd cannot run here outside a container, so ``systemctl`` is a small shell script put first
-on PATH (the only stand-in): it answers ``show`` the way systemd 252 answers for a unit it has
-no file for (``LoadState=not-found``, ``ActiveState=inactive``, exit 0) and records
-``daemon-reload``. Everything else is the real CLI in a subprocess, writing the real drop-in
-directory, with real privilege drops for the non-root cases.
+systemd cannot run here outside a container, so ``systemctl`` is a small shell script bound over
+the real one in a private mount namespace (the only stand-in; gpuguard never looks at PATH): it
+answers ``show`` the way systemd 252 answers for a unit it has no file for
+(``LoadState=not-found``, ``ActiveState=inactive``, exit 0) and records ``daemon-reload``.
+Everything else is the real CLI in a subprocess, writing the real drop-in directory, with real
+privilege drops for the non-root cases.
 """
 
 from __future__ import annotations
@@ -68,15 +69,15 @@ class Systemctl:
 
 @pytest.fixture
 def systemctl(cli: Cli, tmp_path: Path) -> Iterator[Systemctl]:
-    """A systemctl that knows no unit, first on the CLI's PATH."""
+    """A systemctl that knows no unit, in place of the real one (see Cli.command)."""
+    needs_root()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = Systemctl(bin_dir, tmp_path / "systemctl.log")
     fake.answer(SHOW_NOT_FOUND)
-    before = cli.env["PATH"]
-    cli.env["PATH"] = f"{bin_dir}:{before}"
+    cli.doubles["systemctl"] = bin_dir / "systemctl"
     yield fake
-    cli.env["PATH"] = before
+    del cli.doubles["systemctl"]
 
 
 @pytest.fixture

@@ -6,9 +6,11 @@ import json
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gpuguard import programs
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 ENDED = "0123456789abcdef0123456789abcdef"  # an earlier run of a unit, as PID 1 logged it
@@ -36,11 +38,29 @@ class Cli:
     config: Path
     env: dict[str, str]
     library: Path
+    doubles: dict[str, Path] = field(default_factory=dict)
+    """Test doubles of programs gpuguard runs (``systemctl`` → script), see command()."""
+
+    def command(self, *args: str) -> list[str]:
+        """The argv of one gpuguard run, with ``doubles`` in place of the system's programs.
+
+        gpuguard runs systemctl and journalctl by absolute path, never through PATH, so a double
+        is bound over the real program in a private mount namespace (root only). ``unshare``
+        without ``--fork`` execs in place: the PID, and so its cgroup, stay the same.
+        """
+        argv = [sys.executable, "-m", "gpuguard", "--config", str(self.config), *args]
+        if not self.doubles:
+            return argv
+        binds = [str(part) for n, d in self.doubles.items() for part in (d, programs.resolve(n))]
+        script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 97; shift 2; done'
+        script += '; shift; exec "$@"'
+        unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+        return [*unshare, "sh", *binds, "--", *argv]
 
     def __call__(self, *args: str, timeout: float = 60) -> CliResult:
         """Run one command and capture it."""
         done = subprocess.run(
-            [sys.executable, "-m", "gpuguard", "--config", str(self.config), *args],
+            self.command(*args),
             capture_output=True,
             text=True,
             env=self.env,
