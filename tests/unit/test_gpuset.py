@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gpuguard.gpuset import resolve_gpu_set
-from gpuguard.systemd import parse_environment, parse_show
+from gpuguard.systemd import parse_environment, parse_show, shell_words
 from gpuguard.values import GpuReading
 
 
@@ -89,3 +94,13 @@ def test_systemctl_show_is_parsed() -> None:
     assert state.environment == {"CUDA_VISIBLE_DEVICES": "0,1", "NAME": "a b"}
     assert state.n_restarts == 3
     assert parse_environment('broken "quote') == {}
+
+
+@given(st.text(alphabet=list("ab =\"'\\\n\t$x"), max_size=40))
+def test_shell_words_split_as_shlex_does(text: str) -> None:
+    """The one-pass splitter gives shlex's words (shlex itself is quadratic in a long word)."""
+    try:
+        expected: list[str] | None = shlex.split(text)
+    except ValueError:
+        expected = None
+    assert shell_words(text) == expected
