@@ -12,6 +12,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.escaping import escape
+from gpuguard.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.policy import matching_pattern
 from gpuguard.protection import is_idle, is_protected
 from gpuguard.values import MIB, MemoryApi, NvmlHealth
@@ -20,8 +21,9 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
 
     from gpuguard.holders import GpuOccupancy, Holder, Inventory
+    from gpuguard.values import GpuHealth, GpuReading
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _COMMAND_WIDTH = 100
 
 
@@ -255,10 +257,14 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
     findings: list[Finding] = _v1_findings(inventory)
     for gpu in inventory.gpus:
         reading = gpu.reading
-        if reading.lost:
-            findings.append(Finding(Level.CRITICAL, f"GPU {reading.index}: {reading.problem}"))
+        if reasons := reset_reasons(reading):
+            findings.append(Finding(Level.CRITICAL, _reset_advice(reading, reasons)))
         elif reading.problem:
             findings.append(Finding(Level.WARNING, f"GPU {reading.index}: {reading.problem}"))
+        findings.extend(
+            Finding(Level.WARNING, f"GPU {reading.index}: {warning}")
+            for warning in health_warnings(reading)
+        )
         if gpu.unattributed_bytes:
             findings.append(
                 Finding(
@@ -287,6 +293,22 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
         for hidden in inventory.uninspectable
     )
     return findings
+
+
+def _reset_advice(reading: GpuReading, reasons: Sequence[str]) -> str:
+    """What is wrong and what to do: killing processes cannot free such a GPU."""
+    index = reading.index
+    what = "; ".join(reasons)
+    if needs_reboot(reading):
+        return (
+            f"GPU {index} needs a reboot ({what}): no kill or restart can free it; drain the "
+            "host and reboot it (docs/runbook.md, GPU needs a reset)"
+        )
+    return (
+        f"GPU {index} needs a GPU reset ({what}): no kill or restart can free it; stop every "
+        f"process using it, then run `nvidia-smi -r -i {index}` as root, or reboot "
+        "(docs/runbook.md, GPU needs a reset)"
+    )
 
 
 def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
@@ -480,6 +502,8 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
     else:
         usage = "memory unknown"
     tag = " idle" if reading.index in idle else ""
+    if reset_reasons(reading):
+        tag = " NEEDS RESET"
     if reading.lost:
         tag = " LOST"
     if reading.memory is not None and reading.memory.reserved_source is not None:
@@ -488,6 +512,9 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
             f"{reading.memory.reserved_source.value})"
         )
     lines = [f"GPU {reading.index}  {name}  {usage}{tag}"]
+    notes = (*reset_reasons(reading), *health_warnings(reading))
+    if notes:
+        lines.append("    health: " + "; ".join(notes))
     for pid in gpu.holder_pids:
         holder = inventory.holder(pid)
         if holder is not None:
@@ -577,8 +604,27 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
         "idle": reading.index in idle,
         "lost": reading.lost,
         "problem": reading.problem,
+        "health": _health_json(reading),
         "holder_pids": list(gpu.holder_pids),
         "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
+    }
+
+
+def _health_json(reading: GpuReading) -> dict[str, Any]:
+    """Each fact as NVML gave it (null: unknown), and the verdict drawn from them."""
+    health: GpuHealth = reading.health
+    reasons = reset_reasons(reading)
+    return {
+        "needs_reset": bool(reasons),
+        "needs_reboot": bool(reasons) and needs_reboot(reading),
+        "reset_reasons": list(reasons),
+        "warnings": list(health_warnings(reading)),
+        "reset_required": health.reset_required,
+        "retired_pages_pending": health.retired_pages_pending,
+        "remapped_rows_pending": health.remapped_rows_pending,
+        "remapped_rows_failed": health.remapped_rows_failed,
+        "volatile_uncorrectable_ecc": health.volatile_uncorrectable_ecc,
+        "recovery_action": None if health.recovery_action is None else health.recovery_action.value,
     }
 
 
