@@ -33,6 +33,7 @@ from gpuguard.escaping import escape
 from gpuguard.events import parse_entry
 from gpuguard.gate import GateSettings, run_gate, set_blockers
 from gpuguard.gpuset import resolve_gpu_set
+from gpuguard.health import reset_reasons
 from gpuguard.policy import PlanRequest, Scope, plan
 from gpuguard.records import bound_record
 from gpuguard.recovery import (
@@ -451,7 +452,18 @@ class Daemon:
             for d in plan(inventory.holders, request).to_reap
         )
         settings = self._gate_settings(request)
-        return GpuEvidence(stale_holders=stale, gpus_busy=bool(set_blockers(inventory, settings)))
+        wanted = request.gpu_set
+        needs_reset = tuple(
+            f"GPU {gpu.reading.index}: " + "; ".join(reasons)
+            for gpu in inventory.gpus
+            if (wanted is None or gpu.reading.index in wanted)
+            and (reasons := reset_reasons(gpu.reading))
+        )
+        return GpuEvidence(
+            stale_holders=stale,
+            gpus_busy=bool(set_blockers(inventory, settings)),
+            needs_reset=needs_reset,
+        )
 
     def _gate_settings(self, request: PlanRequest) -> GateSettings:
         settings = self._settings
@@ -694,7 +706,7 @@ class Daemon:
     def _status_line(self) -> str:
         parts = []
         for watch in self._watches.values():
-            if watch.planner.needs_operator:
+            if _needs_operator(watch):
                 parts.append(f"{watch.name}: NEEDS OPERATOR")
             elif watch.diagnosis is not None and watch.diagnosis.looping:
                 parts.append(f"{watch.name}: restart loop ({_action(watch.decision)})")
@@ -745,10 +757,18 @@ def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
         "evidence": list(diagnosis.evidence) if diagnosis else [],
         "action": _action(watch.decision),
         "action_reason": watch.decision.reason if watch.decision else None,
-        "needs_operator": watch.planner.needs_operator,
+        "needs_operator": _needs_operator(watch),
         "recoveries": list(watch.recoveries),
         "recovery_in_progress": watch.in_progress is not None,
     }
+
+
+def _needs_operator(watch: _Watch) -> bool:
+    """Recoveries gave up, or the last decision was that only an operator can help (a GPU reset)."""
+    decision = watch.decision
+    return watch.planner.needs_operator or (
+        decision is not None and decision.action is Action.NEEDS_OPERATOR
+    )
 
 
 def _action(decision: Decision | None) -> str | None:

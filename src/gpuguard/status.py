@@ -178,7 +178,15 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
         )
     for name, value in _dict(daemon.snapshot.get("units")).items():
         unit = _dict(value)
-        if unit.get("needs_operator"):
+        if unit.get("needs_operator") and unit.get("cause") == "gpu-needs-reset":
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
+                    f"restart can replace ({escape_control(str(unit.get('cause_detail')))})",
+                )
+            )
+        elif unit.get("needs_operator"):
             findings.append(
                 Finding(
                     Level.CRITICAL,

@@ -327,6 +327,33 @@ def test_loop_without_gpu_cause_is_only_reported(tmp_path: Path, in_process_nvml
     assert harness.snapshots[-1]["units"][unit]["action"] == "report"
 
 
+def test_loop_on_a_gpu_needing_a_reset_goes_to_needs_operator(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stale worker on GPU 2, whose row remap is pending: nothing is stopped or reaped."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    update_gpu(in_process_nvml, 2, remapped_rows_pending=1)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stale.pid)
+    (level, _, fields) = next(line for line in harness.log.lines if line[1] == "needs operator")
+    assert level == "error"
+    assert fields["cause"] == "gpu-needs-reset"
+    assert fields["cause_detail"] == "GPU 2: a memory row remap is pending"
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["needs_operator"] is True
+    assert last["action"] == "needs-operator"
+    assert last["recoveries"] == []
+
+
 def test_dry_run_acts_on_nothing(
     tmp_path: Path,
     in_process_nvml: Path,
