@@ -344,6 +344,7 @@ def _own_executable() -> str:
 
 def _run(settings: Settings) -> int:
     """Wire the real adapters into the daemon and run it until SIGTERM."""
+    import re  # noqa: PLC0415 - see module doc
     import signal  # noqa: PLC0415 - see module doc
 
     from gpuguard import (  # noqa: PLC0415
@@ -357,6 +358,7 @@ def _run(settings: Settings) -> int:
         reaper,
         state,
         systemd,
+        xidevents,
     )
 
     logs.configure_logging(json=True, stream=sys.stdout)
@@ -386,6 +388,7 @@ def _run(settings: Settings) -> int:
         list(settings.units),
         settings.state_dir / "journal-cursor.json",
         output_patterns=events.GPU_OOM_PATTERNS if settings.daemon.watch_output else (),
+        kernel_patterns=(re.escape(xidevents.MARKER),),
         replay_s=settings.daemon.loop_window_s,
         fields=events.FIELDS_READ,
     )

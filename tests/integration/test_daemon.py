@@ -26,7 +26,7 @@ from fakestate import fake_library, update_gpu, update_state
 from gpuguard import inventory, reaper, systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
 from gpuguard.daemon import Daemon, Ports
-from gpuguard.journal import JournalHealth, JournalRecord
+from gpuguard.journal import KERNEL, JournalHealth, JournalRecord
 from gpuguard.systemd import UnitState
 
 if TYPE_CHECKING:
@@ -76,7 +76,14 @@ class ReplayFollower:
 
     def read_available(self) -> list[JournalRecord]:
         """Everything at once, as journalctl would after a burst."""
-        records = [JournalRecord(entry, "lifecycle", live=self.live) for entry in self.entries]
+        records = [
+            JournalRecord(
+                entry,
+                KERNEL if entry.get("_TRANSPORT") == "kernel" else "lifecycle",
+                live=self.live,
+            )
+            for entry in self.entries
+        ]
         self.entries = []
         return records
 
@@ -352,6 +359,47 @@ def test_loop_on_a_gpu_needing_a_reset_goes_to_needs_operator(
     assert last["needs_operator"] is True
     assert last["action"] == "needs-operator"
     assert last["recoveries"] == []
+
+
+def test_kernel_xids_are_kept_for_status_and_malformed_ones_counted(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """A kernel Xid 79 and a garbled Xid line beside a loop: one kept, one counted."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = loop_entries(unit)
+    last = entries[-1]
+
+    def kernel(message: str, step: int) -> dict[str, object]:
+        return {
+            "_TRANSPORT": "kernel",
+            "MESSAGE": message,
+            "_BOOT_ID": last["_BOOT_ID"],
+            "__CURSOR": f"{last['__CURSOR']}-k{step}",
+            "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) + step),
+            "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) + step),
+        }
+
+    xid = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off"
+    garbled = "NVRM: Xid (PCI:0000:3b:00): seventy-nine"
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        [kernel(xid, 1), kernel(garbled, 2), *entries],
+        dry_run=False,
+    )
+
+    assert harness.daemon.run() == 0
+
+    snapshot = harness.snapshots[-1]["xid"]
+    assert snapshot["malformed"] == 1
+    (kept,) = snapshot["recent"]
+    assert kept["code"] == 79
+    assert kept["xid_class"] == "reboot"
+    assert kept["pci_bus_id"] == "0000:3b:00"
+    assert kept["pid"] is None
+    logged = next(f for _, event, f in harness.log.lines if event == "kernel xid")
+    assert logged["code"] == 79
 
 
 def test_dry_run_acts_on_nothing(

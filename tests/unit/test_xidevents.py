@@ -133,7 +133,7 @@ def test_nvml_and_kernel_addresses_meet() -> None:
 
 
 _PID = st.one_of(st.none(), st.integers(1, 4_194_304))
-_NAME = st.text(st.characters(blacklist_characters=",", blacklist_categories=("Cs",)), max_size=15)
+_NAME = st.text(st.characters(codec="utf-8", exclude_characters=","), max_size=15)
 _DETAIL = st.text(st.characters(codec="ascii", min_codepoint=32, max_codepoint=126), max_size=150)
 
 
