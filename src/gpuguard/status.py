@@ -16,6 +16,8 @@ from gpuguard.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.policy import matching_pattern
 from gpuguard.protection import is_idle, is_protected
 from gpuguard.values import MIB, MemoryApi, NvmlHealth
+from gpuguard.xid import XidClass
+from gpuguard.xidevents import normalize_pci
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
@@ -104,6 +106,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *_daemon_findings(context.daemon),
         *_nvml_findings(inventory),
         *_gpu_findings(inventory),
+        *_xid_findings(inventory, context.daemon),
         *_holder_findings(inventory, context),
     ]
     if inventory.scan.unreadable and not context.as_root:
@@ -183,7 +186,7 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
-                    f"restart can replace ({escape_control(str(unit.get('cause_detail')))})",
+                    f"restart can replace ({escape(str(unit.get('cause_detail')))})",
                 )
             )
         elif unit.get("needs_operator"):
@@ -303,6 +306,75 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
     return findings
 
 
+# Xid classes after which no kill helps (xid.py); an application fault is the reaper's business.
+_SERIOUS_XIDS = frozenset({XidClass.RESET_GPU, XidClass.REBOOT, XidClass.OPERATOR})
+
+
+def xid_events(inventory: Inventory, daemon: DaemonView | None) -> list[dict[str, Any]]:
+    """The daemon's recent kernel Xid events, each with the GPU index NVML gives its PCI id.
+
+    ``gpu`` is None when NVML knows no GPU at that address (reported, not dropped).
+    """
+    if daemon is None:
+        return []
+    by_pci = {
+        normalize_pci(gpu.reading.pci_bus_id): gpu.reading.index
+        for gpu in inventory.gpus
+        if gpu.reading.pci_bus_id
+    }
+    events = []
+    for raw in _list(_dict(daemon.snapshot.get("xid")).get("recent")):
+        event = _dict(raw)
+        pci = event.get("pci_bus_id")
+        if not isinstance(pci, str) or not isinstance(event.get("code"), int):
+            continue
+        events.append({**event, "gpu": by_pci.get(normalize_pci(pci))})
+    return events
+
+
+def _xid_findings(inventory: Inventory, daemon: DaemonView | None) -> list[Finding]:
+    """Xids after which no kill helps, per GPU; Xids for an address NVML does not know."""
+    findings: list[Finding] = []
+    seen: set[tuple[object, object]] = set()
+    for event in reversed(xid_events(inventory, daemon)):
+        key = (event["gpu"] if event["gpu"] is not None else event["pci_bus_id"], event["code"])
+        if key in seen:
+            continue
+        seen.add(key)
+        what = _xid_phrase(event)
+        if event["gpu"] is None:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"kernel Xid for PCI {escape(str(event['pci_bus_id']))}, which NVML "
+                    f"does not know: {what}",
+                )
+            )
+        elif event.get("xid_class") in _SERIOUS_XIDS:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"GPU {event['gpu']} had {what}: no kill helps after it; a reset or reboot "
+                    "may be needed (docs/xid.md)",
+                )
+            )
+    malformed = _dict(daemon.snapshot.get("xid")).get("malformed") if daemon else None
+    if isinstance(malformed, int) and malformed > 0:
+        findings.append(
+            Finding(Level.OK, f"{malformed} kernel Xid line(s) could not be read (daemon log)")
+        )
+    return findings
+
+
+def _xid_phrase(event: Mapping[str, Any]) -> str:
+    who = f", pid {event['pid']}" if isinstance(event.get("pid"), int) else ""
+    return (
+        f"Xid {event['code']} ({escape(str(event.get('xid_class')))}) at "
+        f"{escape(str(event.get('time')))}: "
+        f"{escape(str(event.get('detail') or ''))}{who}"
+    )
+
+
 def _reset_advice(reading: GpuReading, reasons: Sequence[str]) -> str:
     """What is wrong and what to do: killing processes cannot free such a GPU."""
     index = reading.index
@@ -400,8 +472,13 @@ def render_text(report: StatusReport) -> str:
     else:
         lines.append(f"NVML: {nvml.reason or nvml.health.value}")
     shown: set[int] = set()
+    xids = xid_events(inventory, report.daemon)
     for gpu in inventory.gpus:
         lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
+        lines.extend(
+            f"    {_xid_phrase(event)}"
+            for event in [e for e in xids if e["gpu"] == gpu.reading.index][-3:]
+        )
         shown.update(gpu.holder_pids)
     others = [h for h in inventory.holders if h.pid not in shown]
     if others:
@@ -581,6 +658,7 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             }
             for unit in report.units
         ],
+        "xid_events": xid_events(inventory, report.daemon),
         "daemon": None
         if report.daemon is None
         else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from gpuguard.redaction import escape_control
+from gpuguard.escaping import escape
 
 MARKER: Final = "NVRM: Xid ("
 """What a kernel Xid line contains; also the journalctl ``--grep`` pre-filter (a literal)."""
@@ -119,8 +119,8 @@ def parse_xid_text(
             return _malformed("pid is neither a number nor '<unknown>'", rest)
         if tail.startswith("name="):
             raw, tail = _field(tail[5:], _NAME_CHARS)
-            name = escape_control(raw)
-    return pci, code, pid, name, escape_control(tail[:_DETAIL_CHARS])
+            name = escape(raw)
+    return pci, code, pid, name, escape(tail[:_DETAIL_CHARS])
 
 
 def normalize_pci(text: str) -> str | None:
@@ -153,7 +153,7 @@ def _field(text: str, limit: int) -> tuple[str, str]:
 
 
 def _malformed(reason: str, rest: str) -> MalformedXid:
-    return MalformedXid(reason, escape_control(MARKER + rest[:80]))
+    return MalformedXid(reason, escape(MARKER + rest[:80]))
 
 
 def _seconds(value: object) -> float | None:

@@ -97,7 +97,7 @@ def test_a_byte_array_message_is_decoded_and_the_name_escaped() -> None:
     """The journal gives non-UTF-8 or control characters as bytes; the name comes out escaped."""
     raw = b"NVRM: Xid (PCI:0000:3b:00): 13, pid=7, name=ev\x1b[2Jil\n, Graphics Exception"
     got = event(list(raw))
-    assert got.name == "ev\\e[2Jil\\n"
+    assert got.name == "ev\\x1b[2Jil\\n"
     assert got.detail == "Graphics Exception"
 
 
