@@ -670,6 +670,8 @@ def _gpu_cause(failed: Sequence[_Run], gpu: GpuEvidence | None) -> tuple[Cause, 
         return None
     run = oom_runs[-1]
     detail = f"run {_abbrev(run)} printed: {_cut(run.oom[0].message)}"
+    if run.oom[0].device is not None:
+        detail += f" (CUDA device {run.oom[0].device} as the server numbers its GPUs)"
     if gpu is not None:
         detail += " (no stale holder found now)"
     return Cause.STALE_GPU_HOLDERS, detail

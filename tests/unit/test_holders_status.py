@@ -346,7 +346,9 @@ def test_kernel_xids_are_shown_under_their_gpu_and_serious_ones_warned() -> None
     assert "    Xid 13 (application) at 2026-12-01T03:00:00+00:00: text\\x1b[2J" in text
     assert "\x1b" not in text
     assert "2 kernel Xid line(s) could not be read" in text
-    assert [e["gpu"] for e in doc["xid_events"]] == [0, 1, None]  # type: ignore[index]
+    events = doc["xid_events"]
+    assert isinstance(events, list)
+    assert [e["gpu"] for e in events] == [0, 1, None]
 
 
 def test_daemon_needs_operator_for_a_gpu_reset_says_so() -> None:
