@@ -107,8 +107,8 @@ earlier run), wait until the GPUs are idle, then exit 0. While it waits it print
 per blocker every 10 s (who holds what). On timeout it exits 1 with one message naming who
 still holds what and why gpuguard would not touch it, so systemd's own start limits take
 over. When waiting cannot help - NVML unavailable or not answering, a GPU of the set lost,
-absent or needing a reset (NVML health) - it refuses at once, in one line with the reason. Each decision is recorded and
-shown by `gpuguard status`.
+absent or needing a reset (NVML health) - it refuses at once, in one line with the reason.
+Each decision is recorded and shown by `gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
 environment, else all GPUs. Keep the unit's TimeoutStartSec above --timeout.

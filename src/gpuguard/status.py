@@ -588,7 +588,7 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
         usage = "memory unknown"
     tag = " idle" if reading.index in idle else ""
     if reset_reasons(reading):
-        tag = " NEEDS RESET"
+        tag = " NEEDS REBOOT" if needs_reboot(reading) else " NEEDS RESET"
     if reading.lost:
         tag = " LOST"
     if reading.memory is not None and reading.memory.reserved_source is not None:

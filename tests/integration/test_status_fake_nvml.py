@@ -166,6 +166,10 @@ def test_driver_asks_for_reboot_or_answers_reset_required(cli: Cli) -> None:
     result = cli("status")
     assert result.code == 2
     assert "GPU 0 needs a reboot (the driver asks for a node reboot)" in result.out
+    assert any(
+        line.startswith("GPU 0 ") and line.endswith("NEEDS REBOOT")
+        for line in result.out.splitlines()
+    )
     assert "GPU 3 needs a GPU reset (the driver answers 'GPU requires restart')" in result.out
     doc = cli("status", "--json").json()
     assert doc["gpus"][0]["health"]["needs_reboot"] is True
