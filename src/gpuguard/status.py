@@ -347,7 +347,7 @@ def _xid_findings(inventory: Inventory, daemon: DaemonView | None) -> list[Findi
                 Finding(
                     Level.WARNING,
                     f"kernel Xid for PCI {escape(str(event['pci_bus_id']))}, which NVML "
-                    f"does not know: {what}",
+                    f"does not know{_unaddressed(inventory)}: {what}",
                 )
             )
         elif event.get("xid_class") in _SERIOUS_XIDS:
@@ -364,6 +364,17 @@ def _xid_findings(inventory: Inventory, daemon: DaemonView | None) -> list[Findi
             Finding(Level.OK, f"{malformed} kernel Xid line(s) could not be read (daemon log)")
         )
     return findings
+
+
+def _unaddressed(inventory: Inventory) -> str:
+    """GPUs NVML cannot give an address for (lost, unreadable): an unmatched Xid may be theirs.
+
+    Said, not guessed: the address of a lost GPU is exactly what NVML can no longer tell.
+    """
+    without = [str(g.reading.index) for g in inventory.gpus if not g.reading.pci_bus_id]
+    if not without:
+        return ""
+    return f" (NVML cannot tell the address of GPU {', '.join(without)}: it may be that one)"
 
 
 def _xid_phrase(event: Mapping[str, Any]) -> str:
