@@ -401,6 +401,7 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
         units={unit: UnitSettings()},
         device_glob=f"{in_process_nvml}/dev/nvidia*",
         allow_plain_device_files=True,
+        nvml_library=fake_library(),
         state_dir=tmp_path / "lib",
     )
     context = StatusContext(
