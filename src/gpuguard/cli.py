@@ -61,9 +61,12 @@ Exit status (monitoring-plugin convention):
   0 OK        GPUs idle, or held only by live processes
   1 WARNING   something needs a look (a left-over of a watched unit, a zombie holder,
               a watched unit systemd does not know, NVML partly unusable but /proc
-              shows holders)
-  2 CRITICAL  a lost GPU, memory no visible process explains, a holder stuck in
-              state D in the NVIDIA driver, NVML not answering
+              shows holders, a GPU health warning, a recent kernel Xid after which
+              no kill helps)
+  2 CRITICAL  a lost GPU, a GPU that needs a reset or reboot (NVML health: a pending
+              row remap or page retirement, the driver asks for it), memory no
+              visible process explains, a holder stuck in state D in the NVIDIA
+              driver, NVML not answering
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
 
@@ -103,9 +106,9 @@ when every GPU of the unit's set is idle; otherwise reap the stale holders of th
 earlier run), wait until the GPUs are idle, then exit 0. While it waits it prints one line
 per blocker every 10 s (who holds what). On timeout it exits 1 with one message naming who
 still holds what and why gpuguard would not touch it, so systemd's own start limits take
-over. When waiting cannot help - NVML unavailable or not answering, a GPU of the set lost
-or absent - it refuses at once, in one line with the reason. Each decision is recorded and
-shown by `gpuguard status`.
+over. When waiting cannot help - NVML unavailable or not answering, a GPU of the set lost,
+absent or needing a reset (NVML health) - it refuses at once, in one line with the reason.
+Each decision is recorded and shown by `gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
 environment, else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
@@ -344,6 +347,7 @@ def _own_executable() -> str:
 
 def _run(settings: Settings) -> int:
     """Wire the real adapters into the daemon and run it until SIGTERM."""
+    import re  # noqa: PLC0415 - see module doc
     import signal  # noqa: PLC0415 - see module doc
 
     from gpuguard import (  # noqa: PLC0415
@@ -357,6 +361,7 @@ def _run(settings: Settings) -> int:
         reaper,
         state,
         systemd,
+        xidevents,
     )
 
     logs.configure_logging(json=True, stream=sys.stdout)
@@ -386,6 +391,7 @@ def _run(settings: Settings) -> int:
         list(settings.units),
         settings.state_dir / "journal-cursor.json",
         output_patterns=events.GPU_OOM_PATTERNS if settings.daemon.watch_output else (),
+        kernel_patterns=(re.escape(xidevents.MARKER),),
         replay_s=settings.daemon.loop_window_s,
         fields=events.FIELDS_READ,
     )

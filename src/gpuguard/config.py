@@ -14,6 +14,7 @@ import re
 import stat
 import tomllib
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -22,6 +23,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from gpuguard.configfile import EX_CONFIG, config_path, read_config, store_validated
@@ -78,8 +80,22 @@ class _Strict(BaseModel):
         return value
 
 
+SERVER_PATTERNS: dict[str, tuple[str, ...]] = {
+    "sglang": ("sglang", "sglang::scheduler", "sglang::detokenizer"),
+    # vLLM names its engine and worker processes by setproctitle: VLLM::EngineCore (one per
+    # data-parallel rank), VLLM::Worker_TP0… (one per tensor-parallel rank).
+    "vllm": ("vllm", "VLLM::EngineCore", "VLLM::Worker"),
+}
+"""Default ``patterns`` of a unit by its ``server``: the names its orphaned workers carry."""
+
+
 class UnitSettings(_Strict):
     """How gpuguard treats one watched unit."""
+
+    server: Literal["sglang", "vllm"] = Field(
+        default="sglang",
+        description="Which server the unit runs; picks the default patterns.",
+    )
 
     gpus: tuple[int | str, ...] | None = Field(
         default=None,
@@ -87,9 +103,10 @@ class UnitSettings(_Strict):
         "the unit, else all GPUs.",
     )
     patterns: tuple[str, ...] = Field(
-        default=("sglang", "sglang::scheduler", "sglang::detokenizer"),
+        default=SERVER_PATTERNS["sglang"],
         description="Command-line substrings that look like this unit's processes; a match alone "
-        "never makes a process the unit's (scope patterns reaches them explicitly).",
+        "never makes a process the unit's (scope patterns reaches them explicitly); default: "
+        "those of `server`.",
     )
 
     @field_validator("patterns")
@@ -104,6 +121,16 @@ class UnitSettings(_Strict):
             if len(pattern) > _MAX_PATTERN_CHARS:
                 raise ValueError(f"a pattern is longer than {_MAX_PATTERN_CHARS} characters")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _patterns_of_server(cls, data: Any) -> Any:  # noqa: ANN401 - pydantic's raw input
+        """Without ``patterns``, a unit takes its server's: setting ``server`` is enough."""
+        if isinstance(data, dict) and "patterns" not in data:
+            server = data.get("server", "sglang")
+            if isinstance(server, str) and server in SERVER_PATTERNS:
+                return {**data, "patterns": SERVER_PATTERNS[server]}
+        return data
 
     @field_validator("gpus")
     @classmethod

@@ -33,6 +33,8 @@ from gpuguard.escaping import escape
 from gpuguard.events import parse_entry
 from gpuguard.gate import GateSettings, run_gate, set_blockers
 from gpuguard.gpuset import resolve_gpu_set
+from gpuguard.health import reset_reasons
+from gpuguard.journal import KERNEL
 from gpuguard.policy import PlanRequest, Scope, plan
 from gpuguard.records import bound_record
 from gpuguard.recovery import (
@@ -44,6 +46,8 @@ from gpuguard.recovery import (
     resume_problem,
 )
 from gpuguard.values import MIB
+from gpuguard.xid import lookup
+from gpuguard.xidevents import MalformedXid, XidEvent, parse_kernel_entry
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -58,6 +62,8 @@ if TYPE_CHECKING:
     from gpuguard.values import GateOutcome, ProcessIdentity, UnitProvenance
 
 SNAPSHOT_SCHEMA = 1
+XIDS_KEPT = 50
+"""Kernel Xid events the snapshot keeps (the newest), so a storm of them costs nothing."""
 # The snapshot is rewritten when what it says changes, and at least this often (a sign of life
 # for readers; status judges liveness by PID, not by this).
 SNAPSHOT_EVERY_S = 60.0
@@ -224,6 +230,8 @@ class Daemon:
         self._refresh_every_s = min(REFRESH_EVERY_S, daemon.stable_s / 2)
         self._published: tuple[str, str] | None = None
         self._published_at = float("-inf")
+        self._xids: deque[XidEvent] = deque(maxlen=XIDS_KEPT)
+        self._xids_malformed = 0
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
@@ -326,6 +334,9 @@ class Daemon:
         """Feed records to the detectors; judge the units a live event may have changed."""
         touched: set[str] = set()
         for record in records:
+            if record.stream == KERNEL:
+                self._kernel(record)
+                continue
             for watch in self._watches.values():
                 event = parse_entry(record.entry, watch.name)
                 if event is not None and watch.detector.observe(event, live=record.live):
@@ -334,6 +345,26 @@ class Daemon:
             self._follower.commit(*records)
         for name in touched:
             self._judge(self._watches[name])
+
+    def _kernel(self, record: JournalRecord) -> None:
+        """Keep a kernel Xid for status (history too: recent faults explain a loop); log news."""
+        parsed = parse_kernel_entry(record.entry)
+        if isinstance(parsed, MalformedXid):
+            self._xids_malformed += 1
+            self._ports.log.warning("kernel xid line not understood", reason=parsed.reason)
+        elif parsed is not None:
+            self._xids.append(parsed)
+            if record.live:
+                info = lookup(parsed.code)
+                self._ports.log.warning(
+                    "kernel xid",
+                    code=parsed.code,
+                    xid_class=info.xid_class.value,
+                    pci_bus_id=parsed.pci_bus_id,
+                    pid=parsed.pid,
+                    name=parsed.name,
+                    detail=parsed.detail,
+                )
 
     def _refresh(self) -> None:
         """Let verdicts age without new events: a run that stayed up for stable_s is healthy.
@@ -451,7 +482,18 @@ class Daemon:
             for d in plan(inventory.holders, request).to_reap
         )
         settings = self._gate_settings(request)
-        return GpuEvidence(stale_holders=stale, gpus_busy=bool(set_blockers(inventory, settings)))
+        wanted = request.gpu_set
+        needs_reset = tuple(
+            f"GPU {gpu.reading.index}: " + "; ".join(reasons)
+            for gpu in inventory.gpus
+            if (wanted is None or gpu.reading.index in wanted)
+            and (reasons := reset_reasons(gpu.reading))
+        )
+        return GpuEvidence(
+            stale_holders=stale,
+            gpus_busy=bool(set_blockers(inventory, settings)),
+            needs_reset=needs_reset,
+        )
 
     def _gate_settings(self, request: PlanRequest) -> GateSettings:
         settings = self._settings
@@ -694,7 +736,7 @@ class Daemon:
     def _status_line(self) -> str:
         parts = []
         for watch in self._watches.values():
-            if watch.planner.needs_operator:
+            if _needs_operator(watch):
                 parts.append(f"{watch.name}: NEEDS OPERATOR")
             elif watch.diagnosis is not None and watch.diagnosis.looping:
                 parts.append(f"{watch.name}: restart loop ({_action(watch.decision)})")
@@ -719,6 +761,10 @@ class Daemon:
             "dry_run": self._settings.daemon.dry_run,
             "journal": {"state": health.state, "reason": health.reason},
             "units": {name: _unit_snapshot(watch) for name, watch in self._watches.items()},
+            "xid": {
+                "recent": [_xid_snapshot(event) for event in self._xids],
+                "malformed": self._xids_malformed,
+            },
         }
         content = (json.dumps(document, sort_keys=True, default=str), self._status_line())
         refresh_due = ports.monotonic() >= self._published_at + SNAPSHOT_EVERY_S
@@ -745,10 +791,32 @@ def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
         "evidence": list(diagnosis.evidence) if diagnosis else [],
         "action": _action(watch.decision),
         "action_reason": watch.decision.reason if watch.decision else None,
-        "needs_operator": watch.planner.needs_operator,
+        "needs_operator": _needs_operator(watch),
         "recoveries": list(watch.recoveries),
         "recovery_in_progress": watch.in_progress is not None,
     }
+
+
+def _xid_snapshot(event: XidEvent) -> dict[str, object]:
+    """One kernel Xid as status reads it back (text already escaped by the parser)."""
+    return {
+        "code": event.code,
+        "xid_class": lookup(event.code).xid_class.value,
+        "pci_bus_id": event.pci_bus_id,
+        "pid": event.pid,
+        "name": event.name,
+        "detail": event.detail,
+        "time": None if event.realtime_s is None else _iso(event.realtime_s),
+        "boot_id": event.boot_id,
+    }
+
+
+def _needs_operator(watch: _Watch) -> bool:
+    """Recoveries gave up, or the last decision was that only an operator can help (a GPU reset)."""
+    decision = watch.decision
+    return watch.planner.needs_operator or (
+        decision is not None and decision.action is Action.NEEDS_OPERATOR
+    )
 
 
 def _action(decision: Decision | None) -> str | None:

@@ -35,10 +35,12 @@ Rules (``diagnose``), over the events of the last ``window_s`` seconds:
 * immediate loop, whether the newest run failed or is still starting (it will fail too): the
   newest run found a left-over process in its control group while starting, or the first start
   after a stop timeout failed;
-* cause: ``stale-gpu-holders`` when the GPU inventory names stale holders or a failed run of the
-  series printed a GPU out-of-memory message; ``not-gpu-related`` when an inventory was taken,
-  the GPUs are idle with no stale holder, and two or more failed runs ended the same way (unit
-  result, exit code and status); ``unknown`` otherwise.
+* cause: ``gpu-needs-reset`` when a GPU of the unit's set needs a reset or reboot (NVML health:
+  lost, a pending row remap or page retirement, the driver asks for it) - first, because no kill
+  can help then; ``stale-gpu-holders`` when the GPU inventory names stale holders or a failed run
+  of the series printed a GPU out-of-memory message; ``not-gpu-related`` when an inventory was
+  taken, the GPUs are idle with no stale holder, and two or more failed runs ended the same way
+  (unit result, exit code and status); ``unknown`` otherwise.
 
 Time is the journal's monotonic clock of one boot (``UnitEvent.monotonic_s``; the caller's ``now``
 is ``time.monotonic()``, the same clock): a wall-clock step moves no event in or out of the
@@ -99,6 +101,8 @@ class LoopSettings:
 class Cause(StrEnum):
     """Why a unit's runs fail, as far as the evidence goes."""
 
+    GPU_NEEDS_RESET = "gpu-needs-reset"
+    """A GPU of the unit's set needs a reset or reboot: no kill or restart can free it."""
     STALE_GPU_HOLDERS = "stale-gpu-holders"
     """Processes from earlier runs hold the GPUs, or the server said GPU memory was taken."""
     NOT_GPU_RELATED = "not-gpu-related"
@@ -114,11 +118,13 @@ class GpuEvidence:
     ``stale_holders``: one phrase per holder attributed to an earlier invocation (or left over
     outside it), e.g. "PID 123 (sglang::scheduler_TP0) from an earlier invocation holds GPU 0,
     20480 MiB". ``gpus_busy``: some GPU of the unit's set is not idle (any holder, stale or not,
-    or memory still in use without a process: a driver still tearing down).
+    or memory still in use without a process: a driver still tearing down). ``needs_reset``: one
+    phrase per GPU of the set that needs a reset, e.g. "GPU 1: a memory row remap is pending".
     """
 
     stale_holders: tuple[str, ...] = ()
     gpus_busy: bool = False
+    needs_reset: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -623,6 +629,8 @@ def _event_lines(events: Iterable[UnitEvent]) -> list[tuple[float, str]]:
 
 def _cause(failed: Sequence[_Run], gpu: GpuEvidence | None) -> tuple[Cause, str]:
     """The cause and one line on it, from the current series of failures and the inventory."""
+    if gpu is not None and gpu.needs_reset:
+        return Cause.GPU_NEEDS_RESET, "; ".join(gpu.needs_reset)
     gpu_cause = _gpu_cause(failed, gpu)
     if gpu_cause is not None:
         return gpu_cause
@@ -662,6 +670,8 @@ def _gpu_cause(failed: Sequence[_Run], gpu: GpuEvidence | None) -> tuple[Cause, 
         return None
     run = oom_runs[-1]
     detail = f"run {_abbrev(run)} printed: {_cut(run.oom[0].message)}"
+    if run.oom[0].device is not None:
+        detail += f" (CUDA device {run.oom[0].device} as the server numbers its GPUs)"
     if gpu is not None:
         detail += " (no stale holder found now)"
     return Cause.STALE_GPU_HOLDERS, detail

@@ -104,6 +104,9 @@ class UnitEvent:
     job_type: str | None = None
     """stopping / stopped: the job that stops the unit (JOB_TYPE): ``stop`` is a stop job someone
     asked for (an operator, a conflict, gpuguard), ``restart`` systemd's or a restart request."""
+    device: int | None = None
+    """gpu-oom-output: the CUDA device the line names (``cuda:1``, ``GPU 3``), numbered as the
+    process saw its devices (after CUDA_VISIBLE_DEVICES), not NVML's index."""
 
 
 # MESSAGE_IDs from sd-messages.h (identical in systemd 249…257; facts §4.1).
@@ -119,32 +122,83 @@ MESSAGE_IDS: Final[Mapping[str, EventKind]] = {
     "5eb03494b6584870a536b337290809b3": EventKind.RESTART_SCHEDULED,
 }
 
-GPU_OOM_PATTERNS: Final[tuple[str, ...]] = (
-    # PyTorch: torch.OutOfMemoryError (2.1+), torch.cuda.OutOfMemoryError (1.13-2.0).
-    r"torch\.(?:cuda\.)?OutOfMemoryError",
-    # PyTorch's message, also in older RuntimeErrors.
-    r"CUDA out of memory",
-    # A CUDA runtime error surfaced as text (cudaErrorMemoryAllocation).
-    r"CUDA error: out of memory",
-    # SGLang model runner, TP > 1, before loading weights.
-    r"The memory capacity is unbalanced\. Some GPUs may be occupied by other processes",
-    # SGLang KV-cache sizing.
-    r"Not enough memory\. Please try to increase --mem-fraction-static",
-    # vLLM: "Free memory on device (6.9/8.0 GiB) on startup is less than desired GPU memory …",
-    # newer: "Free memory on device cuda:0 (6.9/79.2 GiB) on startup …". The gap is bounded:
-    # an unbounded `.*` between two literals is quadratic on a long line (212 s in PCRE2 for
-    # 859 KiB of repeated prefixes), a bounded one costs at most its bound per prefix.
-    r"Free memory on device .{1,80} on startup is less than desired",
-)
-"""Case-sensitive regexes for lines servers print when GPU memory is already taken (facts §7).
 
-Plain syntax shared by Python ``re`` and PCRE2 (``journalctl --grep`` with
-``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses it.
-They are matched against the first ``OUTPUT_SCAN_CHARS`` of the decoded MESSAGE with ANSI
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """A line a server prints when GPU memory was already taken at start, and where it is from."""
+
+    pattern: str
+    server: str
+    source: str
+
+
+START_FAILURE_SIGNATURES: Final[tuple[Signature, ...]] = (
+    Signature(
+        r"torch\.(?:cuda\.)?OutOfMemoryError",
+        "PyTorch",
+        "torch.OutOfMemoryError (2.1+), torch.cuda.OutOfMemoryError (1.13-2.0)",
+    ),
+    Signature(
+        r"CUDA out of memory",
+        "PyTorch",
+        "the caching allocator's message: 'CUDA out of memory. Tried to allocate 20.00 MiB. "
+        "GPU 0 has a total capacity of …' (older: '… (GPU 0; 7.93 GiB total capacity; …)')",
+    ),
+    Signature(
+        r"CUDA error: out of memory",
+        "PyTorch",
+        "a CUDA runtime error surfaced as text (cudaErrorMemoryAllocation), current form",
+    ),
+    Signature(
+        r"CUDA error \(2\): out of memory",
+        "PyTorch",
+        "legacy form of the same error (code 2 = cudaErrorMemoryAllocation), e.g. from "
+        "torch.cuda.Stream() on PyTorch 1.x",
+    ),
+    Signature(
+        r"cuda runtime error \(2\) ?: out of memory",
+        "PyTorch",
+        "THC's THCudaCheck before PyTorch 1.5: 'cuda runtime error (2) : out of memory at …'",
+    ),
+    Signature(
+        r"The memory capacity is unbalanced\. Some GPUs may be occupied by other processes",
+        "SGLang",
+        "model runner, TP > 1, before loading weights",
+    ),
+    Signature(
+        r"Not enough memory\. Please try to increase --mem-fraction-static",
+        "SGLang",
+        "KV-cache sizing",
+    ),
+    # vLLM's ValueError "Free memory on device cuda:0 (6.9/79.2 GiB) on startup is less than
+    # desired GPU memory utilization (0.9, 71.3 GiB). …" (older: "on device (6.9/8.0 GiB)"),
+    # often behind a "(EngineCore_DP0 pid=…)" prefix, and seen wrapped after the device name or
+    # after "GPU memory". Two literal patterns cover one line and each wrapped half; no gap.
+    Signature(
+        r"GiB\) on startup is less than desired",
+        "vLLM",
+        "the startup memory check of the GPU worker (one line, or its second half when wrapped "
+        "after the device name)",
+    ),
+    Signature(
+        r"Free memory on device(?: cuda:\d{1,3})?$",
+        "vLLM",
+        "the first line of the same message when wrapped right after the device name",
+    ),
+)
+"""Start-failure signatures (facts §7): what servers print when the GPU memory they need is held.
+
+Each is a case-sensitive regex in the syntax Python ``re`` and PCRE2 share (``journalctl --grep``
+with ``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses
+it. They are matched against the first ``OUTPUT_SCAN_CHARS`` of the decoded MESSAGE with ANSI
 sequences removed: a pre-filter on raw JSON lines must let MESSAGEs that journalctl printed as
-byte arrays through. Every pattern is linear in PCRE2 and ``re`` alike: literals, and no gap
-without a small bound.
+byte arrays through. Every pattern is linear in PCRE2 and ``re`` alike: literals, bounded
+repetitions, no gap (an unbounded ``.*`` between two literals is quadratic on a long line: 212 s
+in PCRE2 for 859 KiB of repeated prefixes).
 """
+
+GPU_OOM_PATTERNS: Final[tuple[str, ...]] = tuple(s.pattern for s in START_FAILURE_SIGNATURES)
+"""The patterns of ``START_FAILURE_SIGNATURES``."""
 
 GPU_OOM_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in GPU_OOM_PATTERNS)
 """``GPU_OOM_PATTERNS`` as one alternation."""
@@ -174,6 +228,8 @@ __MONOTONIC_TIMESTAMP itself): the
 follower asks journalctl for these only, which halves what Python has to json.loads."""
 
 _GPU_OOM = re.compile(GPU_OOM_REGEX)
+# The CUDA device a start-failure line names: "cuda:1", "GPU 3 has a total capacity", "(GPU 0;".
+_DEVICE = re.compile(r"(?:\bcuda:|\bGPU )(\d{1,3})(?![\d.])")
 
 # Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; facts §4.1, §4.7).
 _LEFT_OVER = re.compile(
@@ -353,6 +409,8 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
     match = _GPU_OOM.search(text)
     if match is None:
         return None
+    # The device is named near the phrase, before it (vLLM) or after it (PyTorch).
+    device = _DEVICE.search(text, max(0, match.start() - 120), match.start() + 400)
     # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
     start = max(0, match.start() - 60)
     shown = text[start:] if start == 0 else "…" + text[start:]
@@ -365,6 +423,7 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
         invocation_id=_string(entry.get("_SYSTEMD_INVOCATION_ID")) or None,
         boot_id=where.boot_id,
         message=_display(shown),
+        device=None if device is None else int(device.group(1)),
     )
 
 

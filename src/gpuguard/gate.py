@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuguard.escaping import escape
+from gpuguard.health import reset_reasons
 from gpuguard.policy import Decision, PlanRequest, Verdict, plan
 from gpuguard.protection import is_idle
 from gpuguard.values import MIB, GateOutcome, NvmlHealth
@@ -38,10 +39,12 @@ class GateSettings:
 
 
 def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
-    """Why waiting cannot make the set idle: NVML cannot answer, a GPU of the set is lost or gone.
+    """Why waiting cannot make the set idle: NVML cannot answer, a GPU of the set is gone.
 
-    Empty when waiting may help. A lost GPU keeps its memory until a reset or reboot, and without
-    NVML idleness cannot be known at all: a 300 s wait would only delay the same refusal.
+    Gone includes needing a reset: lost, a pending row remap or page retirement, or the driver
+    asking for it. Empty when waiting may help. Such a GPU keeps its memory until a reset or
+    reboot, and without NVML idleness cannot be known at all: a 300 s wait would only delay the
+    same refusal.
     """
     nvml = inventory.nvml
     if nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
@@ -54,6 +57,13 @@ def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
             f"GPU {gpu.reading.index}: {gpu.reading.problem or 'lost'}"
             for gpu in inventory.gpus
             if gpu.reading.lost and (gpu_set is None or gpu.reading.index in gpu_set)
+        ),
+        *(
+            f"GPU {gpu.reading.index} needs a reset: " + "; ".join(reasons)
+            for gpu in inventory.gpus
+            if not gpu.reading.lost
+            and (gpu_set is None or gpu.reading.index in gpu_set)
+            and (reasons := reset_reasons(gpu.reading))
         ),
     )
 

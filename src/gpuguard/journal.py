@@ -14,7 +14,9 @@ How each is handled (facts: reference/nvml-systemd-facts.md §4.5, §4.6):
   on every version; 257's own ``-u`` matches init.scope, which adds the helpers PID 1 forks).
   ``output`` (only with ``output_patterns``): ``_SYSTEMD_UNIT=<u>…`` with ``--grep`` on the
   alternation of the patterns, so journalctl drops the noise and Python never sees it. Each stream
-  is its own journalctl with its own cursor; order is kept within a stream, not across the two.
+  is its own journalctl with its own cursor; order is kept within a stream, not across them.
+  ``kernel`` (only with ``kernel_patterns``): ``_TRANSPORT=kernel`` with ``--grep`` likewise;
+  journald sets that field for what it reads from /dev/kmsg and no client can send it.
 * **History, then live.** ``start()`` runs a non-following journalctl over the history (the last
   ``replay_s`` seconds of the current boot, or from the saved cursor if that is newer, as
   fail2ban does); its records carry ``live=False``: rebuild a window from them, do not act. When
@@ -81,6 +83,8 @@ LIFECYCLE = "lifecycle"
 """PID 1's messages about the watched units."""
 OUTPUT = "output"
 """The watched units' own output lines that match ``output_patterns``."""
+KERNEL = "kernel"
+"""Kernel messages (``_TRANSPORT=kernel``, set by journald only) that match ``kernel_patterns``."""
 
 DEFAULT_BACKOFF: tuple[float, ...] = (1, 2, 5, 10, 30)
 MAX_LINE_BYTES = 16 << 20
@@ -202,6 +206,7 @@ class JournalFollower:
         cursor_path: Path,
         *,
         output_patterns: Sequence[str] = (),
+        kernel_patterns: Sequence[str] = (),
         replay_s: float = 600,
         journalctl: Sequence[str] = ("journalctl",),
         clock: Callable[[], float] = time.monotonic,
@@ -215,11 +220,7 @@ class JournalFollower:
         for unit in units:
             if not _UNIT_NAME.fullmatch(unit):
                 raise ValueError(f"not a systemd unit name: {unit!r}")
-        for pattern in output_patterns:
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"output pattern {pattern!r} is not a regex: {err}") from err
+        _check_patterns((*output_patterns, *kernel_patterns))
         if not backoff or any(step < 0 for step in backoff):
             raise ValueError("backoff needs one or more non-negative delays in seconds")
         if not journalctl:
@@ -240,6 +241,9 @@ class JournalFollower:
         if self.output_patterns:
             grep = "|".join(f"(?:{pattern})" for pattern in self.output_patterns)
             self._streams.append(_Stream(OUTPUT, (f"--grep={grep}", "--case-sensitive=yes")))
+        if kernel_patterns:
+            grep = "|".join(f"(?:{pattern})" for pattern in kernel_patterns)
+            self._streams.append(_Stream(KERNEL, (f"--grep={grep}", "--case-sensitive=yes")))
         self._problems: deque[str] = deque(maxlen=_PROBLEMS_KEPT)
         self._cursor_error: str | None = None
         self._started = False
@@ -479,6 +483,8 @@ class JournalFollower:
         if stream.name == LIFECYCLE:
             units = [f"UNIT={unit}" for unit in self.units]
             argv += ["_PID=1", *units, "+", "_SYSTEMD_CGROUP=/init.scope", *units]
+        elif stream.name == KERNEL:
+            argv.append("_TRANSPORT=kernel")
         else:
             argv += [f"_SYSTEMD_UNIT={unit}" for unit in self.units]
         return tuple(argv)
@@ -650,6 +656,14 @@ class JournalFollower:
             if pipe is not None:
                 pipe.close()
         return returncode
+
+
+def _check_patterns(patterns: Sequence[str]) -> None:
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"output pattern {pattern!r} is not a regex: {err}") from err
 
 
 def _die_with_parent() -> Callable[[], None]:

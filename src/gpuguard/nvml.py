@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard import files, programs
 from gpuguard.values import (
+    GpuHealth,
     GpuMemory,
     GpuReading,
     MemoryApi,
@@ -30,6 +31,7 @@ from gpuguard.values import (
     NvmlProcess,
     NvmlReading,
     ProcessListKind,
+    RecoveryAction,
 )
 
 if TYPE_CHECKING:
@@ -80,8 +82,25 @@ _UNAVAILABLE_CODES = frozenset({9, 12, 18})  # DRIVER_NOT_LOADED, LIBRARY_NOT_FO
 _NO_PERMISSION = 4
 _NOT_SUPPORTED = 3
 _GPU_IS_LOST = 15
+_RESET_REQUIRED = 16
 _FUNCTION_NOT_FOUND = 13
 _INSUFFICIENT_SIZE = 7
+
+# nvml.h: NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+# (a field of drivers >= 565; older ones answer NOT_SUPPORTED in the field's own slot).
+_UNCORRECTED = 1
+_VOLATILE = 0
+_FI_GPU_RECOVERY_ACTION = 230
+_RECOVERY_ACTIONS = (
+    RecoveryAction.NONE,
+    RecoveryAction.GPU_RESET,
+    RecoveryAction.NODE_REBOOT,
+    RecoveryAction.DRAIN_P2P,
+    RecoveryAction.DRAIN_AND_RESET,
+    RecoveryAction.RECOVER_IMEX_DOMAIN,
+    RecoveryAction.BUS_RESET,
+    RecoveryAction.SYSTEM_REBOOT,
+)
 
 
 def read_gpus(timeout_s: float, library: Path | None = None) -> NvmlReading:
@@ -313,11 +332,13 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
         return _unreachable_gpu(index, err), None
     problems: list[str] = []
     lost = False
+    reset_required = False
     memory: GpuMemory | None = None
     try:
         memory = _read_memory(nvml, handle)
     except nvml.NVMLError as err:
         lost = err.value == _GPU_IS_LOST
+        reset_required = err.value == _RESET_REQUIRED
         if err.value == _NOT_SUPPORTED:
             problems.append("memory info not supported on this GPU (integrated/unified memory)")
         else:
@@ -332,9 +353,13 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
             )
     except nvml.NVMLError as err:
         lost = lost or err.value == _GPU_IS_LOST
+        reset_required = reset_required or err.value == _RESET_REQUIRED
         problems.append(f"process list unreadable: {err}")
     except nvml.NVMLLibraryMismatchError:
         missing_symbol = "no nvmlDeviceGetComputeRunningProcesses_v3"
+    health = _read_health(nvml, handle)
+    if reset_required:
+        health = replace(health, reset_required=True)
     reading = GpuReading(
         index=index,
         name=_optional(nvml, nvml.nvmlDeviceGetName, handle),
@@ -345,6 +370,7 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
         processes=processes,
         problem="; ".join(problems) or None,
         lost=lost,
+        health=health,
     )
     if lost:
         reading = _mark_lost(reading)
@@ -357,6 +383,12 @@ def _unreachable_gpu(index: int, err: Any) -> GpuReading:  # noqa: ANN401 - unty
         return _mark_lost(GpuReading(index=index, lost=True))
     if code == _NO_PERMISSION:
         return GpuReading(index=index, problem="no permission to open this GPU (run as root)")
+    if code == _RESET_REQUIRED:
+        return GpuReading(
+            index=index,
+            problem=f"cannot open GPU: {err}",
+            health=GpuHealth(reset_required=True),
+        )
     return GpuReading(index=index, problem=f"cannot open GPU: {err}")
 
 
@@ -367,6 +399,48 @@ def _mark_lost(reading: GpuReading) -> GpuReading:
         "GPU reset or reboot",
         lost=True,
     )
+
+
+def _read_health(nvml: ModuleType, handle: object) -> GpuHealth:
+    """Each health fact on its own: one the driver does not support stays None (unknown).
+
+    RESET_REQUIRED from any of them is itself the strongest fact there is.
+    """
+    answers: dict[str, Any] = {}
+    reset_required = False
+    calls: dict[str, Callable[[], Any]] = {
+        "retired": lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle),
+        "remapped": lambda: nvml.nvmlDeviceGetRemappedRows(handle),
+        "ecc": lambda: nvml.nvmlDeviceGetTotalEccErrors(handle, _UNCORRECTED, _VOLATILE),
+        "action": lambda: _recovery_action(nvml, handle),
+    }
+    for key, call in calls.items():
+        try:
+            answers[key] = call()
+        except nvml.NVMLError as err:
+            reset_required = reset_required or err.value == _RESET_REQUIRED
+    remapped = answers.get("remapped")
+    retired = answers.get("retired")
+    ecc = answers.get("ecc")
+    return GpuHealth(
+        reset_required=reset_required,
+        retired_pages_pending=None if retired is None else bool(retired),
+        remapped_rows_pending=None if remapped is None else bool(remapped[2]),
+        remapped_rows_failed=None if remapped is None else bool(remapped[3]),
+        volatile_uncorrectable_ecc=None if ecc is None else int(ecc),
+        recovery_action=answers.get("action"),
+    )
+
+
+def _recovery_action(nvml: ModuleType, handle: object) -> RecoveryAction | None:
+    """The driver's recovery action field; None when this driver does not have it."""
+    (value,) = nvml.nvmlDeviceGetFieldValues(handle, [_FI_GPU_RECOVERY_ACTION])
+    if value.nvmlReturn != 0:
+        if value.nvmlReturn == _RESET_REQUIRED:
+            raise nvml.NVMLError(_RESET_REQUIRED)
+        return None
+    code = int(value.value.uiVal)
+    return _RECOVERY_ACTIONS[code] if code < len(_RECOVERY_ACTIONS) else RecoveryAction.OTHER
 
 
 def _read_memory(nvml: ModuleType, handle: object) -> GpuMemory:

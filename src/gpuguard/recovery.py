@@ -75,6 +75,14 @@ class RecoveryPlanner:
         """The action for a fresh diagnosis at ``now``."""
         if not diagnosis.looping:
             return Decision(Action.NONE, diagnosis.reason)
+        if diagnosis.cause is Cause.GPU_NEEDS_RESET:
+            # Not counted as a recovery and not sticky: once the GPU is reset the next
+            # diagnosis no longer says so, and nothing gpuguard did needs forgiving.
+            return Decision(
+                Action.NEEDS_OPERATOR,
+                f"{diagnosis.cause_detail}: no kill or restart can help; reset the GPU or reboot "
+                "(see `gpuguard status` and the runbook)",
+            )
         if diagnosis.cause is not Cause.STALE_GPU_HOLDERS:
             return Decision(
                 Action.REPORT,

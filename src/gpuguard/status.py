@@ -12,16 +12,20 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.escaping import escape
+from gpuguard.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.policy import matching_pattern
 from gpuguard.protection import is_idle, is_protected
 from gpuguard.values import MIB, MemoryApi, NvmlHealth
+from gpuguard.xid import XidClass
+from gpuguard.xidevents import normalize_pci
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
 
     from gpuguard.holders import GpuOccupancy, Holder, Inventory
+    from gpuguard.values import GpuHealth, GpuReading
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _COMMAND_WIDTH = 100
 
 
@@ -102,6 +106,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *_daemon_findings(context.daemon),
         *_nvml_findings(inventory),
         *_gpu_findings(inventory),
+        *_xid_findings(inventory, context.daemon),
         *_holder_findings(inventory, context),
     ]
     if inventory.scan.unreadable and not context.as_root:
@@ -176,7 +181,15 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
         )
     for name, value in _dict(daemon.snapshot.get("units")).items():
         unit = _dict(value)
-        if unit.get("needs_operator"):
+        if unit.get("needs_operator") and unit.get("cause") == "gpu-needs-reset":
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
+                    f"restart can replace ({escape(str(unit.get('cause_detail')))})",
+                )
+            )
+        elif unit.get("needs_operator"):
             findings.append(
                 Finding(
                     Level.CRITICAL,
@@ -255,10 +268,14 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
     findings: list[Finding] = _v1_findings(inventory)
     for gpu in inventory.gpus:
         reading = gpu.reading
-        if reading.lost:
-            findings.append(Finding(Level.CRITICAL, f"GPU {reading.index}: {reading.problem}"))
+        if reasons := reset_reasons(reading):
+            findings.append(Finding(Level.CRITICAL, _reset_advice(reading, reasons)))
         elif reading.problem:
             findings.append(Finding(Level.WARNING, f"GPU {reading.index}: {reading.problem}"))
+        findings.extend(
+            Finding(Level.WARNING, f"GPU {reading.index}: {warning}")
+            for warning in health_warnings(reading)
+        )
         if gpu.unattributed_bytes:
             findings.append(
                 Finding(
@@ -287,6 +304,102 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
         for hidden in inventory.uninspectable
     )
     return findings
+
+
+# Xid classes after which no kill helps (xid.py); an application fault is the reaper's business.
+_SERIOUS_XIDS = frozenset({XidClass.RESET_GPU, XidClass.REBOOT, XidClass.OPERATOR})
+
+
+def xid_events(inventory: Inventory, daemon: DaemonView | None) -> list[dict[str, Any]]:
+    """The daemon's recent kernel Xid events, each with the GPU index NVML gives its PCI id.
+
+    ``gpu`` is None when NVML knows no GPU at that address (reported, not dropped).
+    """
+    if daemon is None:
+        return []
+    by_pci = {
+        normalize_pci(gpu.reading.pci_bus_id): gpu.reading.index
+        for gpu in inventory.gpus
+        if gpu.reading.pci_bus_id
+    }
+    events = []
+    for raw in _list(_dict(daemon.snapshot.get("xid")).get("recent")):
+        event = _dict(raw)
+        pci = event.get("pci_bus_id")
+        if not isinstance(pci, str) or not isinstance(event.get("code"), int):
+            continue
+        events.append({**event, "gpu": by_pci.get(normalize_pci(pci))})
+    return events
+
+
+def _xid_findings(inventory: Inventory, daemon: DaemonView | None) -> list[Finding]:
+    """Xids after which no kill helps, per GPU; Xids for an address NVML does not know."""
+    findings: list[Finding] = []
+    seen: set[tuple[object, object]] = set()
+    for event in reversed(xid_events(inventory, daemon)):
+        key = (event["gpu"] if event["gpu"] is not None else event["pci_bus_id"], event["code"])
+        if key in seen:
+            continue
+        seen.add(key)
+        what = _xid_phrase(event)
+        if event["gpu"] is None:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"kernel Xid for PCI {escape(str(event['pci_bus_id']))}, which NVML "
+                    f"does not know{_unaddressed(inventory)}: {what}",
+                )
+            )
+        elif event.get("xid_class") in _SERIOUS_XIDS:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"GPU {event['gpu']} had {what}: no kill helps after it; a reset or reboot "
+                    "may be needed (docs/xid.md)",
+                )
+            )
+    malformed = _dict(daemon.snapshot.get("xid")).get("malformed") if daemon else None
+    if isinstance(malformed, int) and malformed > 0:
+        findings.append(
+            Finding(Level.OK, f"{malformed} kernel Xid line(s) could not be read (daemon log)")
+        )
+    return findings
+
+
+def _unaddressed(inventory: Inventory) -> str:
+    """GPUs NVML cannot give an address for (lost, unreadable): an unmatched Xid may be theirs.
+
+    Said, not guessed: the address of a lost GPU is exactly what NVML can no longer tell.
+    """
+    without = [str(g.reading.index) for g in inventory.gpus if not g.reading.pci_bus_id]
+    if not without:
+        return ""
+    return f" (NVML cannot tell the address of GPU {', '.join(without)}: it may be that one)"
+
+
+def _xid_phrase(event: Mapping[str, Any]) -> str:
+    who = f", pid {event['pid']}" if isinstance(event.get("pid"), int) else ""
+    return (
+        f"Xid {event['code']} ({escape(str(event.get('xid_class')))}) at "
+        f"{escape(str(event.get('time')))}: "
+        f"{escape(str(event.get('detail') or ''))}{who}"
+    )
+
+
+def _reset_advice(reading: GpuReading, reasons: Sequence[str]) -> str:
+    """What is wrong and what to do: killing processes cannot free such a GPU."""
+    index = reading.index
+    what = "; ".join(reasons)
+    if needs_reboot(reading):
+        return (
+            f"GPU {index} needs a reboot ({what}): no kill or restart can free it; drain the "
+            "host and reboot it (docs/runbook.md, GPU needs a reset)"
+        )
+    return (
+        f"GPU {index} needs a GPU reset ({what}): no kill or restart can free it; stop every "
+        f"process using it, then run `nvidia-smi -r -i {index}` as root, or reboot "
+        "(docs/runbook.md, GPU needs a reset)"
+    )
 
 
 def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
@@ -370,8 +483,13 @@ def render_text(report: StatusReport) -> str:
     else:
         lines.append(f"NVML: {nvml.reason or nvml.health.value}")
     shown: set[int] = set()
+    xids = xid_events(inventory, report.daemon)
     for gpu in inventory.gpus:
         lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
+        lines.extend(
+            f"    {_xid_phrase(event)}"
+            for event in [e for e in xids if e["gpu"] == gpu.reading.index][-3:]
+        )
         shown.update(gpu.holder_pids)
     others = [h for h in inventory.holders if h.pid not in shown]
     if others:
@@ -480,6 +598,8 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
     else:
         usage = "memory unknown"
     tag = " idle" if reading.index in idle else ""
+    if reset_reasons(reading):
+        tag = " NEEDS REBOOT" if needs_reboot(reading) else " NEEDS RESET"
     if reading.lost:
         tag = " LOST"
     if reading.memory is not None and reading.memory.reserved_source is not None:
@@ -488,6 +608,9 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
             f"{reading.memory.reserved_source.value})"
         )
     lines = [f"GPU {reading.index}  {name}  {usage}{tag}"]
+    notes = (*reset_reasons(reading), *health_warnings(reading))
+    if notes:
+        lines.append("    health: " + "; ".join(notes))
     for pid in gpu.holder_pids:
         holder = inventory.holder(pid)
         if holder is not None:
@@ -546,6 +669,7 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             }
             for unit in report.units
         ],
+        "xid_events": xid_events(inventory, report.daemon),
         "daemon": None
         if report.daemon is None
         else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},
@@ -577,8 +701,27 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
         "idle": reading.index in idle,
         "lost": reading.lost,
         "problem": reading.problem,
+        "health": _health_json(reading),
         "holder_pids": list(gpu.holder_pids),
         "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
+    }
+
+
+def _health_json(reading: GpuReading) -> dict[str, Any]:
+    """Each fact as NVML gave it (null: unknown), and the verdict drawn from them."""
+    health: GpuHealth = reading.health
+    reasons = reset_reasons(reading)
+    return {
+        "needs_reset": bool(reasons),
+        "needs_reboot": bool(reasons) and needs_reboot(reading),
+        "reset_reasons": list(reasons),
+        "warnings": list(health_warnings(reading)),
+        "reset_required": health.reset_required,
+        "retired_pages_pending": health.retired_pages_pending,
+        "remapped_rows_pending": health.remapped_rows_pending,
+        "remapped_rows_failed": health.remapped_rows_failed,
+        "volatile_uncorrectable_ecc": health.volatile_uncorrectable_ecc,
+        "recovery_action": None if health.recovery_action is None else health.recovery_action.value,
     }
 
 

@@ -74,6 +74,39 @@ class NvmlProcess:
     kind: ProcessListKind
 
 
+class RecoveryAction(StrEnum):
+    """The driver's own verdict on what a GPU needs (nvmlDeviceGpuRecoveryAction_t, nvml.h)."""
+
+    NONE = "none"
+    GPU_RESET = "gpu-reset"
+    NODE_REBOOT = "node-reboot"
+    DRAIN_P2P = "drain-p2p"
+    DRAIN_AND_RESET = "drain-and-reset"
+    RECOVER_IMEX_DOMAIN = "recover-imex-domain"
+    BUS_RESET = "bus-reset"
+    SYSTEM_REBOOT = "system-reboot"
+    OTHER = "other"
+    """A value this gpuguard does not know (a newer driver)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHealth:
+    """What NVML says about a GPU's health; None is "unknown" (unsupported or unreadable).
+
+    Unknown is never read as healthy: a driver that cannot report pending row remaps has not
+    said there are none.
+    """
+
+    reset_required: bool = False
+    """The driver answered RESET_REQUIRED ("GPU requires restart") to a call on this GPU."""
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failed: bool | None = None
+    volatile_uncorrectable_ecc: int | None = None
+    """Uncorrectable ECC errors since the last driver load or GPU reset."""
+    recovery_action: RecoveryAction | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class GpuReading:
     """Everything NVML told us about one GPU; ``problem`` says what could not be read and why."""
@@ -87,6 +120,7 @@ class GpuReading:
     processes: tuple[NvmlProcess, ...] = ()
     problem: str | None = None
     lost: bool = False
+    health: GpuHealth = field(default_factory=GpuHealth)
 
 
 class NvmlHealth(StrEnum):

@@ -50,6 +50,7 @@ enum {
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
     NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_RESET_REQUIRED = 16,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
 };
 
@@ -90,6 +91,18 @@ typedef struct {
     char busId[32];
 } fake_pci_info;
 
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    unsigned long long value; /* nvmlValue_t: an 8-byte union */
+} fake_field_value;
+
+_Static_assert(sizeof(fake_field_value) == 40, "nvmlFieldValue_t is 40 bytes");
+_Static_assert(offsetof(fake_field_value, value) == 32, "nvmlFieldValue_t.value at 32");
 _Static_assert(sizeof(fake_memory_v1) == 24, "nvmlMemory_t is 24 bytes");
 _Static_assert(sizeof(fake_memory_v2) == 40, "nvmlMemory_v2_t is 40 bytes");
 _Static_assert(offsetof(fake_memory_v2, total) == 8, "nvmlMemory_v2_t.total at 8");
@@ -99,6 +112,10 @@ _Static_assert(sizeof(fake_pci_info) == 68, "nvmlPciInfo_t is 68 bytes");
 _Static_assert(offsetof(fake_pci_info, busId) == 36, "nvmlPciInfo_t.busId at 36");
 
 #define MEMORY_V2_VERSION 0x02000028u
+#define NVML_MEMORY_ERROR_TYPE_UNCORRECTED 1
+#define NVML_VOLATILE_ECC 0
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230u
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
 #define NOT_AVAILABLE_ULL (~0ULL)
 #define NO_INSTANCE 0xFFFFFFFFu
 #define MIB 1048576ULL
@@ -122,6 +139,14 @@ API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, fake_pci_info *pci
 API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
                                       unsigned int *pendingMode);
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, fake_memory_v1 *memory);
+API nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending);
+API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
+                                           unsigned int *uncRows, unsigned int *isPending,
+                                           unsigned int *failureOccurred);
+API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int counterType,
+                                             unsigned long long *eccCounts);
+API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                          fake_field_value *values);
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device,
                                                          unsigned int *infoCount,
                                                          fake_process_info *infos);
@@ -658,9 +683,15 @@ struct gpu_cfg {
     long long pci_device_id;
     long long pci_subsystem_id;
     long long process_list_race;
+    long long retired_pages_pending; /* -1: NOT_SUPPORTED (GPUs with row remapping) */
+    long long remapped_rows_pending; /* -1: NOT_SUPPORTED (before Ampere) */
+    long long remapped_rows_failure;
+    long long ecc_volatile_uncorrected; /* -1: NOT_SUPPORTED (ECC off or absent) */
+    long long recovery_action;          /* -1: the field is NOT_SUPPORTED (older driver) */
     bool lost;
     bool no_permission;
     bool memory_not_supported;
+    bool reset_required;
 };
 
 struct state {
@@ -693,6 +724,7 @@ static void gpu_defaults(struct gpu_cfg *g, unsigned int index)
     g->total_mib = 143771;
     g->pci_device_id = 0x233510DE;    /* device 0x2335 (H200), vendor 0x10DE */
     g->pci_subsystem_id = 0x18D310DE;
+    g->retired_pages_pending = -1; /* an H200 remaps rows instead of retiring pages */
 }
 
 /* Load gpus.json from $FAKENVML_STATE. NULL when unset, unreadable or malformed. */
@@ -759,6 +791,12 @@ static struct state *load_state(void)
         get_bool(&j, item, "lost", &g->lost);
         get_bool(&j, item, "no_permission", &g->no_permission);
         get_bool(&j, item, "memory_not_supported", &g->memory_not_supported);
+        get_bool(&j, item, "reset_required", &g->reset_required);
+        get_int(&j, item, "retired_pages_pending", &g->retired_pages_pending);
+        get_int(&j, item, "remapped_rows_pending", &g->remapped_rows_pending);
+        get_int(&j, item, "remapped_rows_failure", &g->remapped_rows_failure);
+        get_int(&j, item, "ecc_volatile_uncorrected", &g->ecc_volatile_uncorrected);
+        get_int(&j, item, "recovery_action", &g->recovery_action);
         if (g->minor < 0 || g->minor > 0xFFFF) {
             g->minor = st->ngpus - 1;
         }
@@ -1060,6 +1098,9 @@ static nvmlReturn_t gpu_access(const struct gpu_cfg *g)
     }
     if (g->no_permission) {
         return NVML_ERROR_NO_PERMISSION;
+    }
+    if (g->reset_required) {
+        return NVML_ERROR_RESET_REQUIRED;
     }
     return NVML_SUCCESS;
 }
@@ -1518,6 +1559,116 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, fake_memory_v2 *mem
     return rc;
 }
 #endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Health: page retirement, row remapping, ECC counters, the driver's recovery action          */
+/* ------------------------------------------------------------------------------------------ */
+
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending)
+{
+    struct state *st;
+    unsigned int index;
+    const struct gpu_cfg *g;
+    nvmlReturn_t rc = begin_device("nvmlDeviceGetRetiredPagesPendingStatus", device, &st, &index,
+                                   &g);
+    if (rc == NVML_SUCCESS) {
+        if (isPending == NULL) {
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        } else if (g->retired_pages_pending < 0) {
+            rc = NVML_ERROR_NOT_SUPPORTED;
+        } else {
+            *isPending = g->retired_pages_pending != 0; /* nvmlEnableState_t */
+        }
+    }
+    free(st);
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
+                                       unsigned int *uncRows, unsigned int *isPending,
+                                       unsigned int *failureOccurred)
+{
+    struct state *st;
+    unsigned int index;
+    const struct gpu_cfg *g;
+    nvmlReturn_t rc = begin_device("nvmlDeviceGetRemappedRows", device, &st, &index, &g);
+    if (rc == NVML_SUCCESS) {
+        if (corrRows == NULL || uncRows == NULL || isPending == NULL || failureOccurred == NULL) {
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        } else if (g->remapped_rows_pending < 0) {
+            rc = NVML_ERROR_NOT_SUPPORTED;
+        } else {
+            *corrRows = 0;
+            *uncRows = g->remapped_rows_pending != 0 ? 1u : 0u;
+            *isPending = g->remapped_rows_pending != 0;
+            *failureOccurred = g->remapped_rows_failure != 0;
+        }
+    }
+    free(st);
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int counterType,
+                                         unsigned long long *eccCounts)
+{
+    struct state *st;
+    unsigned int index;
+    const struct gpu_cfg *g;
+    nvmlReturn_t rc = begin_device("nvmlDeviceGetTotalEccErrors", device, &st, &index, &g);
+    if (rc == NVML_SUCCESS) {
+        if (eccCounts == NULL || errorType < 0 || errorType > 1 || counterType < 0 ||
+            counterType > 1) {
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        } else if (g->ecc_volatile_uncorrected < 0) {
+            rc = NVML_ERROR_NOT_SUPPORTED;
+        } else if (errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED &&
+                   counterType == NVML_VOLATILE_ECC) {
+            *eccCounts = (unsigned long long)g->ecc_volatile_uncorrected;
+        } else {
+            *eccCounts = 0;
+        }
+    }
+    free(st);
+    return rc;
+}
+
+/* Only the recovery action field is known; every other field answers NOT_SUPPORTED in its own
+ * slot while the call itself succeeds, as the real library does for fields a GPU lacks. */
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                      fake_field_value *values)
+{
+    struct state *st;
+    unsigned int index;
+    const struct gpu_cfg *g;
+    nvmlReturn_t rc = begin_device("nvmlDeviceGetFieldValues", device, &st, &index, &g);
+    if (rc == NVML_SUCCESS) {
+        if (values == NULL || valuesCount < 0) {
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        } else {
+            for (int i = 0; i < valuesCount; i++) {
+                fake_field_value *v = &values[i];
+                v->timestamp = now_realtime_ms() * 1000;
+                v->latencyUsec = 0;
+                v->value = 0;
+#ifdef FAKENVML_OLD_DRIVER
+                bool known = false;
+#else
+                bool known = v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION &&
+                             g->recovery_action >= 0;
+#endif
+                if (known) {
+                    v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+                    v->nvmlReturn = NVML_SUCCESS;
+                    v->value = (unsigned int)g->recovery_action;
+                } else {
+                    v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+                }
+            }
+        }
+    }
+    free(st);
+    return rc;
+}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Running processes: the two-call size protocol                                              */

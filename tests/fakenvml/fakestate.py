@@ -69,6 +69,16 @@ class FakeGpu:
     no_permission: bool = False
     memory_not_supported: bool = False
     process_list_race: int = 0
+    reset_required: bool = False
+    retired_pages_pending: int = -1
+    """-1: NOT_SUPPORTED, as on an H200 (it remaps rows instead); 0 or 1 otherwise."""
+    remapped_rows_pending: int = 0
+    """-1: NOT_SUPPORTED (before Ampere); 1: a remap waits for a GPU reset."""
+    remapped_rows_failure: int = 0
+    ecc_volatile_uncorrected: int = 0
+    """-1: NOT_SUPPORTED (ECC off); else the volatile uncorrected count."""
+    recovery_action: int = 0
+    """-1: the field is NOT_SUPPORTED (older driver); else an nvmlDeviceGpuRecoveryAction_t."""
 
     def to_json(self, index: int) -> dict[str, Any]:
         """The ``gpus.json`` object for this GPU at position ``index`` (all keys explicit)."""
@@ -106,6 +116,12 @@ class GpuChanges(TypedDict, total=False):
     no_permission: bool
     memory_not_supported: bool
     process_list_race: int
+    reset_required: bool
+    retired_pages_pending: int
+    remapped_rows_pending: int
+    remapped_rows_failure: int
+    ecc_volatile_uncorrected: int
+    recovery_action: int
 
 
 # driver_version is left out unless given: each library then answers its own default

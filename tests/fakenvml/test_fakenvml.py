@@ -123,6 +123,8 @@ def test_libraries_export_the_expected_symbols(
         "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v3",
         "nvmlDeviceGetMPSComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
         "nvmlDeviceGetGraphicsRunningProcesses_v2", "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+        "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetFieldValues",
     ]  # fmt: skip
     only_new = {
         "nvmlDeviceGetMemoryInfo_v2",
@@ -637,6 +639,63 @@ def test_gpu_lost_after_handle_taken(fake_state: Path, nvml_env: NvmlEnv) -> Non
         flag.touch()
         answer = json.loads(process.stdout.readline())
     assert answer == ["NVIDIA H200", *["NVMLError_GpuIsLost"] * 3]
+
+
+_HEALTH = """
+pynvml.nvmlInit()
+def health(i):
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    def field(h):
+        (v,) = pynvml.nvmlDeviceGetFieldValues(h, [230])
+        return [v.nvmlReturn, v.value.uiVal]
+    answers = []
+    for call in (
+        lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h),
+        lambda: list(pynvml.nvmlDeviceGetRemappedRows(h)),
+        lambda: pynvml.nvmlDeviceGetTotalEccErrors(h, 1, 0),
+        lambda: field(h),
+    ):
+        try:
+            answers.append(call())
+        except pynvml.NVMLError as err:
+            answers.append(type(err).__name__)
+    return answers
+out([health(i) for i in range(3)])
+"""
+
+
+def test_health_calls_answer_the_knobs(fake_state: Path, nvml_env: NvmlEnv) -> None:
+    """Defaults look like a healthy H200 (no page retirement); each knob changes one answer."""
+    update_gpu(fake_state, 1, remapped_rows_pending=1, ecc_volatile_uncorrected=2)
+    update_gpu(fake_state, 1, remapped_rows_failure=1, recovery_action=1)
+    update_gpu(fake_state, 2, retired_pages_pending=1, remapped_rows_pending=-1)
+    update_gpu(fake_state, 2, ecc_volatile_uncorrected=-1, recovery_action=-1)
+    answer = run_py(nvml_env(fake_state), _HEALTH)
+    assert answer == [
+        ["NVMLError_NotSupported", [0, 0, 0, 0], 0, [0, 0]],
+        ["NVMLError_NotSupported", [0, 1, 1, 1], 2, [0, 1]],
+        [1, "NVMLError_NotSupported", "NVMLError_NotSupported", [3, 0]],
+    ]
+
+
+def test_old_driver_has_no_recovery_action_field(fake_state: Path, nvml_env: NvmlEnv) -> None:
+    """A driver older than the recovery action field answers NOT_SUPPORTED in its slot."""
+    update_gpu(fake_state, 0, recovery_action=2)
+    answer = run_py(nvml_env(fake_state, old=True), _HEALTH)
+    assert answer[0][3] == [3, 0]
+
+
+def test_reset_required_gpu(fake_state: Path, nvml_env: NvmlEnv) -> None:
+    """reset_required: the handle, and every call on a handle taken before, say so (16)."""
+    update_gpu(fake_state, 1, reset_required=True)
+    answer = run_py(
+        nvml_env(fake_state),
+        """
+        pynvml.nvmlInit()
+        out([error(pynvml.nvmlDeviceGetHandleByIndex, i) for i in range(2)])
+        """,
+    )
+    assert answer == [None, "NVMLError_ResetRequired"]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +27,10 @@ from fakestate import fake_library, update_gpu, update_state
 from gpuguard import inventory, reaper, systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
 from gpuguard.daemon import Daemon, Ports
-from gpuguard.journal import JournalHealth, JournalRecord
+from gpuguard.journal import KERNEL, JournalHealth, JournalRecord
+from gpuguard.status import DaemonView, Level, StatusContext, assess, render_text
 from gpuguard.systemd import UnitState
+from gpuguard.values import MIB
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -76,7 +79,14 @@ class ReplayFollower:
 
     def read_available(self) -> list[JournalRecord]:
         """Everything at once, as journalctl would after a burst."""
-        records = [JournalRecord(entry, "lifecycle", live=self.live) for entry in self.entries]
+        records = [
+            JournalRecord(
+                entry,
+                KERNEL if entry.get("_TRANSPORT") == "kernel" else "lifecycle",
+                live=self.live,
+            )
+            for entry in self.entries
+        ]
         self.entries = []
         return records
 
@@ -325,6 +335,132 @@ def test_loop_without_gpu_cause_is_only_reported(tmp_path: Path, in_process_nvml
     assert warning["action"] == "report"
     assert not any(event == "signal" for _, event, _ in harness.log.lines)
     assert harness.snapshots[-1]["units"][unit]["action"] == "report"
+
+
+def test_loop_on_a_gpu_needing_a_reset_goes_to_needs_operator(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stale worker on GPU 2, whose row remap is pending: nothing is stopped or reaped."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    update_gpu(in_process_nvml, 2, remapped_rows_pending=1)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stale.pid)
+    (level, _, fields) = next(line for line in harness.log.lines if line[1] == "needs operator")
+    assert level == "error"
+    assert fields["cause"] == "gpu-needs-reset"
+    assert fields["cause_detail"] == "GPU 2: a memory row remap is pending"
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["needs_operator"] is True
+    assert last["action"] == "needs-operator"
+    assert last["recoveries"] == []
+
+
+def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """The issue's scenario without a container: Xid 79 on GPU 1, and the unit loops.
+
+    The kernel logs Xid 79 for PCI 3b (GPU 1), NVML calls GPU 1 lost. Nothing is stopped or
+    reaped; the daemon stops at needs operator; status, from the same snapshot and a fresh
+    inventory, says GPU 1 needs a reboot and shows the Xid, which NVML cannot place (a lost
+    GPU has no address in NVML) next to the GPU that has none.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    update_gpu(in_process_nvml, 1, lost=True)
+    entries = loop_entries(unit)
+    last = entries[-1]
+    xid = {
+        "_TRANSPORT": "kernel",
+        "MESSAGE": "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
+        "GPU has fallen off the bus.",
+        "_BOOT_ID": last["_BOOT_ID"],
+        "__CURSOR": f"{last['__CURSOR']}-xid",
+        "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) - 1),
+        "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) - 1),
+    }
+    harness = build(tmp_path, in_process_nvml, unit, [xid, *entries], dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    operator = next(f for _, event, f in harness.log.lines if event == "needs operator")
+    assert operator["cause"] == "gpu-needs-reset"
+    assert operator["cause_detail"] == "GPU 1: GPU is lost (fallen off the bus)"
+    snapshot = harness.snapshots[-1]
+    assert snapshot["units"][unit]["needs_operator"] is True
+    settings = Settings(
+        units={unit: UnitSettings()},
+        device_glob=f"{in_process_nvml}/dev/nvidia*",
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        state_dir=tmp_path / "lib",
+    )
+    context = StatusContext(
+        watched_units={unit: UnitSettings().patterns},
+        protected_names=settings.protected_processes,
+        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
+        as_root=os.geteuid() == 0,
+        daemon=DaemonView("running", snapshot),
+    )
+    report = assess(inventory.gather(settings), context, datetime.now(UTC))
+    text = render_text(report)
+    assert report.level is Level.CRITICAL
+    assert "GPU 1 needs a reboot (GPU is lost (fallen off the bus))" in text
+    assert f"{unit} needs an operator: a GPU of its set needs a reset" in text
+    assert (
+        "kernel Xid for PCI 0000:3b:00, which NVML does not know (NVML cannot tell the address "
+        "of GPU 1: it may be that one): Xid 79 (reboot)"
+    ) in text
+
+
+def test_kernel_xids_are_kept_for_status_and_malformed_ones_counted(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """A kernel Xid 79 and a garbled Xid line beside a loop: one kept, one counted."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = loop_entries(unit)
+    last = entries[-1]
+
+    def kernel(message: str, step: int) -> dict[str, object]:
+        return {
+            "_TRANSPORT": "kernel",
+            "MESSAGE": message,
+            "_BOOT_ID": last["_BOOT_ID"],
+            "__CURSOR": f"{last['__CURSOR']}-k{step}",
+            "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) + step),
+            "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) + step),
+        }
+
+    xid = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off"
+    garbled = "NVRM: Xid (PCI:0000:3b:00): seventy-nine"
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        [kernel(xid, 1), kernel(garbled, 2), *entries],
+        dry_run=False,
+    )
+
+    assert harness.daemon.run() == 0
+
+    snapshot = harness.snapshots[-1]["xid"]
+    assert snapshot["malformed"] == 1
+    (kept,) = snapshot["recent"]
+    assert kept["code"] == 79
+    assert kept["xid_class"] == "reboot"
+    assert kept["pci_bus_id"] == "0000:3b:00"
+    assert kept["pid"] is None
+    logged = next(f for _, event, f in harness.log.lines if event == "kernel xid")
+    assert logged["code"] == 79
 
 
 def test_dry_run_acts_on_nothing(

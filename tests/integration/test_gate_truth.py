@@ -81,6 +81,20 @@ def test_lost_gpu_of_the_set_refuses_at_once(cli: Cli, unit_cgroups: UnitCgroups
     assert "GPU 3" not in line
 
 
+def test_gpu_of_the_set_needing_a_reset_refuses_at_once(
+    cli: Cli, unit_cgroups: UnitCgroups
+) -> None:
+    """GPU 0 of the set has a row remap pending: one line naming it and why, within seconds."""
+    unit = unit_name()
+    cli.configure(f'[units."{unit}"]\ngpus = [0, 1]\n')
+    update_gpu(cli.state, 0, remapped_rows_pending=1)
+    result, took = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "300")
+    assert result.code == 1
+    assert took < 30
+    (line,) = result.err.strip().splitlines()
+    assert f"start of {unit} refused at once: GPU 0 needs a reset: a memory row remap" in line
+
+
 def test_waiting_gate_says_who_holds_what(
     cli: Cli, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -23,7 +24,15 @@ from typing import TYPE_CHECKING, Protocol
 import pytest
 
 from gpuguard.events import FIELDS_READ, GPU_OOM_REGEX, parse_entry
-from gpuguard.journal import DEFAULT_BACKOFF, LIFECYCLE, OUTPUT, JournalFollower, JournalRecord
+from gpuguard.journal import (
+    DEFAULT_BACKOFF,
+    KERNEL,
+    LIFECYCLE,
+    OUTPUT,
+    JournalFollower,
+    JournalRecord,
+)
+from gpuguard.xidevents import MARKER, XidEvent, parse_kernel_entry
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -204,6 +213,7 @@ class FollowerFactory(Protocol):
         units: Sequence[str] = (UNIT,),
         cursor_path: Path | None = None,
         output_patterns: Sequence[str] = (),
+        kernel_patterns: Sequence[str] = (),
         replay_s: float = 3600,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = lambda: WALL,
@@ -226,6 +236,7 @@ def follower(tmp_path: Path) -> Iterator[FollowerFactory]:
         units: Sequence[str] = (UNIT,),
         cursor_path: Path | None = None,
         output_patterns: Sequence[str] = (),
+        kernel_patterns: Sequence[str] = (),
         replay_s: float = 3600,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = lambda: WALL,
@@ -236,6 +247,7 @@ def follower(tmp_path: Path) -> Iterator[FollowerFactory]:
             units,
             cursor_path or tmp_path / "cursor.json",
             output_patterns=output_patterns,
+            kernel_patterns=kernel_patterns,
             replay_s=replay_s,
             journalctl=argv,
             clock=clock,
@@ -406,6 +418,30 @@ def test_forged_entries_arrive_as_data_with_their_untrusted_fields(
     # The logger/systemd-cat forgeries from outside the unit (in neither list above) exist.
     assert sum(1 for e in entries if e.get("UNIT") == UNIT and "_SYSTEMD_UNIT" not in e) == 4
     assert all(e["_PID"] == "1" for e in lifecycle)
+
+
+def test_kernel_xid_lines_come_only_from_the_kernel_transport(
+    journal: Journal, follower: FollowerFactory
+) -> None:
+    """Kernel Xid lines arrive on their own stream; the same text from a user does not."""
+    base = retime(sample("trixie", "forged-entries"), boot=BOOT_A, start_us=T0_US)
+    line = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off"
+    kernel = made(base[0], base, MESSAGE=line, _TRANSPORT="kernel", _PID=None, _UID=None)
+    noise = made(base[0], [*base, kernel], MESSAGE="usb 1-1: new device", _TRANSPORT="kernel")
+    forged = made(base[0], [*base, kernel, noise], MESSAGE=line, _TRANSPORT="syslog", _UID="1000")
+    journal.append([*base, kernel, noise, forged])
+    pattern = re.escape(MARKER)
+    watcher = follower(journal.argv, kernel_patterns=(pattern,), fields=FIELDS_READ)
+    watcher.start()
+    records = collect(watcher, lambda r: attached(r, watcher))
+    records += settle(watcher)
+
+    (got,) = of(records, KERNEL)
+    assert got["MESSAGE"] == line
+    assert got["_TRANSPORT"] == "kernel"
+    parsed = parse_kernel_entry(got)
+    assert isinstance(parsed, XidEvent)
+    assert (parsed.code, parsed.pid, parsed.pci_bus_id) == (79, None, "0000:3b:00")
 
 
 def test_output_noise_never_reaches_python(journal: Journal, follower: FollowerFactory) -> None:

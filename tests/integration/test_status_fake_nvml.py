@@ -26,7 +26,7 @@ def test_idle_host_is_ok(cli: Cli) -> None:
     assert text.out.startswith("gpuguard status: OK - all 4 GPUs idle")
     assert sum(line.endswith(" idle") for line in text.out.splitlines()[1:]) == 4
     doc = cli("status", "--json").json()
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert doc["exit_code"] == 0
     assert [g["index"] for g in doc["gpus"]] == [0, 1, 2, 3]
     assert all(g["idle"] and g["memory"]["api"] == "v2" for g in doc["gpus"])
@@ -116,6 +116,64 @@ def test_lost_gpu_is_critical_and_the_rest_reported(cli: Cli) -> None:
     doc = cli("status", "--json").json()
     assert doc["gpus"][1]["lost"] is True
     assert [g["memory"] is not None for g in doc["gpus"]] == [True, False, True, True]
+
+
+def test_pending_row_remap_is_critical_and_says_what_to_do(cli: Cli) -> None:
+    """A row remap pending on GPU 2: exit 2, NEEDS RESET, the reset command; unknown stays null."""
+    update_gpu(cli.state, 2, remapped_rows_pending=1, ecc_volatile_uncorrected=3)
+    result = cli("status")
+    assert result.code == 2
+    assert "GPU 2 needs a GPU reset (a memory row remap is pending)" in result.out
+    assert "nvidia-smi -r -i 2" in result.out
+    assert any(
+        line.startswith("GPU 2 ") and line.endswith("NEEDS RESET")
+        for line in result.out.splitlines()
+    )
+    doc = cli("status", "--json").json()
+    health = doc["gpus"][2]["health"]
+    assert health["needs_reset"] is True
+    assert health["needs_reboot"] is False
+    assert health["remapped_rows_pending"] is True
+    assert health["volatile_uncorrectable_ecc"] == 3
+    assert health["retired_pages_pending"] is None  # an H200 does not retire pages: unknown
+    assert health["recovery_action"] == "none"
+    assert doc["gpus"][0]["health"]["needs_reset"] is False
+
+
+def test_unsupported_health_is_unknown_not_healthy(cli: Cli) -> None:
+    """A driver that supports none of the health calls: every fact null, no verdict of health."""
+    update_gpu(cli.state, 0, remapped_rows_pending=-1, ecc_volatile_uncorrected=-1)
+    update_gpu(cli.state, 0, recovery_action=-1)
+    doc = cli("status", "--json").json()
+    health = doc["gpus"][0]["health"]
+    assert [
+        health[key]
+        for key in (
+            "retired_pages_pending",
+            "remapped_rows_pending",
+            "remapped_rows_failed",
+            "volatile_uncorrectable_ecc",
+            "recovery_action",
+        )
+    ] == [None] * 5
+    assert doc["exit_code"] == 0
+
+
+def test_driver_asks_for_reboot_or_answers_reset_required(cli: Cli) -> None:
+    """Node reboot asked for GPU 0, RESET_REQUIRED from GPU 3: both critical, advice differs."""
+    update_gpu(cli.state, 0, recovery_action=2)
+    update_gpu(cli.state, 3, reset_required=True)
+    result = cli("status")
+    assert result.code == 2
+    assert "GPU 0 needs a reboot (the driver asks for a node reboot)" in result.out
+    assert any(
+        line.startswith("GPU 0 ") and line.endswith("NEEDS REBOOT")
+        for line in result.out.splitlines()
+    )
+    assert "GPU 3 needs a GPU reset (the driver answers 'GPU requires restart')" in result.out
+    doc = cli("status", "--json").json()
+    assert doc["gpus"][0]["health"]["needs_reboot"] is True
+    assert doc["gpus"][3]["health"]["reset_required"] is True
 
 
 def test_nvml_library_missing_is_unknown(cli: Cli, tmp_path: Path) -> None:

@@ -67,10 +67,35 @@ patterns = ["vllm"]
     assert settings.nvml_timeout_s == 2.5
 
 
+def test_a_vllm_unit_needs_one_key() -> None:
+    """``server = "vllm"`` gives vLLM's process names as patterns; explicit patterns still win."""
+    settings = parse_settings(
+        b"""
+[units."vllm.service"]
+server = "vllm"
+
+[units."vllm-b.service"]
+server = "vllm"
+patterns = ["my-engine"]
+
+[units."sglang.service"]
+""",
+        HERE,
+    )
+    assert settings.units["vllm.service"].patterns == ("vllm", "VLLM::EngineCore", "VLLM::Worker")
+    assert settings.units["vllm-b.service"].patterns == ("my-engine",)
+    assert settings.units["sglang.service"].patterns == (
+        "sglang",
+        "sglang::scheduler",
+        "sglang::detokenizer",
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
         (b"bogus = 1", "bogus: unknown key"),
+        (b'[units."a.service"]\nserver = "tgi"', 'units."a.service".server: Input should be'),
         (b'[units."a.service"]\nfoo = 1', 'units."a.service".foo: unknown key'),
         (b'idle_threshold_mib = "16"', "idle_threshold_mib: Input should be a valid integer"),
         (b"idle_threshold_mib = -1", "idle_threshold_mib: Input should be greater than or equal"),

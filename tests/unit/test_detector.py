@@ -590,6 +590,19 @@ def test_stale_holders_are_the_cause() -> None:
     assert diagnosis.cause_detail.endswith("; and 2 more")
 
 
+def test_a_gpu_needing_a_reset_is_the_cause_before_stale_holders() -> None:
+    """Stale holders and a GPU that needs a reset: the reset wins, since no kill can help."""
+    evidence = GpuEvidence(
+        ("PID 7 (sglang::scheduler_TP0) holds GPU 1",),
+        gpus_busy=True,
+        needs_reset=("GPU 1: GPU is lost (fallen off the bus)",),
+    )
+    diagnosis = fed(failures(3)).diagnose(T0 + 60, evidence)
+    assert diagnosis.looping
+    assert diagnosis.cause is Cause.GPU_NEEDS_RESET
+    assert diagnosis.cause_detail == "GPU 1: GPU is lost (fallen off the bus)"
+
+
 # --- recovery ----------------------------------------------------------------------------------
 
 

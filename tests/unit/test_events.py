@@ -21,6 +21,7 @@ from gpuguard.events import (
     MESSAGE_IDS,
     MESSAGE_LIMIT,
     OUTPUT_SCAN_CHARS,
+    START_FAILURE_SIGNATURES,
     EventKind,
     UnitEvent,
     decode_message,
@@ -399,6 +400,58 @@ def test_gpu_oom_patterns_match_what_servers_print(line: str) -> None:
     event = parse_entry(output_entry(line), UNIT)
     assert event is not None
     assert event.kind is EventKind.GPU_OOM_OUTPUT
+
+
+@pytest.mark.parametrize(
+    ("line", "device"),
+    [
+        ("RuntimeError: CUDA error (2): out of memory", None),
+        ("RuntimeError: cuda runtime error (2) : out of memory at THCGeneral.cpp:50", None),
+        (
+            (
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 3 "
+                "has a total capacity of 79.15 GiB of which 3.19 MiB is free."
+            ),
+            3,
+        ),
+        (
+            (
+                "RuntimeError: CUDA out of memory. Tried to allocate 2.00 MiB (GPU 1; 7.93 GiB "
+                "total capacity; 6.85 GiB already allocated)"
+            ),
+            1,
+        ),
+        (
+            (
+                "(EngineCore_DP0 pid=4242) ValueError: Free memory on device cuda:1 (12.18/23.56 "
+                "GiB) on startup is less than desired GPU memory utilization (0.92, 21.67 GiB)."
+            ),
+            1,
+        ),
+        ("(EngineCore_DP0 pid=4242) ValueError: Free memory on device cuda:2", 2),
+        (
+            "(EngineCore_DP0 pid=4242) (5.31/23.56 GiB) on startup is less than desired GPU memory",
+            None,
+        ),
+        ("ValueError: Free memory on device (6.92/8.0 GiB) on startup is less than desired", None),
+    ],
+)
+def test_start_failure_signatures_and_their_device(line: str, device: int | None) -> None:
+    """Legacy PyTorch, vLLM with engine prefixes, wrapped in two: each half is evidence.
+
+    The CUDA device is taken from the text where it names one (never the DP rank).
+    """
+    event = parse_entry(output_entry(line), UNIT)
+    assert event is not None
+    assert event.kind is EventKind.GPU_OOM_OUTPUT
+    assert event.device == device
+
+
+def test_every_signature_names_its_server_and_source() -> None:
+    """The signatures are data with their provenance."""
+    assert {s.server for s in START_FAILURE_SIGNATURES} == {"PyTorch", "SGLang", "vLLM"}
+    assert all(s.source for s in START_FAILURE_SIGNATURES)
+    assert tuple(s.pattern for s in START_FAILURE_SIGNATURES) == GPU_OOM_PATTERNS
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from gpuguard.holders import build_inventory
 from gpuguard.policy import PlanRequest, Scope
 from gpuguard.values import (
     MIB,
+    GpuHealth,
     GpuMemory,
     GpuReading,
     MemoryApi,
@@ -24,6 +25,7 @@ from gpuguard.values import (
     ProcessIdentity,
     ProcessListKind,
     ProcScan,
+    RecoveryAction,
     UnitProvenance,
 )
 
@@ -154,6 +156,46 @@ def test_a_lost_gpu_outside_the_set_does_not_matter() -> None:
     world = World([inventory(gpu(0), gpu(1), gpu(2), gpu(3, lost=True))])
     outcome = world.run()
     assert outcome.passed
+
+
+def test_a_gpu_of_the_set_needing_a_reset_refuses_at_once_naming_it() -> None:
+    """GPU 1 has a row remap pending and a busy GPU 0: refused now, not after 300 s of waiting."""
+    pending = GpuReading(
+        index=1,
+        minor=1,
+        memory=GpuMemory(143771 * MIB, 0, 0, MemoryApi.V2),
+        health=GpuHealth(remapped_rows_pending=True),
+    )
+    world = World([inventory(gpu(0, used_mib=8000, pid=77), pending)])
+    outcome = world.run(timeout_s=300.0)
+    assert outcome.hopeless
+    assert outcome.blockers == ("GPU 1 needs a reset: a memory row remap is pending",)
+    assert world.now < 1
+    assert "refused at once: GPU 1 needs a reset" in outcome.message
+
+
+def test_driver_recovery_action_outside_the_set_or_advisory_does_not_refuse() -> None:
+    """A reset asked for GPU 3 (outside the set) or a P2P drain on GPU 0: the start is allowed.
+
+    Unknown health (None everywhere on GPU 1) is not a reason to refuse either.
+    """
+    reset = GpuHealth(recovery_action=RecoveryAction.GPU_RESET)
+    drain = GpuHealth(recovery_action=RecoveryAction.DRAIN_P2P)
+    world = World(
+        [
+            inventory(
+                GpuReading(
+                    index=0,
+                    minor=0,
+                    memory=GpuMemory(143771 * MIB, 0, 0, MemoryApi.V2),
+                    health=drain,
+                ),
+                gpu(1),
+                GpuReading(index=3, minor=3, health=reset),
+            )
+        ]
+    )
+    assert world.run().passed
 
 
 def test_a_missing_gpu_of_the_set_refuses_at_once() -> None:

@@ -7,7 +7,15 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from gpuguard.holders import build_inventory, gpu_minor_of
-from gpuguard.status import Level, StatusContext, UnitView, assess, render_text, to_json
+from gpuguard.status import (
+    DaemonView,
+    Level,
+    StatusContext,
+    UnitView,
+    assess,
+    render_text,
+    to_json,
+)
 from gpuguard.values import (
     MIB,
     GpuMemory,
@@ -97,7 +105,7 @@ def test_idle_host_is_ok() -> None:
     level, text, doc = judge(reading(gpu(0, 2), gpu(1), gpu(2), gpu(3)))
     assert level is Level.OK
     assert text.startswith("gpuguard status: OK - all 4 GPUs idle\n")
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert all(g["idle"] for g in doc["gpus"])  # type: ignore[attr-defined]
 
 
@@ -296,3 +304,67 @@ def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
     assert level.name == "WARNING"  # the look-alike outside its unit, named escaped
     assert "(\\x1b[2Jsglang)" in text
     assert json.loads(json.dumps(doc))["holders"][0]["comm"] == "\nOK: all idle"
+
+
+def _with_daemon(snapshot: dict[str, object]) -> tuple[Level, str, dict[str, object]]:
+    """Judge four idle GPUs with a running daemon whose snapshot is ``snapshot``."""
+    inventory = build_inventory(reading(gpu(0), gpu(1), gpu(2), gpu(3)), ProcScan(()), 16 * MIB)
+    context = replace(CONTEXT, daemon=DaemonView("running", snapshot))
+    report = assess(inventory, context, NOW)
+    return report.level, render_text(report), to_json(report)
+
+
+def test_kernel_xids_are_shown_under_their_gpu_and_serious_ones_warned() -> None:
+    """Xid 79 on GPU 1's address warns; Xid 13 is only shown; an unknown address is said."""
+
+    def xid(code: int, cls: str, pci: str) -> dict[str, object]:
+        return {
+            "code": code,
+            "xid_class": cls,
+            "pci_bus_id": pci,
+            "pid": None,
+            "name": "<unknown>",
+            "detail": "text\x1b[2J",
+            "time": "2026-12-01T03:00:00+00:00",
+        }
+
+    snapshot: dict[str, object] = {
+        "xid": {
+            "recent": [
+                xid(13, "application", "0000:19:00"),
+                xid(79, "reboot", "0000:1a:00"),
+                xid(48, "reset-gpu", "0000:99:00"),
+            ],
+            "malformed": 2,
+        }
+    }
+    level, text, doc = _with_daemon(snapshot)
+    assert level is Level.WARNING
+    assert "GPU 1 had Xid 79 (reboot)" in text
+    assert "kernel Xid for PCI 0000:99:00, which NVML does not know: Xid 48" in text
+    assert "GPU 0 had" not in text
+    assert "    Xid 13 (application) at 2026-12-01T03:00:00+00:00: text\\x1b[2J" in text
+    assert "\x1b" not in text
+    assert "2 kernel Xid line(s) could not be read" in text
+    events = doc["xid_events"]
+    assert isinstance(events, list)
+    assert [e["gpu"] for e in events] == [0, 1, None]
+
+
+def test_daemon_needs_operator_for_a_gpu_reset_says_so() -> None:
+    """The daemon stopped at needs-operator for a GPU reset: CRITICAL, naming the GPU."""
+    snapshot: dict[str, object] = {
+        "units": {
+            "sglang.service": {
+                "needs_operator": True,
+                "looping": True,
+                "cause": "gpu-needs-reset",
+                "cause_detail": "GPU 1: a memory row remap is pending",
+                "verdict": "3 failed starts",
+            }
+        }
+    }
+    level, text, _ = _with_daemon(snapshot)
+    assert level is Level.CRITICAL
+    assert "a GPU of its set needs a reset" in text
+    assert "GPU 1: a memory row remap is pending" in text

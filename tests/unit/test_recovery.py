@@ -49,6 +49,16 @@ def test_loop_without_gpu_cause_is_only_reported() -> None:
     assert "does not act" in decision.reason
 
 
+def test_gpu_needing_a_reset_goes_straight_to_needs_operator_and_is_not_sticky() -> None:
+    """No recovery is tried or counted; once the GPU is healthy the next loop is recovered."""
+    planner = RecoveryPlanner(LIMITS)
+    decision = planner.decide(diagnosis(cause=Cause.GPU_NEEDS_RESET), 1000)
+    assert decision.action is Action.NEEDS_OPERATOR
+    assert "no kill or restart can help" in decision.reason
+    assert planner.attempts_without_help == 0
+    assert planner.decide(diagnosis(), 1010).action is Action.RECOVER
+
+
 def test_backoff_grows_then_needs_operator() -> None:
     """Recoveries wait out a doubling backoff; after max_attempts unhelped ones, stop."""
     planner = RecoveryPlanner(LIMITS)
