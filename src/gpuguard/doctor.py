@@ -39,6 +39,8 @@ DRAIN_MARGIN: Final = 1.5
 UNBOUNDED_FACTOR: Final = 4.0
 """With no stop that drained in time, the suggestion is the timeout that killed it times this."""
 SUGGESTED_BURST: Final = 5
+ASSUMED_LOAD_S: Final = 60.0
+"""A failing run's length when the journal shows none: a small model's load."""
 MIN_RESTART_S: Final = 10.0
 """A RestartSec= below this restarts before a killed run's GPU memory is reliably free."""
 GATE_MARGIN_S: Final = 60.0
@@ -407,10 +409,13 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
         ),
     ]
     if run_s is None:
-        evidence.append("no load time or failed run in the journal: a loop's cost is unknown")
+        run_s = ASSUMED_LOAD_S
+        evidence.append(
+            f"no load time or failed run in the journal: a model load of {_span(run_s)} assumed"
+        )
     else:
         evidence.append(f"a failing run (load until exit) takes {_span(run_s)} (median)")
-    cycles = [restart_s + (run_s or 0.0)]
+    cycles = [restart_s + run_s]
     if _gate_installed(config):
         cycles.append(restart_s + host.gate_timeout_s)
         evidence.append(
@@ -423,7 +428,7 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
         ]
     cycle = max(unstopped)
     per_hour = 3600 / max(cycle, 1.0)
-    cost = "" if run_s is None else f", {_span(per_hour * run_s)} of model loads"
+    cost = f", {_span(per_hour * run_s)} of model loads"
     interval = _round_up(SUGGESTED_BURST * max(cycles) * 1.2)
     return [
         Finding(
