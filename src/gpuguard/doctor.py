@@ -37,7 +37,9 @@ RESTARTING: Final = frozenset({"always", "on-failure", "on-abnormal", "on-abort"
 DRAIN_MARGIN: Final = 1.5
 """TimeoutStopSec= is the observed p99 drain times this."""
 UNBOUNDED_FACTOR: Final = 4.0
-"""With no stop that drained in time, the suggestion is the timeout that killed it times this."""
+"""With no stop that drained in time, the suggestion is the timeout that killed it times this…"""
+DRAIN_BUDGET_S: Final = 120.0
+"""… and at least this: a drain budget for a server whose drain was never seen to end."""
 SUGGESTED_BURST: Final = 5
 ASSUMED_LOAD_S: Final = 60.0
 """A failing run's length when the journal shows none: a small model's load."""
@@ -337,7 +339,8 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
         f"p99 drain x {DRAIN_MARGIN}"
         if clean and _round_up(_p99(clean) * DRAIN_MARGIN) >= suggested
         else f"no stop drained within the timeout: {UNBOUNDED_FACTOR:g}x the longest "
-        "killed drain, a guess; run doctor again after the next stops"
+        f"killed drain, at least {_span(DRAIN_BUDGET_S)}; a guess, run doctor again after the "
+        "next stops"
     )
     return Finding(
         "stop-timeout",
@@ -350,7 +353,7 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
 
 def _suggested_stop_timeout(clean: Sequence[float], killed: Sequence[float]) -> float:
     by_clean = _round_up(_p99(clean) * DRAIN_MARGIN) if clean else 0.0
-    by_killed = _round_up(max(killed) * UNBOUNDED_FACTOR) if killed else 0.0
+    by_killed = max(_round_up(max(killed) * UNBOUNDED_FACTOR), DRAIN_BUDGET_S) if killed else 0.0
     if clean and (not killed or by_clean > max(killed)):
         return by_clean
     return max(by_clean, by_killed)
@@ -429,7 +432,9 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
     cycle = max(unstopped)
     per_hour = 3600 / max(cycle, 1.0)
     cost = f", {_span(per_hour * run_s)} of model loads"
-    interval = _round_up(SUGGESTED_BURST * max(cycles) * 1.2)
+    # Sized for the RestartSec= suggested below too, so both fixes together still end the loop.
+    longest = max(cycles) - restart_s + max(restart_s, MIN_RESTART_S)
+    interval = _round_up(SUGGESTED_BURST * longest * 1.2)
     return [
         Finding(
             "restart",

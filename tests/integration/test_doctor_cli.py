@@ -91,7 +91,7 @@ def test_doctor_finds_the_incident_and_prints_its_fix(cli: Cli, tmp_path: Path) 
 
     fixed = cli("doctor", "--unit", "sglang.service", "--fix")
     assert fixed.code == 2
-    assert "TimeoutStopSec=10s" in fixed.out.splitlines()
+    assert "TimeoutStopSec=2min" in fixed.out.splitlines()
     assert "KillMode=mixed" in fixed.out.splitlines()
     assert "StartLimitBurst=5" in fixed.out.splitlines()
 
@@ -108,7 +108,7 @@ def test_doctor_json_covers_every_watched_unit(cli: Cli) -> None:
     stop = next(f for f in document["units"][0]["findings"] if f["code"] == "stop-timeout")
     assert stop["fix"] == {
         "section": "Service",
-        "lines": [stop["fix"]["lines"][0], "TimeoutStopSec=10s"],
+        "lines": [stop["fix"]["lines"][0], "TimeoutStopSec=2min"],
     }
     json.dumps(document)
 
