@@ -225,11 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
 _INSTALL_GATE_HELP = """\
 Install the gate drop-in for a unit (explicitly; gpuguard never does it by itself).
 Writes /etc/systemd/system/UNIT.d/gpuguard-gate.conf - ExecStartPre= gate, ExecStopPost=
-reap, TimeoutStartSec=600, TimeoutStopSec=120, KillMode=mixed, each line commented (see
-`gpuguard` docs/gate.md) - and runs `systemctl daemon-reload`. The drop-in calls this
-gpuguard's path. A file there that gpuguard did not write, or that was edited since, is
-left alone and the command fails. A unit systemd does not know (LoadState=not-found, a
-typo?) is refused, as is one systemd cannot be asked about; --force installs anyway.
+reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see `gpuguard` docs/gate.md)
+- and runs `systemctl daemon-reload`. It says that it replaces the unit's TimeoutStartSec=
+and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard doctor` proposes one).
+The drop-in calls this gpuguard's path. A file there that gpuguard did not write, or that
+was edited since, is left alone and the command fails. A unit systemd does not know
+(LoadState=not-found, a typo?) is refused, as is one systemd cannot be asked about;
+--force installs anyway.
 Needs root. Undo with `gpuguard remove-gate --unit UNIT`.
 
 Exit status: 0 installed or already there; 1 refused or daemon-reload failed; 77 not root.
@@ -351,7 +353,17 @@ def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
             sys.stderr.write(f"gpuguard: {problem}\n")
             return 1
     if install:
-        sys.stdout.write(f"undo with: gpuguard remove-gate --unit {unit}\n")
+        # Said out loud: these replace the unit's own values (docs/gate.md, "What it overrides").
+        overrides = " and ".join(
+            line
+            for line in dropin.render().splitlines()
+            if line and not line.startswith(("#", "[", "Exec"))
+        )
+        sys.stdout.write(
+            f"it sets {overrides} for {unit}, replacing the unit's own; the stop timeout stays "
+            f"the unit's: check it with gpuguard doctor --unit {unit}\n"
+            f"undo with: gpuguard remove-gate --unit {unit}\n"
+        )
     return 0
 
 
