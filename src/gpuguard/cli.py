@@ -102,9 +102,10 @@ when every GPU of the unit's set is idle; otherwise reap the stale holders of th
 (at this point everything in the unit's cgroup but the gate itself is left over from an
 earlier run), wait until the GPUs are idle, then exit 0. While it waits it prints one line
 per blocker every 10 s (who holds what). On timeout it exits 1 with one message naming who
-still holds what and why gpuguard would not touch it, so systemd's own start limits take
-over. When waiting cannot help - NVML unavailable or not answering, a GPU of the set lost
-or absent - it refuses at once, in one line with the reason. Each decision is recorded and
+still holds what and why gpuguard would not touch it; Restart= then tries again until the
+unit's start limit ends the tries (`gpuguard doctor` says whether it ever does). When
+waiting cannot help - NVML unavailable or not answering, a GPU of the set lost or absent -
+it refuses at once, in one line with the reason. Each decision is recorded and
 shown by `gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
