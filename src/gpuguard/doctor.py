@@ -317,17 +317,29 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
             f"killed stops had drained at least {_span(max(s.drain_s for s in killed))} "
             "when SIGKILL came"
         )
+    # SIGKILL comes at the timeout: a stop killed sooner than today's timeout was killed under an
+    # earlier, shorter one (a fix already applied), and says nothing against today's setting.
+    killed_now = [s for s in killed if timeout is not None and s.drain_s >= timeout - 0.5]
+    if len(killed_now) < len(killed):
+        evidence.append(
+            f"{len(killed) - len(killed_now)} of the killed stops were cut sooner than today's "
+            f"TimeoutStopSec={shown}: under an earlier, shorter setting"
+        )
     suggested = _suggested_stop_timeout(clean, [s.drain_s for s in killed])
     too_short = timeout is not None and suggested > timeout
-    if killed:
+    if killed_now:
         severity = Severity.CRITICAL
         title = (
-            f"TimeoutStopSec={shown} cut {len(killed)} of {len(stops)} stops short (SIGKILL)"
+            f"TimeoutStopSec={shown} cut {len(killed_now)} of {len(stops)} stops short (SIGKILL)"
             + ("" if clean else "; the drain has no observed upper bound")
         )
     elif too_short:
         severity = Severity.WARNING
-        title = f"TimeoutStopSec={shown} leaves less than {DRAIN_MARGIN}x the p99 drain"
+        title = (
+            f"TimeoutStopSec={shown} leaves less than {DRAIN_MARGIN}x the p99 drain"
+            if clean
+            else f"TimeoutStopSec={shown}: the drain has no observed upper bound"
+        )
     else:
         return Finding(
             "stop-timeout",

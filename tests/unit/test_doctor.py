@@ -90,6 +90,23 @@ def test_a_stop_cut_short_by_sigkill_is_critical_with_a_longer_timeout(release: 
     assert found.fix[-1] == "TimeoutStopSec=2min"
 
 
+def test_stops_killed_under_an_earlier_shorter_timeout_no_longer_count() -> None:
+    """After the fix: the 3 s kill is history, the 30 s drain is covered by 2 min: OK."""
+    stops = (Stop("old", 3.1, killed=True), Stop("new", 30.0, killed=False))
+    found = by_code(
+        diagnose(facts(config(timeout_stop_s=120.0), History(stops=stops)), {}, HOST),
+        "stop-timeout",
+    )
+    assert found.severity is Severity.OK
+    assert any("under an earlier, shorter setting" in line for line in found.evidence)
+    only_old = by_code(
+        diagnose(facts(config(timeout_stop_s=60.0), History(stops=stops[:1])), {}, HOST),
+        "stop-timeout",
+    )
+    assert only_old.severity is Severity.WARNING
+    assert only_old.fix[-1] == "TimeoutStopSec=2min"
+
+
 @pytest.mark.parametrize("release", ["bookworm", "trixie"])
 def test_a_clean_stop_is_measured_and_needs_nothing(release: str) -> None:
     """Stopping → main process exited, on the monotonic clock; no kill, nothing to fix."""
