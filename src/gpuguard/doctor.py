@@ -575,8 +575,8 @@ def _describe_gpus(gpus: frozenset[str] | None) -> str:
 def _writable_paths(facts: UnitFacts) -> list[Finding]:
     """Paths in PATH, LD_LIBRARY_PATH and EnvironmentFile= that the service user can change.
 
-    Anything root runs for the unit with its environment (the gate, ExecStartPre=+, a helper
-    reading its environment file) then runs or reads what that user chose.
+    Anything root runs for the unit in its environment (an ExecStartPre=+ line, a helper that
+    sources its environment file) then runs or reads what that user chose.
     """
     uid = facts.user_uid
     if uid is None or uid == 0:
