@@ -314,7 +314,7 @@ def _doctor(settings: Settings, args: argparse.Namespace) -> int:
     from gpuguard import doctor, doctorio  # noqa: PLC0415 - see module doc
 
     units = [args.unit] if args.unit else list(settings.units)
-    facts = {unit: doctorio.gather_unit(unit, settings) for unit in {*settings.units, *units}}
+    facts = {u: doctorio.gather_unit(u, settings) for u in dict.fromkeys([*units, *settings.units])}
     host = doctorio.host_facts(settings)
     results = {
         unit: doctor.diagnose(

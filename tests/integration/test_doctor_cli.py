@@ -60,7 +60,7 @@ def doubles(cli: Cli, tmp_path: Path) -> Iterator[Path]:
         f"vllm.service) cat {tmp_path}/vllm.show;; *) echo 'Host is down' >&2; exit 1;; esac\n"
     )
     (bin_dir / "journalctl").write_text(
-        f'#!/bin/sh\necho "$*" > {tmp_path}/journalctl.args\n'
+        f'#!/bin/sh\necho "$*" >> {tmp_path}/journalctl.args\n'
         f"cat {SAMPLES}/stop-sigterm-timeout.jsonl\n"
     )
     for script in bin_dir.iterdir():
@@ -85,8 +85,14 @@ def test_doctor_finds_the_incident_and_prints_its_fix(cli: Cli, tmp_path: Path) 
     assert any("CRITICAL KillMode=process" in line for line in lines)
     assert any("shares GPUs (1) with vllm.service" in line for line in lines)
     assert any("the gate is not installed" in line for line in lines)
-    args = (tmp_path / "journalctl.args").read_text()
-    assert "_PID=1 UNIT=sglang.service + _SYSTEMD_CGROUP=/init.scope UNIT=sglang.service" in args
+    [args] = [
+        line
+        for line in (tmp_path / "journalctl.args").read_text().splitlines()
+        if "UNIT=sglang.service" in line
+    ]
+    assert args.endswith(
+        "_PID=1 UNIT=sglang.service + _SYSTEMD_CGROUP=/init.scope UNIT=sglang.service"
+    )
     assert "--lines=20000" in args
 
     fixed = cli("doctor", "--unit", "sglang.service", "--fix")
