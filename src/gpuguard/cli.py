@@ -48,6 +48,7 @@ commands:
   reap     the surgical replacement for `kill -9 <every python>; fuser -k /dev/nvidia*`
   gate     ExecStartPre= of a watched unit: wait until its GPUs are idle before it starts
   run      the watchdog daemon: detect restart loops in the journal and recover them
+  doctor   audit a unit's settings against its journal; print the drop-in that fixes them
   install-gate / remove-gate
            add or remove the gate drop-in of a unit (never done without being asked)
 """
