@@ -188,8 +188,18 @@ def _run_key(event: UnitEvent) -> tuple[str | None, str | None]:
     return (event.boot_id, event.invocation_id)
 
 
+_STOP_ENDS: Final = frozenset(
+    {EventKind.MAIN_EXITED, EventKind.DEACTIVATED, EventKind.FAILED, EventKind.STOPPED}
+)
+
+
 def _stops(events: Sequence[UnitEvent]) -> list[Stop]:
-    """Each "Stopping" to the main process's exit (or to "Stopped" when it never exited)."""
+    """Each "Stopping" to the main process's exit, else to the end of the run.
+
+    systemd logs "Main process exited" only when the exit is a failure (a clean exit is a debug
+    message), so a clean drain ends at "Deactivated successfully": later by the ExecStopPost=
+    time, which TimeoutStopSec= covers too. A process that never exits ends at "Stopped".
+    """
     open_stops: dict[tuple[str | None, str | None], tuple[float, bool]] = {}
     stops: list[Stop] = []
     for event in events:
@@ -200,7 +210,7 @@ def _stops(events: Sequence[UnitEvent]) -> list[Stop]:
             begun, killed = open_stops[key]
             if event.kind is EventKind.STOP_TIMED_OUT:
                 open_stops[key] = (begun, True)
-            elif event.kind in {EventKind.MAIN_EXITED, EventKind.STOPPED}:
+            elif event.kind in _STOP_ENDS:
                 killed = killed or event.signal == "KILL"
                 stops.append(Stop(event.invocation_id, max(0.0, event.monotonic_s - begun), killed))
                 del open_stops[key]
@@ -308,7 +318,7 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
     evidence = [f"{len(stops)} stops observed, {len(killed)} ended in SIGKILL"]
     if clean:
         evidence.append(
-            f"drain times (Stopping → main process exited): min {_span(clean[0])}, "
+            f"drain times (Stopping → main process exit or clean end): min {_span(clean[0])}, "
             f"median {_span(statistics.median(clean))}, p99 {_span(_p99(clean))}, "
             f"max {_span(clean[-1])}"
         )
