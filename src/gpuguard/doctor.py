@@ -407,7 +407,11 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
                 Severity.WARNING,
                 f"{len(survivors)} processes survived a stop or were left over at a start",
                 (f"names: {listed}",),
-                advice="KillMode=mixed or control-group, and the gate's ExecStopPost= reap",
+                advice=(
+                    "install the gate: its ExecStopPost= reap and its check before each start"
+                    if mode in SAFE_KILL_MODES
+                    else "KillMode=mixed or control-group, and the gate's ExecStopPost= reap"
+                ),
             )
         )
     return found

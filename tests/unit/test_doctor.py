@@ -154,6 +154,11 @@ def test_survivors_are_named_escaped_and_kill_mode_process_is_critical(release: 
     kill = by_code(findings, "kill-mode")
     assert kill.severity is Severity.CRITICAL
     assert kill.fix[-1] == "KillMode=mixed"
+    assert by_code(findings, "survivors").advice.startswith("KillMode=mixed")  # type: ignore[union-attr]
+    mixed = by_code(diagnose(facts(config(), hostile), {}, HOST), "survivors")
+    assert (
+        mixed.advice == "install the gate: its ExecStopPost= reap and its check before each start"
+    )
     text = render_text({UNIT: findings})
     assert "\x1b" not in text
     (names,) = [line for line in text.splitlines() if "names:" in line]
