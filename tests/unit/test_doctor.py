@@ -154,7 +154,7 @@ def test_survivors_are_named_escaped_and_kill_mode_process_is_critical(release: 
     kill = by_code(findings, "kill-mode")
     assert kill.severity is Severity.CRITICAL
     assert kill.fix[-1] == "KillMode=mixed"
-    assert by_code(findings, "survivors").advice.startswith("KillMode=mixed")  # type: ignore[union-attr]
+    assert str(by_code(findings, "survivors").advice).startswith("KillMode=mixed")
     mixed = by_code(diagnose(facts(config(), hostile), {}, HOST), "survivors")
     assert (
         mixed.advice == "install the gate: its ExecStopPost= reap and its check before each start"
