@@ -143,6 +143,12 @@ def gather_unit(unit: str, settings: Settings) -> UnitFacts:
     found, problem = history(unit) if problem is None else (History(), None)
     if problem:
         problems.append(problem)
+    elif config.load_state and not found.entries and os.geteuid() != 0:
+        # journalctl --quiet says nothing when it may not read the system journal.
+        problems.append(
+            f"the journal showed nothing about {unit}: run as root (or as a member of "
+            "systemd-journal) to read systemd's messages"
+        )
     environment = dict(config.environment)
     for path, ignore_errors in config.environment_files:
         values, problem = read_environment_file(path)

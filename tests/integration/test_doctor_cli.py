@@ -11,10 +11,13 @@ doctor against a real systemd.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from asnobody import public_dir, run_as_nobody
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -126,3 +129,25 @@ def test_doctor_is_unknown_when_systemd_cannot_be_asked(cli: Cli) -> None:
     assert result.code == 3
     assert "UNKNOWN" in result.out
     assert "Host is down" in result.out
+
+
+def test_doctor_without_root_and_an_empty_journal_is_unknown(cli: Cli) -> None:
+    """As nobody, a journal that shows nothing is not "no stops": UNKNOWN, saying why."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping to nobody needs root")
+    with public_dir() as public:
+        bin_dir = public / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "systemctl").write_text(
+            "#!/bin/sh\necho LoadState=loaded\necho KillMode=mixed\n"
+        )
+        (bin_dir / "journalctl").write_text("#!/bin/sh\nexit 0\n")
+        for script in bin_dir.iterdir():
+            script.chmod(0o755)
+        config = public / "gpuguard.toml"
+        shutil.copy(cli.config, config)
+        config.chmod(0o644)
+        env = {**cli.env, "PATH": f"{bin_dir}:{cli.env['PATH']}"}
+        result = run_as_nobody(["--config", str(config), "doctor", "--unit", "sglang.service"], env)
+    assert result.code == 3, result.out + result.err
+    assert "the journal showed nothing about sglang.service: run as root" in result.out

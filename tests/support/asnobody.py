@@ -31,11 +31,13 @@ from gpuguard.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
-# What the status, install-gate and remove-gate paths import lazily.
+# What the status, doctor, install-gate and remove-gate paths import lazily.
 PREIMPORTS = (
     "gpuguard.cli",
     "gpuguard.config",
     "gpuguard.dropin",
+    "gpuguard.doctor",
+    "gpuguard.doctorio",
     "gpuguard.systemd",
     "gpuguard.inventory",
     "gpuguard.nvml",
