@@ -552,7 +552,9 @@ def _gpu_set(facts: UnitFacts, others: Mapping[str, UnitFacts]) -> list[Finding]
     for name, other in sorted(others.items()):
         theirs = _gpus(other)
         shared = (
-            "all" if mine is None or theirs is None else ",".join(sorted(mine & theirs, key=str))
+            "all"
+            if mine is None or theirs is None
+            else _show(",".join(sorted(mine & theirs)), _VALUE_CHARS)
         )
         if shared:
             found.append(
@@ -652,7 +654,9 @@ def render_text(results: Mapping[str, Sequence[Finding]]) -> str:
             lines.extend(f"           fix: {line}" for line in finding.fix)
             if finding.advice:
                 lines.append(f"           do: {finding.advice}")
-    return "\n".join(lines) + "\n"
+    # Findings carry escaped foreign text already; this pass guarantees one line per line
+    # whatever a future finding forgets (escaping escaped text changes nothing harmful).
+    return "\n".join(escape_control(line) for line in lines) + "\n"
 
 
 def render_json(results: Mapping[str, Sequence[Finding]]) -> dict[str, object]:
@@ -705,7 +709,7 @@ def render_fix(unit: str, findings: Sequence[Finding]) -> str:
             lines.extend(finding.fix)
     if not any(f.fix for f in findings):
         lines.append("# Nothing to change in the unit's settings.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(escape_control(line) for line in lines) + "\n"
 
 
 def _show(text: str, limit: int) -> str:

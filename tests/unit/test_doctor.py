@@ -313,3 +313,16 @@ def test_writable_path_chain_reads_real_modes(tmp_path: Path) -> None:
     assert chain[-1].path == "/"
     assert chain[0].uid == os.getuid()
     assert path_chain("relative/path") == ()
+
+
+def test_hostile_environment_values_and_reasons_stay_on_one_line() -> None:
+    """An ESC/newline in CUDA_VISIBLE_DEVICES or in a gathering problem never reaches raw."""
+    hostile = "0,\x1b[2J\nOK: all fine"
+    mine = facts(environment={"CUDA_VISIBLE_DEVICES": hostile}, problems=("read\x1b]0;x\x07",))
+    other = facts(config(unit="vllm.service"), environment={"CUDA_VISIBLE_DEVICES": hostile})
+    findings = diagnose(mine, {"vllm.service": other}, HOST)
+    for text in (render_text({UNIT: findings}), render_fix(UNIT, findings)):
+        assert "\x1b" not in text
+        assert "\x07" not in text
+        assert not [line for line in text.splitlines() if line.startswith("OK: all fine")]
+    assert "\x1b" not in json.dumps(render_json({UNIT: findings}))
