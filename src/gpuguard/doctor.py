@@ -50,6 +50,7 @@ GATE_MARGIN_S: Final = 60.0
 _MAX_NAMES: Final = 10  # survivor names shown per finding
 _NAME_CHARS: Final = 64
 _VALUE_CHARS: Final = 200
+_SECONDS = re.compile(r"\d{1,7}(?:\.\d{1,6})?")
 _SURVIVOR = re.compile(
     r"Unit process (?P<pid>\d{1,10}) \((?P<comm>.{0,64})\) remains running after unit stopped"
 )
@@ -446,7 +447,7 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
         evidence.append(f"a failing run (load until exit) takes {_span(run_s)} (median)")
     cycles = [restart_s + run_s]
     if _gate_installed(config):
-        cycles.append(restart_s + host.gate_timeout_s)
+        cycles.append(restart_s + _gate_timeout(config, host))
         evidence.append(
             f"a refusing gate repeats every {_span(cycles[-1])} (gate timeout + RestartSec)"
         )
@@ -507,6 +508,16 @@ def _gate_installed(config: UnitConfig) -> bool:
     return any(any("gpuguard" in word for word in argv[:2]) for argv in config.exec_start_pre)
 
 
+def _gate_timeout(config: UnitConfig, host: HostFacts) -> float:
+    """The gate's ``--timeout`` on its ExecStartPre= line, else gate_timeout_s of the config."""
+    for argv in config.exec_start_pre:
+        if any("gpuguard" in word for word in argv[:2]) and "--timeout" in argv:
+            at = argv.index("--timeout") + 1
+            if at < len(argv) and _SECONDS.fullmatch(argv[at]):
+                return float(argv[at])
+    return host.gate_timeout_s
+
+
 def _gate(facts: UnitFacts, host: HostFacts) -> list[Finding]:
     config = facts.config
     if not _gate_installed(config):
@@ -519,14 +530,15 @@ def _gate(facts: UnitFacts, host: HostFacts) -> list[Finding]:
             )
         ]
     start = config.timeout_start_s
-    needed = host.gate_timeout_s + GATE_MARGIN_S
+    gate_timeout = _gate_timeout(config, host)
+    needed = gate_timeout + GATE_MARGIN_S
     if start is not None and start < needed:
         return [
             Finding(
                 "gate-timeout",
                 Severity.WARNING,
                 f"TimeoutStartSec={_span(start)} kills the gate before its own timeout "
-                f"({_span(host.gate_timeout_s)}) can explain the refusal",
+                f"({_span(gate_timeout)}) can explain the refusal",
                 fix=(f"TimeoutStartSec={_span(_round_up(needed))}",),
             )
         ]

@@ -215,6 +215,12 @@ def test_gate_missing_and_gate_timeout_above_timeout_start() -> None:
     assert short.fix == ("TimeoutStartSec=6min",)
     via_exec = config(drop_in_paths=(), exec_start_pre=(("/usr/bin/gpuguard", "gate"),))
     assert by_code(diagnose(facts(via_exec), {}, HOST), "gate").severity is Severity.OK
+    own_timeout = config(
+        timeout_start_s=600.0,
+        exec_start_pre=(("/usr/bin/gpuguard", "gate", "--unit", UNIT, "--timeout", "900"),),
+    )
+    longer = by_code(diagnose(facts(own_timeout), {}, HOST), "gate-timeout")
+    assert longer.fix == ("TimeoutStartSec=16min",)  # its own --timeout 900, not the config's
 
 
 def test_overlapping_gpu_sets_are_named() -> None:
