@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Final
 
+from gpuguard.escaping import escape
 from gpuguard.events import EventKind, UnitEvent, decode_message, is_trusted, parse_entry
-from gpuguard.redaction import escape_control
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -668,7 +668,7 @@ def render_text(results: Mapping[str, Sequence[Finding]]) -> str:
                 lines.append(f"           do: {finding.advice}")
     # Findings carry escaped foreign text already; this pass guarantees one line per line
     # whatever a future finding forgets (escaping escaped text changes nothing harmful).
-    return "\n".join(escape_control(line) for line in lines) + "\n"
+    return "\n".join(escape(line) for line in lines) + "\n"
 
 
 def render_json(results: Mapping[str, Sequence[Finding]]) -> dict[str, object]:
@@ -721,13 +721,12 @@ def render_fix(unit: str, findings: Sequence[Finding]) -> str:
             lines.extend(finding.fix)
     if not any(f.fix for f in findings):
         lines.append("# Nothing to change in the unit's settings.")
-    return "\n".join(escape_control(line) for line in lines) + "\n"
+    return "\n".join(escape(line) for line in lines) + "\n"
 
 
 def _show(text: str, limit: int) -> str:
-    """Foreign text on one line, escaped, cut to ``limit`` characters."""
-    shown = escape_control(text[: limit + 1])
-    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+    """Foreign text on one line, escaped, cut to ``limit`` characters (with a marker)."""
+    return escape(text, limit)
 
 
 def _p99(values: Sequence[float]) -> float:
