@@ -6,8 +6,8 @@ risk here is root reading files the service user controls: an EnvironmentFile= m
 read that never ends), a huge file, or a symlink swapped under us. Files are opened with
 ``O_NONBLOCK|O_NOFOLLOW``, must be regular, and are read up to ``ENV_FILE_MAX_BYTES``; the
 journal read is bounded in entries (``JOURNAL_MAX_ENTRIES``), age (``JOURNAL_MAX_AGE_S``) and
-time (``_TIMEOUT_S``). ``systemctl`` and ``journalctl`` run through ``_run`` only, the one place
-to change how programs are started.
+time (``_TIMEOUT_S``). ``systemctl`` and ``journalctl`` run through ``_run`` only, by absolute
+path in a fixed environment (``gpuguard.programs``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from gpuguard import programs
 from gpuguard.doctor import History, HostFacts, PathFact, UnitFacts, build_history
 from gpuguard.events import FIELDS_READ
 from gpuguard.unitconfig import (
@@ -48,13 +49,8 @@ _PROC = Path("/proc")
 def _run(command: Sequence[str]) -> tuple[str | None, str | None]:
     """Run a program; its stdout, or None and why it failed."""
     try:
-        done = subprocess.run(
-            list(command),
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=_TIMEOUT_S,
-            check=False,
+        done = programs.run(
+            command, timeout=_TIMEOUT_S, capture_output=True, text=True, errors="replace"
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         return None, f"{command[0]} failed: {err}"

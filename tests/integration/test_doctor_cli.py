@@ -1,7 +1,8 @@
 """`gpuguard doctor` end to end in a subprocess, on recorded journals and real environment files.
 
 systemd cannot run here outside a container, so ``systemctl`` and ``journalctl`` are small shell
-scripts first on PATH (the only stand-ins): ``systemctl show`` prints settings as systemd 252
+scripts bound over the real programs in a private mount namespace (the only stand-ins; gpuguard
+never looks at PATH; root only): ``systemctl show`` prints settings as systemd 252
 prints them, ``journalctl`` prints a journal recorded from a real systemd 252
 (tests/journal_samples). Everything else is the real CLI: argument parsing, the gathering
 adapter reading real EnvironmentFile= files, the analysis and the renderers. The e2e suite runs
@@ -49,7 +50,9 @@ Environment=CUDA_VISIBLE_DEVICES=1,2
 
 @pytest.fixture
 def doubles(cli: Cli, tmp_path: Path) -> Iterator[Path]:
-    """systemctl/journalctl stand-ins first on the CLI's PATH; returns their directory."""
+    """systemctl/journalctl stand-ins in place of the real ones; returns their directory."""
+    if os.geteuid() != 0:
+        pytest.skip("binding the stand-ins needs root")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     env_file = tmp_path / "sglang.env"
@@ -68,11 +71,10 @@ def doubles(cli: Cli, tmp_path: Path) -> Iterator[Path]:
     )
     for script in bin_dir.iterdir():
         script.chmod(0o755)
-    before = cli.env["PATH"]
-    cli.env["PATH"] = f"{bin_dir}:{before}"
+        cli.doubles[script.name] = script
     cli.configure('[units."sglang.service"]\n[units."vllm.service"]\n')
     yield bin_dir
-    cli.env["PATH"] = before
+    cli.doubles.clear()
 
 
 @pytest.mark.usefixtures("doubles")
@@ -144,10 +146,12 @@ def test_doctor_without_root_and_an_empty_journal_is_unknown(cli: Cli) -> None:
         (bin_dir / "journalctl").write_text("#!/bin/sh\nexit 0\n")
         for script in bin_dir.iterdir():
             script.chmod(0o755)
+            cli.doubles[script.name] = script
         config = public / "gpuguard.toml"
         shutil.copy(cli.config, config)
         config.chmod(0o644)
-        env = {**cli.env, "PATH": f"{bin_dir}:{cli.env['PATH']}"}
-        result = run_as_nobody(["--config", str(config), "doctor", "--unit", "sglang.service"], env)
+        args = ["--config", str(config), "doctor", "--unit", "sglang.service"]
+        result = run_as_nobody(args, cli.env, prefix=cli.prefix())
+        cli.doubles.clear()
     assert result.code == 3, result.out + result.err
     assert "the journal showed nothing about sglang.service: run as root" in result.out
