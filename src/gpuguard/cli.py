@@ -48,6 +48,7 @@ commands:
   reap     the surgical replacement for `kill -9 <every python>; fuser -k /dev/nvidia*`
   gate     ExecStartPre= of a watched unit: wait until its GPUs are idle before it starts
   run      the watchdog daemon: detect restart loops in the journal and recover them
+  doctor   audit a unit's settings against its journal; print the drop-in that fixes them
   install-gate / remove-gate
            add or remove the gate drop-in of a unit (never done without being asked)
 """
@@ -105,10 +106,11 @@ when every GPU of the unit's set is idle; otherwise reap the stale holders of th
 (at this point everything in the unit's cgroup but the gate itself is left over from an
 earlier run), wait until the GPUs are idle, then exit 0. While it waits it prints one line
 per blocker every 10 s (who holds what). On timeout it exits 1 with one message naming who
-still holds what and why gpuguard would not touch it, so systemd's own start limits take
-over. When waiting cannot help - NVML unavailable or not answering, a GPU of the set lost,
-absent or needing a reset (NVML health) - it refuses at once, in one line with the reason.
-Each decision is recorded and shown by `gpuguard status`.
+still holds what and why gpuguard would not touch it; Restart= then tries again until the
+unit's start limit ends the tries (`gpuguard doctor` says whether it ever does). When
+waiting cannot help - NVML unavailable or not answering, a GPU of the set lost, absent or
+needing a reset (NVML health) - it refuses at once, in one line with the reason. Each
+decision is recorded and shown by `gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
 environment, else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
@@ -197,6 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
         description=_RUN_HELP,
         formatter_class=raw,
     )
+    doctor = commands.add_parser(
+        "doctor",
+        help="audit a unit's settings against its journal",
+        description=_DOCTOR_HELP,
+        formatter_class=raw,
+    )
+    doctor.add_argument("--unit", help="one unit (default: every watched unit)")
+    doctor.add_argument("--json", action="store_true", help="print a versioned JSON document")
+    doctor.add_argument(
+        "--fix", action="store_true", help="print a drop-in that fixes the findings"
+    )
     for name, text in (
         ("install-gate", _INSTALL_GATE_HELP),
         ("remove-gate", _REMOVE_GATE_HELP),
@@ -217,14 +230,33 @@ def build_parser() -> argparse.ArgumentParser:
 _INSTALL_GATE_HELP = """\
 Install the gate drop-in for a unit (explicitly; gpuguard never does it by itself).
 Writes /etc/systemd/system/UNIT.d/gpuguard-gate.conf - ExecStartPre= gate, ExecStopPost=
-reap, TimeoutStartSec=600, TimeoutStopSec=120, KillMode=mixed, each line commented (see
-`gpuguard` docs/gate.md) - and runs `systemctl daemon-reload`. The drop-in calls this
-gpuguard's path. A file there that gpuguard did not write, or that was edited since, is
-left alone and the command fails. A unit systemd does not know (LoadState=not-found, a
-typo?) is refused, as is one systemd cannot be asked about; --force installs anyway.
+reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see `gpuguard` docs/gate.md)
+- and runs `systemctl daemon-reload`. It says that it replaces the unit's TimeoutStartSec=
+and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard doctor` proposes one).
+The drop-in calls this gpuguard's path. A file there that gpuguard did not write, or that
+was edited since, is left alone and the command fails. A unit systemd does not know
+(LoadState=not-found, a typo?) is refused, as is one systemd cannot be asked about;
+--force installs anyway.
 Needs root. Undo with `gpuguard remove-gate --unit UNIT`.
 
 Exit status: 0 installed or already there; 1 refused or daemon-reload failed; 77 not root.
+"""
+
+_DOCTOR_HELP = """\
+Audit a watched unit's effective settings (systemctl show, drop-ins included) against its
+own history in the journal (systemd's trusted messages of the last 30 days), and say what to
+change: a TimeoutStopSec= shorter than the observed drains (how many stops ended in SIGKILL,
+the drain distribution, a timeout of p99 x 1.5), a KillMode= that leaves workers running and
+the processes that survived stops, a Restart= policy whose loops the start limit never ends
+(and what a loop costs per hour in model loads, including a refusing gate), the gate missing
+or its timeout above TimeoutStartSec=, GPU sets shared with another watched unit, PATH,
+LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change, and
+nvidia-persistenced not running. Every finding has its evidence and the drop-in lines that
+fix it; --fix prints one complete drop-in to save by hand (doctor never changes anything).
+Without --unit every watched unit in the configuration is audited.
+
+Exit status: the worst finding - 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (systemd or the
+journal could not be asked); 78 invalid configuration.
 """
 
 _REMOVE_GATE_HELP = """\
@@ -276,8 +308,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reap": lambda: _reap(settings, args),
         "install-gate": lambda: _change_gate(args.unit, install=True, force=args.force),
         "remove-gate": lambda: _change_gate(args.unit, install=False),
+        "doctor": lambda: _doctor(settings, args),
     }
     return commands[args.command]()
+
+
+def _doctor(settings: Settings, args: argparse.Namespace) -> int:
+    """Audit each unit; print findings, JSON or the fixing drop-in; exit with the worst level."""
+    from gpuguard import doctor, doctorio  # noqa: PLC0415 - see module doc
+
+    units = [args.unit] if args.unit else list(settings.units)
+    facts = {u: doctorio.gather_unit(u, settings) for u in dict.fromkeys([*units, *settings.units])}
+    host = doctorio.host_facts(settings)
+    results = {
+        unit: doctor.diagnose(
+            facts[unit], {o: f for o, f in facts.items() if o != unit and o in settings.units}, host
+        )
+        for unit in units
+    }
+    if args.json:
+        sys.stdout.write(json.dumps(doctor.render_json(results), indent=2) + "\n")
+    elif args.fix:
+        sys.stdout.write("\n".join(doctor.render_fix(u, f) for u, f in results.items()))
+    else:
+        sys.stdout.write(doctor.render_text(results))
+    return int(doctor.worst(f for findings in results.values() for f in findings))
 
 
 def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
@@ -303,7 +358,17 @@ def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
             sys.stderr.write(f"gpuguard: {problem}\n")
             return 1
     if install:
-        sys.stdout.write(f"undo with: gpuguard remove-gate --unit {unit}\n")
+        # Said out loud: these replace the unit's own values (docs/gate.md, "What it overrides").
+        overrides = " and ".join(
+            line
+            for line in dropin.render().splitlines()
+            if line and not line.startswith(("#", "[", "Exec"))
+        )
+        sys.stdout.write(
+            f"it sets {overrides} for {unit}, replacing the unit's own; the stop timeout stays "
+            f"the unit's: check it with gpuguard doctor --unit {unit}\n"
+            f"undo with: gpuguard remove-gate --unit {unit}\n"
+        )
     return 0
 
 

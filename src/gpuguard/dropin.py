@@ -40,13 +40,12 @@ ExecStopPost=-+{{gpuguard}} reap --unit %n --yes --grace 5 --timeout 20
 # plus a margin, or systemd kills the gate before it can explain itself. For Type=notify
 # servers ExecStart= then gets a fresh TimeoutStartSec= for the model load.
 TimeoutStartSec=600
-# How long the server may drain requests after SIGTERM before systemd sends SIGKILL. SGLang's
-# drain has no upper bound: choose your drain budget; the gate makes the next start safe even
-# when this fires. ExecStopPost= above also runs within this timeout.
-TimeoutStopSec=120
-# mixed: SIGTERM only to the main process (SGLang shuts its TP workers down itself), then
-# SIGKILL to every process left in the cgroup. Never "process": it leaves workers holding GPU
-# memory after a stop, which is exactly the incident gpuguard exists for.
+# TimeoutStopSec= (the drain budget) is the unit's own: `gpuguard doctor` proposes one from the
+# drains the journal recorded. ExecStopPost= above also runs within it.
+# This replaces the unit's own KillMode= (install-gate says so). mixed: SIGTERM only to the
+# main process (SGLang shuts its TP workers down itself), then SIGKILL to every process left in
+# the cgroup. Never "process": it leaves workers holding GPU memory after a stop, which is
+# exactly the incident gpuguard exists for.
 KillMode=mixed
 """
 

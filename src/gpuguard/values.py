@@ -231,10 +231,12 @@ class GateOutcome:
             return (
                 f"start of {unit} refused at once: "
                 + "; ".join(self.blockers)
-                + ". Waiting cannot help; systemd's start limits take over."
+                + ". Waiting cannot help; Restart= retries until the unit's start limit ends it"
+                " (gpuguard doctor checks that it does)."
             )
         return (
             f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
             + "; ".join(self.blockers)
-            + ". Start refused; systemd's start limits take over."
+            + ". Start refused; Restart= retries until the unit's start limit ends it"
+            " (gpuguard doctor checks that it does)."
         )

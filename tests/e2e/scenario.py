@@ -34,8 +34,8 @@ PROCESS_EXIT = "98e322203f7a4ed290d09fe03c09fe15"
 
 #: The fault: TP3 ignores SIGTERM (the test then moves it out of the unit's cgroup).
 STUBBORN_TP3 = "[Service]\nEnvironment=FAKE_SGLANG_STUBBORN_WORKER=3\n"
-#: For (b): the shipped drop-in raises TimeoutStopSec to 120 s as a drain budget; the test keeps
-#: the unit's 3 s so the stop ends in SIGKILL mid-drain exactly as in (a).
+#: For (b): the unit's 3 s stop timeout, pinned in a drop-in that sorts last, so the stop ends in
+#: SIGKILL mid-drain exactly as in (a) whatever else is installed.
 SAME_STOP_TIMEOUT = "[Service]\nTimeoutStopSec=3\n"
 
 

@@ -133,6 +133,7 @@ def test_install_gate_on_a_known_unit_needs_no_force(
     result = cli("install-gate", "--unit", unit)
     assert result.code == 0, result.err
     assert dropin.drop_in_path(unit).exists()
+    assert f"it sets TimeoutStartSec=600 and KillMode=mixed for {unit}" in result.out
 
 
 def test_remove_gate_keeps_an_edited_drop_in(cli: Cli, systemctl: Systemctl, unit: str) -> None:
@@ -140,7 +141,7 @@ def test_remove_gate_keeps_an_edited_drop_in(cli: Cli, systemctl: Systemctl, uni
     needs_root()
     path = dropin.drop_in_path(unit)
     path.parent.mkdir(parents=True)
-    edited = dropin.render("/usr/bin/gpuguard").replace("TimeoutStopSec=120", "TimeoutStopSec=900")
+    edited = dropin.render("/usr/bin/gpuguard").replace("KillMode=mixed", "KillMode=control-group")
     path.write_text(edited)
     result = cli("remove-gate", "--unit", unit)
     assert result.code == 1

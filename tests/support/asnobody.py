@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
 _SCRIPT = r"""
 import importlib, os, sys
@@ -31,11 +31,13 @@ from gpuguard.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
-# What the status, install-gate and remove-gate paths import lazily.
+# What the status, doctor, install-gate and remove-gate paths import lazily.
 PREIMPORTS = (
     "gpuguard.cli",
     "gpuguard.config",
     "gpuguard.dropin",
+    "gpuguard.doctor",
+    "gpuguard.doctorio",
     "gpuguard.systemd",
     "gpuguard.inventory",
     "gpuguard.nvml",
@@ -65,10 +67,15 @@ class Result:
     err: str
 
 
-def run_as_nobody(args: list[str], env: dict[str, str], timeout: float = 60) -> Result:
-    """Run ``gpuguard ARGS`` as nobody (needs root to drop to it) and capture the result."""
+def run_as_nobody(
+    args: list[str], env: dict[str, str], timeout: float = 60, prefix: Sequence[str] = ()
+) -> Result:
+    """Run ``gpuguard ARGS`` as nobody (needs root to drop to it) and capture the result.
+
+    ``prefix`` runs first, as root, and execs the rest (Cli.prefix: doubles bound in place).
+    """
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, ",".join(PREIMPORTS), *args],
+        [*prefix, sys.executable, "-c", _SCRIPT, ",".join(PREIMPORTS), *args],
         capture_output=True,
         text=True,
         env=env,

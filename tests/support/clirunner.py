@@ -48,14 +48,25 @@ class Cli:
         is bound over the real program in a private mount namespace (root only). ``unshare``
         without ``--fork`` execs in place: the PID, and so its cgroup, stay the same.
         """
-        argv = [sys.executable, "-m", "gpuguard", "--config", str(self.config), *args]
+        return [
+            *self.prefix(),
+            sys.executable,
+            "-m",
+            "gpuguard",
+            "--config",
+            str(self.config),
+            *args,
+        ]
+
+    def prefix(self) -> list[str]:
+        """What binds ``doubles`` in a private mount namespace, then execs the rest; [] if none."""
         if not self.doubles:
-            return argv
+            return []
         binds = [str(part) for n, d in self.doubles.items() for part in (d, programs.resolve(n))]
         script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 97; shift 2; done'
         script += '; shift; exec "$@"'
         unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
-        return [*unshare, "sh", *binds, "--", *argv]
+        return [*unshare, "sh", *binds, "--"]
 
     def __call__(self, *args: str, timeout: float = 60) -> CliResult:
         """Run one command and capture it."""

@@ -22,6 +22,13 @@ def test_every_setting_line_is_commented() -> None:
             assert lines[number - 1].startswith("#"), line
 
 
+def test_the_stop_timeout_is_left_to_the_unit() -> None:
+    """No TimeoutStopSec=: it would silently replace the operator's drain budget (docs/gate.md)."""
+    settings = [line for line in dropin.render().splitlines() if not line.startswith("#")]
+    assert not [line for line in settings if line.startswith("TimeoutStopSec")]
+    assert "KillMode=mixed" in settings
+
+
 def test_install_then_remove(tmp_path: Path) -> None:
     """Install writes the file once, calling the given gpuguard; remove deletes it and its dir."""
     change = dropin.install("sglang.service", "/opt/gpuguard/bin/gpuguard", systemd_dir=tmp_path)

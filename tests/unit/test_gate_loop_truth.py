@@ -135,7 +135,8 @@ def test_nvml_unavailable_refuses_at_once_in_one_line() -> None:
     message = outcome.message
     assert message == (
         f"start of {UNIT} refused at once: NVML unavailable: Driver Not Loaded. "
-        "Waiting cannot help; systemd's start limits take over."
+        "Waiting cannot help; Restart= retries until the unit's start limit ends it"
+        " (gpuguard doctor checks that it does)."
     )
     assert "\n" not in message
 

@@ -1,0 +1,157 @@
+"""`gpuguard doctor` end to end in a subprocess, on recorded journals and real environment files.
+
+systemd cannot run here outside a container, so ``systemctl`` and ``journalctl`` are small shell
+scripts bound over the real programs in a private mount namespace (the only stand-ins; gpuguard
+never looks at PATH; root only): ``systemctl show`` prints settings as systemd 252
+prints them, ``journalctl`` prints a journal recorded from a real systemd 252
+(tests/journal_samples). Everything else is the real CLI: argument parsing, the gathering
+adapter reading real EnvironmentFile= files, the analysis and the renderers. The e2e suite runs
+doctor against a real systemd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from asnobody import public_dir, run_as_nobody
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from clirunner import Cli
+
+SAMPLES = Path(__file__).parent.parent / "journal_samples" / "bookworm"
+INCIDENT_SHOW = """\
+LoadState=loaded
+User=
+Type=simple
+KillMode=process
+TimeoutStopUSec=2s
+TimeoutStartUSec=1min 30s
+Restart=always
+RestartUSec=100ms
+StartLimitIntervalUSec=10s
+StartLimitBurst=5
+Environment=
+EnvironmentFiles={env_file} (ignore_errors=no)
+DropInPaths=
+"""
+OTHER_SHOW = """\
+LoadState=loaded
+KillMode=mixed
+Environment=CUDA_VISIBLE_DEVICES=1,2
+"""
+
+
+@pytest.fixture
+def doubles(cli: Cli, tmp_path: Path) -> Iterator[Path]:
+    """systemctl/journalctl stand-ins in place of the real ones; returns their directory."""
+    if os.geteuid() != 0:
+        pytest.skip("binding the stand-ins needs root")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env_file = tmp_path / "sglang.env"
+    env_file.write_text("# the server's GPUs\nCUDA_VISIBLE_DEVICES='0,1'\n")
+    (tmp_path / "sglang.show").write_text(INCIDENT_SHOW.format(env_file=env_file))
+    (tmp_path / "vllm.show").write_text(OTHER_SHOW)
+    (bin_dir / "systemctl").write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = show ] || exit 1\n'
+        f'case "$2" in sglang.service) cat {tmp_path}/sglang.show;; '
+        f"vllm.service) cat {tmp_path}/vllm.show;; *) echo 'Host is down' >&2; exit 1;; esac\n"
+    )
+    (bin_dir / "journalctl").write_text(
+        f'#!/bin/sh\necho "$*" >> {tmp_path}/journalctl.args\n'
+        f"cat {SAMPLES}/stop-sigterm-timeout.jsonl\n"
+    )
+    for script in bin_dir.iterdir():
+        script.chmod(0o755)
+        cli.doubles[script.name] = script
+    cli.configure('[units."sglang.service"]\n[units."vllm.service"]\n')
+    yield bin_dir
+    cli.doubles.clear()
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_finds_the_incident_and_prints_its_fix(cli: Cli, tmp_path: Path) -> None:
+    """Short stop timeout cut by SIGKILL, KillMode=process, no gate, GPUs shared: exit 2."""
+    result = cli("doctor", "--unit", "sglang.service")
+    assert result.code == 2, result.err
+    lines = result.out.splitlines()
+    assert lines[0] == "sglang.service: CRITICAL"
+    assert any(
+        "CRITICAL TimeoutStopSec=2s cut 1 of 1 stops short (SIGKILL)" in line for line in lines
+    )
+    assert any("CRITICAL KillMode=process" in line for line in lines)
+    assert any("shares GPUs (1) with vllm.service" in line for line in lines)
+    assert any("the gate is not installed" in line for line in lines)
+    [args] = [
+        line
+        for line in (tmp_path / "journalctl.args").read_text().splitlines()
+        if "UNIT=sglang.service" in line
+    ]
+    assert args.endswith(
+        "_PID=1 UNIT=sglang.service + _SYSTEMD_CGROUP=/init.scope UNIT=sglang.service"
+    )
+    assert "--lines=20000" in args
+
+    fixed = cli("doctor", "--unit", "sglang.service", "--fix")
+    assert fixed.code == 2
+    assert "TimeoutStopSec=2min" in fixed.out.splitlines()
+    assert "KillMode=mixed" in fixed.out.splitlines()
+    assert "StartLimitBurst=5" in fixed.out.splitlines()
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_json_covers_every_watched_unit(cli: Cli) -> None:
+    """Without --unit: both watched units, versioned, exit code in the document."""
+    result = cli("doctor", "--json")
+    document = result.json()
+    assert result.code == document["exit_code"] == 2
+    assert document["schema"] == "gpuguard.doctor"
+    assert document["version"] == 1
+    assert [u["unit"] for u in document["units"]] == ["sglang.service", "vllm.service"]
+    stop = next(f for f in document["units"][0]["findings"] if f["code"] == "stop-timeout")
+    assert stop["fix"] == {
+        "section": "Service",
+        "lines": [stop["fix"]["lines"][0], "TimeoutStopSec=2min"],
+    }
+    json.dumps(document)
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_is_unknown_when_systemd_cannot_be_asked(cli: Cli) -> None:
+    """A failing systemctl: exit 3 with systemctl's reason, never a clean bill of health."""
+    result = cli("doctor", "--unit", "other.service")
+    assert result.code == 3
+    assert "UNKNOWN" in result.out
+    assert "Host is down" in result.out
+
+
+def test_doctor_without_root_and_an_empty_journal_is_unknown(cli: Cli) -> None:
+    """As nobody, a journal that shows nothing is not "no stops": UNKNOWN, saying why."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping to nobody needs root")
+    with public_dir() as public:
+        bin_dir = public / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "systemctl").write_text(
+            "#!/bin/sh\necho LoadState=loaded\necho KillMode=mixed\n"
+        )
+        (bin_dir / "journalctl").write_text("#!/bin/sh\nexit 0\n")
+        for script in bin_dir.iterdir():
+            script.chmod(0o755)
+            cli.doubles[script.name] = script
+        config = public / "gpuguard.toml"
+        shutil.copy(cli.config, config)
+        config.chmod(0o644)
+        args = ["--config", str(config), "doctor", "--unit", "sglang.service"]
+        result = run_as_nobody(args, cli.env, prefix=cli.prefix())
+        cli.doubles.clear()
+    assert result.code == 3, result.out + result.err
+    assert "the journal showed nothing about sglang.service: run as root" in result.out

@@ -1,0 +1,334 @@
+"""doctor's analysis on recorded systemd 252/257 journals and hand-made unit settings."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuguard.doctor import (
+    Finding,
+    History,
+    HostFacts,
+    PathFact,
+    Severity,
+    Stop,
+    UnitFacts,
+    build_history,
+    diagnose,
+    render_fix,
+    render_json,
+    render_text,
+    worst,
+)
+from gpuguard.doctorio import path_chain
+from gpuguard.unitconfig import UnitConfig
+
+SAMPLES = Path(__file__).parent.parent / "journal_samples"
+UNIT = "sglang.service"
+HOST = HostFacts(gate_timeout_s=300.0, nvidia_devices=False, persistenced_running=False)
+GATED = ("/etc/systemd/system/sglang.service.d/gpuguard-gate.conf",)
+
+
+def sample(release: str, name: str) -> History:
+    """The history doctor builds from one recorded journal."""
+    lines = (SAMPLES / release / f"{name}.jsonl").read_text().splitlines()
+    return build_history([json.loads(line) for line in lines], UNIT)
+
+
+def config(**overrides: object) -> UnitConfig:
+    """A healthy gated unit; ``overrides`` make it unhealthy one setting at a time."""
+    settings: dict[str, object] = {
+        "unit": UNIT,
+        "load_state": "loaded",
+        "kill_mode": "mixed",
+        "timeout_stop_s": 120.0,
+        "timeout_start_s": 600.0,
+        "restart": "on-failure",
+        "restart_s": 10.0,
+        "start_limit_interval_s": 3600.0,
+        "start_limit_burst": 5,
+        "drop_in_paths": GATED,
+    }
+    settings.update(overrides)
+    return UnitConfig(**settings)  # type: ignore[arg-type]
+
+
+def facts(
+    unit_config: UnitConfig | None = None, history: History | None = None, **extra: object
+) -> UnitFacts:
+    """UnitFacts with defaults for everything a test does not care about."""
+    values: dict[str, object] = {
+        "config": unit_config or config(),
+        "history": history or History(),
+        "environment": {"CUDA_VISIBLE_DEVICES": "0,1"},
+        "gpus": None,
+        "user_uid": 0,
+    }
+    values.update(extra)
+    return UnitFacts(**values)  # type: ignore[arg-type]
+
+
+def by_code(findings: tuple[Finding, ...], code: str) -> Finding:
+    """The one finding with ``code``."""
+    (found,) = [f for f in findings if f.code == code]
+    return found
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_a_stop_cut_short_by_sigkill_is_critical_with_a_longer_timeout(release: str) -> None:
+    """The incident: TimeoutStopSec=2s, the drain longer; SIGKILL counted, a budget proposed."""
+    history = sample(release, "stop-sigterm-timeout")
+    assert [s.killed for s in history.stops] == [True]
+    assert 2.0 <= history.stops[0].drain_s < 2.5  # recorded: TimeoutStopSec=2s
+    found = by_code(diagnose(facts(config(timeout_stop_s=2.0), history), {}, HOST), "stop-timeout")
+    assert found.severity is Severity.CRITICAL
+    assert "1 of 1 stops short (SIGKILL)" in found.title
+    assert "no observed upper bound" in found.title
+    assert found.fix[-1] == "TimeoutStopSec=2min"
+
+
+def test_stops_killed_under_an_earlier_shorter_timeout_no_longer_count() -> None:
+    """After the fix: the 3 s kill is history, the 30 s drain is covered by 2 min: OK."""
+    stops = (Stop("old", 3.1, killed=True), Stop("new", 30.0, killed=False))
+    found = by_code(
+        diagnose(facts(config(timeout_stop_s=120.0), History(stops=stops)), {}, HOST),
+        "stop-timeout",
+    )
+    assert found.severity is Severity.OK
+    assert any("under an earlier, shorter setting" in line for line in found.evidence)
+    only_old = by_code(
+        diagnose(facts(config(timeout_stop_s=60.0), History(stops=stops[:1])), {}, HOST),
+        "stop-timeout",
+    )
+    assert only_old.severity is Severity.WARNING
+    assert only_old.fix[-1] == "TimeoutStopSec=2min"
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_a_clean_stop_is_measured_and_needs_nothing(release: str) -> None:
+    """Stopping → main process exited, on the monotonic clock; no kill, nothing to fix."""
+    history = sample(release, "clean-start-stop")
+    assert [s.killed for s in history.stops] == [False]
+    assert history.stops[0].drain_s < 1
+    found = by_code(diagnose(facts(history=history), {}, HOST), "stop-timeout")
+    assert found.severity is Severity.OK
+    assert found.fix == ()
+
+
+def test_p99_drain_times_margin_sets_the_timeout() -> None:
+    """100 clean drains of 10..109 s: p99 is 108 s, x1.5 = 162 s, rounded up to 3 min."""
+    stops = tuple(Stop(f"i{n}", 10.0 + n, killed=False) for n in range(100))
+    found = by_code(
+        diagnose(facts(config(timeout_stop_s=90.0), History(stops=stops)), {}, HOST),
+        "stop-timeout",
+    )
+    assert found.severity is Severity.WARNING
+    assert found.fix == ("# p99 drain x 1.5", "TimeoutStopSec=3min")
+    assert any("p99 1min 48s" in line for line in found.evidence)
+
+
+def test_killed_stops_longer_than_the_clean_ones_are_not_ignored() -> None:
+    """Clean drains of 5 s but one stop killed at 60 s: the suggestion covers the killed one."""
+    stops = (Stop("a", 5.0, killed=False), Stop("b", 60.0, killed=True))
+    found = by_code(
+        diagnose(facts(config(timeout_stop_s=60.0), History(stops=stops)), {}, HOST),
+        "stop-timeout",
+    )
+    assert found.severity is Severity.CRITICAL
+    assert found.fix[-1] == "TimeoutStopSec=4min"
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_survivors_are_named_escaped_and_kill_mode_process_is_critical(release: str) -> None:
+    """Processes that "remain running after unit stopped" and left-over ones, named, escaped."""
+    history = sample(release, "stop-sigkill-survivor")
+    assert [comm for _, comm in history.survivors] == ["python3"]
+    left = sample(release, "left-over-process")
+    assert {comm for _, comm in left.survivors} == {"sglang-worker"}
+    assert len(left.survivors) == 2  # logged twice per start, counted once
+    hostile = History(survivors=((7, "evil\x1b[2J\nOK"),))
+    findings = diagnose(facts(config(kill_mode="process"), hostile), {}, HOST)
+    kill = by_code(findings, "kill-mode")
+    assert kill.severity is Severity.CRITICAL
+    assert kill.fix[-1] == "KillMode=mixed"
+    assert str(by_code(findings, "survivors").advice).startswith("KillMode=mixed")
+    mixed = by_code(diagnose(facts(config(), hostile), {}, HOST), "survivors")
+    assert (
+        mixed.advice == "install the gate: its ExecStopPost= reap and its check before each start"
+    )
+    text = render_text({UNIT: findings})
+    assert "\x1b" not in text
+    (names,) = [line for line in text.splitlines() if "names:" in line]
+    assert names.startswith("           names: evil\\")
+    assert names.endswith("[2J\\nOK")  # the newline escaped: no forged line
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_forged_entries_yield_no_history(release: str) -> None:
+    """A user's journal entries that claim to be PID 1 make no stop, run or survivor."""
+    history = sample(release, "forged-entries")
+    assert history.entries > 0
+    assert history == History(entries=history.entries)
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_a_restart_loop_the_start_limit_ends_is_ok(release: str) -> None:
+    """The recorded loop: RestartSec=1s, 5 starts in 10 s; the start limit hit once."""
+    history = sample(release, "restart-loop-start-limit")
+    assert history.restarts == 5
+    assert history.start_limit_hits == 1
+    assert len(history.failed_runs_s) == 5
+    unit = config(
+        restart="always",
+        restart_s=1.0,
+        start_limit_interval_s=10.0,
+        start_limit_burst=5,
+        drop_in_paths=(),
+    )
+    found = by_code(diagnose(facts(unit, history), {}, HOST), "restart")
+    assert found.severity is Severity.OK
+
+
+def test_a_refusing_gate_loops_forever_under_default_start_limits() -> None:
+    """Gate timeout 300 s + RestartSec 100 ms never puts 5 starts in 10 s: sized limit proposed."""
+    unit = config(restart="always", restart_s=0.1, start_limit_interval_s=10.0)
+    history = History(failed_runs_s=(100.0,) * 3)
+    findings = diagnose(facts(unit, history), {}, HOST)
+    loop = by_code(findings, "restart")
+    assert loop.severity is Severity.WARNING
+    assert loop.section == "Unit"
+    assert "12 starts per hour" in loop.title  # one every 300.1 s
+    assert "20min of model loads" in loop.title
+    assert loop.fix[1:] == ("StartLimitIntervalSec=31min", "StartLimitBurst=5")
+    assert by_code(findings, "restart-sec").fix == ("RestartSec=10s",)
+
+
+def test_gate_missing_and_gate_timeout_above_timeout_start() -> None:
+    """No drop-in: install it; a TimeoutStartSec= under the gate's timeout: raise it."""
+    missing = by_code(diagnose(facts(config(drop_in_paths=())), {}, HOST), "gate")
+    assert missing.severity is Severity.WARNING
+    assert missing.advice == "gpuguard install-gate --unit sglang.service"
+    short = by_code(diagnose(facts(config(timeout_start_s=90.0)), {}, HOST), "gate-timeout")
+    assert short.fix == ("TimeoutStartSec=6min",)
+    via_exec = config(drop_in_paths=(), exec_start_pre=(("/usr/bin/gpuguard", "gate"),))
+    assert by_code(diagnose(facts(via_exec), {}, HOST), "gate").severity is Severity.OK
+    own_timeout = config(
+        timeout_start_s=600.0,
+        exec_start_pre=(("/usr/bin/gpuguard", "gate", "--unit", UNIT, "--timeout", "900"),),
+    )
+    longer = by_code(diagnose(facts(own_timeout), {}, HOST), "gate-timeout")
+    assert longer.fix == ("TimeoutStartSec=16min",)  # its own --timeout 900, not the config's
+
+
+def test_overlapping_gpu_sets_are_named() -> None:
+    """0,1 and 1,2 share GPU 1; a unit without any GPU set shares them all."""
+    mine = facts()
+    other = facts(config(unit="vllm.service"), environment={"CUDA_VISIBLE_DEVICES": "1,2"})
+    overlap = by_code(diagnose(mine, {"vllm.service": other}, HOST), "gpu-overlap")
+    assert overlap.title == "shares GPUs (1) with vllm.service"
+    disjoint = facts(config(unit="vllm.service"), environment={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert not [f for f in diagnose(mine, {"v": disjoint}, HOST) if f.code == "gpu-overlap"]
+    unset = facts(environment={})
+    assert "all" in by_code(diagnose(unset, {"v": disjoint}, HOST), "gpu-overlap").title
+
+
+def test_paths_the_service_user_can_change_are_found(tmp_path: Path) -> None:
+    """A world-writable directory on PATH (real lstat), and a file owned by the user."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (tmp_path / "venv").chmod(0o777)
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o755)
+    service_uid = 4242
+    owned = PathFact("/srv/env", service_uid, 0, 0o100600, is_dir=False)
+    unit = facts(
+        config(user="sglang"),
+        user_uid=service_uid,
+        paths={str(venv): path_chain(str(venv)), str(safe): (), "/srv/env": (owned,)},
+    )
+    found = [f for f in diagnose(unit, {}, HOST) if f.code == "writable-path"]
+    assert [f.evidence[0] for f in found] == [
+        "/srv/env: owned by the service user, mode 0600",
+        f"{tmp_path / 'venv'}: group/other-writable, mode 0777",
+    ]
+    assert all(f.severity is Severity.WARNING for f in found)
+    as_root = facts(paths={str(venv): path_chain(str(venv))})
+    assert not [f for f in diagnose(as_root, {}, HOST) if f.code == "writable-path"]
+
+
+def test_sticky_directories_do_not_count() -> None:
+    """/tmp is world-writable but sticky: nobody replaces a root-owned entry in it."""
+    tmp = path_chain("/tmp")
+    assert tmp
+    assert tmp[0].mode & 0o1000
+    unit = facts(user_uid=4242, paths={"/tmp": tmp})
+    assert not [f for f in diagnose(unit, {}, HOST) if f.code == "writable-path"]
+
+
+def test_persistenced_only_matters_with_nvidia_devices() -> None:
+    """No /dev/nvidiactl: nothing said; present but no daemon: a warning."""
+    assert not [f for f in diagnose(facts(), {}, HOST) if f.code == "persistenced"]
+    gpus = HostFacts(300.0, nvidia_devices=True, persistenced_running=False)
+    assert by_code(diagnose(facts(), {}, gpus), "persistenced").severity is Severity.WARNING
+
+
+def test_unknown_when_systemd_cannot_be_asked_and_not_found() -> None:
+    """No settings at all: UNKNOWN (exit 3), not a clean bill of health."""
+    blind = facts(UnitConfig(UNIT), problems=("systemctl show: Host is down",))
+    assert worst(diagnose(blind, {}, HOST)) is Severity.UNKNOWN
+    missing = facts(UnitConfig(UNIT, load_state="not-found"))
+    assert by_code(diagnose(missing, {}, HOST), "not-found").severity is Severity.UNKNOWN
+
+
+def test_fix_is_one_complete_drop_in_and_json_is_versioned() -> None:
+    """Every fix line under its section, advice as comments; JSON carries level and exit code."""
+    unit = config(
+        kill_mode="process",
+        timeout_stop_s=2.0,
+        restart="always",
+        restart_s=0.1,
+        start_limit_interval_s=10.0,
+        drop_in_paths=(),
+    )
+    history = History(stops=(Stop("a", 2.0, killed=True),))
+    findings = diagnose(facts(unit, history), {}, HOST)
+    fix = render_fix(UNIT, findings)
+    unit_part, service_part = fix.split("[Unit]\n")[1].split("[Service]\n")
+    assert "StartLimitIntervalSec=" in unit_part
+    assert "StartLimitBurst=5" in unit_part
+    for line in ("KillMode=mixed", "TimeoutStopSec=2min", "RestartSec=10s"):
+        assert line in service_part.splitlines()
+    assert "# Also (gate): gpuguard install-gate --unit sglang.service" in fix
+    assert "zz-gpuguard-doctor.conf" in fix
+    document = render_json({UNIT: findings})
+    assert document["schema"] == "gpuguard.doctor"
+    assert document["version"] == 1
+    assert document["exit_code"] == 2
+    assert json.loads(json.dumps(document)) == document
+
+
+def test_writable_path_chain_reads_real_modes(tmp_path: Path) -> None:
+    """path_chain lists the object first and / last, with lstat's owner and mode."""
+    target = tmp_path / "a"
+    target.mkdir()
+    chain = path_chain(str(target))
+    assert chain[0].path == str(target)
+    assert chain[-1].path == "/"
+    assert chain[0].uid == os.getuid()
+    assert path_chain("relative/path") == ()
+
+
+def test_hostile_environment_values_and_reasons_stay_on_one_line() -> None:
+    """An ESC/newline in CUDA_VISIBLE_DEVICES or in a gathering problem never reaches raw."""
+    hostile = "0,\x1b[2J\nOK: all fine"
+    mine = facts(environment={"CUDA_VISIBLE_DEVICES": hostile}, problems=("read\x1b]0;x\x07",))
+    other = facts(config(unit="vllm.service"), environment={"CUDA_VISIBLE_DEVICES": hostile})
+    findings = diagnose(mine, {"vllm.service": other}, HOST)
+    for text in (render_text({UNIT: findings}), render_fix(UNIT, findings)):
+        assert "\x1b" not in text
+        assert "\x07" not in text
+        assert not [line for line in text.splitlines() if line.startswith("OK: all fine")]
+    assert "\x1b" not in json.dumps(render_json({UNIT: findings}))
