@@ -19,11 +19,15 @@ from typing import TYPE_CHECKING, Any
 from gpuguard import __version__
 from gpuguard.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gpuguard.escaping import escape
+from gpuguard.gateproto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+    from typing import TextIO
 
     from gpuguard.config import Settings, UnitSettings
+    from gpuguard.gateauth import Caller
+    from gpuguard.gateproto import Request as GateRequest
     from gpuguard.gpuset import GpuSet
     from gpuguard.holders import Inventory
     from gpuguard.policy import KillPlan, PlanRequest
@@ -51,6 +55,18 @@ commands:
   doctor   audit a unit's settings against its journal; print the drop-in that fixes them
   install-gate / remove-gate
            add or remove the gate drop-in of a unit (never done without being asked)
+  serve-gate
+           internal: the root side of gate and reap, run by gpuguard-gate.socket
+"""
+
+_PRIVILEGES = f"""\
+Privileges: in the drop-in this command runs unprivileged, in the unit's environment, and
+only asks the root gate server (gpuguard-gate.socket, {GATE_SOCKET}), which identifies
+the caller from the kernel and does the work. A process may ask only for its own unit
+(and only scope "unit"); root outside any service may ask for any. Without a socket at
+--socket, root runs the work in this process (a developer's install); anyone else, or a
+socket nobody answers, gets one line and exit 1 - for the gate, unless the configuration
+says gate_unreachable = "allow". See docs/security.md.
 """
 
 _STATUS_HELP = """\
@@ -96,8 +112,11 @@ Never signalled, whatever the scope: PID 1 and 2, kernel threads, gpuguard and i
 ancestors, protected processes (nvidia-persistenced, DCGM, nvidia-smi, display servers,
 anything in protected_processes), and holders only of GPUs outside the unit's set.
 
-Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined); 64 usage;
-78 invalid configuration.
+With --yes (and without --dry-run) the reap goes through the gate server; a plan that
+asks for confirmation on a terminal, and --dry-run, run in this process.
+
+Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined, or the request
+was refused or could not be sent); 64 usage; 78 invalid configuration.
 """
 
 _GATE_HELP = """\
@@ -113,10 +132,23 @@ needing a reset (NVML health) - it refuses at once, in one line with the reason.
 decision is recorded and shown by `gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
-environment, else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
+real environment (read by root from the calling process: EnvironmentFile= values count),
+else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
 
-Exit status: 0 start allowed; 1 GPUs still busy at the timeout, or refused at once;
-78 invalid configuration.
+Exit status: 0 start allowed; 1 GPUs still busy at the timeout, refused at once, the
+request refused, or the gate server unreachable; 78 invalid configuration.
+"""
+
+_SERVE_GATE_HELP = """\
+Internal: not for operators to run. gpuguard-gate@.service runs it, as root with a clean
+environment, for each connection to gpuguard-gate.socket (/run/gpuguard/gate.sock); its
+standard input is the connection. It reads one request line (at most 4 KiB, within 10 s),
+identifies the caller (SO_PEERCRED, a pidfd, /proc/PID/cgroup and environ), refuses a
+request for any unit but the caller's own (except from root outside any service), runs the
+gate or reap and streams its output back, then the exit status. One line per request goes
+to its own journal.
+
+Exit status: the request's verdict; 1 refused; 64 a malformed request.
 """
 
 
@@ -192,6 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--grace", type=float, metavar="S", help="seconds from SIGTERM to SIGKILL")
     gate.add_argument(
         "--timeout", type=float, metavar="S", help="give up after S seconds (config gate_timeout_s)"
+    )
+    for command in (gate, reap):
+        command.epilog = _PRIVILEGES
+        command.add_argument(
+            "--socket",
+            default=GATE_SOCKET,
+            metavar="PATH",
+            help=f"the gate server's socket (default {GATE_SOCKET}; see 'Privileges' below)",
+        )
+    commands.add_parser(
+        "serve-gate",
+        help="internal: the root gate server (gpuguard-gate@.service)",
+        description=_SERVE_GATE_HELP,
+        formatter_class=raw,
     )
     commands.add_parser(
         "run",
@@ -285,9 +331,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EX_USAGE
+    if args.command == "serve-gate":
+        return _serve_gate(args)
+    if args.command == "gate" or (args.command == "reap" and args.yes and not args.dry_run):
+        asked = _ask_gate_server(args)
+        if asked is not None:
+            return asked
+    return _execute(args, None)
+
+
+def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
+    """Run a command in this process; ``caller`` is who asked the gate server (None: we did)."""
     reading = None
     if args.command == "gate":
-        fast, reading = _gate_fast_path(args)
+        fast, reading = _gate_fast_path(args, caller)
         if fast is not None:
             return fast
     from gpuguard.config import ConfigError, load_settings, warnings  # noqa: PLC0415
@@ -303,9 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"gpuguard: warning: {config_path(args.config)[0]}: {warning}\n")
     commands: dict[str, Callable[[], int]] = {
         "status": lambda: _status(settings, as_json=args.json),
-        "gate": lambda: _gate(settings, args, reading),
+        "gate": lambda: _gate(settings, args, reading, caller),
         "run": lambda: _run(settings),
-        "reap": lambda: _reap(settings, args),
+        "reap": lambda: _reap(settings, args, caller),
         "install-gate": lambda: _change_gate(args.unit, install=True, force=args.force),
         "remove-gate": lambda: _change_gate(args.unit, install=False),
         "doctor": lambda: _doctor(settings, args),
@@ -333,6 +390,95 @@ def _doctor(settings: Settings, args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(doctor.render_text(results))
     return int(doctor.worst(f for findings in results.values() for f in findings))
+
+
+def _ask_gate_server(args: argparse.Namespace) -> int | None:
+    """Send a gate or reap to the root gate server; None: run it here instead (root, no server).
+
+    The rule (docs/security.md): a socket at --socket means the packaged server, so always ask
+    it; no socket and root means a developer's install, which runs in-process; no socket and
+    not root, or a socket nobody answers, refuses - unless gate_unreachable = "allow".
+    """
+    from gpuguard import gateclient  # noqa: PLC0415 - see module doc
+    from gpuguard.gateproto import Request  # noqa: PLC0415
+
+    path = args.socket
+    if not os.path.lexists(path):
+        if os.geteuid() == 0:
+            sys.stderr.write(f"gpuguard {args.command}: no gate server at {path}: runs here\n")
+            return None
+        reason = "no such socket"
+    else:
+        request = Request(
+            command=args.command,
+            unit=args.unit,
+            scope=args.scope,
+            grace=args.grace,
+            timeout=args.timeout,
+            json=bool(getattr(args, "json", False)),
+        )
+        try:
+            return gateclient.ask(request, path, sys.stdout, sys.stderr)
+        except gateclient.UnreachableError as err:
+            reason = str(err)
+    allowed = args.command == "gate" and _unreachable_allowed(args.config)
+    verdict = (
+        "start allowed without the gate (gate_unreachable = allow)"
+        if allowed
+        else ("start refused" if args.command == "gate" else "nothing reaped")
+    )
+    sys.stderr.write(
+        f"gpuguard {args.command}: cannot reach the gate server at {path} ({reason}): {verdict}\n"
+    )
+    return 0 if allowed else 1
+
+
+def _unreachable_allowed(cli_path: Path | None) -> bool:
+    """Whether the operator's configuration lets a start proceed without the gate server.
+
+    Read only from --config or the default path: the unit's environment (GPUGUARD_CONFIG)
+    must not decide this. Anything unreadable or invalid means the default, refuse.
+    """
+    from gpuguard import configfile  # noqa: PLC0415 - see module doc
+
+    path = cli_path or DEFAULT_CONFIG_PATH
+    cached = configfile.load_validated(path)
+    if cached is not None:
+        return cached.get("gate_unreachable") == "allow"
+    from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415
+
+    try:
+        return load_settings(path).gate_unreachable == "allow"
+    except ConfigError:
+        return False
+
+
+def _serve_gate(args: argparse.Namespace) -> int:
+    """Answer one request on standard input, the connection gpuguard-gate.socket accepted."""
+    import contextlib  # noqa: PLC0415 - see module doc
+    import socket  # noqa: PLC0415
+
+    from gpuguard import gateserver  # noqa: PLC0415
+
+    def handle(request: GateRequest, caller: Caller, out: TextIO, err: TextIO) -> int:
+        work = argparse.Namespace(
+            config=args.config,
+            command=request.command,
+            unit=request.unit,
+            scope=request.scope,
+            grace=request.grace,
+            timeout=request.timeout
+            if request.timeout is not None or request.command == "gate"
+            else 60.0,
+            json=request.json,
+            yes=True,
+            dry_run=False,
+        )
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return _execute(work, caller)
+
+    with socket.socket(fileno=0) as conn:  # StandardInput=socket: the accepted connection
+        return gateserver.serve(conn, handle, sys.stderr)
 
 
 def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
@@ -426,6 +572,7 @@ def _run(settings: Settings) -> int:
         reaper,
         state,
         systemd,
+        unitenv,
         xidevents,
     )
 
@@ -479,6 +626,7 @@ def _run(settings: Settings) -> int:
         identity=procfs.read_identity(os.getpid()),
         watchdog_interval_s=notify.watchdog_interval_s(),
         wakeup_fd=wake_read,
+        gate_environment=lambda unit: unitenv.recorded(settings.runtime_dir, unit),
     )
     watchdog = daemon.Daemon(settings, follower, ports)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -570,12 +718,14 @@ def _unit_settings(settings: Settings, unit: str) -> UnitSettings:
     return settings.units.get(unit) or UnitSettings()
 
 
-def _untouchable() -> frozenset[int]:
-    """Our own PID and every ancestor's: the gate runs inside the unit's own cgroup."""
+def _untouchable(caller: Caller | None = None) -> frozenset[int]:
+    """Our own PID and every ancestor's, and the caller's: the gate's client runs in the unit."""
     from gpuguard import procfs  # noqa: PLC0415 - see module doc
 
-    me = os.getpid()
-    return frozenset({me, *procfs.ancestor_pids(me)})
+    pids = {os.getpid(), *procfs.ancestor_pids(os.getpid())}
+    if caller is not None:
+        pids |= {caller.pid, *procfs.ancestor_pids(caller.pid)}
+    return frozenset(pids)
 
 
 def _request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what each command learned
@@ -585,6 +735,8 @@ def _request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what 
     gpu_set: GpuSet,
     live: str | None,
     provenance: UnitProvenance,
+    *,
+    caller: Caller | None = None,
 ) -> PlanRequest:
     from gpuguard.policy import PlanRequest, Scope  # noqa: PLC0415 - see module doc
 
@@ -594,22 +746,40 @@ def _request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what 
         patterns=_unit_settings(settings, unit).patterns,
         gpu_set=gpu_set.indices,
         protected_names=settings.protected_processes,
-        untouchable_pids=_untouchable(),
+        untouchable_pids=_untouchable(caller),
         provenance=provenance,
         live_invocation=live,
     )
 
 
-def _inside_unit(unit: str) -> bool:
-    """Whether this process runs in ``unit``'s cgroup (as its ExecStartPre=)."""
-    from gpuguard import procfs  # noqa: PLC0415 - see module doc
-    from gpuguard.cgroup import attribute  # noqa: PLC0415
+def _who(caller: Caller | None) -> Caller:
+    """Who the command runs for: the gate server's caller, else this process itself."""
+    from gpuguard import peer  # noqa: PLC0415 - see module doc
 
-    cgroup = procfs.read_cgroup(os.getpid())
-    return cgroup is not None and attribute(cgroup).unit == unit
+    return caller if caller is not None else peer.own_caller()
 
 
-def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading | None]:
+def _unit_environment(caller: Caller, unit: str, runtime_dir: Path) -> dict[str, str] | None:
+    """The unit's real environment when the caller is one of its processes (else None).
+
+    An ExecStartPre=/ExecStopPost= process has the unit's environment, EnvironmentFile= values
+    included. Root records its GPU variables for the daemon's recoveries (unitenv).
+    """
+    if not caller.runs_in(unit) or caller.environment is None:
+        return None
+    if os.geteuid() == 0:
+        from gpuguard import unitenv  # noqa: PLC0415 - see module doc
+
+        try:
+            unitenv.record(runtime_dir, unit, caller.environment, caller.pid)
+        except OSError as err:
+            sys.stderr.write(f"gpuguard: cannot record {unit}'s GPU variables: {err}\n")
+    return caller.environment
+
+
+def _gate_fast_path(
+    args: argparse.Namespace, caller: Caller | None
+) -> tuple[int | None, NvmlReading | None]:
     """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
 
     Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
@@ -624,14 +794,18 @@ def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading |
 
     started = time.monotonic()
     cached = configfile.load_validated(args.config)
-    if cached is None or not _inside_unit(args.unit):
+    if cached is None:
+        return None, None
+    runtime_dir = Path(cached["runtime_dir"])
+    environment = _unit_environment(_who(caller), args.unit, runtime_dir)
+    if environment is None:
         return None, None
     unit = cached["units"].get(args.unit) or {}
     library = cached["nvml_library"]
     reading = nvml.read_gpus(float(cached["nvml_timeout_s"]), library and Path(library))
     if reading.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
         return None, reading
-    gpu_set = resolve_gpu_set(unit.get("gpus"), dict(os.environ), reading.gpus)
+    gpu_set = resolve_gpu_set(unit.get("gpus"), environment, reading.gpus)
     present = {gpu.index for gpu in reading.gpus}
     if gpu_set.indices is not None and not gpu_set.indices <= present:
         return None, reading
@@ -649,25 +823,34 @@ def _gate_fast_path(args: argparse.Namespace) -> tuple[int | None, NvmlReading |
         spared=(),
         blockers=(),
     )
-    return _finish_gate(Path(cached["runtime_dir"]), outcome, gpu_set), reading
+    return _finish_gate(runtime_dir, outcome, gpu_set), reading
 
 
-def _gate(settings: Settings, args: argparse.Namespace, reading: NvmlReading | None) -> int:
+def _gate(
+    settings: Settings,
+    args: argparse.Namespace,
+    reading: NvmlReading | None,
+    caller: Caller | None,
+) -> int:
     from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     unit = _unit_settings(settings, args.unit)
     first = inventory.gather(settings, reading)
-    inside = _inside_unit(args.unit)
-    # Inside the unit the gate inherits its environment (EnvironmentFile= included); outside,
-    # ask systemd, which knows Environment= only, and keep the running invocation's processes.
-    # Either way systemd names the unit's user and runs, the evidence for its left-overs.
+    who = _who(caller)
+    # The unit's own process (its ExecStartPre=) has its real environment, EnvironmentFile=
+    # included; anyone else: systemd's Environment= only, and the running invocation's
+    # processes are kept. Either way systemd names the unit's user and runs, the evidence for
+    # its left-overs.
+    inside = who.runs_in(args.unit)
     unit_state = systemd.show_unit(args.unit)
-    environment = dict(os.environ) if inside else unit_state.environment
+    environment = _unit_environment(who, args.unit, settings.runtime_dir)
+    if environment is None:
+        environment = unit_state.environment
     live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit.gpus, environment, first.nvml.gpus)
     provenance = systemd.provenance(unit_state, inside=inside)
-    request = _request(settings, args.unit, args.scope, gpu_set, live, provenance)
+    request = _request(settings, args.unit, args.scope, gpu_set, live, provenance, caller=who)
     timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     pending = [first]
@@ -733,7 +916,7 @@ def _result_json(result: ReapResult) -> dict[str, Any]:
     }
 
 
-def _reap(settings: Settings, args: argparse.Namespace) -> int:
+def _reap(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> int:
     from gpuguard import inventory, logs, policy, reaper, systemd  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
@@ -745,15 +928,21 @@ def _reap(settings: Settings, args: argparse.Namespace) -> int:
         )
         return EX_USAGE
     unit_state = systemd.show_unit(unit_name)
+    who = _who(caller)
     # As the unit's ExecStopPost= the run is over even though systemd still says
     # "deactivating": everything else in the cgroup is left over, as at the gate.
-    inside = _inside_unit(unit_name)
+    inside = who.runs_in(unit_name)
+    environment = _unit_environment(who, unit_name, settings.runtime_dir)
     live = unit_state.invocation_id if unit_state.running and not inside else None
     found = inventory.gather(settings)
     unit = _unit_settings(settings, unit_name)
-    gpu_set = resolve_gpu_set(unit.gpus, unit_state.environment, found.nvml.gpus)
+    gpu_set = resolve_gpu_set(
+        unit.gpus,
+        unit_state.environment if environment is None else environment,
+        found.nvml.gpus,
+    )
     provenance = systemd.provenance(unit_state, inside=inside)
-    request = _request(settings, unit_name, args.scope, gpu_set, live, provenance)
+    request = _request(settings, unit_name, args.scope, gpu_set, live, provenance, caller=who)
     kill_plan = policy.plan(found.holders, request)
     notes = (
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []

@@ -265,6 +265,12 @@ class Settings(_Strict):
         description="How long `gpuguard gate` waits for the unit's GPUs to become idle before "
         "refusing the start; keep TimeoutStartSec above it.",
     )
+    gate_unreachable: Literal["refuse", "allow"] = Field(
+        default="refuse",
+        description="What the unprivileged gate does when it cannot reach the root gate "
+        'server (gpuguard-gate.socket): "refuse" the start (exit 1), or "allow" it without the '
+        "gate.",
+    )
     daemon: DaemonSettings = Field(
         default_factory=DaemonSettings,
         description="The watchdog daemon (`gpuguard run`).",

@@ -177,6 +177,8 @@ class Ports:
     watchdog_interval_s: float | None = None
     wakeup_fd: int | None = None
     """Read end of a self-pipe that signal.set_wakeup_fd writes to: SIGTERM ends a long wait."""
+    gate_environment: Callable[[str], dict[str, str] | None] = lambda _unit: None
+    """The unit's GPU variables as its gate last read them (unitenv); None: ask systemd."""
 
 
 @dataclass
@@ -459,7 +461,10 @@ class Daemon:
     ) -> PlanRequest:
         settings = self._settings
         unit_settings = settings.units[unit]
-        gpu_set = resolve_gpu_set(unit_settings.gpus, state.environment, inventory.nvml.gpus)
+        # The gate's record includes EnvironmentFile= values; systemctl show does not.
+        recorded = self._ports.gate_environment(unit)
+        environment = state.environment if recorded is None else recorded
+        gpu_set = resolve_gpu_set(unit_settings.gpus, environment, inventory.nvml.gpus)
         return PlanRequest(
             unit=unit,
             scope=Scope.UNIT,

@@ -1,0 +1,154 @@
+"""The root side of the gate: answer one request on a socket systemd accepted (adapter).
+
+``gpuguard serve-gate`` runs as ``gpuguard-gate@.service``, one instance per connection to
+``gpuguard-gate.socket`` (``Accept=yes``, ``StandardInput=socket``): root, with the clean
+environment and sandbox systemd gives it, never a child of the watched unit. It identifies the
+caller from the kernel (peer.py), refuses what the caller may not ask (gateauth.py), then runs
+the same gate or reap code the in-process command runs, with its output sent back as frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import traceback
+from typing import TYPE_CHECKING
+
+from gpuguard.gateauth import refusal
+from gpuguard.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_request
+from gpuguard.peer import PROC, PeerError, identify
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
+    from typing import TextIO
+
+    from _typeshed import ReadableBuffer
+
+    from gpuguard.gateauth import Caller
+    from gpuguard.gateproto import Request
+
+#: A caller gets this long to send its request line; then the instance ends.
+REQUEST_TIMEOUT_S = 10.0
+EX_USAGE = 64
+
+
+class _Frames(io.RawIOBase):
+    """Bytes written here go to the client as one frame per line, for its ``fd``.
+
+    A client that has gone (systemd stopped the start) is not an error: the work finishes and
+    is recorded, the output is dropped.
+    """
+
+    def __init__(self, conn: socket.socket, fd: int) -> None:
+        super().__init__()
+        self._conn = conn
+        self._fd = fd
+        self._pending = b""
+        self._gone = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: ReadableBuffer) -> int:
+        chunk = bytes(data)
+        self._pending += chunk
+        *lines, self._pending = self._pending.split(b"\n")
+        for line in lines:
+            self._send(line)
+        return len(chunk)
+
+    def finish(self) -> None:
+        """Send a last line that had no newline."""
+        if self._pending:
+            self._send(self._pending)
+            self._pending = b""
+
+    def _send(self, line: bytes) -> None:
+        if self._gone:
+            return
+        try:
+            self._conn.sendall(frame_text(self._fd, line.decode("utf-8", "backslashreplace")))
+        except OSError:
+            self._gone = True
+
+
+@contextlib.contextmanager
+def _stream(conn: socket.socket, fd: int) -> Iterator[TextIO]:
+    """A text stream over _Frames, flushed line by line and finished at the end."""
+    frames = _Frames(conn, fd)
+    text = io.TextIOWrapper(
+        io.BufferedWriter(frames), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    try:
+        yield text
+    finally:
+        text.flush()
+        frames.finish()
+
+
+def serve(
+    conn: socket.socket,
+    handle: Callable[[Request, Caller, TextIO, TextIO], int],
+    log: TextIO,
+    *,
+    proc_root: Path = PROC,
+) -> int:
+    """Answer the one request on ``conn``; log one line about it to ``log`` (the journal).
+
+    ``handle`` does the work, writing to the two streams it is given; its return value is the
+    verdict. Returns the verdict too (the instance's own exit status).
+    """
+    try:
+        caller = identify(conn, proc_root=proc_root)
+    except PeerError as err:
+        return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    line = _read_request(conn)
+    request = parse_request(line) if line is not None else "no request line"
+    if isinstance(request, str):
+        return _answer(conn, log, f"gpuguard: bad request from PID {caller.pid}: {request}", 64)
+    refused = refusal(request, caller)
+    if refused is not None:
+        return _answer(conn, log, f"gpuguard {request.command}: {refused}", 1)
+    log.write(
+        f"{request.command} for {request.unit} from PID {caller.pid} (uid {caller.uid}, "
+        f"{caller.describe()}): accepted\n"
+    )
+    log.flush()
+    conn.settimeout(None)
+    with _stream(conn, 1) as out, _stream(conn, 2) as errors:
+        try:
+            code = handle(request, caller, out, errors)
+        except Exception:  # noqa: BLE001 - the client must get a verdict, the journal the trace
+            traceback.print_exc(file=log)
+            errors.write(f"gpuguard {request.command}: the gate server failed (see its journal)\n")
+            code = 1
+    with contextlib.suppress(OSError):
+        conn.sendall(frame_exit(code))
+    return code
+
+
+def _answer(conn: socket.socket, log: TextIO, line: str, code: int) -> int:
+    """Refuse with one line to both the client and the journal."""
+    log.write(line + "\n")
+    log.flush()
+    with contextlib.suppress(OSError):
+        conn.sendall(frame_text(2, line) + frame_exit(code))
+    return code
+
+
+def _read_request(conn: socket.socket) -> bytes | None:
+    """The first line the client sends, at most MAX_REQUEST_BYTES; None if none came in time."""
+    data = b""
+    while b"\n" not in data and len(data) <= MAX_REQUEST_BYTES:
+        try:
+            chunk = conn.recv(MAX_REQUEST_BYTES + 1 - len(data))
+        except OSError:
+            return None
+        if not chunk:
+            break
+        data += chunk
+    line, newline, _ = data.partition(b"\n")
+    return (line if newline else data) or None
