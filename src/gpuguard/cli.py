@@ -403,7 +403,14 @@ def _ask_gate_server(args: argparse.Namespace) -> int | None:
     from gpuguard.gateproto import Request  # noqa: PLC0415
 
     path = args.socket
-    if not os.path.lexists(path):
+    try:
+        os.lstat(path)
+        present = True
+    except FileNotFoundError:
+        present = False
+    except OSError:
+        present = True  # not ours to look at: connecting says why
+    if not present:
         if os.geteuid() == 0:
             sys.stderr.write(f"gpuguard {args.command}: no gate server at {path}: runs here\n")
             return None

@@ -29,13 +29,16 @@ _TEMPLATE = f"""\
 # Before every start, manual or automatic (Restart=), wait until this unit's GPUs are idle,
 # reaping processes left over from an earlier run first; exit 1 after gate_timeout_s (300 s by
 # default) so systemd's start limits take over instead of a model load that cannot allocate.
-# "+" runs the gate with full privileges even when the unit sets User= or sandboxing options:
-# it must read every /proc/PID/fd and signal stale processes of other users.
-ExecStartPre=+{{gpuguard}} gate --unit %n
+# No "+": this runs as the unit's user, in its environment, and only asks the root gate server
+# (gpuguard-gate.socket, /run/gpuguard/gate.sock), which learns from the kernel which unit is
+# asking, does the work and sends its story back for this unit's journal. If the server cannot
+# be reached the start is refused (gate_unreachable in /etc/gpuguard/gpuguard.toml).
+ExecStartPre={{gpuguard}} gate --unit %n
 # After every stop (clean, failed, or after systemd's SIGKILL), reap what is left in the unit's
-# cgroup or was orphaned from it, so the GPUs are free before anything else wants them.
-# "-" keeps a failed reap from marking the stop as failed; the next gate will try again.
-ExecStopPost=-+{{gpuguard}} reap --unit %n --yes --grace 5 --timeout 20
+# cgroup or was orphaned from it, so the GPUs are free before anything else wants them; asked of
+# the same server. "-" keeps a failed reap from marking the stop as failed; the next gate will
+# try again.
+ExecStopPost=-{{gpuguard}} reap --unit %n --yes --grace 5 --timeout 20
 # Each ExecStartPre= gets its own TimeoutStartSec=: keep it above the gate's timeout (300 s)
 # plus a margin, or systemd kills the gate before it can explain itself. For Type=notify
 # servers ExecStart= then gets a fresh TimeoutStartSec= for the model load.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import socket
 import traceback
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,6 @@ from gpuguard.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_
 from gpuguard.peer import PROC, PeerError, identify
 
 if TYPE_CHECKING:
-    import socket
     from collections.abc import Callable, Iterator
     from pathlib import Path
     from typing import TextIO
@@ -127,6 +127,7 @@ def serve(
             code = 1
     with contextlib.suppress(OSError):
         conn.sendall(frame_exit(code))
+    _close(conn)
     return code
 
 
@@ -136,7 +137,21 @@ def _answer(conn: socket.socket, log: TextIO, line: str, code: int) -> int:
     log.flush()
     with contextlib.suppress(OSError):
         conn.sendall(frame_text(2, line) + frame_exit(code))
+    _close(conn)
     return code
+
+
+def _close(conn: socket.socket) -> None:
+    """End the answer, then drop what the client still sends (bounded).
+
+    Closing with unread bytes makes the kernel reset the connection, losing the answer.
+    """
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        for _ in range(16):
+            if not conn.recv(MAX_REQUEST_BYTES):
+                break
 
 
 def _read_request(conn: socket.socket) -> bytes | None:

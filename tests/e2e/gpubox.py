@@ -14,7 +14,8 @@ Two halves:
   `/usr/bin/gpuguard` a symlink), `/opt/sglang` (the fake server's own venv: pynvml), installs
   the fake NVML as the system's library (ldconfig), sets `FAKENVML_STATE` for every unit
   (`DefaultEnvironment=` + `daemon-reexec`), writes 4 fake H200s, the fake GPU driver and the
-  fake `sglang.service`, and `/etc/gpuguard/gpuguard.toml`.
+  fake `sglang.service`, installs and enables gpuguard's gate socket (`systemd/`, bound in at
+  /e2e/systemd), and writes `/etc/gpuguard/gpuguard.toml`.
 
 Debian's `python3` has no `ensurepip` without `python3-venv` (not in the cached root file
 system), so the venvs are made `--without-pip` and pip runs from its own wheel in /wheels.
@@ -49,7 +50,8 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 FAKENVML_DIR = CHECKOUT / "tests" / "fakenvml"
 FAKESGLANG_DIR = Path(__file__).resolve().parent / "fakesglang"
 LOCK_FILE = CHECKOUT / "packaging" / "requirements" / "runtime.txt"
-GATE_DROPIN = CHECKOUT / "systemd" / "gpuguard-gate.conf"
+SYSTEMD_DIR = CHECKOUT / "systemd"
+GATE_DROPIN = SYSTEMD_DIR / "gpuguard-gate.conf"
 DAEMON_UNIT = CHECKOUT / "systemd" / "gpuguard.service"
 
 #: The interpreter of each release's python3 (the wheels must fit it, not the host's).
@@ -121,7 +123,10 @@ cd /e2e/fakenvml
 python3 -c 'import sys; from pathlib import Path; from fakestate import FakeGpu, write_state
 write_state(Path(sys.argv[1]), [FakeGpu(release_delay_ms=int(sys.argv[2]))] * 4)' \\
     {STATE} "$1"
+install -m 0644 /e2e/systemd/gpuguard-gate.socket /e2e/systemd/gpuguard-gate@.service \\
+    /etc/systemd/system/
 systemctl daemon-reexec
+systemctl enable --now --quiet gpuguard-gate.socket
 systemctl start fakegpu-driver.service
 """
 
@@ -143,12 +148,13 @@ class Artifacts:
     timings: dict[str, float] = field(default_factory=dict)
 
     def binds(self) -> list[Bind]:
-        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/fakenvml, /e2e/fakesglang."""
+        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/fakenvml, /e2e/fakesglang, /e2e/systemd."""
         return [
             Bind(self.deps, "/wheels"),
             Bind(self.gpuguard, "/wheels-gpuguard"),
             Bind(FAKENVML_DIR, "/e2e/fakenvml"),
             Bind(FAKESGLANG_DIR, "/e2e/fakesglang"),
+            Bind(SYSTEMD_DIR, "/e2e/systemd"),
         ]
 
 

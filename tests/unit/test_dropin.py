@@ -34,7 +34,7 @@ def test_install_then_remove(tmp_path: Path) -> None:
     change = dropin.install("sglang.service", "/opt/gpuguard/bin/gpuguard", systemd_dir=tmp_path)
     assert change.action == "installed"
     text = change.path.read_text()
-    assert "ExecStartPre=+/opt/gpuguard/bin/gpuguard gate --unit %n" in text
+    assert "ExecStartPre=/opt/gpuguard/bin/gpuguard gate --unit %n" in text
     assert change.path == tmp_path / "sglang.service.d" / "gpuguard-gate.conf"
     again = dropin.install("sglang.service", "/opt/gpuguard/bin/gpuguard", systemd_dir=tmp_path)
     assert again.action == "unchanged"
