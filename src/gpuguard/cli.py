@@ -279,10 +279,13 @@ Writes /etc/systemd/system/UNIT.d/gpuguard-gate.conf - ExecStartPre= gate, ExecS
 reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see `gpuguard` docs/gate.md)
 - and runs `systemctl daemon-reload`. It says that it replaces the unit's TimeoutStartSec=
 and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard doctor` proposes one).
-The drop-in calls this gpuguard's path. A file there that gpuguard did not write, or that
-was edited since, is left alone and the command fails. A unit systemd does not know
-(LoadState=not-found, a typo?) is refused, as is one systemd cannot be asked about;
---force installs anyway.
+The drop-in calls this gpuguard's path, unprivileged; it asks the gate server over
+/run/gpuguard/gate.sock. A unit whose own sandbox would keep it from that socket
+(RestrictAddressFamilies= without AF_UNIX, a SystemCallFilter= without socket/connect,
+InaccessiblePaths= or TemporaryFileSystem= over /run, RootDirectory=, RootImage=) is refused
+with the reason. A file there that gpuguard did not write, or that was edited since, is
+left alone and the command fails. A unit systemd does not know (LoadState=not-found, a
+typo?) is refused, as is one systemd cannot be asked about; --force installs anyway.
 Needs root. Undo with `gpuguard remove-gate --unit UNIT`.
 
 Exit status: 0 installed or already there; 1 refused or daemon-reload failed; 77 not root.
@@ -496,6 +499,10 @@ def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
     refused = _gate_change_refused(command, unit, check_unit=install and not force)
     if refused is not None:
         return refused
+    if install:
+        refused = _sandbox_refused(unit, force=force)
+        if refused is not None:
+            return refused
     try:
         change = dropin.install(unit, _own_executable()) if install else dropin.remove(unit)
     except OSError as err:
@@ -523,6 +530,28 @@ def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
             f"undo with: gpuguard remove-gate --unit {unit}\n"
         )
     return 0
+
+
+def _sandbox_refused(unit: str, *, force: bool) -> int | None:
+    """Exit 1, saying why, when the unit's own sandbox would keep its gate from the socket."""
+    from gpuguard import dropin, systemd  # noqa: PLC0415 - see module doc
+
+    properties = systemd.show_properties(unit, dropin.SANDBOX_PROPERTIES)
+    if isinstance(properties, str):
+        if force:
+            return None
+        problems = [f"cannot check its sandbox: {properties}"]
+    else:
+        problems = dropin.sandbox_problems(properties, GATE_SOCKET)
+    if not problems:
+        return None
+    sys.stderr.write(
+        f"gpuguard install-gate: not installed: {unit}'s own sandbox would keep its gate from "
+        f"the gate server ({GATE_SOCKET}), and every start would be refused:\n"
+        + "".join(f"  {problem}\n" for problem in problems)
+        + "Change the unit (a drop-in of your own), then run install-gate again.\n"
+    )
+    return 1
 
 
 def _gate_change_refused(command: str, unit: str, *, check_unit: bool) -> int | None:

@@ -53,6 +53,58 @@ KillMode=mixed
 """
 
 
+#: What `systemctl show` must tell about a unit to know whether its gate can reach the socket.
+SANDBOX_PROPERTIES = (
+    "RestrictAddressFamilies",
+    "SystemCallFilter",
+    "InaccessiblePaths",
+    "TemporaryFileSystem",
+    "RootDirectory",
+    "RootImage",
+)
+
+
+def sandbox_problems(properties: dict[str, str], socket_path: str) -> list[str]:
+    """Why the unit's own sandbox would keep its unprivileged gate from the gate socket.
+
+    Reads `systemctl show` values: RestrictAddressFamilies= is "~" when unset, "" for "none",
+    "~AF_..." for a deny list, else an allow list; SystemCallFilter= likewise. PrivateNetwork=
+    and IPAddressDeny= do not matter: a socket in the file system is reached across network
+    namespaces.
+    """
+    problems: list[str] = []
+    families = properties.get("RestrictAddressFamilies", "~")
+    if not _permits(families, "AF_UNIX"):
+        problems.append(
+            f"RestrictAddressFamilies={families or 'none'} forbids AF_UNIX sockets: add AF_UNIX"
+        )
+    calls = properties.get("SystemCallFilter", "~")
+    blocked = [c for c in ("socket", "connect") if not _permits(calls, c)]
+    if blocked:
+        problems.append(
+            f"SystemCallFilter= forbids {' and '.join(blocked)}(): allow @network-io or those calls"
+        )
+    for key in ("InaccessiblePaths", "TemporaryFileSystem"):
+        for word in properties.get(key, "").split():
+            path = word.lstrip("-+").split(":", 1)[0].rstrip("/") or "/"
+            if socket_path == path or socket_path.startswith(path.rstrip("/") + "/"):
+                problems.append(f"{key}={word} hides {socket_path}")
+    problems.extend(
+        f"{key}={properties[key]} runs the gate in another root, without /usr/bin/gpuguard "
+        f"and {socket_path}: bind both in (BindReadOnlyPaths=)"
+        for key in ("RootDirectory", "RootImage")
+        if properties.get(key)
+    )
+    return problems
+
+
+def _permits(value: str, item: str) -> bool:
+    """Whether a systemd allow/deny list as `systemctl show` prints it lets ``item`` through."""
+    if value.startswith("~"):
+        return item not in value[1:].split()
+    return item in value.split()
+
+
 def render(gpuguard: str = "/usr/bin/gpuguard") -> str:
     """The drop-in text, calling gpuguard at ``gpuguard`` (an absolute path)."""
     return _TEMPLATE.replace("{gpuguard}", gpuguard)

@@ -83,6 +83,28 @@ def show_unit(unit: str) -> UnitState:
     return parse_show(unit, result.stdout)
 
 
+def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:
+    """The named properties of ``unit`` as `systemctl show` prints them, or why not."""
+    try:
+        result = subprocess.run(
+            ["systemctl", "show", unit, *(f"--property={p}" for p in names)],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"systemctl failed: {err}"
+    if result.returncode != 0:
+        return f"systemctl show {unit}: {result.stderr.strip() or result.returncode}"
+    values: dict[str, str] = {}
+    for line in result.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key] = value
+    return values
+
+
 def parse_show(unit: str, text: str) -> UnitState:
     """Parse ``systemctl show`` KEY=VALUE output."""
     values: dict[str, str] = {}
