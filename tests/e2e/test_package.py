@@ -255,8 +255,10 @@ if systemctl restart probe-target.service; then echo systemctl=ok; else echo sys
 if touch /etc/gpuguard/probe 2>/dev/null; then echo etc=writable; else echo etc=read-only; fi
 if python3 -c 'import socket; socket.socket(socket.AF_INET)' 2>/dev/null; then echo inet=allowed
 else echo inet=denied; fi
+# In this process, as the daemon reaps (no gate server: a root service may not ask it for
+# another unit).
 gpuguard reap --unit sglang.service --scope all --yes --grace 2 --timeout 15 --json \\
-  >/run/gpuguard/probe-reap.json
+  --socket /run/gpuguard/none.sock >/run/gpuguard/probe-reap.json
 echo "reap-exit=$?"
 """
 
@@ -417,3 +419,35 @@ def test_conffile_documents_every_key_with_its_default() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
+
+
+_GATE_EXPOSURE = re.compile(r"Overall exposure level for gpuguard-gate@probe\.service: (\d+\.\d)")
+
+
+def test_gate_socket_listens_for_every_user_and_its_server_scores_at_most_2(
+    installed: Container, release: str
+) -> None:
+    """Installing enables the gate socket (0666, root's); `systemd-analyze security` <= 2.0.
+
+    The rating is of an instance of gpuguard-gate@.service (systemd rates services, not
+    sockets); the unit's comment records it for each release we test.
+    """
+    for query in ("is-enabled", "is-active"):
+        state = installed.systemctl(query, "gpuguard-gate.socket", check=False).stdout.strip()
+        assert state in {"enabled", "active"}, f"gpuguard-gate.socket {query}: {state}"
+    mode = installed.run(["stat", "-c", "%A %U", "/run/gpuguard/gate.sock"]).stdout.strip()
+    assert mode in {"srwxrwxrwx root", "srw-rw-rw- root"}, mode
+    done = installed.run(
+        ["systemd-analyze", "security", "--no-pager", "gpuguard-gate@probe.service"]
+    )
+    match = _GATE_EXPOSURE.search(done.stdout)
+    assert match is not None, done.stdout[-2000:]
+    score = float(match[1])
+    print(f"systemd-analyze security gpuguard-gate@.service on {release}: {score}")  # noqa: T201
+    assert score <= 2.0, done.stdout
+    unit = (ROOT / "systemd/gpuguard-gate@.service").read_text()
+    recorded = {int(version): float(value) for version, value in _RECORDED.findall(unit)}
+    assert recorded.get(RELEASES[release]) == score, (
+        f"update the score comment in systemd/gpuguard-gate@.service: systemd "
+        f"{RELEASES[release]} rates it {score}"
+    )
