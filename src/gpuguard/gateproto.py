@@ -153,9 +153,9 @@ def parse_frame(line: bytes) -> Frame | None:
     if not isinstance(document, dict):
         return None
     code = document.get("exit")
-    if set(document) == {"exit"} and isinstance(code, int) and 0 <= code <= 255:
+    if set(document) == {"exit"} and type(code) is int and 0 <= code <= 255:  # not a bool
         return Frame(exit=code)
     fd, text = document.get("fd"), document.get("text")
-    if set(document) == {"fd", "text"} and fd in (1, 2) and isinstance(text, str):
-        return Frame(fd=int(fd), text=text)
+    if set(document) == {"fd", "text"} and type(fd) is int and fd in (1, 2) and type(text) is str:
+        return Frame(fd=fd, text=text)
     return None

@@ -220,6 +220,7 @@ def build(
     reap_grace_s: float = 1.0,
     watchdog_interval_s: float | None = None,
     recorder: Recorder | None = None,
+    gate_environment: dict[str, str] | None = None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -270,6 +271,7 @@ def build(
         provenance=systemd.provenance,
         boot_id=BOOT,
         watchdog_interval_s=watchdog_interval_s,
+        gate_environment=lambda _unit: gate_environment,
     )
     follower = ReplayFollower(entries, live=live)
     daemon = Daemon(settings, follower, ports)
@@ -320,6 +322,35 @@ def test_loop_with_stale_holders_is_recovered(
     assert last["recoveries"][-1]["result"] == "restarted"
     assert harness.saved[unit]["in_progress"] is None
     assert harness.log.notes[0].startswith("READY")
+
+
+def test_recovery_uses_the_gpu_set_the_gate_recorded(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gate saw CUDA_VISIBLE_DEVICES=3 (an EnvironmentFile= value systemctl show lacks).
+
+    An earlier run's worker on GPU 2 is then outside the unit's set: the daemon's recovery must
+    not reap it, as the gate would not; with systemd's environment alone it would (all GPUs).
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    worker = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        loop_entries(unit),
+        dry_run=False,
+        gate_environment={"CUDA_VISIBLE_DEVICES": "3"},
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    assert not [f for _, event, f in harness.log.lines if event == "signal"]
 
 
 def test_loop_without_gpu_cause_is_only_reported(tmp_path: Path, in_process_nvml: Path) -> None:

@@ -81,3 +81,42 @@ def test_remove_keeps_an_edited_drop_in_and_says_so(tmp_path: Path) -> None:
     assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "kept"
     path.write_text(dropin.render("/opt/gg/bin/gpuguard"))
     assert dropin.remove("sglang.service", systemd_dir=tmp_path).action == "removed"
+
+
+SOCKET = "/run/gpuguard/gate.sock"
+UNSET = {
+    "RestrictAddressFamilies": "~",
+    "SystemCallFilter": "~",
+    "InaccessiblePaths": "",
+    "TemporaryFileSystem": "",
+    "RootDirectory": "",
+    "RootImage": "",
+}
+
+
+def test_an_unsandboxed_unit_reaches_the_socket() -> None:
+    """`systemctl show` of a unit without these options: no problem (PrivateNetwork= is none)."""
+    assert dropin.sandbox_problems(UNSET, SOCKET) == []
+    allowed = {**UNSET, "RestrictAddressFamilies": "AF_UNIX AF_INET", "InaccessiblePaths": "/home"}
+    assert dropin.sandbox_problems(allowed, SOCKET) == []
+    service_set = {**UNSET, "SystemCallFilter": "close connect socket read write"}
+    assert dropin.sandbox_problems(service_set, SOCKET) == []
+
+
+def test_each_way_a_sandbox_keeps_the_gate_from_the_socket_is_named() -> None:
+    """Values as systemd 252 prints them (probed in the e2e container)."""
+    cases = {
+        "RestrictAddressFamilies": ("AF_INET AF_INET6", "forbids AF_UNIX"),
+        "SystemCallFilter": ("~accept bind connect socket", "forbids socket and connect()"),
+        "InaccessiblePaths": ("-/run", "InaccessiblePaths=-/run hides /run/gpuguard/gate.sock"),
+        "TemporaryFileSystem": ("/run/gpuguard:ro", "hides /run/gpuguard/gate.sock"),
+        "RootDirectory": ("/srv/root", "RootDirectory=/srv/root runs the gate in another root"),
+    }
+    for key, (value, said) in cases.items():
+        problems = dropin.sandbox_problems({**UNSET, key: value}, SOCKET)
+        assert len(problems) == 1, (key, problems)
+        assert said in problems[0], problems
+    none = dropin.sandbox_problems({**UNSET, "RestrictAddressFamilies": ""}, SOCKET)
+    assert none == ["RestrictAddressFamilies=none forbids AF_UNIX sockets: add AF_UNIX"]
+    near = dropin.sandbox_problems({**UNSET, "InaccessiblePaths": "/run/gpu"}, SOCKET)
+    assert near == []
