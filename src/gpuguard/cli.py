@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 EX_USAGE = 64
 EX_NOPERM = 77  # sysexits.h: the command needs a permission this user lacks (root)
+_REAP_TIMEOUT_S = 60.0
 
 # The gate's verdict is one journal entry; journald splits lines longer than LineMax (48K).
 _GATE_LINE_LIMIT = 8192
@@ -112,8 +113,8 @@ Never signalled, whatever the scope: PID 1 and 2, kernel threads, gpuguard and i
 ancestors, protected processes (nvidia-persistenced, DCGM, nvidia-smi, display servers,
 anything in protected_processes), and holders only of GPUs outside the unit's set.
 
-With --yes (and without --dry-run) the reap goes through the gate server; a plan that
-asks for confirmation on a terminal, and --dry-run, run in this process.
+With --yes and --unit (and without --dry-run) the reap goes through the gate server; a
+plan that asks for confirmation on a terminal, and --dry-run, run in this process.
 
 Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined, or the request
 was refused or could not be sent); 64 usage; 78 invalid configuration.
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     reap.add_argument(
         "--timeout",
         type=float,
-        default=60.0,
+        default=_REAP_TIMEOUT_S,
         metavar="S",
         help="seconds to wait for the GPUs to become idle afterwards (default 60)",
     )
@@ -336,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EX_USAGE
     if args.command == "serve-gate":
         return _serve_gate(args)
-    if args.command == "gate" or (args.command == "reap" and args.yes and not args.dry_run):
+    signals_unasked = args.command == "reap" and args.yes and not args.dry_run and args.unit
+    if args.command == "gate" or signals_unasked:
         asked = _ask_gate_server(args)
         if asked is not None:
             return asked
@@ -477,9 +479,9 @@ def _serve_gate(args: argparse.Namespace) -> int:
             unit=request.unit,
             scope=request.scope,
             grace=request.grace,
-            timeout=request.timeout
-            if request.timeout is not None or request.command == "gate"
-            else 60.0,
+            timeout=_REAP_TIMEOUT_S
+            if request.timeout is None and request.command == "reap"
+            else request.timeout,
             json=request.json,
             yes=True,
             dry_run=False,

@@ -120,3 +120,16 @@ def test_each_way_a_sandbox_keeps_the_gate_from_the_socket_is_named() -> None:
     assert none == ["RestrictAddressFamilies=none forbids AF_UNIX sockets: add AF_UNIX"]
     near = dropin.sandbox_problems({**UNSET, "InaccessiblePaths": "/run/gpu"}, SOCKET)
     assert near == []
+
+
+def test_no_line_of_the_drop_in_runs_gpuguard_with_privileges() -> None:
+    """No "+" (nor "!"): the gate and the stop-reap run as the unit's user and ask the server."""
+    commands = [
+        line
+        for line in dropin.render().splitlines()
+        if line.startswith(("ExecStartPre=", "ExecStopPost="))
+    ]
+    assert commands == [
+        "ExecStartPre=/usr/bin/gpuguard gate --unit %n",
+        "ExecStopPost=-/usr/bin/gpuguard reap --unit %n --yes --grace 5 --timeout 20",
+    ]
