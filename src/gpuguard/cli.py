@@ -683,14 +683,17 @@ def _boot_id() -> str | None:
 
 
 def _status(settings: Settings, *, as_json: bool) -> int:
-    from gpuguard import inventory, procfs, state, status, systemd  # noqa: PLC0415 - see module doc
+    from gpuguard import inventory, procfs, state, status, systemd, unitenv  # noqa: PLC0415
     from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     found = inventory.gather(settings)
     units = []
     for name, unit in settings.units.items():
         unit_state = systemd.show_unit(name)
-        gpu_set = resolve_gpu_set(unit.gpus, unit_state.environment, found.nvml.gpus)
+        # The set the gate and the daemon use: the gate's record includes EnvironmentFile=.
+        recorded = unitenv.recorded(settings.runtime_dir, name)
+        environment = unit_state.environment if recorded is None else recorded
+        gpu_set = resolve_gpu_set(unit.gpus, environment, found.nvml.gpus)
         units.append(
             status.UnitView(
                 name=name,

@@ -193,6 +193,25 @@ def test_a_request_for_another_unit_is_refused_in_one_line(
     assert server.journal().count(f"request for {other} from a process of {mine}: refused") == 2
 
 
+def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
+    """The client runs before every start: no pydantic, structlog, NVML or psutil in it."""
+    argv = ["--config", str(cli.config), "gate", "--unit", "sglang.service"]
+    code = (
+        "import sys\n"
+        "from gpuguard.cli import main\n"
+        f"code = main({[*argv, '--socket', str(server.path)]!r})\n"
+        "heavy = {'pydantic', 'structlog', 'pynvml', 'psutil', 'gpuguard.nvml',\n"
+        "         'gpuguard.config'}\n"
+        "print(sorted(m for m in sys.modules if m in heavy or m.split('.')[0] in heavy))\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli.env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[]\n", done.stdout
+
+
 def test_the_unit_itself_may_not_widen_the_scope(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
