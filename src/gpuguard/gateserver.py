@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import select
 import socket
+import threading
 import traceback
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 
 #: A caller gets this long to send its request line; then the instance ends.
 REQUEST_TIMEOUT_S = 10.0
+#: A client that reads nothing for this long is treated as gone (the work goes on).
+SEND_TIMEOUT_S = 30.0
 EX_USAGE = 64
 
 
@@ -117,7 +122,10 @@ def serve(
         f"{caller.describe()}): accepted\n"
     )
     log.flush()
-    conn.settimeout(None)
+    conn.settimeout(SEND_TIMEOUT_S)  # a client that stops reading does not hold us
+    answered = threading.Event()
+    watcher = threading.Thread(target=_end_with_the_client, args=(conn, log, answered), daemon=True)
+    watcher.start()
     with _stream(conn, 1) as out, _stream(conn, 2) as errors:
         try:
             code = handle(request, caller, out, errors)
@@ -125,10 +133,29 @@ def serve(
             traceback.print_exc(file=log)
             errors.write(f"gpuguard {request.command}: the gate server failed (see its journal)\n")
             code = 1
+    answered.set()
     with contextlib.suppress(OSError):
         conn.sendall(frame_exit(code))
     _close(conn)
     return code
+
+
+def _end_with_the_client(conn: socket.socket, log: TextIO, done: threading.Event) -> None:
+    """Exit as soon as the client has gone, unless the answer is complete.
+
+    The client is the unit's ExecStartPre=/ExecStopPost=: when systemd kills it (the start was
+    cancelled, a timeout) the work must end too, as it did when the gate ran in the unit's
+    cgroup - a gate left waiting would otherwise see the unit's next run as left over. poll()
+    reports POLLHUP only once the client has closed both directions (it shut down only its
+    sending side after the request).
+    """
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLHUP)
+    while not done.is_set():
+        if poller.poll(500) and not done.is_set():
+            log.write("the client has gone: stopping\n")
+            log.flush()
+            os._exit(1)  # as systemd's SIGTERM/SIGKILL ended the in-cgroup gate
 
 
 def _answer(conn: socket.socket, log: TextIO, line: str, code: int) -> int:

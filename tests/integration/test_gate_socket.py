@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from clirunner import Cli, UnitCgroups
+    from fakeholder import HolderSpawner
 
 NOBODY = 65534
+_CLIENT = [sys.executable, "-m", "gpuguard"]
 
 
 @dataclass
@@ -65,6 +68,10 @@ class GateServer:
                         env=self.cli.env,
                     )
                 )
+
+    def said(self) -> str:
+        """What the server instances wrote so far."""
+        return self.log.read_text() if self.log.exists() else ""
 
     def journal(self) -> str:
         """What the server instances wrote to their own output (the journal, under systemd)."""
@@ -191,6 +198,35 @@ def test_a_request_for_another_unit_is_refused_in_one_line(
     assert not (runtime / "gate" / f"{other}.json").exists()
     assert unitenv.recorded(runtime, other) is None
     assert server.journal().count(f"request for {other} from a process of {mine}: refused") == 2
+
+
+def test_the_server_ends_when_systemd_kills_its_client(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """A cancelled start kills the ExecStartPre= client: the waiting gate must not outlive it.
+
+    Left running, it would take the unit's next run for left-overs of an earlier one.
+    """
+    spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
+    unit = unit_name()
+    procs = unit_cgroups.ensure(unit) / "cgroup.procs"
+    argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit]
+    command = shlex.join([*argv, "--timeout", "60", "--socket", str(server.path)])
+    client_process = subprocess.Popen(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        env=cli.env,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while "accepted" not in server.said() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "accepted" in server.said()
+    client_process.kill()
+    client_process.wait()
+    began = time.monotonic()
+    server.served[-1].wait(timeout=10)
+    assert time.monotonic() - began < 5
+    assert "the client has gone: stopping" in server.said()
 
 
 def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
