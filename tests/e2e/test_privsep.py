@@ -3,12 +3,12 @@
 One booted container (tests/e2e/gpubox.py; the gate socket units are installed and enabled
 there, as the package does) serves every check, to keep the suite short:
 
-* the fake SGLang unit runs with `User=tenant` and an `EnvironmentFile=` its user owns, which
-  sets `CUDA_VISIBLE_DEVICES=2,3` (only there), and puts a directory of the tenant's first on
-  `PATH` and `LD_LIBRARY_PATH`, holding a planted `systemctl` and a planted `libnvidia-ml.so.1`
-  (tests/e2e/plant/planted_nvml.c): both say, on stderr and with a marker file, which uid ran
-  them. Before the gate socket, the root `reap` ran that `systemctl` and the root gate loaded
-  that library as uid 0;
+* the fake SGLang unit runs with `User=tenant`, `PrivateNetwork=yes` and an `EnvironmentFile=`
+  its user owns, which sets `CUDA_VISIBLE_DEVICES=2,3` (only there), and puts a directory of the
+  tenant's first on `PATH` and `LD_LIBRARY_PATH`, holding a planted `systemctl` and a planted
+  `libnvidia-ml.so.1` (tests/e2e/plant/planted_nvml.c): both say, on stderr and with a marker
+  file, which uid ran them. Before the gate socket, the root `reap` ran that `systemctl` and the
+  root gate loaded that library as uid 0;
 * the gate passes through the socket with the unit's real GPU set (2,3, from the
   EnvironmentFile=), its story is in the unit's journal, and the daemon's record of the set
   says 2,3 too; the stop-reap goes through the socket as well;
@@ -55,6 +55,8 @@ User=tenant
 EnvironmentFile={ENV_FILE}
 # One start per test step: a crash of the server (it loads the planted library) is not retried.
 Restart=no
+# Its own network namespace: the gate socket, a file-system socket, is still reached.
+PrivateNetwork=yes
 """
 
 TENANT_ENV = f"""\
