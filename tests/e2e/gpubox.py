@@ -148,7 +148,7 @@ class Artifacts:
     timings: dict[str, float] = field(default_factory=dict)
 
     def binds(self) -> list[Bind]:
-        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/fakenvml, /e2e/fakesglang, /e2e/systemd."""
+        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakesglang,systemd}."""
         return [
             Bind(self.deps, "/wheels"),
             Bind(self.gpuguard, "/wheels-gpuguard"),
