@@ -197,7 +197,7 @@ def as_installed(data: bytes) -> bool:
     return False
 
 
-_EXEC_PREFIX = b"ExecStartPre=+"
+_EXEC_PREFIX = b"ExecStartPre="
 _EXEC_SUFFIX = b" gate --unit %n"
 
 
