@@ -45,15 +45,15 @@ class Caller:
 
     def describe(self) -> str:
         """Where the caller runs, for refusal lines (foreign names escaped)."""
-        from gpuguard.redaction import escape_control  # noqa: PLC0415 - only for a refusal
+        from gpuguard.escaping import escape  # noqa: PLC0415 - only for a refusal
 
         where = self.attribution
         if where.container is not None:
-            return f"a process in container {escape_control(where.container)}"
+            return f"a process in container {escape(where.container)}"
         if where.unit is None:
             return f"a process outside any service (uid {self.uid})"
         kind = "user unit" if where.user_unit else ""
-        return f"a process of {kind + ' ' if kind else ''}{escape_control(where.unit)}"
+        return f"a process of {kind + ' ' if kind else ''}{escape(where.unit)}"
 
 
 def refusal(request: Request, caller: Caller) -> str | None:
