@@ -86,12 +86,11 @@ def show_unit(unit: str) -> UnitState:
 def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:
     """The named properties of ``unit`` as `systemctl show` prints them, or why not."""
     try:
-        result = subprocess.run(
+        result = programs.run(
             ["systemctl", "show", unit, *(f"--property={p}" for p in names)],
             capture_output=True,
             text=True,
             timeout=_TIMEOUT_S,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"systemctl failed: {err}"
