@@ -13,7 +13,7 @@ There is no running journald here, and ``gpuguard run`` takes no journalctl pref
 finds ``journalctl`` through PATH, where a two-line wrapper execs ``/usr/bin/journalctl
 --directory=<bench journal> "$@"``: a test double for the journal's location only.
 
-Targets (DESIGN.md §5): daemon idle < 60 MB RSS and < 1 s CPU per hour.
+Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour.
 Run: ``make bench [IDLE_SECONDS=120]`` or ``.venv/bin/python bench/daemon_idle.py [--seconds N]``.
 """
 

@@ -2,7 +2,7 @@
 """Benchmark: the restart gate's fast path and its time to recover from stale holders.
 
 1. Fast path on idle GPUs against the floor: a fresh ``python3 -c`` that imports pynvml and
-   reads the same memory and process lists. Target: gate <= 1.5x the floor (DESIGN.md §5).
+   reads the same memory and process lists. Target: gate <= 1.5x the floor (bench/README.md).
 2. Time from "stale holders present" to gate exit 0 with a 2 s grace (the holders ignore
    SIGTERM) and a 1 s driver release delay, against grace + delay. Target: within 0.5 s.
 

@@ -8,7 +8,7 @@ fake GPU device files — then times, in the same run and over the same device f
 - gpuguard's full /proc walk (``procfs.scan_device_holders``),
 - ``fuser -v`` (psmisc, C) and ``lsof`` (C), the tools an operator reaches for today.
 
-Targets (DESIGN.md §5): NVML-first ≥ 10x faster than fuser; full walk ≤ 1.5x fuser.
+Targets (bench/README.md): NVML-first ≥ 10x faster than fuser; full walk ≤ 1.5x fuser.
 Run: ``make bench`` or ``.venv/bin/python bench/holder_scan.py [--processes N]``.
 """
 

@@ -10,7 +10,7 @@ entries about the unit, and one CUDA out-of-memory line per 100,000 entries. The
 1. Python parse rate on one core: ``json.loads`` + ``events.parse_entry`` per line, over the
    entries that reach Python (lifecycle + OOM lines), the same through the daemon's whole path
    (``JournalFollower`` fed by ``cat``, ``commit`` per batch), and over the whole stream (what
-   an unfiltered reader would parse). Target (DESIGN.md §5): >= 100,000 entries/s.
+   an unfiltered reader would parse). Target (bench/README.md): >= 100,000 entries/s.
 2. Filtering in journalctl: the same entries written into a real journal by
    ``systemd-journal-remote``, read by gpuguard's ``JournalFollower`` with its exact argv (the
    lifecycle matches, and the output stream with ``--grep`` on ``GPU_OOM_PATTERNS``) through

@@ -12,8 +12,8 @@ when a line matches what servers print when GPU memory is already taken (``GPU_O
 evidence for a cause, never a trigger on its own (the detector uses it only to explain runs that
 PID 1 reported as failed).
 
-Facts: reference/nvml-systemd-facts.md §4 (MESSAGE_IDs, trusted fields, journalctl JSON quirks)
-and §7 (server messages); golden samples in tests/journal_samples (systemd 252 and 257).
+Facts: systemd.journal-fields(7) (trusted fields), systemd's catalog (MESSAGE_IDs), docs/daemon.md;
+golden samples in tests/journal_samples (systemd 252 and 257).
 """
 
 from __future__ import annotations

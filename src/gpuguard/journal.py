@@ -8,7 +8,7 @@ What is at risk: an event seen twice or never (a detector miscounts a restart lo
 mistaken for news (an action on a loop that is long over), a follower that dies quietly, and
 request-log noise parsed in Python.
 
-How each is handled (facts: reference/nvml-systemd-facts.md §4.5, §4.6):
+How each is handled (journalctl(1), systemd.journal-fields(7); docs/daemon.md):
 
 * **Streams.** ``lifecycle``: ``_PID=1 UNIT=<u>… + _SYSTEMD_CGROUP=/init.scope UNIT=<u>…`` (PID 1
   on every version; 257's own ``-u`` matches init.scope, which adds the helpers PID 1 forks).

@@ -1,4 +1,4 @@
-"""A real systemd booted with systemd-nspawn, for end-to-end tests (DESIGN.md §4 ring 3).
+"""A real systemd booted with systemd-nspawn, for end-to-end tests.
 
 Two parts: `ensure_rootfs` debootstraps a Debian tree once per release and recipe into a cache
 outside the checkout; `Container` boots a throw-away instance of it (an overlay with a tmpfs upper

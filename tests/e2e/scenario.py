@@ -2,7 +2,7 @@
 
 Every scenario starts the same way: the fake SGLang (`sglang.service`, tests/e2e/fakesglang)
 serves on four fake H200s; its TP3 worker ignores SIGTERM and sits in another cgroup (moved into
-a scope, as a worker started outside the unit would be: DESIGN.md §1.3). Then an operator runs
+a scope, as a worker started outside the unit would be). Then an operator runs
 `systemctl restart sglang.service` while 12 requests are pending: the server drains for 30 s,
 `TimeoutStopSec=3` expires, systemd SIGKILLs what is in the cgroup, and TP3 survives, holding
 about 119 GiB of GPU 3. That restart is `t0` of every measurement (`incident`). `finish` reads
