@@ -97,7 +97,7 @@ def load_validated(cli_path: Path | None) -> dict[str, Any] | None:
         return None  # the full load says why
     try:
         document = json.loads(files.read_file(_cache_file(path), max_bytes=CONFIG_MAX * 4))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     expected = {**_stamp(), "path": str(path.absolute()), "text": _text(raw)}
     if not isinstance(document, dict) or any(document.get(k) != v for k, v in expected.items()):

@@ -92,7 +92,7 @@ def history(unit: str) -> tuple[History, str | None]:
         return History(), problem
     entries: list[dict[str, object]] = []
     for line in out.splitlines():
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             entry = json.loads(line)
             if isinstance(entry, dict):
                 entries.append(entry)

@@ -459,7 +459,14 @@ class JournalFollower:
         try:
             done = programs.run([*argv, "--no-pager", "--quiet"], capture_output=True, timeout=10)
             boot = json.loads(done.stdout.splitlines()[-1]).get("_BOOT_ID")
-        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, AttributeError):
+        except (
+            OSError,
+            subprocess.TimeoutExpired,
+            ValueError,
+            RecursionError,
+            IndexError,
+            AttributeError,
+        ):
             return None
         return boot if isinstance(boot, str) and _BOOT_ID.fullmatch(boot) else None
 

@@ -34,7 +34,7 @@ def read_json(path: Path) -> Any:  # noqa: ANN401 - JSON is untyped until the ca
     """The document at ``path``, or None when it is missing, unreadable or not safely ours."""
     try:
         return json.loads(files.read_file(path, max_bytes=READ_MAX))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # deep nesting raises RecursionError
         return None
 
 

@@ -193,7 +193,7 @@ def parse_invocations(text: str, unit: str) -> frozenset[str]:
             continue
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(entry, dict) or entry.get("_PID") != "1" or entry.get("UNIT") != unit:
             continue

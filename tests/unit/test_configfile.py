@@ -77,7 +77,7 @@ def test_absent_default_file_caches_defaults(
 
 @pytest.mark.parametrize(
     "damage",
-    ["other version", "other format", "no stamp", "key missing", "wrong type", "not JSON"],
+    ["other version", "other format", "no stamp", "key missing", "wrong type", "not JSON", "deep"],
 )
 def test_an_unexpected_cache_is_a_miss(tmp_path: Path, cache_dir: Path, damage: str) -> None:
     """Another gpuguard's cache, a missing key, a wrong type or garbage: a miss, never a crash."""
@@ -96,5 +96,6 @@ def test_an_unexpected_cache_is_a_miss(tmp_path: Path, cache_dir: Path, damage: 
         del document["settings"]["nvml_timeout_s"]
     elif damage == "wrong type":
         document["settings"]["idle_threshold_mib"] = "7"
-    entry.write_text("{" if damage == "not JSON" else json.dumps(document))
+    text = {"not JSON": "{", "deep": "[" * 100_000}.get(damage) or json.dumps(document)
+    entry.write_text(text)  # "deep": json.loads raises RecursionError, not ValueError
     assert configfile.load_validated(path) is None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 from fakestate import fake_library
 
-from gpuguard import files, programs
+from gpuguard import files, programs, state
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -146,3 +146,10 @@ def test_library_under_a_writable_directory_is_refused(tmp_path: Path) -> None:
     answer = _load(copy)
     assert "writable by group or others" in answer
     assert answer.endswith("soname-absent")
+
+
+def test_state_documents_nested_too_deep_read_as_absent(tmp_path: Path) -> None:
+    """JSON nested deeper than Python recurses raises RecursionError: read as no document."""
+    path = tmp_path / "daemon.json"
+    path.write_text("[" * 100_000)
+    assert state.read_json(path) is None
