@@ -168,6 +168,58 @@ def _state(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
     return make
 
 
+def _xid(
+    piece: str, head: str = "NVRM: Xid (PCI:0000:3b:00): "
+) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.xidevents import parse_kernel_entry  # noqa: PLC0415
+
+        entry = {"_TRANSPORT": "kernel", "MESSAGE": head + fill(piece, size - len(head))}
+        return lambda: parse_kernel_entry(entry)
+
+    return make
+
+
+def _env_file(piece: str) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.unitconfig import parse_environment_file  # noqa: PLC0415
+
+        data = fill(piece, size).encode("utf-8", "surrogateescape")
+        return lambda: parse_environment_file(data)
+
+    return make
+
+
+def _unit_show(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.unitconfig import parse_show  # noqa: PLC0415
+
+        text = head + fill(piece, size - len(head))
+        return lambda: parse_show("sglang.service", text)
+
+    return make
+
+
+def _environ(piece: str) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.procfs import parse_invocation_id  # noqa: PLC0415
+
+        data = fill(piece, size).encode("utf-8", "surrogateescape")
+        return lambda: parse_invocation_id(data)
+
+    return make
+
+
+def _invocations(piece: str) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.systemd import parse_invocations  # noqa: PLC0415
+
+        text = fill(piece, size)
+        return lambda: parse_invocations(text, "sglang.service")
+
+    return make
+
+
 CASES: dict[str, dict[str, Callable[[int], Callable[[], object]]]] = {
     "redaction": {
         "-a= repeats": _redaction("-a="),
@@ -220,6 +272,25 @@ CASES: dict[str, dict[str, Callable[[int], Callable[[], object]]]] = {
         "many lines": _show("X=y\n"),
         "Environment= quotes": _show("A='b ", head="Environment="),
         "Environment= backslashes": _show('"\\', head="Environment="),
+    },
+    "kernel Xid lines (xidevents.parse_kernel_entry)": {
+        "NVRM: Xid prefix repeats": _xid("NVRM: Xid (", head=""),
+        "long name=": _xid("a", head="NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name="),
+        "long detail": _xid("x, ", head="NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, "),
+    },
+    "environment (unitconfig: EnvironmentFile=, Environment=)": {
+        "file: backslash-continued lines": _env_file("A=b\\\n"),
+        "file: quotes": _env_file('A="\\"\n'),
+        "show: Environment= backslash-space": _unit_show("a\\ ", head="Environment="),
+        "show: many ExecStartPre= lines": _unit_show("ExecStartPre={ path=/x }\n"),
+    },
+    "provenance (environ INVOCATION_ID, journal invocations)": {
+        "environ: many INVOCATION_ID=": _environ("INVOCATION_ID=0\0"),
+        "environ: NUL flood": _environ("\0"),
+        "journal lines: not JSON": _invocations("{\n"),
+        "journal lines: PID 1 entries": _invocations(
+            '{"_PID": "1", "UNIT": "sglang.service", "INVOCATION_ID": "0"}\n'
+        ),
     },
     "state/cache JSON (state.read_json)": {
         "deep nesting [": _state("["),

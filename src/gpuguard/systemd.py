@@ -13,7 +13,7 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 
-from gpuguard import programs
+from gpuguard import programs, unitconfig
 from gpuguard.values import UnitProvenance
 
 _PROPERTIES = (
@@ -129,15 +129,7 @@ def parse_show(unit: str, text: str) -> UnitState:
 
 def parse_environment(value: str) -> dict[str, str]:
     """Split the Environment= property, which systemctl prints as shell-quoted words."""
-    words = shell_words(value)
-    if words is None:
-        words = value.split()
-    env: dict[str, str] = {}
-    for word in words:
-        name, sep, text = word.partition("=")
-        if sep and name:
-            env[name] = text
-    return env
+    return unitconfig.parse_environment(value)
 
 
 def control(verb: str, unit: str) -> str | None:
@@ -251,50 +243,3 @@ def provenance(state: UnitState, *, inside: bool = False) -> UnitProvenance:
     if state.running and not inside:
         runs.discard(state.invocation_id or "")  # the live run is not a left-over
     return UnitProvenance(None, frozenset(runs), unit_uid(state))
-
-
-# One token of POSIX shell words. The alternatives start with different characters and none can
-# match inside another, so scanning is linear; an open quote or a lone final backslash matches
-# nothing, which shell_words reports as None.
-_SHELL_TOKEN = re.compile(r"""\s+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.|[^\s'"\\]+""", re.DOTALL)
-_DOUBLE_QUOTED_ESCAPE = re.compile(r'\\(["\\])')
-
-
-def shell_words(text: str) -> list[str] | None:
-    r"""``shlex.split(text)``'s words, or None when a quote is left open or text ends in ``\``.
-
-    Not shlex itself: it grows each word a character at a time, quadratic in a long word, and a
-    unit's Environment= may carry anything its author wrote.
-    """
-    words: list[str] = []
-    word: list[str] | None = None
-    position = 0
-    for token in _SHELL_TOKEN.finditer(text):
-        if token.start() != position:
-            return None
-        position = token.end()
-        piece = token.group()
-        if piece[0].isspace():
-            if word is not None:
-                words.append("".join(word))
-            word = None
-            continue
-        if word is None:
-            word = []
-        word.append(_unquote(piece))
-    if position != len(text):
-        return None
-    if word is not None:
-        words.append("".join(word))
-    return words
-
-
-def _unquote(token: str) -> str:
-    """The text one non-blank token of shell_words stands for."""
-    if token[0] == "'":
-        return token[1:-1]
-    if token[0] == '"':
-        return _DOUBLE_QUOTED_ESCAPE.sub(r"\1", token[1:-1])
-    if token[0] == "\\":
-        return token[1]
-    return token

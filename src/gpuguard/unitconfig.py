@@ -11,7 +11,6 @@ executed, cut at ``ENV_FILE_MAX_BYTES``.
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -244,7 +243,52 @@ def _unquote(value: str) -> str:
 
 def _split(value: str) -> list[str]:
     """Shell words, or whitespace-separated words when the quoting is broken."""
-    try:
-        return shlex.split(value)
-    except ValueError:
-        return value.split()
+    words = shell_words(value)
+    return value.split() if words is None else words
+
+
+# One token of POSIX shell words. The alternatives start with different characters and none can
+# match inside another, so scanning is linear; an open quote or a lone final backslash matches
+# nothing, which shell_words reports as None.
+_SHELL_TOKEN = re.compile(r"""\s+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.|[^\s'"\\]+""", re.DOTALL)
+_DOUBLE_QUOTED_ESCAPE = re.compile(r'\\(["\\])')
+
+
+def shell_words(text: str) -> list[str] | None:
+    r"""``shlex.split(text)``'s words, or None when a quote is left open or text ends in ``\``.
+
+    Not shlex itself: it grows each word a character at a time, quadratic in a long word, and a
+    unit's Environment= may carry anything its author wrote.
+    """
+    words: list[str] = []
+    word: list[str] | None = None
+    position = 0
+    for token in _SHELL_TOKEN.finditer(text):
+        if token.start() != position:
+            return None
+        position = token.end()
+        piece = token.group()
+        if piece[0].isspace():
+            if word is not None:
+                words.append("".join(word))
+            word = None
+            continue
+        if word is None:
+            word = []
+        word.append(_shell_unquote(piece))
+    if position != len(text):
+        return None
+    if word is not None:
+        words.append("".join(word))
+    return words
+
+
+def _shell_unquote(token: str) -> str:
+    """The text one non-blank token of shell_words stands for."""
+    if token[0] == "'":
+        return token[1:-1]
+    if token[0] == '"':
+        return _DOUBLE_QUOTED_ESCAPE.sub(r"\1", token[1:-1])
+    if token[0] == "\\":
+        return token[1]
+    return token

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.gpuset import resolve_gpu_set
-from gpuguard.systemd import parse_environment, parse_show, shell_words
+from gpuguard.systemd import parse_environment, parse_show
+from gpuguard.unitconfig import shell_words
 from gpuguard.values import GpuReading
 
 
