@@ -190,6 +190,11 @@ class DaemonSettings(_Strict):
         le=_DAY_S,
         description="A recovered unit that runs this long without failing counts as healed.",
     )
+    reap_stopped_survivors: bool = Field(
+        default=False,
+        description="Also reap the GPU-holding survivors of a run that a stop job ended (an "
+        "operator's systemctl stop); off: they are only reported.",
+    )
     watch_output: bool = Field(
         default=True,
         description="Also read the unit's own output for CUDA out-of-memory lines at start "

@@ -24,14 +24,14 @@ import os
 import select
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from gpuguard.detector import Detector, GpuEvidence, LoopSettings
 from gpuguard.escaping import escape
 from gpuguard.events import parse_entry
-from gpuguard.gate import GateSettings, run_gate, set_blockers
+from gpuguard.gate import GateSettings, reap_targets, run_gate, set_blockers
 from gpuguard.gpuset import resolve_gpu_set
 from gpuguard.health import reset_reasons
 from gpuguard.journal import KERNEL
@@ -45,7 +45,17 @@ from gpuguard.recovery import (
     RecoveryPlanner,
     resume_problem,
 )
-from gpuguard.values import MIB
+from gpuguard.runend import (
+    RunEnd,
+    RunEnds,
+    Sweep,
+    describe,
+    live_invocation,
+    next_start,
+    on_purpose,
+    over_problem,
+)
+from gpuguard.values import MIB, UnitProvenance
 from gpuguard.xid import lookup
 from gpuguard.xidevents import MalformedXid, XidEvent, parse_kernel_entry
 
@@ -55,11 +65,12 @@ if TYPE_CHECKING:
 
     from gpuguard.config import Settings
     from gpuguard.detector import Diagnosis
+    from gpuguard.events import UnitEvent
     from gpuguard.holders import Inventory
     from gpuguard.journal import JournalHealth, JournalRecord
     from gpuguard.reaper import ReapResult, ReapTarget
     from gpuguard.systemd import UnitState
-    from gpuguard.values import GateOutcome, ProcessIdentity, UnitProvenance
+    from gpuguard.values import GateOutcome, ProcessIdentity
 
 SNAPSHOT_SCHEMA = 1
 XIDS_KEPT = 50
@@ -79,6 +90,9 @@ _STEP_SLACK_S = 30.0
 # An interrupted recovery is resumed only if it could still be running: the stop wait, the
 # gate's timeout and one restart of the daemon.
 _RESUME_SLACK_S = 60.0
+# A sweep of an ended run's survivors waits this long for the GPUs to be released once none of
+# that run's processes holds them any more; past it, others hold the set and the gate decides.
+_RELEASE_S = 5.0
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
@@ -188,6 +202,8 @@ class _Watch:
     name: str
     detector: Detector
     planner: RecoveryPlanner
+    ends: RunEnds
+    """Which runs are over, for the sweep of their survivors."""
     diagnosis: Diagnosis | None = None
     decision: Decision | None = None
     systemd_state: str = "unknown"
@@ -195,6 +211,9 @@ class _Watch:
     recoveries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
     in_progress: dict[str, Any] | None = None
     refresh_at: float = 0.0
+    sweeps: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    last_sweep: Sweep | None = None
+    """The newest sweep still waiting for the next run's start, to say whether it was in time."""
 
 
 class Daemon:
@@ -218,7 +237,7 @@ class Daemon:
             stable_s=daemon.stable_s,
         )
         self._watches = {
-            name: _Watch(name, Detector(name, loop), RecoveryPlanner(limits))
+            name: _Watch(name, Detector(name, loop), RecoveryPlanner(limits), RunEnds(name))
             for name in settings.units
         }
         self._gather = self._fed(settings.nvml_timeout_s, ports.gather)
@@ -335,16 +354,27 @@ class Daemon:
     def _handle(self, records: Sequence[JournalRecord]) -> None:
         """Feed records to the detectors; judge the units a live event may have changed."""
         touched: set[str] = set()
+        ended: list[tuple[_Watch, RunEnd]] = []
         for record in records:
             if record.stream == KERNEL:
                 self._kernel(record)
                 continue
             for watch in self._watches.values():
                 event = parse_entry(record.entry, watch.name)
-                if event is not None and watch.detector.observe(event, live=record.live):
+                if event is None:
+                    continue
+                end = watch.ends.observe(event)
+                if end is not None and record.live:
+                    ended.append((watch, end))
+                if record.live:
+                    self._note_next_start(watch, event)
+                if watch.detector.observe(event, live=record.live):
                     touched.add(watch.name)
         if records:
             self._follower.commit(*records)
+        # Survivors first: a loop judged after the sweep no longer counts what it reaped.
+        for watch, end in ended:
+            self._sweep(watch, end)
         for name in touched:
             self._judge(self._watches[name])
 
@@ -475,6 +505,136 @@ class Daemon:
             provenance=self._ports.provenance(state),
             live_invocation=live,
         )
+
+    # -- survivors of a run that just ended -----------------------------------------------------
+
+    def _sweep(self, watch: _Watch, end: RunEnd) -> None:
+        """Reap exactly the ended run's processes that still hold GPUs, then wait for the set.
+
+        Only processes whose INVOCATION_ID is the ended run's (``PlanRequest.only_invocation``),
+        under the gate's policy, protections and reaper; the run starting or running now is kept
+        by invocation. A run stopped on purpose is only reported unless
+        ``daemon.reap_stopped_survivors``; ``dry_run`` reaps nothing.
+        """
+        ports = self._ports
+        state = self._show_unit(watch.name)
+        not_over = over_problem(
+            end,
+            active_state=state.active_state,
+            sub_state=state.sub_state,
+            invocation=state.invocation_id,
+        )
+        if not_over is not None:
+            ports.log.info("run not over", unit=watch.name, reason=not_over)
+            return
+        inventory = self._gather()
+        request = self._survivor_request(watch.name, inventory, state, end)
+        planned = plan(inventory.holders, request).to_reap
+        if not planned:
+            return
+        daemon = self._settings.daemon
+        base = Sweep(end, 0, len(planned), None, None)
+        if daemon.dry_run:
+            self._swept(watch, replace(base, dry_run=True), [d.holder.pid for d in planned])
+            return
+        purposely = on_purpose(end, running=state.running, invocation=state.invocation_id)
+        if purposely and not daemon.reap_stopped_survivors:
+            self._swept(watch, replace(base, reported_only=True), [d.holder.pid for d in planned])
+            return
+        ports.notifier.status(f"reaping survivors of {watch.name}")
+        reaped, reaped_at, idle_at = self._reap_run(request, inventory)
+        sweep = replace(
+            base,
+            reaped=len(reaped),
+            reaped_after_s=reaped_at - end.ended_s,
+            idle_after_s=None if idle_at is None else idle_at - end.ended_s,
+        )
+        self._swept(watch, sweep, [r.target.identity.pid for r in reaped])
+
+    def _survivor_request(
+        self, unit: str, inventory: Inventory, state: UnitState, end: RunEnd
+    ) -> PlanRequest:
+        """The gate's request narrowed to the ended run: its invocation is the only ended one."""
+        running = state.error is None and state.running
+        live = live_invocation(end, running=running, invocation=state.invocation_id)
+        request = self._request(unit, inventory, state, live)
+        found = request.provenance
+        return replace(
+            request,
+            provenance=UnitProvenance(found.problem, frozenset({end.invocation_id}), found.uid),
+            only_invocation=end.invocation_id,
+        )
+
+    def _reap_run(
+        self, request: PlanRequest, inventory: Inventory
+    ) -> tuple[list[ReapResult], float, float | None]:
+        """Reap the run's holders as they appear, until the set is idle or they are gone.
+
+        Bounded by the gate's timeout, and by ``_RELEASE_S`` once none of the run's processes
+        holds a GPU (others hold the set then: the gate, if installed, decides the next start).
+        Returns what was reaped, when the last reap returned and when the set was idle.
+        """
+        ports = self._ports
+        settings = self._gate_settings(request)
+        deadline = ports.monotonic() + self._settings.gate_timeout_s
+        signalled: set[ProcessIdentity] = set()
+        reaped: list[ReapResult] = []
+        reaped_at = ports.monotonic()
+        released_at: float | None = None
+        while True:
+            fresh = [
+                d
+                for d in plan(inventory.holders, request).to_reap
+                if d.holder.identity not in signalled
+            ]
+            if fresh:
+                reaped.extend(self._reap(reap_targets(fresh)))
+                signalled.update(d.holder.identity for d in fresh)
+                reaped_at = ports.monotonic()
+                inventory = self._gather()
+            now = ports.monotonic()
+            if not set_blockers(inventory, settings):
+                return reaped, reaped_at, now
+            if plan(inventory.holders, request).to_reap:
+                released_at = None
+            elif released_at is None:
+                released_at = now
+            if now >= deadline or (released_at is not None and now - released_at >= _RELEASE_S):
+                return reaped, reaped_at, None
+            self._heartbeat_sleep(settings.poll_s)
+            inventory = self._gather()
+
+    def _swept(self, watch: _Watch, sweep: Sweep, pids: list[int]) -> None:
+        """Record and say what a sweep did; the next start's time is added when it comes."""
+        ports = self._ports
+        watch.last_sweep = sweep
+        watch.sweeps.append(_sweep_record(sweep, pids, _iso(ports.wall())))
+        log = ports.log.info if sweep.reaped_after_s is not None else ports.log.warning
+        log(
+            "survivors of an ended run",
+            unit=watch.name,
+            invocation_id=sweep.end.invocation_id,
+            pids=pids,
+            summary=describe(sweep),
+        )
+        ports.notifier.status(self._status_line())
+
+    def _note_next_start(self, watch: _Watch, event: UnitEvent) -> None:
+        """The next run started: say whether the swept run's GPUs were free before it."""
+        sweep = watch.last_sweep
+        if sweep is None:
+            return
+        started = next_start(event, sweep.end.invocation_id)
+        if started is None:
+            return
+        done = replace(sweep, next_start_after_s=started - sweep.end.ended_s)
+        watch.last_sweep = None
+        if watch.sweeps and watch.sweeps[-1]["invocation_id"] == sweep.end.invocation_id:
+            watch.sweeps[-1] |= {
+                "next_start_after_s": round(started - sweep.end.ended_s, 2),
+                "summary": describe(done),
+            }
+        self._ports.log.info("next run started", unit=watch.name, summary=describe(done))
 
     def _gpu_evidence(self, unit: str, inventory: Inventory, state: UnitState) -> GpuEvidence:
         """Stale holders of the unit's GPUs: what a reap would take while the unit runs."""
@@ -799,6 +959,33 @@ def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
         "needs_operator": _needs_operator(watch),
         "recoveries": list(watch.recoveries),
         "recovery_in_progress": watch.in_progress is not None,
+        "survivors": list(watch.sweeps),
+    }
+
+
+def _sweep_record(sweep: Sweep, pids: list[int], at: str) -> dict[str, Any]:
+    """A sweep as the snapshot keeps it (plain JSON; times in seconds after the run's end)."""
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
+
+    if sweep.dry_run:
+        result = "dry-run"
+    elif sweep.reported_only:
+        result = "reported"
+    else:
+        result = "reaped" if sweep.idle_after_s is not None else "reaped, GPUs not idle"
+    return {
+        "at": at,
+        "invocation_id": sweep.end.invocation_id,
+        "ended_by": sweep.end.how,
+        "stopped_on_purpose": sweep.end.stopped_on_purpose,
+        "result": result,
+        "pids": pids,
+        "reaped_after_s": rounded(sweep.reaped_after_s),
+        "idle_after_s": rounded(sweep.idle_after_s),
+        "next_start_after_s": None,
+        "summary": describe(sweep),
     }
 
 

@@ -66,6 +66,8 @@ class PlanRequest:
     are live and must be kept; None when nothing of the unit is live (it is stopped, or the gate
     runs before its start, where everything in the cgroup but the gate is left over).
     ``provenance`` is what ties a process outside the cgroup to an ended run of the unit.
+    ``only_invocation`` narrows the plan to one ended run's processes (the daemon's sweep of a
+    run that just ended): any other process is kept, whatever else would make it stale.
     """
 
     unit: str
@@ -76,6 +78,7 @@ class PlanRequest:
     untouchable_pids: frozenset[int]
     provenance: UnitProvenance
     live_invocation: str | None = None
+    only_invocation: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,7 @@ def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
                 and not _in_unit(decision.holder, request.unit)
                 and decision.holder.attribution == parent.holder.attribution
                 and decision.holder.uids == parent.holder.uids
+                and _other_run(decision.holder, request) is None
             ):
                 decisions[pid] = Decision(
                     decision.holder,
@@ -136,6 +140,9 @@ def decide(holder: Holder, request: PlanRequest) -> Decision:
     outside = _outside_gpu_set(holder, request)
     if outside is not None:
         return Decision(holder, Verdict.KEEP, outside)
+    other = _other_run(holder, request)
+    if other is not None:
+        return Decision(holder, Verdict.KEEP, other)
     return _by_scope(holder, request)
 
 
@@ -159,6 +166,14 @@ def _outside_gpu_set(holder: Holder, request: PlanRequest) -> str | None:
     if used & gpu_set:
         return None
     return f"uses only GPU {_indices(used)}, outside {request.unit}'s GPUs {_indices(gpu_set)}"
+
+
+def _other_run(holder: Holder, request: PlanRequest) -> str | None:
+    only = request.only_invocation
+    if only is None or holder.invocation_id == only:
+        return None
+    invocation = holder.invocation_id[:12] if holder.invocation_id else "unknown"
+    return f"not of the ended run {only[:12]} of {request.unit} (invocation {invocation})"
 
 
 def _by_scope(holder: Holder, request: PlanRequest) -> Decision:

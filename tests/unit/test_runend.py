@@ -1,0 +1,164 @@
+"""When a run is over and whose survivors a sweep may take, on journals recorded from systemd."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpuguard.events import EventKind, UnitEvent, parse_entry
+from gpuguard.runend import (
+    RunEnd,
+    RunEnds,
+    Sweep,
+    describe,
+    live_invocation,
+    next_start,
+    on_purpose,
+    over_problem,
+)
+
+SAMPLES = Path(__file__).resolve().parents[1] / "journal_samples"
+UNIT = "sglang.service"
+RELEASES = ("bookworm", "trixie")
+
+
+def sample_events(release: str, name: str) -> list[UnitEvent]:
+    """The trusted events the parser finds in a recorded sample."""
+    lines = (SAMPLES / release / f"{name}.jsonl").read_text().splitlines()
+    parsed = (parse_entry(json.loads(line), UNIT) for line in lines)
+    return [event for event in parsed if event is not None]
+
+
+def ends_of(events: list[UnitEvent]) -> list[tuple[RunEnd, UnitEvent]]:
+    tracker = RunEnds(UNIT)
+    found = []
+    for event in events:
+        end = tracker.observe(event)
+        if end is not None:
+            found.append((end, event))
+    return found
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_crash_loop_ends_each_run_once_at_its_main_process_exit(release: str) -> None:
+    """Every run of the loop is over when its main process exits, before the restart is due."""
+    events = sample_events(release, "restart-loop-start-limit")
+    found = ends_of(events)
+    runs = {e.invocation_id for e in events if e.kind is EventKind.STARTED}
+    assert {end.invocation_id for end, _ in found} == runs
+    assert len(found) == len(runs)  # "Failed with result", "Scheduled restart" add nothing
+    for end, event in found:
+        assert event.kind is EventKind.MAIN_EXITED
+        assert not end.stopped_on_purpose
+        assert "Main process exited" in end.how
+        assert end.ended_s == event.monotonic_s
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_stop_that_times_out_ends_the_run_at_the_timeout(release: str) -> None:
+    """'State stop-sigterm timed out' is the first word that the run is over; a stop job's."""
+    found = ends_of(sample_events(release, "stop-sigkill-survivor"))
+    assert len(found) == 1
+    end, event = found[0]
+    assert event.kind is EventKind.STOP_TIMED_OUT
+    assert end.invocation_id == event.invocation_id
+    assert end.stopped_on_purpose
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_left_over_run_ends_and_the_next_start_is_found(release: str) -> None:
+    """The run that left its worker behind ends at 'Deactivated'; the next run's start follows."""
+    events = sample_events(release, "left-over-process")
+    found = ends_of(events)
+    first, event = found[0]
+    assert event.kind is EventKind.DEACTIVATED
+    later = events[events.index(event) + 1 :]
+    starts = [s for s in (next_start(e, first.invocation_id) for e in later) if s is not None]
+    assert starts
+    assert starts[0] > first.ended_s
+    # The left-over warning names the *new* run: it ends nothing, and the new run's start is
+    # no start "after" itself.
+    left_over = next(e for e in later if e.kind is EventKind.LEFT_OVER_PROCESS)
+    assert left_over.invocation_id != first.invocation_id
+    assert all(next_start(e, e.invocation_id or "") is None for e in later)
+
+
+def test_duplicates_and_history_end_nothing_twice() -> None:
+    """A journal resume delivers entries again: the run already ended is not swept again."""
+    events = sample_events("trixie", "restart-loop-start-limit")
+    tracker = RunEnds(UNIT)
+    first = [tracker.observe(e) for e in events]
+    again = [tracker.observe(e) for e in events]
+    assert any(first)
+    assert not any(again)
+
+
+def test_another_units_events_and_runs_without_id_end_nothing() -> None:
+    event = next(
+        e
+        for e in sample_events("trixie", "restart-loop-start-limit")
+        if e.kind is EventKind.FAILED
+    )
+    assert RunEnds("other.service").observe(event) is None
+    assert RunEnds(UNIT).observe(replace(event, invocation_id=None)) is None
+
+
+def test_memory_is_bounded() -> None:
+    tracker = RunEnds(UNIT)
+    event = next(
+        e
+        for e in sample_events("trixie", "restart-loop-start-limit")
+        if e.kind is EventKind.MAIN_EXITED
+    )
+    for number in range(1000):
+        tracker.observe(replace(event, invocation_id=f"{number:032x}"))
+    assert len(tracker._seen) <= 64  # noqa: SLF001 - the bound is the point
+
+
+END = RunEnd(UNIT, "577f5c37" + "0" * 24, 100.0, "Main process exited", False)
+
+
+def test_a_run_that_stays_active_after_its_main_exit_is_not_over() -> None:
+    kwargs = {"invocation": END.invocation_id}
+    assert over_problem(END, active_state="active", sub_state="exited", **kwargs)
+    assert over_problem(END, active_state="activating", sub_state="auto-restart", **kwargs) is None
+    assert over_problem(END, active_state="deactivating", sub_state="stop-sigterm", **kwargs) is None
+    assert over_problem(END, active_state="active", sub_state="exited", invocation="b" * 32) is None
+
+
+def test_only_the_next_run_is_live() -> None:
+    """The ended run is never live, even while systemd still names it (deactivating)."""
+    assert live_invocation(END, running=True, invocation=END.invocation_id) is None
+    assert live_invocation(END, running=True, invocation="b" * 32) == "b" * 32
+    assert live_invocation(END, running=False, invocation="b" * 32) is None
+
+
+def test_a_restart_is_no_stop_on_purpose_once_the_next_run_is_seen() -> None:
+    stopped = replace(END, stopped_on_purpose=True)
+    assert on_purpose(stopped, running=False, invocation=END.invocation_id)
+    assert on_purpose(stopped, running=True, invocation=END.invocation_id)
+    assert not on_purpose(stopped, running=True, invocation="b" * 32)
+    assert not on_purpose(END, running=False, invocation=None)
+
+
+def test_the_summary_says_whom_how_fast_and_the_gpus_against_the_restart() -> None:
+    sweep = Sweep(END, reaped=3, planned=3, reaped_after_s=1.2, idle_after_s=2.0)
+    assert describe(sweep) == (
+        "reaped 3 survivors of run 577f5c37 within 1.2 s of its end; GPUs idle at +2.0 s"
+    )
+    assert describe(replace(sweep, next_start_after_s=3.04)) == (
+        "reaped 3 survivors of run 577f5c37 within 1.2 s of its end; "
+        "GPUs idle before the restart at +3.0 s (idle at +2.0 s)"
+    )
+    late = replace(sweep, idle_after_s=None, next_start_after_s=0.5, reaped=1)
+    assert describe(late) == (
+        "reaped 1 survivor of run 577f5c37 within 1.2 s of its end; "
+        "GPUs not idle at the restart at +0.5 s"
+    )
+    dry = Sweep(END, reaped=0, planned=2, reaped_after_s=None, idle_after_s=None, dry_run=True)
+    assert describe(dry).startswith("dry run: would reap 2 survivors of run 577f5c37")
+    reported = replace(dry, dry_run=False, reported_only=True)
+    assert "reported, not reaped (daemon.reap_stopped_survivors is off)" in describe(reported)
