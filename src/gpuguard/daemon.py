@@ -352,9 +352,10 @@ class Daemon:
                 os.read(ports.wakeup_fd, 4096)  # drain: the signal's handler already ran
 
     def _handle(self, records: Sequence[JournalRecord]) -> None:
-        """Feed records to the detectors; judge the units a live event may have changed."""
+        """Feed records to the detectors; sweep runs a live event ended; judge touched units."""
         touched: set[str] = set()
         ended: list[tuple[_Watch, RunEnd]] = []
+        live: list[tuple[_Watch, UnitEvent]] = []
         for record in records:
             if record.stream == KERNEL:
                 self._kernel(record)
@@ -363,18 +364,19 @@ class Daemon:
                 event = parse_entry(record.entry, watch.name)
                 if event is None:
                     continue
-                end = watch.ends.observe(event)
-                if end is not None and record.live:
-                    ended.append((watch, end))
-                if record.live:
-                    self._note_next_start(watch, event)
+                end = watch.ends.observe(event)  # history too: a replayed end is not swept again
                 if watch.detector.observe(event, live=record.live):
                     touched.add(watch.name)
+                if record.live:
+                    live.append((watch, event))
+                    ended.extend([(watch, end)] if end is not None else [])
         if records:
             self._follower.commit(*records)
         # Survivors first: a loop judged after the sweep no longer counts what it reaped.
         for watch, end in ended:
             self._sweep(watch, end)
+        for watch, event in live:  # after the sweeps: the next start may be in the same burst
+            self._note_next_start(watch, event)
         for name in touched:
             self._judge(self._watches[name])
 
@@ -624,7 +626,7 @@ class Daemon:
         sweep = watch.last_sweep
         if sweep is None:
             return
-        started = next_start(event, sweep.end.invocation_id)
+        started = next_start(event, sweep.end)
         if started is None:
             return
         done = replace(sweep, next_start_after_s=started - sweep.end.ended_s)

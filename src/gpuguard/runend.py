@@ -88,9 +88,10 @@ class RunEnds:
         return RunEnd(self._unit, invocation, event.monotonic_s, event.message, seen.stop_job)
 
 
-def next_start(event: UnitEvent, ended: str) -> float | None:
-    """When ``event`` is the start of a run after ``ended``: its monotonic stamp, else None."""
-    if event.kind in _STARTS and event.invocation_id not in (None, ended):
+def next_start(event: UnitEvent, end: RunEnd) -> float | None:
+    """When ``event`` is the start of a run after ``end``: its monotonic stamp, else None."""
+    later = event.monotonic_s >= end.ended_s
+    if later and event.kind in _STARTS and event.invocation_id not in (None, end.invocation_id):
         return event.monotonic_s
     return None
 

@@ -295,3 +295,26 @@ def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest
             assert h.invocation_id != req.live_invocation or inherited
             assert h.attribution.container is None
             assert not (h.attribution.unit or "").endswith(".service")
+
+
+def test_a_sweep_of_one_ended_run_takes_exactly_its_processes() -> None:
+    """only_invocation: the ended run's processes, in the cgroup or out; nothing else stale."""
+    from dataclasses import replace  # noqa: PLC0415 - only this test narrows a request
+
+    proven = UnitProvenance(None, frozenset({OLD, OTHER}), uid=0)
+    sweep = replace(request(live=LIVE, provenance=proven), only_invocation=OLD)
+    in_cgroup = holder(10, invocation=OLD)
+    escaped = holder(11, unit=None, ppid=1, invocation=OLD)
+    earlier = holder(12, unit=None, ppid=1, invocation=OTHER)  # stale, but another run's
+    unreadable = holder(13, invocation=None)  # in the cgroup, its run unknown
+    live = holder(14, invocation=LIVE)
+    child = holder(15, unit=None, ppid=12, invocation=None)  # would inherit from a reaped 12
+    result = plan([in_cgroup, escaped, earlier, unreadable, live, child], sweep)
+    assert {d.holder.pid for d in result.to_reap} == {10, 11}
+    reasons = {d.holder.pid: d.reason for d in result.spared}
+    assert f"not of the ended run {OLD[:12]}" in reasons[12]
+    assert "invocation unknown" in reasons[13]
+    assert "invocation unknown" in reasons[15]
+    # Without the narrowing, the other ended run and its child would go too.
+    wide = plan([earlier, child], request(live=LIVE, provenance=proven))
+    assert {d.holder.pid for d in wide.to_reap} == {12, 15}

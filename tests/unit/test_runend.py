@@ -33,6 +33,7 @@ def sample_events(release: str, name: str) -> list[UnitEvent]:
 
 
 def ends_of(events: list[UnitEvent]) -> list[tuple[RunEnd, UnitEvent]]:
+    """Each run end a fresh tracker reports, with the event that ended it."""
     tracker = RunEnds(UNIT)
     found = []
     for event in events:
@@ -76,14 +77,19 @@ def test_the_left_over_run_ends_and_the_next_start_is_found(release: str) -> Non
     first, event = found[0]
     assert event.kind is EventKind.DEACTIVATED
     later = events[events.index(event) + 1 :]
-    starts = [s for s in (next_start(e, first.invocation_id) for e in later) if s is not None]
+    starts = [s for s in (next_start(e, first) for e in later) if s is not None]
     assert starts
     assert starts[0] > first.ended_s
-    # The left-over warning names the *new* run: it ends nothing, and the new run's start is
-    # no start "after" itself.
+    # The left-over warning names the new run but is no start; the ended run's own start
+    # is no start after its end.
     left_over = next(e for e in later if e.kind is EventKind.LEFT_OVER_PROCESS)
     assert left_over.invocation_id != first.invocation_id
-    assert all(next_start(e, e.invocation_id or "") is None for e in later)
+    assert next_start(left_over, first) is None
+    own = next(e for e in events if e.kind is EventKind.STARTED)
+    assert next_start(replace(own, monotonic_s=first.ended_s + 1), first) is None
+    # A start logged before the end (a burst replays out of order) is no next start.
+    early = replace(first, ended_s=starts[0] + 1)
+    assert all(next_start(e, early) is None for e in later if e.monotonic_s <= starts[0])
 
 
 def test_duplicates_and_history_end_nothing_twice() -> None:
@@ -97,16 +103,16 @@ def test_duplicates_and_history_end_nothing_twice() -> None:
 
 
 def test_another_units_events_and_runs_without_id_end_nothing() -> None:
+    """An end names one unit's run; without an invocation id there is no run to sweep."""
     event = next(
-        e
-        for e in sample_events("trixie", "restart-loop-start-limit")
-        if e.kind is EventKind.FAILED
+        e for e in sample_events("trixie", "restart-loop-start-limit") if e.kind is EventKind.FAILED
     )
     assert RunEnds("other.service").observe(event) is None
     assert RunEnds(UNIT).observe(replace(event, invocation_id=None)) is None
 
 
 def test_memory_is_bounded() -> None:
+    """A unit that restarts forever costs a bounded number of remembered runs."""
     tracker = RunEnds(UNIT)
     event = next(
         e
@@ -115,17 +121,20 @@ def test_memory_is_bounded() -> None:
     )
     for number in range(1000):
         tracker.observe(replace(event, invocation_id=f"{number:032x}"))
-    assert len(tracker._seen) <= 64  # noqa: SLF001 - the bound is the point
+    assert len(tracker._seen) <= 64
 
 
-END = RunEnd(UNIT, "577f5c37" + "0" * 24, 100.0, "Main process exited", False)
+END = RunEnd(UNIT, "577f5c37" + "0" * 24, 100.0, "Main process exited", stopped_on_purpose=False)
 
 
 def test_a_run_that_stays_active_after_its_main_exit_is_not_over() -> None:
+    """RemainAfterExit=: the run is still up, its processes are live."""
     kwargs = {"invocation": END.invocation_id}
     assert over_problem(END, active_state="active", sub_state="exited", **kwargs)
     assert over_problem(END, active_state="activating", sub_state="auto-restart", **kwargs) is None
-    assert over_problem(END, active_state="deactivating", sub_state="stop-sigterm", **kwargs) is None
+    assert (
+        over_problem(END, active_state="deactivating", sub_state="stop-sigterm", **kwargs) is None
+    )
     assert over_problem(END, active_state="active", sub_state="exited", invocation="b" * 32) is None
 
 
@@ -137,6 +146,7 @@ def test_only_the_next_run_is_live() -> None:
 
 
 def test_a_restart_is_no_stop_on_purpose_once_the_next_run_is_seen() -> None:
+    """`systemctl restart` logs its stop phase as a stop job; the next run gives it away."""
     stopped = replace(END, stopped_on_purpose=True)
     assert on_purpose(stopped, running=False, invocation=END.invocation_id)
     assert on_purpose(stopped, running=True, invocation=END.invocation_id)
@@ -145,6 +155,7 @@ def test_a_restart_is_no_stop_on_purpose_once_the_next_run_is_seen() -> None:
 
 
 def test_the_summary_says_whom_how_fast_and_the_gpus_against_the_restart() -> None:
+    """The line operators read in the journal and in status."""
     sweep = Sweep(END, reaped=3, planned=3, reaped_after_s=1.2, idle_after_s=2.0)
     assert describe(sweep) == (
         "reaped 3 survivors of run 577f5c37 within 1.2 s of its end; GPUs idle at +2.0 s"
