@@ -221,6 +221,7 @@ def build(
     watchdog_interval_s: float | None = None,
     recorder: Recorder | None = None,
     gate_environment: dict[str, str] | None = None,
+    reap_stopped_survivors: bool = False,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -232,7 +233,7 @@ def build(
         state_dir=tmp_path / "lib",
         reap_grace_s=reap_grace_s,
         gate_timeout_s=20.0,
-        daemon=DaemonSettings(dry_run=dry_run),
+        daemon=DaemonSettings(dry_run=dry_run, reap_stopped_survivors=reap_stopped_survivors),
     )
     newest = max((int(str(e["__REALTIME_TIMESTAMP"])) for e in entries), default=0) / 1e6
     # The daemon's monotonic clock is the journal's: a second after the newest recorded entry.
@@ -790,3 +791,193 @@ def test_the_watchdog_is_fed_through_long_steps(
     assert finished - started >= 3.0
     times = [started, *recorder.pings, finished]
     assert max(b - a for a, b in itertools.pairwise(times)) < 0.8
+
+
+# -- survivors of a run that just ended (issue 15) ---------------------------------------------
+
+
+def crashed_run_entries(unit: str) -> list[Entry]:
+    """PID 1's messages of one run that crashed (systemd 252), up to its scheduled restart."""
+    entries = loop_entries(unit)
+    first = entries[0]["INVOCATION_ID"]
+    return [e for e in entries if e["INVOCATION_ID"] == first]
+
+
+def survivor(
+    spawn_holder: HolderSpawner,
+    state: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    invocation: str,
+    gpu: int,
+) -> Holder:
+    """A TP worker of run ``invocation`` holding fake GPU memory, ignoring SIGTERM."""
+    monkeypatch.setenv("INVOCATION_ID", invocation)
+    worker = spawn_holder(
+        state, gpus=(gpu,), mib=30000, name="sglang::scheduler", ignore_sigterm=True
+    )
+    monkeypatch.delenv("INVOCATION_ID")
+    return worker
+
+
+def sweep_lines(harness: Harness) -> list[dict[str, object]]:
+    """What the daemon said about survivors of ended runs."""
+    return [f for _, event, f in harness.log.lines if event == "survivors of an ended run"]
+
+
+def test_survivors_of_a_crashed_run_are_reaped_at_its_end(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The main process crashed; a worker in the cgroup and one that escaped it still hold GPUs.
+
+    Both carry the crashed run's INVOCATION_ID: reaped at once, no failed start needed, and no
+    systemctl call (systemd restarts the unit itself after RestartSec=).
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    inside = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    unit_cgroups.move(inside.pid, unit)
+    escaped = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 1)
+    unit_cgroups.move(escaped.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert process_gone(inside.pid)
+    assert process_gone(escaped.pid)
+    assert harness.unit.calls == []
+    signals = {f["pid"] for _, event, f in harness.log.lines if event == "signal"}
+    assert signals == {inside.pid, escaped.pid}
+    [said] = sweep_lines(harness)
+    assert said["invocation_id"] == crashed
+    assert str(said["summary"]).startswith(f"reaped 2 survivors of run {crashed[:8]} within ")
+    assert "GPUs idle at +" in str(said["summary"])
+    [record] = harness.snapshots[-1]["units"][unit]["survivors"]
+    assert record["result"] == "reaped"
+    assert sorted(record["pids"]) == sorted([inside.pid, escaped.pid])
+    assert record["idle_after_s"] is not None
+    assert record["idle_after_s"] >= record["reaped_after_s"] >= 0
+
+
+def test_the_next_run_and_other_runs_are_never_touched(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next run is already starting: only the ended run's processes go, by invocation.
+
+    The next run's worker (live) and an older run's left-over (stale, but not this run's: the
+    gate or a loop recovery decide about it) stay; the GPUs are not idle, so the sweep says so
+    and returns.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    nxt = uuid.uuid4().hex
+    ended = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    live = survivor(spawn_holder, in_process_nvml, monkeypatch, nxt, 1)
+    older = survivor(spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 2)
+    for pid in (ended.pid, live.pid, older.pid):
+        unit_cgroups.move(pid, unit)
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
+    harness.unit.invocation = nxt  # systemd names the run that is starting
+
+    assert harness.daemon.run() == 0
+
+    assert process_gone(ended.pid)
+    assert not process_gone(live.pid)
+    assert not process_gone(older.pid)
+    assert {f["pid"] for _, event, f in harness.log.lines if event == "signal"} == {ended.pid}
+    [record] = harness.snapshots[-1]["units"][unit]["survivors"]
+    assert record["result"] == "reaped, GPUs not idle"
+    assert "GPUs not idle" in record["summary"]
+
+
+def test_survivors_of_an_operators_stop_are_reported_unless_configured(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop job ended the run: its survivor is named, not killed; configured, it is reaped."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stopped = uuid.uuid4().hex
+    worker = survivor(spawn_holder, in_process_nvml, monkeypatch, stopped, 0)
+    unit_cgroups.move(worker.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
+    entries = timed_out_stop_entries(unit, stopped, "stop", 1_000_000_000)
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
+    harness.unit.active = "failed"
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    assert harness.unit.calls == []
+    [said] = sweep_lines(harness)
+    assert said["pids"] == [worker.pid]
+    assert "stopped on purpose" in str(said["summary"])
+    assert "reported, not reaped" in str(said["summary"])
+    assert harness.snapshots[-1]["units"][unit]["survivors"][0]["result"] == "reported"
+
+    entries = timed_out_stop_entries(unit, stopped, "stop", 1_000_000_000)
+    configured = build(
+        tmp_path, in_process_nvml, unit, entries, dry_run=False, reap_stopped_survivors=True
+    )
+    configured.unit.active = "failed"
+
+    assert configured.daemon.run() == 0
+
+    assert process_gone(worker.pid)
+    assert configured.unit.calls == []  # reaped, never started
+    assert configured.snapshots[-1]["units"][unit]["survivors"][0]["result"] == "reaped"
+
+
+def test_survivors_under_dry_run_are_only_named(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dry_run: the crashed run's survivor is named, with what would be done, and left alone."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    worker = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    unit_cgroups.move(worker.pid, unit)
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=True)
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    [said] = sweep_lines(harness)
+    assert str(said["summary"]).startswith(f"dry run: would reap 1 survivor of run {crashed[:8]}")
+    assert not any(event == "signal" for _, event, _ in harness.log.lines)
+
+
+def test_replayed_history_sweeps_nothing(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run that ended before the daemon started is history: never acted on."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    worker = survivor(
+        spawn_holder, in_process_nvml, monkeypatch, str(entries[0]["INVOCATION_ID"]), 0
+    )
+    unit_cgroups.move(worker.pid, unit)
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False, live=False)
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    assert not sweep_lines(harness)
