@@ -157,7 +157,11 @@ _RUN_HELP = """\
 The watchdog daemon, run by systemd as gpuguard.service (Type=notify). It follows the
 journal of every watched unit (journalctl, systemd's own trusted messages only), detects
 restart loops - several failed starts inside a window, a high restart counter, a left-over
-process at start - and works out whether stale GPU holders cause them. A loop with a GPU
+process at start - and works out whether stale GPU holders cause them. When a run ends
+(its main process exits, its stop times out), the processes of that run that still hold the
+unit's GPUs (its INVOCATION_ID, in the cgroup or out) are reaped at once, before systemd's
+next start; survivors of a run stopped on purpose are only reported unless
+[daemon] reap_stopped_survivors = true. A loop with a GPU
 cause is recovered: stop the unit, reap its stale holders (the same policy and reaper as the
 gate), wait until its GPUs are idle, reset-failed, start. Recoveries back off; after
 recovery_max_attempts that did not help the unit is marked "needs operator" (CRITICAL in

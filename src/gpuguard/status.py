@@ -542,7 +542,7 @@ def _daemon_lines(daemon: DaemonView | None) -> list[str]:
 
 
 def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
-    """What the daemon says about one unit: its verdict, evidence and recent recoveries."""
+    """What the daemon says about one unit: verdict, evidence, recent recoveries and sweeps."""
     watch = _dict(_dict(daemon.snapshot.get("units")).get(unit)) if daemon else {}
     if not watch:
         return []
@@ -562,6 +562,10 @@ def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
         f", reaped {len(_list(record.get('reaped')))}"
         + (f": {escape(str(record['problem']))}" if record.get("problem") else "")
         for record in map(_dict, _list(watch.get("recoveries"))[-3:])
+    )
+    lines.extend(
+        f"survivors {record.get('at')}: {escape_control(str(record.get('summary')))}"
+        for record in map(_dict, _list(watch.get("survivors"))[-3:])
     )
     if watch.get("needs_operator"):
         lines.append("NEEDS OPERATOR: recoveries stopped; see docs/runbook.md")
