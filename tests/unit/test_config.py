@@ -51,6 +51,9 @@ nvml_timeout_s = 2.5
 state_dir = "/tmp/state"
 runtime_dir = "/tmp/run"
 
+[daemon]
+reap_stopped_survivors = true
+
 [units."sglang-a.service"]
 gpus = [0, 1, 2, 3]
 
@@ -65,6 +68,8 @@ patterns = ["vllm"]
     assert settings.units["sglang-b.service"].patterns == ("vllm",)
     assert settings.state_dir == Path("/tmp/state")
     assert settings.nvml_timeout_s == 2.5
+    assert settings.daemon.reap_stopped_survivors
+    assert not Settings().daemon.reap_stopped_survivors  # reported only, unless configured
 
 
 def test_a_vllm_unit_needs_one_key() -> None:
@@ -120,6 +125,8 @@ patterns = ["my-engine"]
         (b"gate_timeout_s = 86400.0", "gate_timeout_s: Input should be less than or equal to 3600"),
         (b"idle_threshold_mib = 200000", "idle_threshold_mib: Input should be less than or equal"),
         (b"protected_processes = [' ']", "protected_processes: a protected process name is empty"),
+        (b'[daemon]\nreap_stopped_survivors = "yes"', "daemon.reap_stopped_survivors: Input"),
+        (b"[daemon]\nreap_stopped_survivors = 1", "daemon.reap_stopped_survivors: Input"),
         (b"[[broken", "invalid TOML"),
         (b"\xff\xfe", "not UTF-8 text"),
     ],
