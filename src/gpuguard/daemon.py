@@ -52,7 +52,6 @@ from gpuguard.runend import (
     describe,
     live_invocation,
     next_start,
-    on_purpose,
     over_problem,
 )
 from gpuguard.values import MIB, UnitProvenance
@@ -244,6 +243,7 @@ class Daemon:
         self._show_unit = self._fed(0.0, ports.show_unit)
         self._control = self._fed(0.0, ports.control)
         self._reap = self._fed(settings.reap_grace_s, ports.reap)
+        self._provenance = self._fed(0.0, ports.provenance)  # journalctl, systemctl's 10 s
         self._started_at = ports.wall()
         self._stop = False
         self._ready = False
@@ -504,7 +504,7 @@ class Daemon:
             gpu_set=gpu_set.indices,
             protected_names=settings.protected_processes,
             untouchable_pids=self._ports.untouchable,
-            provenance=self._ports.provenance(state),
+            provenance=self._provenance(state),
             live_invocation=live,
         )
 
@@ -519,6 +519,10 @@ class Daemon:
         ``daemon.reap_stopped_survivors``; ``dry_run`` reaps nothing.
         """
         ports = self._ports
+        self._ping()  # a burst of ended runs is many short steps in a row
+        inventory = self._gather()
+        if not any(h.invocation_id == end.invocation_id for h in inventory.holders):
+            return  # the common case: nothing of the run holds a GPU, nothing to ask systemd
         state = self._show_unit(watch.name)
         not_over = over_problem(
             end,
@@ -529,7 +533,6 @@ class Daemon:
         if not_over is not None:
             ports.log.info("run not over", unit=watch.name, reason=not_over)
             return
-        inventory = self._gather()
         request = self._survivor_request(watch.name, inventory, state, end)
         planned = plan(inventory.holders, request).to_reap
         if not planned:
@@ -539,8 +542,7 @@ class Daemon:
         if daemon.dry_run:
             self._swept(watch, replace(base, dry_run=True), [d.holder.pid for d in planned])
             return
-        purposely = on_purpose(end, running=state.running, invocation=state.invocation_id)
-        if purposely and not daemon.reap_stopped_survivors:
+        if end.stopped_on_purpose and not daemon.reap_stopped_survivors:
             self._swept(watch, replace(base, reported_only=True), [d.holder.pid for d in planned])
             return
         ports.notifier.status(f"reaping survivors of {watch.name}")
@@ -845,9 +847,13 @@ class Daemon:
 
     def _heartbeat_sleep(self, seconds: float) -> None:
         """Sleep inside a recovery while still proving to systemd's watchdog that we live."""
+        self._ping()
+        self._ports.sleep(seconds)
+
+    def _ping(self) -> None:
+        """WATCHDOG=1 from the main thread between steps: the loop is making progress."""
         if self._ports.watchdog_interval_s is not None:
             self._ports.notifier.watchdog()
-        self._ports.sleep(seconds)
 
     # -- state that outlives the process ------------------------------------------------------
 

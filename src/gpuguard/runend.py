@@ -5,7 +5,8 @@ says when a run ends ("Main process exited", "State 'stop-sigterm' timed out", "
 result", "Deactivated successfully", "Scheduled restart job"), and every process of that run
 carries its ``INVOCATION_ID``: its survivors are known exactly, before the next start (which
 ``RestartSec=`` delays) meets their GPU memory. ``RunEnds`` turns trusted events into one
-``RunEnd`` per ended invocation; ``over_problem`` checks systemd's current view before anything
+``RunEnd`` per ended invocation (a run a stop job ends, at its "Stopped", which tells a stop
+from a restart); ``over_problem`` checks systemd's current view before anything
 is touched; ``describe`` says what a sweep did, for the journal and ``status``.
 
 Only PID 1's events count (``events.parse_entry`` trusts nothing else), and only live ones: the
@@ -49,7 +50,8 @@ class RunEnd:
     how: str
     """PID 1's message, for people."""
     stopped_on_purpose: bool
-    """A stop job (``JOB_TYPE=stop``) ended it: an operator, a conflict or gpuguard asked."""
+    """A stop job (``JOB_TYPE=stop``) that was no restart ended it: an operator, a conflict or
+    gpuguard wanted the unit down."""
 
 
 @dataclass(slots=True)
@@ -69,8 +71,10 @@ class RunEnds:
     def observe(self, event: UnitEvent) -> RunEnd | None:
         """The run ``event`` ends, the first time one of its ending events is seen; else None.
 
-        "Stopping" with ``JOB_TYPE=stop`` comes before the end and marks the run as stopped on
-        purpose. An event without an invocation id names no run and ends nothing.
+        A run whose "Stopping" says ``JOB_TYPE=stop`` ends at its "Stopped", whose job type
+        tells an operator's stop (``stop``) from ``systemctl restart``, which logs its stop phase
+        as a stop job too and only its "Stopped" as ``restart``. An event without an invocation
+        id names no run and ends nothing.
         """
         invocation = event.invocation_id
         if event.unit != self._unit or invocation is None:
@@ -80,12 +84,21 @@ class RunEnds:
             seen = self._seen[invocation] = _Seen()
             while len(self._seen) > _REMEMBERED:
                 self._seen.popitem(last=False)
-        if event.kind in (EventKind.STOPPING, EventKind.STOPPED) and event.job_type == "stop":
+        if seen.ended:
+            return None
+        if event.kind is EventKind.STOPPING and event.job_type == "stop":
             seen.stop_job = True
-        if event.kind not in _ENDS or seen.ended:
+        if seen.stop_job:
+            if event.kind is not EventKind.STOPPED:
+                return None
+            # Anything but a restart's "Stopped" counts as a stop: its survivors are reported.
+            on_purpose = event.job_type != "restart"
+        elif event.kind in _ENDS:
+            on_purpose = False
+        else:
             return None
         seen.ended = True
-        return RunEnd(self._unit, invocation, event.monotonic_s, event.message, seen.stop_job)
+        return RunEnd(self._unit, invocation, event.monotonic_s, event.message, on_purpose)
 
 
 def next_start(event: UnitEvent, end: RunEnd) -> float | None:
@@ -114,17 +127,6 @@ def live_invocation(end: RunEnd, *, running: bool, invocation: str | None) -> st
     if running and invocation != end.invocation_id:
         return invocation
     return None
-
-
-def on_purpose(end: RunEnd, *, running: bool, invocation: str | None) -> bool:
-    """Whether the run was stopped to stay down, as far as systemd's current view tells.
-
-    ``systemctl restart`` logs its stop phase with ``JOB_TYPE=stop`` too; once the next run is
-    starting, the stop was a restart's. Seen too early, a restart counts as a stop: its survivors
-    are then only reported, and the next start is the gate's (or the loop detector's) to judge.
-    """
-    restarted = running and invocation not in (None, end.invocation_id)
-    return end.stopped_on_purpose and not restarted
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ from gpuguard.runend import (
     describe,
     live_invocation,
     next_start,
-    on_purpose,
     over_problem,
 )
 
@@ -59,23 +58,38 @@ def test_a_crash_loop_ends_each_run_once_at_its_main_process_exit(release: str) 
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_a_stop_that_times_out_ends_the_run_at_the_timeout(release: str) -> None:
-    """'State stop-sigterm timed out' is the first word that the run is over; a stop job's."""
-    found = ends_of(sample_events(release, "stop-sigkill-survivor"))
-    assert len(found) == 1
-    end, event = found[0]
-    assert event.kind is EventKind.STOP_TIMED_OUT
-    assert end.invocation_id == event.invocation_id
-    assert end.stopped_on_purpose
+def test_an_operators_stop_ends_the_run_at_stopped_on_purpose(release: str) -> None:
+    """A stop job's run is over at "Stopped" (JOB_TYPE=stop), after its SIGKILLs and timeouts."""
+    for name in ("stop-sigkill-survivor", "stop-sigterm-timeout", "clean-start-stop"):
+        found = ends_of(sample_events(release, name))
+        assert len(found) == 1, name
+        end, event = found[0]
+        assert event.kind is EventKind.STOPPED
+        assert event.job_type == "stop"
+        assert end.invocation_id == event.invocation_id
+        assert end.stopped_on_purpose
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_an_operators_restart_is_no_stop_on_purpose(release: str) -> None:
+    """`systemctl restart` logs "Stopping" as a stop job; its "Stopped" says restart."""
+    events = sample_events(release, "left-over-process")
+    stopping = next(e for e in events if e.kind is EventKind.STOPPING)
+    assert stopping.job_type == "stop"
+    first, event = ends_of(events)[0]
+    assert event.kind is EventKind.STOPPED
+    assert event.job_type == "restart"
+    assert not first.stopped_on_purpose
 
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_the_left_over_run_ends_and_the_next_start_is_found(release: str) -> None:
-    """The run that left its worker behind ends at 'Deactivated'; the next run's start follows."""
+    """The run that left its worker behind ends at its restart; the next run's start follows."""
     events = sample_events(release, "left-over-process")
     found = ends_of(events)
     first, event = found[0]
-    assert event.kind is EventKind.DEACTIVATED
+    assert len(found) == 2  # the restarted run, then the one stopped at the end
+    assert found[1][0].stopped_on_purpose
     later = events[events.index(event) + 1 :]
     starts = [s for s in (next_start(e, first) for e in later) if s is not None]
     assert starts
@@ -143,15 +157,6 @@ def test_only_the_next_run_is_live() -> None:
     assert live_invocation(END, running=True, invocation=END.invocation_id) is None
     assert live_invocation(END, running=True, invocation="b" * 32) == "b" * 32
     assert live_invocation(END, running=False, invocation="b" * 32) is None
-
-
-def test_a_restart_is_no_stop_on_purpose_once_the_next_run_is_seen() -> None:
-    """`systemctl restart` logs its stop phase as a stop job; the next run gives it away."""
-    stopped = replace(END, stopped_on_purpose=True)
-    assert on_purpose(stopped, running=False, invocation=END.invocation_id)
-    assert on_purpose(stopped, running=True, invocation=END.invocation_id)
-    assert not on_purpose(stopped, running=True, invocation="b" * 32)
-    assert not on_purpose(END, running=False, invocation=None)
 
 
 def test_the_summary_says_whom_how_fast_and_the_gpus_against_the_restart() -> None:
