@@ -127,4 +127,6 @@ def alive(gpubox: GpuBox, pid: int) -> bool:
 
 def story_line(line: str) -> bool:
     """The lines of `gpuguard status` that tell the daemon's story."""
-    return line.startswith(("Daemon:", "Unit ", "    daemon:", "    recovery", "gpuguard status"))
+    return line.startswith(
+        ("Daemon:", "Unit ", "    daemon:", "    recovery", "    survivors", "gpuguard status")
+    )

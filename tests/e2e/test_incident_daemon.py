@@ -83,24 +83,37 @@ def daemon_recovery(rootfs: Path, e2e_artifacts: Artifacts) -> Iterator[DaemonRe
 
 
 def test_c_daemon_alone_detects_and_recovers(daemon_recovery: DaemonRecovery) -> None:
-    """gpuguard.service sees the first failed start after a stop timeout and recovers the unit."""
+    """gpuguard.service reaps TP3 when the restart's stop ends, or recovers the first failure.
+
+    The restart's start is immediate: the sweep of the ended run's survivors races the new
+    run's model load. Won, nothing fails; lost, the loop rule sees the failed start and the
+    recovery reaps TP3. Either way at most one failed start.
+    """
     run = daemon_recovery
     events, m, status = run.events, run.measurement, run.status
+    swept = [
+        e
+        for e in daemon_events(events, "survivors of an ended run")
+        if str(e.get("summary")).startswith("reaped 1 survivor")
+    ]
     loops = daemon_events(events, "restart loop")
     finished = daemon_events(events, "recovery finished")
-    assert loops, f"the daemon logged no restart loop: {events}"
-    assert loops[0]["cause"] == "stale-gpu-holders"
-    assert loops[0]["action"] == "recover"
-    assert [e["result"] for e in finished] == ["restarted"], finished
-    assert finished[0]["reaped"] == 1
     assert run.tp3 in {e.get("pid") for e in daemon_events(events, "signal")}
-    assert 1 <= m.failed_starts <= 2, m  # broken within one failed start after detection
+    assert m.failed_starts <= 1, m
+    if m.failed_starts:
+        assert loops, f"the daemon logged no restart loop: {events}"
+        assert loops[0]["cause"] == "stale-gpu-holders"
+        assert loops[0]["action"] == "recover"
+        assert [e["result"] for e in finished] == ["restarted"], finished
+        assert status.stdout.count(": restarted, reaped") == 1
+    else:
+        assert [e["pids"] for e in swept] == [[run.tp3]], swept
+        assert not finished
     assert m.healthy_s is not None
     assert not alive(run.gpubox, run.tp3)
     assert run.gpubox.allocated() == [SERVING_MIB] * 4
     assert run.healthy in {h["invocation_id"] for h in run.gpubox.status_json()["holders"]}
     assert "Daemon: running" in status.stdout
-    assert ": restarted, reaped 1" in status.stdout
 
 
 def test_c_after_the_recovery_status_says_the_unit_is_up(daemon_recovery: DaemonRecovery) -> None:
