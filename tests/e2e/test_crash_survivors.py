@@ -83,6 +83,6 @@ def test_i_survivors_of_a_crash_are_reaped_before_the_restart(
             assert not alive(gpubox, tp3)
             assert gpubox.allocated() == [SERVING_MIB] * 4
             assert healthy in {h["invocation_id"] for h in gpubox.status_json()["holders"]}
-            assert f"survivors of run {serving[:8]}" in status.stdout
+            assert f"reaped 1 survivor of run {serving[:8]} within" in status.stdout
         finally:
             gpubox.kill_server()

@@ -68,9 +68,12 @@ def daemon_recovery(rootfs: Path, e2e_artifacts: Artifacts) -> Iterator[DaemonRe
             gpuguard="daemon",
             window_s=round(time.time() - t0, 1),
             exclude={serving},
-            actions=(
-                f"{len(finished)} recovery: "
-                + ", ".join(f"{e.get('result')} (reaped {e.get('reaped')})" for e in finished)
+            actions="; ".join(
+                [
+                    *(str(e.get("summary")) for e in daemon_events(events, "next run started")),
+                    f"{len(finished)} recovery"
+                    + "".join(f", {e.get('result')} (reaped {e.get('reaped')})" for e in finished),
+                ]
             ),
             notes=[
                 "observed until the healthy start + 3 s",
