@@ -566,6 +566,7 @@ def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
     lines.extend(
         f"survivors {record.get('at')}: {escape_control(str(record.get('summary')))}"
         for record in map(_dict, _list(watch.get("survivors"))[-3:])
+        if record.get("summary")
     )
     if watch.get("needs_operator"):
         lines.append("NEEDS OPERATOR: recoveries stopped; see docs/runbook.md")
