@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -263,9 +265,19 @@ requests_strategy = st.builds(
 )
 
 
-@given(st.lists(holders_strategy, max_size=8), requests_strategy)
-def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest) -> None:
-    """No refused kind of process is ever reaped, and every holder gets one reasoned verdict."""
+@given(
+    st.lists(holders_strategy, max_size=8),
+    requests_strategy,
+    st.sampled_from([None, OLD, OTHER]),
+)
+def test_invariants_hold_for_any_holders(
+    holders: list[Holder], req: PlanRequest, only: str | None
+) -> None:
+    """No refused kind of process is ever reaped, and every holder gets one reasoned verdict.
+
+    A sweep of one ended run (``only_invocation``) reaps nothing but that run's processes.
+    """
+    req = replace(req, only_invocation=only)
     result = plan(holders, req)
     assert len(result.decisions) == len({h.pid for h in holders})
     verdicts = {d.holder.pid: d for d in result.decisions}
@@ -274,6 +286,7 @@ def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest
         if decision.verdict is not Verdict.REAP:
             continue
         h = decision.holder
+        assert only is None or h.invocation_id == only
         assert h.pid not in (1, 2)
         assert not h.kernel_thread
         assert h.pid not in req.untouchable_pids
@@ -299,8 +312,6 @@ def test_invariants_hold_for_any_holders(holders: list[Holder], req: PlanRequest
 
 def test_a_sweep_of_one_ended_run_takes_exactly_its_processes() -> None:
     """only_invocation: the ended run's processes, in the cgroup or out; nothing else stale."""
-    from dataclasses import replace  # noqa: PLC0415 - only this test narrows a request
-
     proven = UnitProvenance(None, frozenset({OLD, OTHER}), uid=0)
     sweep = replace(request(live=LIVE, provenance=proven), only_invocation=OLD)
     in_cgroup = holder(10, invocation=OLD)
