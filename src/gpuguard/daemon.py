@@ -373,8 +373,7 @@ class Daemon:
         if records:
             self._follower.commit(*records)
         # Survivors first: a loop judged after the sweep no longer counts what it reaped.
-        for watch, end in ended:
-            self._sweep(watch, end)
+        self._sweep_all(ended)
         for watch, event in live:  # after the sweeps: the next start may be in the same burst
             self._note_next_start(watch, event)
         for name in touched:
@@ -510,6 +509,19 @@ class Daemon:
 
     # -- survivors of a run that just ended -----------------------------------------------------
 
+    def _sweep_all(self, ended: Sequence[tuple[_Watch, RunEnd]]) -> None:
+        """One look for a whole burst of ended runs, then a sweep of those with survivors.
+
+        The common case is that nothing of the ended runs holds a GPU: one inventory, and
+        systemd is not asked at all. A run whose processes do hold one is looked at afresh.
+        """
+        if not ended:
+            return
+        holding = {h.invocation_id for h in self._gather().holders}
+        for watch, end in ended:
+            if end.invocation_id in holding:
+                self._sweep(watch, end)
+
     def _sweep(self, watch: _Watch, end: RunEnd) -> None:
         """Reap exactly the ended run's processes that still hold GPUs, then wait for the set.
 
@@ -519,10 +531,6 @@ class Daemon:
         ``daemon.reap_stopped_survivors``; ``dry_run`` reaps nothing.
         """
         ports = self._ports
-        self._ping()  # a burst of ended runs is many short steps in a row
-        inventory = self._gather()
-        if not any(h.invocation_id == end.invocation_id for h in inventory.holders):
-            return  # the common case: nothing of the run holds a GPU, nothing to ask systemd
         state = self._show_unit(watch.name)
         not_over = over_problem(
             end,
@@ -533,6 +541,7 @@ class Daemon:
         if not_over is not None:
             ports.log.info("run not over", unit=watch.name, reason=not_over)
             return
+        inventory = self._gather()
         request = self._survivor_request(watch.name, inventory, state, end)
         planned = plan(inventory.holders, request).to_reap
         if not planned:
@@ -827,6 +836,9 @@ class Daemon:
         notifier, clock = self._ports.notifier, self._ports.monotonic
 
         def fed(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            # Starting a step is progress: a run of short steps (each under half an interval,
+            # so the helper never pings) must not add up to a silent gap.
+            notifier.watchdog()
             done = threading.Event()
             until = clock() + deadline_s + _STEP_SLACK_S
 
@@ -847,13 +859,9 @@ class Daemon:
 
     def _heartbeat_sleep(self, seconds: float) -> None:
         """Sleep inside a recovery while still proving to systemd's watchdog that we live."""
-        self._ping()
-        self._ports.sleep(seconds)
-
-    def _ping(self) -> None:
-        """WATCHDOG=1 from the main thread between steps: the loop is making progress."""
         if self._ports.watchdog_interval_s is not None:
             self._ports.notifier.watchdog()
+        self._ports.sleep(seconds)
 
     # -- state that outlives the process ------------------------------------------------------
 
