@@ -564,7 +564,7 @@ def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
         for record in map(_dict, _list(watch.get("recoveries"))[-3:])
     )
     lines.extend(
-        f"survivors {record.get('at')}: {escape_control(str(record.get('summary')))}"
+        f"survivors {escape(str(record.get('at')))}: {escape(str(record.get('summary')))}"
         for record in map(_dict, _list(watch.get("survivors"))[-3:])
         if record.get("summary")
     )
