@@ -10,7 +10,7 @@ so a 300 s wait is never silent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gpuguard.escaping import escape
@@ -133,17 +133,9 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
     started = clock()
     inventory = gather()
     if at_once := hopeless(inventory, settings):
-        return _refused_at_once(settings, clock() - started, (), {}, at_once)
+        return _outcome(settings, clock() - started, (), {}, blockers=at_once, hopeless=True)
     if not set_blockers(inventory, settings):
-        return GateOutcome(
-            settings.request.unit,
-            passed=True,
-            fast_path=True,
-            waited_s=clock() - started,
-            reaped=(),
-            spared=(),
-            blockers=(),
-        )
+        return replace(_outcome(settings, clock() - started, (), {}), fast_path=True)
     reaped: list[ReapResult] = []
     signalled: set[ProcessIdentity] = set()
     spared: dict[int, Decision] = {}
@@ -158,28 +150,10 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
             inventory = gather()
         waited = clock() - started
         if at_once := hopeless(inventory, settings):
-            return _refused_at_once(settings, waited, reaped, spared, at_once)
+            return _outcome(settings, waited, reaped, spared, blockers=at_once, hopeless=True)
         blockers = set_blockers(inventory, settings)
-        if not blockers:
-            return GateOutcome(
-                settings.request.unit,
-                passed=True,
-                fast_path=False,
-                waited_s=waited,
-                reaped=tuple(reaped),
-                spared=tuple(spared.values()),
-                blockers=(),
-            )
-        if waited >= settings.timeout_s:
-            return GateOutcome(
-                settings.request.unit,
-                passed=False,
-                fast_path=False,
-                waited_s=waited,
-                reaped=tuple(reaped),
-                spared=tuple(spared.values()),
-                blockers=blockers,
-            )
+        if not blockers or waited >= settings.timeout_s:
+            return _outcome(settings, waited, reaped, spared, blockers=blockers)
         progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
         inventory = gather()
@@ -205,22 +179,25 @@ class _Progress:
             self.due += self.settings.report_every_s
 
 
-def _refused_at_once(
+def _outcome(  # noqa: PLR0913 - the pieces of one outcome
     settings: GateSettings,
     waited: float,
     reaped: Sequence[ReapResult],
     spared: dict[int, Decision],
-    reasons: tuple[str, ...],
+    *,
+    blockers: tuple[str, ...] = (),
+    hopeless: bool = False,
 ) -> GateOutcome:
+    """The gate's outcome: it passed when nothing blocks the start."""
     return GateOutcome(
         settings.request.unit,
-        passed=False,
+        passed=not blockers,
         fast_path=False,
         waited_s=waited,
         reaped=tuple(reaped),
         spared=tuple(spared.values()),
-        blockers=reasons,
-        hopeless=True,
+        blockers=blockers,
+        hopeless=hopeless,
     )
 
 
