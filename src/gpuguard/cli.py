@@ -381,11 +381,15 @@ def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
 
 def _doctor(settings: Settings, args: argparse.Namespace) -> int:
     """Audit each unit; print findings, JSON or the fixing drop-in; exit with the worst level."""
-    from gpuguard import doctor, doctorio  # noqa: PLC0415 - see module doc
+    from gpuguard import doctor, doctorio, inventory  # noqa: PLC0415 - see module doc
 
     units = [args.unit] if args.unit else list(settings.units)
-    facts = {u: doctorio.gather_unit(u, settings) for u in dict.fromkeys([*units, *settings.units])}
-    host = doctorio.host_facts(settings)
+    found = inventory.gather(settings)
+    facts = {
+        u: doctorio.gather_unit(u, settings, found)
+        for u in dict.fromkeys([*units, *settings.units])
+    }
+    host = doctorio.host_facts(settings, found)
     results = {
         unit: doctor.diagnose(
             facts[unit], {o: f for o, f in facts.items() if o != unit and o in settings.units}, host

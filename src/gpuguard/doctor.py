@@ -139,6 +139,18 @@ class UnitFacts:
     paths: Mapping[str, tuple[PathFact, ...]] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     """What could not be gathered (systemctl or journalctl failed, an unreadable file)."""
+    use: GpuUseFacts | None = None
+    """The GPUs the unit's live processes hold against its GPU set; None: NVML could not say."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUseFacts:
+    """NVML indices: the unit's GPU set as gpuguard resolves it, and what its processes hold."""
+
+    set_indices: frozenset[int] | None
+    """None: all GPUs (no config, no CUDA_VISIBLE_DEVICES)."""
+    held: frozenset[int]
+    gpu_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +160,8 @@ class HostFacts:
     gate_timeout_s: float
     nvidia_devices: bool
     persistenced_running: bool
+    persistence_off: tuple[int, ...] | None = None
+    """GPUs whose persistence mode NVML reports disabled; None: NVML did not say."""
 
 
 # -- history ------------------------------------------------------------------------------
@@ -279,6 +293,7 @@ def diagnose(
         *_restart_policy(facts, host),
         *_gate(facts, host),
         *_gpu_set(facts, others),
+        *_gpu_use(facts),
         *_writable_paths(facts),
         *_persistenced(host),
     ]
@@ -584,6 +599,40 @@ def _gpu_set(facts: UnitFacts, others: Mapping[str, UnitFacts]) -> list[Finding]
     return found
 
 
+def _gpu_use(facts: UnitFacts) -> list[Finding]:
+    """The GPU set against what the unit's processes hold now (NVML and /proc)."""
+    use = facts.use
+    if use is None or not use.held:
+        return []
+    held = ",".join(str(i) for i in sorted(use.held))
+    fix = ("# the GPUs this server's processes hold", f'Environment="CUDA_VISIBLE_DEVICES={held}"')
+    if use.set_indices is not None and not use.held <= use.set_indices:
+        outside = ",".join(str(i) for i in sorted(use.held - use.set_indices))
+        listed = ",".join(str(i) for i in sorted(use.set_indices)) or "none"
+        return [
+            Finding(
+                "gpu-use",
+                Severity.WARNING,
+                f"its processes hold GPUs {outside} outside its GPU set ({listed})",
+                (f"held now: GPUs {held}",),
+                advice="the gate and recoveries look only at the set: make it name every GPU "
+                "the server uses",
+                fix=fix,
+            )
+        ]
+    if use.set_indices is None and len(use.held) < use.gpu_count:
+        return [
+            Finding(
+                "gpu-use",
+                Severity.OK,
+                f"its processes hold GPUs {held} of {use.gpu_count}, but its GPU set is all GPUs",
+                advice="name them, so its gate never waits for another server's GPUs",
+                fix=fix,
+            )
+        ]
+    return [Finding("gpu-use", Severity.OK, f"its processes hold GPUs {held}, all in its set")]
+
+
 def _gpus(facts: UnitFacts) -> frozenset[str] | None:
     """The unit's GPUs as tokens (indices or UUIDs); None: all of them."""
     if facts.gpus is not None:
@@ -637,17 +686,34 @@ def _writable_by(fact: PathFact, uid: int) -> bool:
 
 
 def _persistenced(host: HostFacts) -> list[Finding]:
+    """Persistence mode as NVML reports it, else whether its daemon runs."""
+    daemon = f"nvidia-persistenced is {'' if host.persistenced_running else 'not '}running"
+    advice = "systemctl enable --now nvidia-persistenced"
+    if host.persistence_off:
+        listed = ",".join(str(i) for i in host.persistence_off)
+        return [
+            Finding(
+                "persistenced",
+                Severity.WARNING,
+                f"persistence mode is off on GPUs {listed}: the driver tears them down between "
+                "runs, slowing every start, and idle memory readings are less stable",
+                (daemon,),
+                advice=advice,
+            )
+        ]
+    if host.persistence_off is not None:
+        return [Finding("persistenced", Severity.OK, "persistence mode is on on every GPU")]
     if not host.nvidia_devices:
         return []
     if host.persistenced_running:
-        return [Finding("persistenced", Severity.OK, "nvidia-persistenced is running")]
+        return [Finding("persistenced", Severity.OK, daemon)]
     return [
         Finding(
             "persistenced",
             Severity.WARNING,
-            "nvidia-persistenced is not running: the driver tears GPUs down between runs, "
+            f"{daemon}: the driver tears GPUs down between runs, "
             "slowing every start, and idle memory readings are less stable",
-            advice="systemctl enable --now nvidia-persistenced",
+            advice=advice,
         )
     ]
 

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from gpuguard import programs
-from gpuguard.doctor import History, HostFacts, PathFact, UnitFacts, build_history
+from gpuguard.doctor import GpuUseFacts, History, HostFacts, PathFact, UnitFacts, build_history
 from gpuguard.events import FIELDS_READ
+from gpuguard.gpuset import resolve_gpu_set
 from gpuguard.unitconfig import (
     ENV_FILE_MAX_BYTES,
     PROPERTIES,
@@ -32,11 +33,13 @@ from gpuguard.unitconfig import (
     parse_environment_file,
     parse_show,
 )
+from gpuguard.values import NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.config import Settings
+    from gpuguard.holders import Inventory
 
 JOURNAL_MAX_ENTRIES: Final = 20_000
 """The newest PID-1 entries about the unit that are read: weeks of a busy server's history."""
@@ -130,8 +133,8 @@ def path_chain(path: str) -> tuple[PathFact, ...]:
     return tuple(facts)
 
 
-def gather_unit(unit: str, settings: Settings) -> UnitFacts:
-    """Everything doctor needs about one watched unit."""
+def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> UnitFacts:
+    """Everything doctor needs about one watched unit; ``now``: the host's GPU holders."""
     problems: list[str] = []
     config, problem = unit_config(unit)
     if problem:
@@ -165,7 +168,28 @@ def gather_unit(unit: str, settings: Settings) -> UnitFacts:
         user_uid=_uid(config.user),
         paths=paths,
         problems=tuple(problems),
+        use=gpu_use(now, unit, watched.gpus if watched else None, environment),
     )
+
+
+def gpu_use(
+    found: Inventory | None,
+    unit: str,
+    configured: tuple[int | str, ...] | None,
+    environment: dict[str, str],
+) -> GpuUseFacts | None:
+    """The unit's GPU set (as the gate resolves it) and the GPUs its processes hold now."""
+    if found is None or found.nvml.health is not NvmlHealth.OK:
+        return None
+    gpus = found.nvml.gpus
+    held = frozenset(
+        use.gpu_index
+        for holder in found.holders
+        if holder.attribution.unit == unit and not holder.attribution.user_unit
+        for use in holder.gpus
+    )
+    indices = resolve_gpu_set(configured, environment, gpus).indices
+    return GpuUseFacts(set_indices=indices, held=held, gpu_count=len(gpus))
 
 
 def _uid(user: str | None) -> int | None:
@@ -180,12 +204,18 @@ def _uid(user: str | None) -> int | None:
         return None
 
 
-def host_facts(settings: Settings) -> HostFacts:
-    """GPUs present (a /dev/nvidiactl), nvidia-persistenced running, the gate's timeout."""
+def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
+    """GPUs present, persistence mode per GPU (NVML) or nvidia-persistenced, the gate's timeout."""
+    off: tuple[int, ...] | None = None
+    if now is not None and now.nvml.health is NvmlHealth.OK:
+        modes = {gpu.index: gpu.persistence_mode for gpu in now.nvml.gpus}
+        if modes and None not in modes.values():
+            off = tuple(sorted(index for index, on in modes.items() if not on))
     return HostFacts(
         gate_timeout_s=settings.gate_timeout_s,
         nvidia_devices=Path("/dev/nvidiactl").exists(),
         persistenced_running=_process_running("nvidia-persiste"),  # comm is cut to 15 chars
+        persistence_off=off,
     )
 
 

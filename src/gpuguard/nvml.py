@@ -371,6 +371,7 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
         problem="; ".join(problems) or None,
         lost=lost,
         health=health,
+        persistence_mode=_enabled(_optional(nvml, nvml.nvmlDeviceGetPersistenceMode, handle)),
     )
     if lost:
         reading = _mark_lost(reading)
@@ -495,6 +496,11 @@ def _pci_bus_id(nvml: ModuleType, handle: object) -> str | None:
     if info is None:
         return None
     return str(info.busId)
+
+
+def _enabled(state: object) -> bool | None:
+    """An nvmlEnableState_t answer as a bool; None when there was no answer."""
+    return None if state is None else bool(state)
 
 
 def _optional(nvml: ModuleType, call: Callable[..., Any], *args: object) -> Any:  # noqa: ANN401

@@ -121,6 +121,8 @@ class GpuReading:
     problem: str | None = None
     lost: bool = False
     health: GpuHealth = field(default_factory=GpuHealth)
+    persistence_mode: bool | None = None
+    """Whether the driver keeps the GPU initialised without clients; None: unknown."""
 
 
 class NvmlHealth(StrEnum):

@@ -140,6 +140,7 @@ API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current
                                       unsigned int *pendingMode);
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, fake_memory_v1 *memory);
 API nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending);
+API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode);
 API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
                                            unsigned int *uncRows, unsigned int *isPending,
                                            unsigned int *failureOccurred);
@@ -684,6 +685,7 @@ struct gpu_cfg {
     long long pci_subsystem_id;
     long long process_list_race;
     long long retired_pages_pending; /* -1: NOT_SUPPORTED (GPUs with row remapping) */
+    long long persistence_mode;      /* -1: NOT_SUPPORTED; 0 disabled (the default); 1 enabled */
     long long remapped_rows_pending; /* -1: NOT_SUPPORTED (before Ampere) */
     long long remapped_rows_failure;
     long long ecc_volatile_uncorrected; /* -1: NOT_SUPPORTED (ECC off or absent) */
@@ -793,6 +795,7 @@ static struct state *load_state(void)
         get_bool(&j, item, "memory_not_supported", &g->memory_not_supported);
         get_bool(&j, item, "reset_required", &g->reset_required);
         get_int(&j, item, "retired_pages_pending", &g->retired_pages_pending);
+        get_int(&j, item, "persistence_mode", &g->persistence_mode);
         get_int(&j, item, "remapped_rows_pending", &g->remapped_rows_pending);
         get_int(&j, item, "remapped_rows_failure", &g->remapped_rows_failure);
         get_int(&j, item, "ecc_volatile_uncorrected", &g->ecc_volatile_uncorrected);
@@ -1578,6 +1581,25 @@ nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *is
             rc = NVML_ERROR_NOT_SUPPORTED;
         } else {
             *isPending = g->retired_pages_pending != 0; /* nvmlEnableState_t */
+        }
+    }
+    free(st);
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode)
+{
+    struct state *st;
+    unsigned int index;
+    const struct gpu_cfg *g;
+    nvmlReturn_t rc = begin_device("nvmlDeviceGetPersistenceMode", device, &st, &index, &g);
+    if (rc == NVML_SUCCESS) {
+        if (mode == NULL) {
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        } else if (g->persistence_mode < 0) {
+            rc = NVML_ERROR_NOT_SUPPORTED;
+        } else {
+            *mode = g->persistence_mode != 0; /* nvmlEnableState_t */
         }
     }
     free(st);

@@ -72,6 +72,8 @@ class FakeGpu:
     reset_required: bool = False
     retired_pages_pending: int = -1
     """-1: NOT_SUPPORTED, as on an H200 (it remaps rows instead); 0 or 1 otherwise."""
+    persistence_mode: int = 0
+    """-1: NOT_SUPPORTED; 0: disabled (the driver's default); 1: enabled."""
     remapped_rows_pending: int = 0
     """-1: NOT_SUPPORTED (before Ampere); 1: a remap waits for a GPU reset."""
     remapped_rows_failure: int = 0
@@ -118,6 +120,7 @@ class GpuChanges(TypedDict, total=False):
     process_list_race: int
     reset_required: bool
     retired_pages_pending: int
+    persistence_mode: int
     remapped_rows_pending: int
     remapped_rows_failure: int
     ecc_volatile_uncorrected: int

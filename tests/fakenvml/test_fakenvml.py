@@ -124,6 +124,7 @@ def test_libraries_export_the_expected_symbols(
         "nvmlDeviceGetMPSComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
         "nvmlDeviceGetGraphicsRunningProcesses_v2", "nvmlDeviceGetMPSComputeRunningProcesses_v2",
         "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetPersistenceMode",
         "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetFieldValues",
     ]  # fmt: skip
     only_new = {
@@ -651,6 +652,7 @@ def health(i):
     answers = []
     for call in (
         lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h),
+        lambda: pynvml.nvmlDeviceGetPersistenceMode(h),
         lambda: list(pynvml.nvmlDeviceGetRemappedRows(h)),
         lambda: pynvml.nvmlDeviceGetTotalEccErrors(h, 1, 0),
         lambda: field(h),
@@ -670,11 +672,13 @@ def test_health_calls_answer_the_knobs(fake_state: Path, nvml_env: NvmlEnv) -> N
     update_gpu(fake_state, 1, remapped_rows_failure=1, recovery_action=1)
     update_gpu(fake_state, 2, retired_pages_pending=1, remapped_rows_pending=-1)
     update_gpu(fake_state, 2, ecc_volatile_uncorrected=-1, recovery_action=-1)
+    update_gpu(fake_state, 1, persistence_mode=1)
+    update_gpu(fake_state, 2, persistence_mode=-1)
     answer = run_py(nvml_env(fake_state), _HEALTH)
     assert answer == [
-        ["NVMLError_NotSupported", [0, 0, 0, 0], 0, [0, 0]],
-        ["NVMLError_NotSupported", [0, 1, 1, 1], 2, [0, 1]],
-        [1, "NVMLError_NotSupported", "NVMLError_NotSupported", [3, 0]],
+        ["NVMLError_NotSupported", 0, [0, 0, 0, 0], 0, [0, 0]],
+        ["NVMLError_NotSupported", 1, [0, 1, 1, 1], 2, [0, 1]],
+        [1, "NVMLError_NotSupported", "NVMLError_NotSupported", "NVMLError_NotSupported", [3, 0]],
     ]
 
 
@@ -682,7 +686,7 @@ def test_old_driver_has_no_recovery_action_field(fake_state: Path, nvml_env: Nvm
     """A driver older than the recovery action field answers NOT_SUPPORTED in its slot."""
     update_gpu(fake_state, 0, recovery_action=2)
     answer = run_py(nvml_env(fake_state, old=True), _HEALTH)
-    assert answer[0][3] == [3, 0]
+    assert answer[0][4] == [3, 0]
 
 
 def test_reset_required_gpu(fake_state: Path, nvml_env: NvmlEnv) -> None:

@@ -14,16 +14,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from asnobody import public_dir, run_as_nobody
+from fakestate import update_gpu
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from clirunner import Cli
+    from clirunner import Cli, UnitCgroups
+    from fakeholder import HolderSpawner
 
 SAMPLES = Path(__file__).parent.parent / "journal_samples" / "bookworm"
 INCIDENT_SHOW = """\
@@ -155,3 +158,27 @@ def test_doctor_without_root_and_an_empty_journal_is_unknown(cli: Cli) -> None:
         cli.doubles.clear()
     assert result.code == 3, result.out + result.err
     assert "the journal showed nothing about sglang.service: run as root" in result.out
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_compares_the_gpu_set_with_what_the_units_processes_hold(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """Its EnvironmentFile= says GPUs 0,1; a real process in its cgroup holds 1 and 2."""
+    server = spawn_holder(cli.state, gpus=(1, 2), mib=1000, name="python3 -m sglang.launch_server")
+    # A slice of this test's own: the unit is the first unit below the slices, whatever slice.
+    unit_cgroups.move(server.pid, "sglang.service", slice_=f"doctor-{uuid.uuid4().hex[:8]}.slice")
+    result = cli("doctor", "--unit", "sglang.service")
+    assert "its processes hold GPUs 2 outside its GPU set (0,1)" in result.out, result.out
+    fixed = cli("doctor", "--unit", "sglang.service", "--fix")
+    assert 'Environment="CUDA_VISIBLE_DEVICES=1,2"' in fixed.out.splitlines()
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_reads_persistence_mode_through_nvml(cli: Cli) -> None:
+    """The fake driver's default is persistence off (as the real one's): every GPU is named."""
+    result = cli("doctor", "--unit", "sglang.service")
+    assert "persistence mode is off on GPUs 0,1,2,3:" in result.out, result.out
+    for gpu in range(4):
+        update_gpu(cli.state, gpu, persistence_mode=1)
+    assert "persistence mode is on on every GPU" in cli("doctor", "--unit", "sglang.service").out

@@ -10,6 +10,7 @@ import pytest
 
 from gpuguard.doctor import (
     Finding,
+    GpuUseFacts,
     History,
     HostFacts,
     PathFact,
@@ -275,6 +276,17 @@ def test_persistenced_only_matters_with_nvidia_devices() -> None:
     assert by_code(diagnose(facts(), {}, gpus), "persistenced").severity is Severity.WARNING
 
 
+def test_persistence_mode_from_nvml_decides_over_the_daemons_presence() -> None:
+    """NVML says GPU 1 has persistence off: a warning naming it, even with the daemon running."""
+    off = HostFacts(300.0, nvidia_devices=True, persistenced_running=True, persistence_off=(1,))
+    finding = by_code(diagnose(facts(), {}, off), "persistenced")
+    assert finding.severity is Severity.WARNING
+    assert finding.title.startswith("persistence mode is off on GPUs 1:")
+    assert finding.evidence == ("nvidia-persistenced is running",)
+    on = HostFacts(300.0, nvidia_devices=True, persistenced_running=False, persistence_off=())
+    assert by_code(diagnose(facts(), {}, on), "persistenced").severity is Severity.OK
+
+
 def test_unknown_when_systemd_cannot_be_asked_and_not_found() -> None:
     """No settings at all: UNKNOWN (exit 3), not a clean bill of health."""
     blind = facts(UnitConfig(UNIT), problems=("systemctl show: Host is down",))
@@ -332,3 +344,30 @@ def test_hostile_environment_values_and_reasons_stay_on_one_line() -> None:
         assert "\x07" not in text
         assert not [line for line in text.splitlines() if line.startswith("OK: all fine")]
     assert "\x1b" not in json.dumps(render_json({UNIT: findings}))
+
+
+def test_gpus_held_outside_the_set_are_named_with_the_fixing_line() -> None:
+    """Its processes hold GPU 2 while CUDA_VISIBLE_DEVICES says 0,1: the gate looks elsewhere."""
+    use = GpuUseFacts(set_indices=frozenset({0, 1}), held=frozenset({1, 2}), gpu_count=4)
+    finding = by_code(diagnose(facts(use=use), {}, HOST), "gpu-use")
+    assert finding.severity is Severity.WARNING
+    assert finding.title == "its processes hold GPUs 2 outside its GPU set (0,1)"
+    assert 'Environment="CUDA_VISIBLE_DEVICES=1,2"' in finding.fix
+
+
+def test_a_unit_on_all_gpus_that_uses_some_is_told_to_name_them() -> None:
+    """No set (all GPUs) but it holds two of four: OK, with the line that names them."""
+    use = GpuUseFacts(set_indices=None, held=frozenset({0, 3}), gpu_count=4)
+    finding = by_code(diagnose(facts(environment={}, use=use), {}, HOST), "gpu-use")
+    assert finding.severity is Severity.OK
+    assert "hold GPUs 0,3 of 4" in finding.title
+    assert 'Environment="CUDA_VISIBLE_DEVICES=0,3"' in finding.fix
+    inside = GpuUseFacts(set_indices=frozenset({0, 1}), held=frozenset({0}), gpu_count=4)
+    assert "all in its set" in by_code(diagnose(facts(use=inside), {}, HOST), "gpu-use").title
+
+
+def test_nothing_held_or_nvml_unknown_says_nothing_about_use() -> None:
+    """A stopped unit (nothing held) or NVML unavailable (None): no gpu-use finding at all."""
+    idle = GpuUseFacts(set_indices=frozenset({0}), held=frozenset(), gpu_count=4)
+    for use in (idle, None):
+        assert not [f for f in diagnose(facts(use=use), {}, HOST) if f.code == "gpu-use"]
