@@ -891,8 +891,10 @@ def _gate(
     # included; anyone else: systemd's Environment= only, and the running invocation's
     # processes are kept. Either way systemd names the unit's user and runs, the evidence for
     # its left-overs.
-    inside = who.runs_in(args.unit)
     unit_state = systemd.show_unit(args.unit)
+    inside = who.runs_in(args.unit) and systemd.is_control_process(
+        unit_state, who.pid, trust_unknown=caller is None
+    )
     environment = _unit_environment(who, args.unit, settings.runtime_dir)
     if environment is None:
         environment = unit_state.environment
@@ -980,7 +982,9 @@ def _reap(settings: Settings, args: argparse.Namespace, caller: Caller | None) -
     who = _who(caller)
     # As the unit's ExecStopPost= the run is over even though systemd still says
     # "deactivating": everything else in the cgroup is left over, as at the gate.
-    inside = who.runs_in(unit_name)
+    inside = who.runs_in(unit_name) and systemd.is_control_process(
+        unit_state, who.pid, trust_unknown=caller is None
+    )
     environment = _unit_environment(who, unit_name, settings.runtime_dir)
     live = unit_state.invocation_id if unit_state.running and not inside else None
     found = inventory.gather(settings)

@@ -56,6 +56,22 @@ class Caller:
         return f"a process of {kind + ' ' if kind else ''}{escape(where.unit)}"
 
 
+def may_ask(caller: Caller) -> bool:
+    """Whether ``caller`` could make any request at all: an operator, or a system service.
+
+    Checked before a byte is read, so a process in a login session or a user's own units
+    (which could never be answered) cannot hold a server slot.
+    """
+    where = caller.attribution
+    in_service = (
+        where.unit is not None
+        and where.unit.endswith(".service")
+        and not where.user_unit
+        and where.container is None
+    )
+    return caller.is_operator or in_service
+
+
 def refusal(request: Request, caller: Caller) -> str | None:
     """Why ``caller`` may not make ``request``; None when it may."""
     if caller.is_operator:

@@ -27,7 +27,8 @@ VERSION = 1
 MAX_REQUEST_BYTES = 4096
 #: Longest response line the client accepts; the server cuts text to fit well below it.
 MAX_FRAME_BYTES = 64 * 1024
-MAX_TEXT_CHARS = 16 * 1024
+#: json.dumps writes a non-ASCII character as up to 12 bytes (a surrogate pair of \uXXXX).
+MAX_TEXT_CHARS = (MAX_FRAME_BYTES - 64) // 12
 COMMANDS = ("gate", "reap")
 SCOPES = ("unit", "patterns", "all")
 #: Upper bounds for the numbers a caller may send: an instance must not live for days.
@@ -114,8 +115,8 @@ def _in_range(value: object, limit: float) -> bool:
     return (
         isinstance(value, int | float)
         and not isinstance(value, bool)
+        and 0 <= value <= limit  # first: isfinite(10**400) raises OverflowError
         and math.isfinite(value)
-        and 0 <= value <= limit
     )
 
 

@@ -15,10 +15,11 @@ import os
 import select
 import socket
 import threading
+import time
 import traceback
 from typing import TYPE_CHECKING
 
-from gpuguard.gateauth import refusal
+from gpuguard.gateauth import may_ask, refusal
 from gpuguard.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_request
 from gpuguard.peer import PROC, PeerError, identify
 
@@ -109,7 +110,8 @@ def serve(
         caller = identify(conn, proc_root=proc_root)
     except PeerError as err:
         return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
-    conn.settimeout(REQUEST_TIMEOUT_S)
+    if not may_ask(caller):
+        return _answer(conn, log, f"gpuguard: request from {caller.describe()}: refused", 1)
     line = _read_request(conn)
     request = parse_request(line) if line is not None else "no request line"
     if isinstance(request, str):
@@ -173,18 +175,33 @@ def _close(conn: socket.socket) -> None:
 
     Closing with unread bytes makes the kernel reset the connection, losing the answer.
     """
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(REQUEST_TIMEOUT_S)
         for _ in range(16):
-            if not conn.recv(MAX_REQUEST_BYTES):
+            if not _set_deadline(conn, deadline) or not conn.recv(MAX_REQUEST_BYTES):
                 break
 
 
+def _set_deadline(conn: socket.socket, deadline: float) -> bool:
+    """Let the next recv wait only until ``deadline`` (one budget for all of them); False: past."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    conn.settimeout(left)
+    return True
+
+
 def _read_request(conn: socket.socket) -> bytes | None:
-    """The first line the client sends, at most MAX_REQUEST_BYTES; None if none came in time."""
+    """The first line the client sends, at most MAX_REQUEST_BYTES; None if none came in time.
+
+    One deadline for the whole line: a client dripping a byte at a time cannot hold the slot.
+    """
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
     data = b""
     while b"\n" not in data and len(data) <= MAX_REQUEST_BYTES:
+        if not _set_deadline(conn, deadline):
+            return None
         try:
             chunk = conn.recv(MAX_REQUEST_BYTES + 1 - len(data))
         except OSError:

@@ -21,6 +21,7 @@ _PROPERTIES = (
     "ActiveState",
     "SubState",
     "MainPID",
+    "ControlPID",
     "InvocationID",
     "Environment",
     "NRestarts",
@@ -43,6 +44,8 @@ class UnitState:
     active_state: str | None = None
     sub_state: str | None = None
     main_pid: int | None = None
+    control_pid: int | None = None
+    """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
     invocation_id: str | None = None
     environment: dict[str, str] = field(default_factory=dict)
     n_restarts: int | None = None
@@ -104,6 +107,15 @@ def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:
     return values
 
 
+def _pid(text: str) -> int | None:
+    """A PID property (0 means none); None when absent, zero or not a plain number."""
+    return (
+        int(text)
+        if text.isascii() and text.isdigit() and 0 < len(text) <= 10 and int(text)
+        else None
+    )
+
+
 def parse_show(unit: str, text: str) -> UnitState:
     """Parse ``systemctl show`` KEY=VALUE output."""
     values: dict[str, str] = {}
@@ -111,13 +123,13 @@ def parse_show(unit: str, text: str) -> UnitState:
         key, sep, value = line.partition("=")
         if sep:
             values[key] = value
-    main_pid = values.get("MainPID", "")
     restarts = values.get("NRestarts", "")
     return UnitState(
         unit=unit,
         active_state=values.get("ActiveState") or None,
         sub_state=values.get("SubState") or None,
-        main_pid=int(main_pid) if main_pid.isdecimal() and main_pid != "0" else None,
+        main_pid=_pid(values.get("MainPID", "")),
+        control_pid=_pid(values.get("ControlPID", "")),
         invocation_id=values.get("InvocationID") or None,
         environment=parse_environment(values.get("Environment", "")),
         n_restarts=int(restarts) if restarts.isdecimal() else None,
@@ -243,3 +255,22 @@ def provenance(state: UnitState, *, inside: bool = False) -> UnitProvenance:
     if state.running and not inside:
         runs.discard(state.invocation_id or "")  # the live run is not a left-over
     return UnitProvenance(None, frozenset(runs), unit_uid(state))
+
+
+# Where a unit is while systemd runs its ExecStartPre= (start-pre) or ExecStopPost= (stop-post,
+# and the final-* states that follow it when it overstays).
+_CONTROL_STATES = frozenset(
+    {"start-pre", "stop-post", "final-sigterm", "final-sigkill", "final-watchdog"}
+)
+
+
+def is_control_process(state: UnitState, pid: int, *, trust_unknown: bool) -> bool:
+    """Whether ``pid`` is the unit's ExecStartPre=/ExecStopPost= process, as systemd says.
+
+    Only that process may speak for the unit's run being over: any other process in the
+    cgroup (a worker, another user's job in a multi-user service) may not. When systemd
+    cannot be asked, ``trust_unknown`` decides (root running gpuguard itself in the cgroup).
+    """
+    if state.error is not None or state.sub_state is None:
+        return trust_unknown
+    return state.sub_state in _CONTROL_STATES and state.control_pid == pid

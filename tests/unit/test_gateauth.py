@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpuguard.cgroup import attribute
-from gpuguard.gateauth import Caller, refusal
+from gpuguard.gateauth import Caller, may_ask, refusal
 from gpuguard.gateproto import Request
 
 
@@ -74,3 +74,13 @@ def test_a_forged_cgroup_name_is_escaped() -> None:
     reason = refusal(GATE_A, caller("/system.slice/x\nforged.service"))
     assert reason is not None
     assert "\n" not in reason
+
+
+def test_only_operators_and_system_services_may_ask_at_all() -> None:
+    """A login session or a user's own unit is hung up on before a byte is read from it."""
+    assert may_ask(caller("/system.slice/sglang-a.service"))
+    assert may_ask(caller("/user.slice/user-0.slice/session-3.scope", uid=0))
+    assert not may_ask(caller("/user.slice/user-1000.slice/session-3.scope"))
+    user_unit = "/user.slice/user-1000.slice/user@1000.service/app.slice/x.service"
+    assert not may_ask(caller(user_unit))
+    assert not may_ask(caller("/system.slice/docker-0123456789abcdef0123.scope", uid=0))

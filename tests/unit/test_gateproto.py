@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuguard import gateserver
 from gpuguard.gateproto import (
+    MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_TEXT_CHARS,
     Frame,
@@ -18,6 +25,9 @@ from gpuguard.gateproto import (
     parse_frame,
     parse_request,
 )
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def test_a_request_survives_the_wire() -> None:
@@ -95,3 +105,39 @@ def test_a_frame_the_protocol_does_not_have_is_rejected() -> None:
         b"exit 0",
     ):
         assert parse_frame(line) is None, line
+
+
+def test_a_frame_of_any_text_fits_what_the_client_reads() -> None:
+    """Emoji are 12 bytes each in JSON: a frame of the longest text still fits MAX_FRAME_BYTES."""
+    for text in ("\U0001f600" * 20_000, "a" * 100_000, "\u202e" * 20_000):
+        frame = frame_text(2, text)
+        assert len(frame) <= MAX_FRAME_BYTES
+        assert parse_frame(frame.rstrip(b"\n")) is not None
+
+
+def test_a_huge_integer_is_a_reason_not_a_crash() -> None:
+    """isfinite(10**400) raises OverflowError: the range is checked first."""
+    line = b'{"v": 1, "command": "gate", "unit": "a.service", "timeout": 1' + b"0" * 400 + b"}"
+    assert isinstance(parse_request(line), str)
+
+
+def test_a_request_dripped_a_byte_at_a_time_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One deadline for the whole line (real sockets): dripping cannot hold a server slot."""
+    monkeypatch.setattr(gateserver, "REQUEST_TIMEOUT_S", 0.5)
+    server, client = socket.socketpair()
+    line = encode_request(Request("gate", "a.service"))
+
+    def drip() -> None:
+        for byte in line:
+            time.sleep(0.05)  # each byte well inside a per-recv timeout, the line far past 0.5 s
+            with contextlib.suppress(OSError):
+                client.send(bytes([byte]))
+
+    sender = threading.Thread(target=drip)
+    sender.start()
+    try:
+        assert gateserver._read_request(server) is None
+    finally:
+        server.close()
+        sender.join()
+        client.close()

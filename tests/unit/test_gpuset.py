@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.gpuset import resolve_gpu_set
-from gpuguard.systemd import parse_environment, parse_show
+from gpuguard.systemd import is_control_process, parse_environment, parse_show
 from gpuguard.unitconfig import shell_words
 from gpuguard.values import GpuReading
 
@@ -105,3 +105,26 @@ def test_shell_words_split_as_shlex_does(text: str) -> None:
     except ValueError:
         expected = None
     assert shell_words(text) == expected
+
+
+def test_only_the_units_control_process_speaks_for_its_run() -> None:
+    """In start-pre/stop-post only systemd's ControlPID counts; a worker of a running unit never."""
+    show = (
+        "ActiveState={active}\nSubState={sub}\nMainPID=4242\nControlPID={control}\n"
+        "InvocationID=0123456789abcdef0123456789abcdef\n"
+    )
+    starting = parse_show(
+        "s.service", show.format(active="activating", sub="start-pre", control=77)
+    )
+    assert is_control_process(starting, 77, trust_unknown=False)
+    assert not is_control_process(starting, 4242, trust_unknown=True)
+    running = parse_show("s.service", show.format(active="active", sub="running", control=0))
+    assert running.control_pid is None
+    assert not is_control_process(running, 4242, trust_unknown=True)
+    stopping = parse_show(
+        "s.service", show.format(active="deactivating", sub="stop-post", control=9)
+    )
+    assert is_control_process(stopping, 9, trust_unknown=False)
+    unknown = parse_show("s.service", "")
+    assert is_control_process(unknown, 9, trust_unknown=True)
+    assert not is_control_process(unknown, 9, trust_unknown=False)
