@@ -44,8 +44,6 @@ class UnitState:
     active_state: str | None = None
     sub_state: str | None = None
     main_pid: int | None = None
-    control_pid: int | None = None
-    """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
     invocation_id: str | None = None
     environment: dict[str, str] = field(default_factory=dict)
     n_restarts: int | None = None
@@ -53,6 +51,8 @@ class UnitState:
     dynamic_user: bool = False
     error: str | None = None
     load_state: str | None = None
+    control_pid: int | None = None
+    """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
 
     @property
     def not_found(self) -> bool:

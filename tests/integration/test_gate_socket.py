@@ -270,12 +270,15 @@ def test_the_unit_itself_may_not_widen_the_scope(
 
 
 def test_an_unprivileged_user_outside_any_unit_is_refused(cli: Cli, server: GateServer) -> None:
-    """Any user can connect (mode 0666); the kernel's credentials decide, not the file mode."""
+    """Any user can connect (mode 0666); the kernel's credentials decide, not the file mode.
+
+    A caller in no system service could never be answered: it is hung up on before its request
+    is read (so it cannot hold a server slot), in one line.
+    """
     done = client(cli, "gate", "--unit", "sglang.service", "--socket", str(server.path), uid=NOBODY)
     assert done.code == 1, done
     assert done.err == (
-        "gpuguard gate: gate request for sglang.service from a process outside any service "
-        f"(uid {NOBODY}): refused\n"
+        f"gpuguard: request from a process outside any service (uid {NOBODY}): refused\n"
     )
 
 
