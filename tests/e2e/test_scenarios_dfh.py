@@ -213,13 +213,18 @@ RESUMED = "resuming interrupted recovery"
 
 
 def test_f_daemon_killed_mid_recovery_resumes_and_spares_bystanders(gpubox: GpuBox) -> None:
-    """SIGKILL the daemon once it decided to recover: systemd restarts it and it finishes."""
+    """SIGKILL the daemon once it decided to recover: systemd restarts it and it finishes.
+
+    The daemon starts after the incident's stop: a daemon already running would reap TP3 the
+    moment that run ended (the survivor sweep, scenario (i)) and no recovery would happen. The
+    stop is then history, never swept; the failed starts that follow are live, and recovered.
+    """
     # A fifth fake GPU, outside the unit's set (CUDA_VISIBLE_DEVICES=0,1,2,3), for a bystander
     # that even looks like an SGLang worker: only its GPU keeps it out of the plan.
     gpubox.box.run(["sh", "-c", FIVE_GPUS])
     bystander = _start_holder(gpubox, "bystander", 4, "sglang::scheduler_TP9")
-    gpubox.start_daemon()
     t0, _serving, tp3 = incident(gpubox, Timeline(time.time()))
+    gpubox.start_daemon()
     gpubox.box.wait_for(
         "the daemon's decision to recover",
         lambda: bool(daemon_events(gpubox.daemon_log(t0), "recovery: stopping unit")),
