@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuguard import procfs
+from gpuguard.adapters import procfs
 
 if TYPE_CHECKING:
     from collections.abc import Callable

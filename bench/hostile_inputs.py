@@ -48,7 +48,7 @@ def as_argv(text: str) -> list[str]:
 
 def _redaction(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.redaction import redact_cmdline  # noqa: PLC0415 - timed in the child
+        from gpuguard.core.redaction import redact_cmdline  # noqa: PLC0415 - timed in the child
 
         argv = as_argv(fill(piece, size))
         return lambda: redact_cmdline(argv)
@@ -58,7 +58,7 @@ def _redaction(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _tail(prefix: str, tail: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.redaction import redact_cmdline  # noqa: PLC0415
+        from gpuguard.core.redaction import redact_cmdline  # noqa: PLC0415
 
         each = min(size, ARG_MAX)
         argv = [fill(prefix, each - len(tail)) + tail for _ in range(max(1, size // ARG_MAX))]
@@ -69,7 +69,7 @@ def _tail(prefix: str, tail: str) -> Callable[[int], Callable[[], object]]:
 
 def _escape(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.escaping import escape  # noqa: PLC0415
+        from gpuguard.core.escaping import escape  # noqa: PLC0415
 
         text = fill(piece, size)
         return lambda: escape(text)
@@ -79,7 +79,7 @@ def _escape(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _cgroup(piece: str, head: str = "0::/") -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.cgroup import attribute_text  # noqa: PLC0415
+        from gpuguard.core.cgroup import attribute_text  # noqa: PLC0415
 
         text = head + fill(piece, size - len(head))
         return lambda: attribute_text(text)
@@ -89,7 +89,7 @@ def _cgroup(piece: str, head: str = "0::/") -> Callable[[int], Callable[[], obje
 
 def _stat(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.procfs import parse_stat  # noqa: PLC0415
+        from gpuguard.adapters.procfs import parse_stat  # noqa: PLC0415
 
         data = b"1234 (" + fill(piece, size).encode("utf-8", "surrogateescape") + b") S 1 1 1 0"
         data += b" -1 4194560" + b" 0" * 12 + b" 20 0 1 0 4242 0 0"
@@ -100,7 +100,7 @@ def _stat(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _cmdline(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.procfs import _split_cmdline  # noqa: PLC0415 - the parser itself
+        from gpuguard.adapters.procfs import _split_cmdline  # noqa: PLC0415 - the parser itself
 
         data = fill(piece, size).encode("utf-8", "surrogateescape")
         return lambda: _split_cmdline(data)
@@ -123,7 +123,7 @@ def _entry(message: object) -> dict[str, object]:
 
 def _journal(piece: str, *, as_bytes: bool = False) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.events import parse_entry  # noqa: PLC0415
+        from gpuguard.core.events import parse_entry  # noqa: PLC0415
 
         text = fill(piece, size)
         message: object = list(text.encode("utf-8", "surrogateescape")) if as_bytes else text
@@ -137,7 +137,7 @@ def _oom(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
         import re  # noqa: PLC0415
 
-        from gpuguard.events import GPU_OOM_REGEX  # noqa: PLC0415
+        from gpuguard.core.events import GPU_OOM_REGEX  # noqa: PLC0415
 
         pattern = re.compile(GPU_OOM_REGEX)
         text = fill(piece, size)
@@ -148,7 +148,7 @@ def _oom(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _show(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.systemd import parse_show  # noqa: PLC0415
+        from gpuguard.adapters.systemd import parse_show  # noqa: PLC0415
 
         text = head + fill(piece, size - len(head))
         return lambda: parse_show("sglang.service", text)
@@ -158,7 +158,7 @@ def _show(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
 
 def _state(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.state import read_json  # noqa: PLC0415
+        from gpuguard.adapters.state import read_json  # noqa: PLC0415
 
         directory = tempfile.TemporaryDirectory()
         atexit.register(directory.cleanup)
@@ -173,7 +173,7 @@ def _xid(
     piece: str, head: str = "NVRM: Xid (PCI:0000:3b:00): "
 ) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.xidevents import parse_kernel_entry  # noqa: PLC0415
+        from gpuguard.core.xidevents import parse_kernel_entry  # noqa: PLC0415
 
         entry = {"_TRANSPORT": "kernel", "MESSAGE": head + fill(piece, size - len(head))}
         return lambda: parse_kernel_entry(entry)
@@ -183,7 +183,7 @@ def _xid(
 
 def _env_file(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.unitconfig import parse_environment_file  # noqa: PLC0415
+        from gpuguard.core.unitconfig import parse_environment_file  # noqa: PLC0415
 
         data = fill(piece, size).encode("utf-8", "surrogateescape")
         return lambda: parse_environment_file(data)
@@ -193,7 +193,7 @@ def _env_file(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _unit_show(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.unitconfig import parse_show  # noqa: PLC0415
+        from gpuguard.core.unitconfig import parse_show  # noqa: PLC0415
 
         text = head + fill(piece, size - len(head))
         return lambda: parse_show("sglang.service", text)
@@ -203,7 +203,7 @@ def _unit_show(piece: str, head: str = "") -> Callable[[int], Callable[[], objec
 
 def _environ(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.procfs import parse_invocation_id  # noqa: PLC0415
+        from gpuguard.adapters.procfs import parse_invocation_id  # noqa: PLC0415
 
         data = fill(piece, size).encode("utf-8", "surrogateescape")
         return lambda: parse_invocation_id(data)
@@ -213,7 +213,7 @@ def _environ(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _invocations(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.systemd import parse_invocations  # noqa: PLC0415
+        from gpuguard.adapters.systemd import parse_invocations  # noqa: PLC0415
 
         text = fill(piece, size)
         return lambda: parse_invocations(text, "sglang.service")

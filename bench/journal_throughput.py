@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuguard.events import FIELDS_READ, GPU_OOM_PATTERNS, EventKind, UnitEvent, parse_entry
-from gpuguard.journal import LIFECYCLE, JournalFollower
+from gpuguard.adapters.journal import LIFECYCLE, JournalFollower
+from gpuguard.core.events import FIELDS_READ, GPU_OOM_PATTERNS, EventKind, UnitEvent, parse_entry
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence

@@ -17,24 +17,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard import __version__
-from gpuguard.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
-from gpuguard.escaping import escape
-from gpuguard.gateproto import SOCKET_PATH as GATE_SOCKET
+from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
+from gpuguard.core.escaping import escape
+from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import TextIO
 
+    from gpuguard.adapters.reaper import ReapResult, ReapTarget
+    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings, UnitSettings
-    from gpuguard.gateauth import Caller
-    from gpuguard.gateproto import Request as GateRequest
-    from gpuguard.gpuset import GpuSet
-    from gpuguard.holders import Inventory
-    from gpuguard.policy import KillPlan, PlanRequest
-    from gpuguard.reaper import ReapResult, ReapTarget
-    from gpuguard.status import DaemonView
-    from gpuguard.systemd import UnitState
-    from gpuguard.values import GateOutcome, NvmlReading, UnitProvenance
+    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gateproto import Request as GateRequest
+    from gpuguard.core.gpuset import GpuSet
+    from gpuguard.core.holders import Inventory
+    from gpuguard.core.policy import KillPlan, PlanRequest
+    from gpuguard.core.status import DaemonView
+    from gpuguard.core.values import GateOutcome, NvmlReading, UnitProvenance
 
 EX_USAGE = 64
 EX_NOPERM = 77  # sysexits.h: the command needs a permission this user lacks (root)
@@ -363,7 +363,7 @@ def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
     except ConfigError as err:
         sys.stderr.write(f"gpuguard: invalid configuration: {err}\n")
         return err.exit_code
-    from gpuguard.configfile import config_path  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters.configfile import config_path  # noqa: PLC0415 - see module doc
 
     for warning in warnings(settings):
         sys.stderr.write(f"gpuguard: warning: {config_path(args.config)[0]}: {warning}\n")
@@ -381,7 +381,8 @@ def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
 
 def _doctor(settings: Settings, args: argparse.Namespace) -> int:
     """Audit each unit; print findings, JSON or the fixing drop-in; exit with the worst level."""
-    from gpuguard import doctor, doctorio, inventory  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import doctorio, inventory  # noqa: PLC0415 - see module doc
+    from gpuguard.core import doctor  # noqa: PLC0415 - see module doc
 
     units = [args.unit] if args.unit else list(settings.units)
     found = inventory.gather(settings)
@@ -412,8 +413,8 @@ def _ask_gate_server(args: argparse.Namespace) -> int | None:
     it; no socket and root means a developer's install, which runs in-process; no socket and
     not root, or a socket nobody answers, refuses - unless gate_unreachable = "allow".
     """
-    from gpuguard import gateclient  # noqa: PLC0415 - see module doc
-    from gpuguard.gateproto import Request  # noqa: PLC0415
+    from gpuguard.adapters import gateclient  # noqa: PLC0415 - see module doc
+    from gpuguard.core.gateproto import Request  # noqa: PLC0415
 
     path = args.socket
     try:
@@ -459,7 +460,7 @@ def _unreachable_allowed(cli_path: Path | None) -> bool:
     Read only from --config or the default path: the unit's environment (GPUGUARD_CONFIG)
     must not decide this. Anything unreadable or invalid means the default, refuse.
     """
-    from gpuguard import configfile  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import configfile  # noqa: PLC0415 - see module doc
 
     path = cli_path or DEFAULT_CONFIG_PATH
     cached = configfile.load_validated(path)
@@ -478,7 +479,7 @@ def _serve_gate(args: argparse.Namespace) -> int:
     import contextlib  # noqa: PLC0415 - see module doc
     import socket  # noqa: PLC0415
 
-    from gpuguard import gateserver  # noqa: PLC0415
+    from gpuguard.adapters import gateserver  # noqa: PLC0415
 
     def handle(request: GateRequest, caller: Caller, out: TextIO, err: TextIO) -> int:
         work = argparse.Namespace(
@@ -503,7 +504,7 @@ def _serve_gate(args: argparse.Namespace) -> int:
 
 def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
     """Install or remove the gate drop-in, then make systemd read it."""
-    from gpuguard import dropin  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import dropin  # noqa: PLC0415 - see module doc
 
     command = "install-gate" if install else "remove-gate"
     refused = _gate_change_refused(command, unit, check_unit=install and not force)
@@ -544,7 +545,7 @@ def _change_gate(unit: str, *, install: bool, force: bool = False) -> int:
 
 def _sandbox_refused(unit: str, *, force: bool) -> int | None:
     """Exit 1, saying why, when the unit's own sandbox would keep its gate from the socket."""
-    from gpuguard import dropin, systemd  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see module doc
 
     properties = systemd.show_properties(unit, dropin.SANDBOX_PROPERTIES)
     if isinstance(properties, str):
@@ -566,7 +567,7 @@ def _sandbox_refused(unit: str, *, force: bool) -> int | None:
 
 def _gate_change_refused(command: str, unit: str, *, check_unit: bool) -> int | None:
     """The exit status when the change must not be tried at all; None to go ahead."""
-    from gpuguard import dropin, systemd  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see module doc
 
     if not unit.endswith(".service"):
         sys.stderr.write(f"gpuguard: {unit!r} is not a service unit name such as sglang.service\n")
@@ -607,9 +608,7 @@ def _run(settings: Settings) -> int:
     import re  # noqa: PLC0415 - see module doc
     import signal  # noqa: PLC0415 - see module doc
 
-    from gpuguard import (  # noqa: PLC0415
-        daemon,
-        events,
+    from gpuguard.adapters import (  # noqa: PLC0415
         inventory,
         journal,
         logs,
@@ -619,8 +618,9 @@ def _run(settings: Settings) -> int:
         state,
         systemd,
         unitenv,
-        xidevents,
     )
+    from gpuguard.core import events, xidevents  # noqa: PLC0415
+    from gpuguard.daemon import loop as daemon  # noqa: PLC0415
 
     logs.configure_logging(json=True, stream=sys.stdout)
     log = logs.get_logger().bind(command="run")
@@ -691,8 +691,9 @@ def _boot_id() -> str | None:
 
 
 def _status(settings: Settings, *, as_json: bool) -> int:
-    from gpuguard import inventory, procfs, state, status, systemd, unitenv  # noqa: PLC0415
-    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.adapters import inventory, procfs, state, systemd, unitenv  # noqa: PLC0415
+    from gpuguard.core import status  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     found = inventory.gather(settings)
     units = []
@@ -743,9 +744,9 @@ def _unit_state_text(unit_state: UnitState) -> str:
 
 def _daemon_view(settings: Settings) -> DaemonView:
     """The daemon's snapshot and whether the process that wrote it still lives."""
-    from gpuguard import procfs, state  # noqa: PLC0415 - see module doc
-    from gpuguard.status import DaemonView  # noqa: PLC0415
-    from gpuguard.values import ProcessIdentity  # noqa: PLC0415
+    from gpuguard.adapters import procfs, state  # noqa: PLC0415 - see module doc
+    from gpuguard.core.status import DaemonView  # noqa: PLC0415
+    from gpuguard.core.values import ProcessIdentity  # noqa: PLC0415
 
     snapshot = state.read_json(settings.runtime_dir / "daemon.json")
     if not isinstance(snapshot, dict):
@@ -769,7 +770,7 @@ def _unit_settings(settings: Settings, unit: str) -> UnitSettings:
 
 def _untouchable(caller: Caller | None = None) -> frozenset[int]:
     """Our own PID and every ancestor's, and the caller's: the gate's client runs in the unit."""
-    from gpuguard import procfs  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import procfs  # noqa: PLC0415 - see module doc
 
     pids = {os.getpid(), *procfs.ancestor_pids(os.getpid())}
     if caller is not None:
@@ -787,7 +788,7 @@ def _request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what 
     *,
     caller: Caller | None = None,
 ) -> PlanRequest:
-    from gpuguard.policy import PlanRequest, Scope  # noqa: PLC0415 - see module doc
+    from gpuguard.core.policy import PlanRequest, Scope  # noqa: PLC0415 - see module doc
 
     return PlanRequest(
         unit=unit,
@@ -803,7 +804,7 @@ def _request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what 
 
 def _who(caller: Caller | None) -> Caller:
     """Who the command runs for: the gate server's caller, else this process itself."""
-    from gpuguard import peer  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import peer  # noqa: PLC0415 - see module doc
 
     return caller if caller is not None else peer.own_caller()
 
@@ -817,7 +818,7 @@ def _unit_environment(caller: Caller, unit: str, runtime_dir: Path) -> dict[str,
     if not caller.runs_in(unit) or caller.environment is None:
         return None
     if os.geteuid() == 0:
-        from gpuguard import unitenv  # noqa: PLC0415 - see module doc
+        from gpuguard.adapters import unitenv  # noqa: PLC0415 - see module doc
 
         try:
             unitenv.record(runtime_dir, unit, caller.environment, caller.pid)
@@ -836,10 +837,10 @@ def _gate_fast_path(
     the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle; the NVML
     reading taken on the way is handed on so the full path does not read it again.
     """
-    from gpuguard import configfile, nvml  # noqa: PLC0415 - see module doc
-    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
-    from gpuguard.protection import is_idle  # noqa: PLC0415
-    from gpuguard.values import MIB, GateOutcome, NvmlHealth  # noqa: PLC0415
+    from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see module doc
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.core.protection import is_idle  # noqa: PLC0415
+    from gpuguard.core.values import MIB, GateOutcome, NvmlHealth  # noqa: PLC0415
 
     started = time.monotonic()
     cached = configfile.load_validated(args.config)
@@ -881,8 +882,9 @@ def _gate(
     reading: NvmlReading | None,
     caller: Caller | None,
 ) -> int:
-    from gpuguard import gate, inventory, logs, reaper, systemd  # noqa: PLC0415
-    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.adapters import inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.core import gate  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     unit = _unit_settings(settings, args.unit)
     first = inventory.gather(settings, reading)
@@ -930,7 +932,7 @@ def _gate(
 
 def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:
     """Record the decision for `gpuguard status`, say it in one line, return the exit status."""
-    from gpuguard import state  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import state  # noqa: PLC0415 - see module doc
 
     record = {
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -968,8 +970,9 @@ def _result_json(result: ReapResult) -> dict[str, Any]:
 
 
 def _reap(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> int:
-    from gpuguard import inventory, logs, policy, reaper, systemd  # noqa: PLC0415
-    from gpuguard.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.adapters import inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.core import policy  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     unit_name = args.unit or _only_unit(settings)
     if unit_name is None:
@@ -1018,7 +1021,7 @@ def _reap(settings: Settings, args: argparse.Namespace, caller: Caller | None) -
     logs.configure_logging(json=False)
     log = logs.get_logger().bind(unit=unit_name, command="reap")
     grace = args.grace if args.grace is not None else settings.reap_grace_s
-    from gpuguard.gate import reap_targets  # noqa: PLC0415
+    from gpuguard.core.gate import reap_targets  # noqa: PLC0415
 
     results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=log)
     return _reap_finish(
@@ -1074,7 +1077,8 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     args: argparse.Namespace,
     waited: bool,
 ) -> int:
-    from gpuguard import gate, inventory  # noqa: PLC0415 - see module doc
+    from gpuguard.adapters import inventory  # noqa: PLC0415 - see module doc
+    from gpuguard.core import gate  # noqa: PLC0415 - see module doc
 
     gate_settings = gate.GateSettings(
         kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, args.timeout

@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from gpuguard.configfile import EX_CONFIG, config_path, read_config, store_validated
-from gpuguard.files import UnsafePathError
+from gpuguard.adapters.configfile import EX_CONFIG, config_path, read_config, store_validated
+from gpuguard.adapters.files import UnsafePathError
 
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",

@@ -18,7 +18,7 @@ import pytest
 from clirunner import CGROUP2, Cli
 from fakestate import fake_library
 
-from gpuguard import configfile
+from gpuguard.adapters import configfile
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

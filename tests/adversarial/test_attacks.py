@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguard import configfile, files, state
+from gpuguard.adapters import configfile, files, state
 from gpuguard.config import load_settings
-from gpuguard.records import RECORD_MAX, TEXT_MAX
+from gpuguard.core.records import RECORD_MAX, TEXT_MAX
 
 if TYPE_CHECKING:
     from clirunner import Cli

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from gpuguard.journal import LIFECYCLE, OUTPUT, JournalFollower, JournalRecord
+from gpuguard.adapters.journal import LIFECYCLE, OUTPUT, JournalFollower, JournalRecord
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -13,7 +13,7 @@ from clirunner import CGROUP2, Cli, FakeSystemd, Openers, UnitCgroups
 from fakestate import fake_library
 from hostile import HostileProcesses
 
-from gpuguard import configfile
+from gpuguard.adapters import configfile
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

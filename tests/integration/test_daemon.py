@@ -24,13 +24,13 @@ import pytest
 from fakeholder import process_gone
 from fakestate import fake_library, update_gpu, update_state
 
-from gpuguard import inventory, reaper, systemd
+from gpuguard.adapters import inventory, reaper, systemd
+from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
+from gpuguard.adapters.systemd import UnitState
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
-from gpuguard.daemon import Daemon, Ports
-from gpuguard.journal import KERNEL, JournalHealth, JournalRecord
-from gpuguard.status import DaemonView, Level, StatusContext, assess, render_text
-from gpuguard.systemd import UnitState
-from gpuguard.values import MIB
+from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
+from gpuguard.core.values import MIB
+from gpuguard.daemon.loop import Daemon, Ports
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

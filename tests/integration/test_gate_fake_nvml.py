@@ -141,10 +141,10 @@ def test_second_run_takes_the_light_fast_path(cli: Cli, unit_cgroups: UnitCgroup
         del cli.env["PYTHONPROFILEIMPORTTIME"]
     assert result.code == 0, result.err
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.err.splitlines() if "|" in line}
-    assert "gpuguard.nvml" in imported
+    assert "gpuguard.adapters.nvml" in imported
     assert "pydantic" not in imported
     assert "structlog" not in imported
-    assert "gpuguard.procfs" in imported  # only to learn its own cgroup; no /proc walk
+    assert "gpuguard.adapters.procfs" in imported  # only to learn its own cgroup; no /proc walk
     decision = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())[-1]
     assert decision["fast_path"] is True
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import pytest
 from clirunner import CliResult
 
-from gpuguard import unitenv
-from gpuguard.gateproto import frame_exit, parse_frame
+from gpuguard.adapters import unitenv
+from gpuguard.core.gateproto import frame_exit, parse_frame
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -122,7 +122,8 @@ def client(
     # The interpreter lives under /root here (mode 0700): a uid is taken after it has started and
     # has imported everything the client needs, as a service's User= would have it from the start.
     code = (
-        "import os, sys, socket, json\nimport gpuguard.cli, gpuguard.gateclient, gpuguard.config\n"
+        "import os, sys, socket, json\n"
+        "import gpuguard.cli, gpuguard.adapters.gateclient, gpuguard.config\n"
     )
     if uid is not None:
         code += f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
@@ -236,7 +237,7 @@ def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
         "import sys\n"
         "from gpuguard.cli import main\n"
         f"code = main({[*argv, '--socket', str(server.path)]!r})\n"
-        "heavy = {'pydantic', 'structlog', 'pynvml', 'psutil', 'gpuguard.nvml',\n"
+        "heavy = {'pydantic', 'structlog', 'pynvml', 'psutil', 'gpuguard.adapters.nvml',\n"
         "         'gpuguard.config'}\n"
         "print(sorted(m for m in sys.modules if m in heavy or m.split('.')[0] in heavy))\n"
         "sys.exit(code)\n"

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
-from gpuguard.events import FIELDS_READ, GPU_OOM_REGEX, parse_entry
-from gpuguard.journal import (
+from gpuguard.adapters.journal import (
     DEFAULT_BACKOFF,
     KERNEL,
     LIFECYCLE,
@@ -32,12 +31,13 @@ from gpuguard.journal import (
     JournalFollower,
     JournalRecord,
 )
-from gpuguard.xidevents import MARKER, XidEvent, parse_kernel_entry
+from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX, parse_entry
+from gpuguard.core.xidevents import MARKER, XidEvent, parse_kernel_entry
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
 
-    from gpuguard.journal import StreamHealth
+    from gpuguard.adapters.journal import StreamHealth
 
 Entry = dict[str, object]
 
@@ -892,7 +892,7 @@ def test_a_hostile_line_costs_journalctl_grep_no_time(journal: Journal) -> None:
 OWNER = """
 import sys, time
 from pathlib import Path
-from gpuguard.journal import JournalFollower
+from gpuguard.adapters.journal import JournalFollower
 watcher = JournalFollower(["sglang.service"], Path(sys.argv[1]), journalctl=sys.argv[2:])
 watcher.start()
 print(watcher.health().streams[0].pid, flush=True)

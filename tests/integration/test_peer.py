@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gpuguard import unitenv
-from gpuguard.peer import MAX_ENVIRON_BYTES, PeerError, identify, parse_environ
+from gpuguard.adapters import unitenv
+from gpuguard.adapters.peer import MAX_ENVIRON_BYTES, PeerError, identify, parse_environ
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,7 +28,7 @@ sys.stdin.readline()
 
 IDENTIFY = """
 import json, socket
-from gpuguard.peer import PeerError, identify
+from gpuguard.adapters.peer import PeerError, identify
 try:
     caller = identify(socket.socket(fileno=0))
 except PeerError as err:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguard.procfs import read_identity, read_process, scan_device_holders, scan_pids
-from gpuguard.redaction import REDACTED
+from gpuguard.adapters.procfs import read_identity, read_process, scan_device_holders, scan_pids
+from gpuguard.core.redaction import REDACTED
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -231,7 +231,7 @@ def test_unprivileged_scan_counts_what_it_cannot_read(
     helpers.append(helper)
     script = (
         "import json, os, sys\n"
-        "from gpuguard.procfs import scan_device_holders\n"
+        "from gpuguard.adapters.procfs import scan_device_holders\n"
         "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
         "scan = scan_device_holders(sys.argv[1])\n"
         "print(json.dumps([scan.unreadable, [p.identity.pid for p in scan.processes]]))\n"

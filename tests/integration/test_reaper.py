@@ -18,10 +18,10 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from gpuguard import procfs
-from gpuguard.logs import configure_logging, get_logger
-from gpuguard.reaper import ReapOutcome, ReapTarget, reap
-from gpuguard.values import ProcessIdentity
+from gpuguard.adapters import procfs
+from gpuguard.adapters.logs import configure_logging, get_logger
+from gpuguard.adapters.reaper import ReapOutcome, ReapTarget, reap
+from gpuguard.core.values import ProcessIdentity
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -63,9 +63,9 @@ while True:
 # readable by nobody); logs go to stderr as JSON lines, the results to stdout as JSON.
 AS_NOBODY = r"""
 import json, os, sys, time
-from gpuguard.logs import configure_logging, get_logger
-from gpuguard.reaper import ReapTarget, reap
-from gpuguard.values import ProcessIdentity
+from gpuguard.adapters.logs import configure_logging, get_logger
+from gpuguard.adapters.reaper import ReapTarget, reap
+from gpuguard.core.values import ProcessIdentity
 configure_logging(json=True, stream=sys.stderr)
 get_logger().bind()  # resolve the configuration now, while the interpreter's files are readable
 pid, start_time, ppid = map(int, sys.argv[1:4])
@@ -470,8 +470,8 @@ def test_a_kernel_thread_is_refused(spawn: Callable[[str], Child]) -> None:
 
 
 def test_importing_the_reaper_does_not_import_structlog() -> None:
-    """Importing gpuguard.reaper leaves structlog unloaded (it costs ~120 ms on the gate's path)."""
-    code = "import sys, gpuguard.reaper; print('structlog' in sys.modules)"
+    """Importing the reaper leaves structlog unloaded (it costs ~120 ms on the gate's path)."""
+    code = "import sys, gpuguard.adapters.reaper; print('structlog' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=20
     )

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from asnobody import public_dir, run_as_nobody
 
-from gpuguard import dropin
+from gpuguard.adapters import dropin
+from gpuguard.adapters.journal import JournalHealth, JournalRecord
+from gpuguard.adapters.systemd import parse_show, provenance
 from gpuguard.config import Settings, UnitSettings
-from gpuguard.daemon import Daemon, Ports
-from gpuguard.holders import build_inventory
-from gpuguard.journal import JournalHealth, JournalRecord
-from gpuguard.systemd import parse_show, provenance
-from gpuguard.values import NvmlHealth, NvmlReading, ProcScan
+from gpuguard.core.holders import build_inventory
+from gpuguard.core.values import NvmlHealth, NvmlReading, ProcScan
+from gpuguard.daemon.loop import Daemon, Ports
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

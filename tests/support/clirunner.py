@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuguard import programs
+from gpuguard.adapters import programs
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 ENDED = "0123456789abcdef0123456789abcdef"  # an earlier run of a unit, as PID 1 logged it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-from gpuguard import nvml
-from gpuguard.values import NvmlHealth, NvmlReading
+from gpuguard.adapters import nvml
+from gpuguard.core.values import NvmlHealth, NvmlReading
 
 
 def _timed_out(timeout_s: float) -> NvmlReading:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpuguard.baseline import LEARNED_CAP_DIVISOR, apply, learn
-from gpuguard.holders import build_inventory
-from gpuguard.protection import is_idle
-from gpuguard.values import (
+from gpuguard.core.baseline import LEARNED_CAP_DIVISOR, apply, learn
+from gpuguard.core.holders import build_inventory
+from gpuguard.core.protection import is_idle
+from gpuguard.core.values import (
     MIB,
     GpuMemory,
     GpuReading,

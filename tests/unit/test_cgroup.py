@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.cgroup import Attribution, attribute, attribute_text, parse_cgroup
+from gpuguard.core.cgroup import Attribution, attribute, attribute_text, parse_cgroup
 
 DOCKER_ID = "3f4e5d6c7b8a" + "9" * 52
 KUBE_ID = "a1b2c3d4e5f6" + "0" * 52

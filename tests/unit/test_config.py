@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from gpuguard.adapters.configfile import EX_CONFIG
 from gpuguard.config import (
     DEFAULT_PROTECTED,
     ConfigError,
@@ -19,7 +20,6 @@ from gpuguard.config import (
     parse_settings,
     warnings,
 )
-from gpuguard.configfile import EX_CONFIG
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -30,7 +30,9 @@ HERE = Path("/etc/gpuguard/gpuguard.toml")
 def test_no_file_means_documented_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host without a configuration file runs on the defaults."""
     monkeypatch.delenv("GPUGUARD_CONFIG", raising=False)
-    monkeypatch.setattr("gpuguard.configfile.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    monkeypatch.setattr(
+        "gpuguard.adapters.configfile.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml"
+    )
     settings = load_settings()
     assert settings == Settings()
     assert list(settings.units) == ["sglang.service"]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguard import configfile
+from gpuguard.adapters import configfile
 from gpuguard.config import load_settings
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.detector import Cause, Detector, Diagnosis, GpuEvidence, LoopSettings
-from gpuguard.events import MESSAGE_IDS, EventKind, UnitEvent, parse_entry
+from gpuguard.core.detector import Cause, Detector, Diagnosis, GpuEvidence, LoopSettings
+from gpuguard.core.events import MESSAGE_IDS, EventKind, UnitEvent, parse_entry
 
 if TYPE_CHECKING:
     import random

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.doctor import (
+from gpuguard.adapters.doctorio import path_chain
+from gpuguard.core.doctor import (
     Finding,
     GpuUseFacts,
     History,
@@ -24,8 +25,7 @@ from gpuguard.doctor import (
     render_text,
     worst,
 )
-from gpuguard.doctorio import path_chain
-from gpuguard.unitconfig import UnitConfig
+from gpuguard.core.unitconfig import UnitConfig
 
 SAMPLES = Path(__file__).parent.parent / "journal_samples"
 UNIT = "sglang.service"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuguard import dropin
+from gpuguard.adapters import dropin
 
 SHIPPED = Path(__file__).resolve().parents[2] / "systemd" / "gpuguard-gate.conf"
 

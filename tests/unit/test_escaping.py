@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.escaping import escape
+from gpuguard.core.escaping import escape
 
 # Characters an attacker reaches a terminal or a log with: C0 and C1 controls, DEL, line and
 # paragraph separators, bidi overrides and isolates, zero-width characters, a BOM, lone

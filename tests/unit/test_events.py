@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.detector import Detector, GpuEvidence
-from gpuguard.events import (
+from gpuguard.core.detector import Detector, GpuEvidence
+from gpuguard.core.events import (
     GPU_OOM_PATTERNS,
     GPU_OOM_REGEX,
     MESSAGE_IDS,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 from fakestate import fake_library
 
-from gpuguard import files, programs, state
+from gpuguard.adapters import files, programs, state
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -115,7 +115,7 @@ def _load(candidate: Path) -> str:
     code = textwrap.dedent(
         f"""
         import ctypes, os
-        from gpuguard import nvml
+        from gpuguard.adapters import nvml
         problem = nvml.load_library(({str(candidate)!r},))
         try:
             ctypes.CDLL("libnvidia-ml.so.1", mode=os.RTLD_NOLOAD)

@@ -8,7 +8,7 @@ import json
 import pytest
 import structlog
 
-from gpuguard.logs import FIELD_LIMIT, configure_logging, get_logger
+from gpuguard.adapters.logs import FIELD_LIMIT, configure_logging, get_logger
 
 
 @pytest.fixture(autouse=True)

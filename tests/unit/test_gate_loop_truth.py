@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuguard.gate import GateSettings, run_gate
-from gpuguard.holders import build_inventory
-from gpuguard.policy import PlanRequest, Scope
-from gpuguard.values import (
+from gpuguard.core.gate import GateSettings, run_gate
+from gpuguard.core.holders import build_inventory
+from gpuguard.core.policy import PlanRequest, Scope
+from gpuguard.core.values import (
     MIB,
     GpuHealth,
     GpuMemory,
@@ -32,9 +32,9 @@ from gpuguard.values import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpuguard.holders import Inventory
-    from gpuguard.reaper import ReapResult, ReapTarget
-    from gpuguard.values import GateOutcome
+    from gpuguard.adapters.reaper import ReapResult, ReapTarget
+    from gpuguard.core.holders import Inventory
+    from gpuguard.core.values import GateOutcome
 
 UNIT = "sglang.service"
 REQUEST = PlanRequest(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gpuguard.cgroup import attribute
-from gpuguard.gateauth import Caller, may_ask, refusal
-from gpuguard.gateproto import Request
+from gpuguard.core.cgroup import attribute
+from gpuguard.core.gateauth import Caller, may_ask, refusal
+from gpuguard.core.gateproto import Request
 
 
 def caller(cgroup: str, uid: int = 1000) -> Caller:

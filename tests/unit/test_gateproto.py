@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard import gateserver
-from gpuguard.gateproto import (
+from gpuguard.adapters import gateserver
+from gpuguard.core.gateproto import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_TEXT_CHARS,

@@ -7,10 +7,10 @@ import shlex
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.gpuset import resolve_gpu_set
-from gpuguard.systemd import is_control_process, parse_environment, parse_show
-from gpuguard.unitconfig import shell_words
-from gpuguard.values import GpuReading
+from gpuguard.adapters.systemd import is_control_process, parse_environment, parse_show
+from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.unitconfig import shell_words
+from gpuguard.core.values import GpuReading
 
 
 def gpus(*names: str) -> list[GpuReading]:

@@ -6,8 +6,8 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from gpuguard.holders import build_inventory, gpu_minor_of
-from gpuguard.status import (
+from gpuguard.core.holders import build_inventory, gpu_minor_of
+from gpuguard.core.status import (
     DaemonView,
     Level,
     StatusContext,
@@ -16,7 +16,7 @@ from gpuguard.status import (
     render_text,
     to_json,
 )
-from gpuguard.values import (
+from gpuguard.core.values import (
     MIB,
     GpuMemory,
     GpuReading,

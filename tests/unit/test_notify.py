@@ -6,7 +6,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from gpuguard.notify import Notifier, watchdog_interval_s
+from gpuguard.adapters.notify import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -7,10 +7,10 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.cgroup import Attribution
-from gpuguard.holders import GpuUse, Holder
-from gpuguard.policy import PlanRequest, Scope, Verdict, decide, plan
-from gpuguard.values import ProcessIdentity, UnitProvenance
+from gpuguard.core.cgroup import Attribution
+from gpuguard.core.holders import GpuUse, Holder
+from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
+from gpuguard.core.values import ProcessIdentity, UnitProvenance
 
 UNIT = "sglang.service"
 PROTECTED = ("nvidia-persistenced", "Xorg", "gpuguard")

@@ -11,9 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.holders import build_inventory
-from gpuguard.policy import PlanRequest, Scope, Verdict, plan
-from gpuguard.procfs import (
+from gpuguard.adapters.procfs import (
     ENVIRON_LIMIT,
     PF_KTHREAD,
     ancestor_pids,
@@ -24,8 +22,10 @@ from gpuguard.procfs import (
     scan_device_holders,
     scan_pids,
 )
-from gpuguard.redaction import REDACTED
-from gpuguard.values import (
+from gpuguard.core.holders import build_inventory
+from gpuguard.core.policy import PlanRequest, Scope, Verdict, plan
+from gpuguard.core.redaction import REDACTED
+from gpuguard.core.values import (
     NvmlHealth,
     NvmlReading,
     ProcessIdentity,

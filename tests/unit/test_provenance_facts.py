@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.procfs import parse_invocation_id, parse_uids
-from gpuguard.systemd import UnitState, parse_invocations, provenance, unit_uid
+from gpuguard.adapters.procfs import parse_invocation_id, parse_uids
+from gpuguard.adapters.systemd import UnitState, parse_invocations, provenance, unit_uid
 
 ID = "0123456789abcdef0123456789abcdef"
 UNIT = "sglang.service"

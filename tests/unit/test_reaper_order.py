@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.reaper import ReapTarget, signal_order
-from gpuguard.values import ProcessIdentity
+from gpuguard.adapters.reaper import ReapTarget, signal_order
+from gpuguard.core.values import ProcessIdentity
 
 
 def _target(pid: int, ppid: int) -> ReapTarget:

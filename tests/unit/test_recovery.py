@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.detector import Cause, Diagnosis
-from gpuguard.recovery import (
+from gpuguard.core.detector import Cause, Diagnosis
+from gpuguard.core.recovery import (
     Action,
     Interrupted,
     RecoveryLimits,

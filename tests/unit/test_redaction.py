@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.redaction import REDACTED, display_command, redact_cmdline
+from gpuguard.core.redaction import REDACTED, display_command, redact_cmdline
 
 if TYPE_CHECKING:
     from collections.abc import Callable

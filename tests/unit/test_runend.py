@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.events import EventKind, UnitEvent, parse_entry
-from gpuguard.runend import (
+from gpuguard.core.events import EventKind, UnitEvent, parse_entry
+from gpuguard.core.runend import (
     RunEnd,
     RunEnds,
     Sweep,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuguard.status import DaemonView, _watch_lines
+from gpuguard.core.status import DaemonView, _watch_lines
 
 UNIT = "sglang.service"
 

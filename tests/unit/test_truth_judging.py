@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from gpuguard.gate import GateSettings, set_blockers
-from gpuguard.holders import build_inventory
-from gpuguard.policy import PlanRequest, Scope
-from gpuguard.status import Level, StatusContext, assess, render_text, to_json
-from gpuguard.values import (
+from gpuguard.core.gate import GateSettings, set_blockers
+from gpuguard.core.holders import build_inventory
+from gpuguard.core.policy import PlanRequest, Scope
+from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
+from gpuguard.core.values import (
     MIB,
     GpuMemory,
     GpuReading,

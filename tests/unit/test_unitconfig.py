@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gpuguard.unitconfig import (
+from gpuguard.core.unitconfig import (
     ENV_FILE_MAX_BYTES,
     parse_environment_file,
     parse_show,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.xid import CATALOGUE, XidClass, lookup
+from gpuguard.core.xid import CATALOGUE, XidClass, lookup
 
 # NVIDIA's immediate-action bucket -> the class it must give (WORKFLOW_* are read in docs/xid.md).
 _BUCKETS = {

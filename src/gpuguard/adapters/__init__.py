@@ -1,0 +1,1 @@
+"""Adapters: one module per outside system (NVML, /proc, journal, systemd, signals, files)."""

@@ -1,0 +1,139 @@
+"""Where the configuration lives, and a cache of it that the gate's fast path can read cheaply.
+
+Validating the TOML with pydantic costs more than the whole fast path may spend (importing
+pydantic alone takes ~50 ms), so every full load stores the validated settings as JSON together
+with the file's exact text; ``gpuguard gate`` uses them instead when the file is unchanged and
+falls back to a full load otherwise. Nothing here imports pydantic (or hashlib: comparing a few
+hundred bytes is cheaper than loading OpenSSL). The cache is stamped with gpuguard's version
+and a format number, and checked key by key: a cache another gpuguard wrote is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from gpuguard import __version__
+from gpuguard.adapters import files
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpuguard/gpuguard.toml")
+CONFIG_ENV = "GPUGUARD_CONFIG"
+EX_CONFIG = 78
+# Fixed, not configurable: the cache must be found before the configuration is read.
+CACHE_DIR = Path("/run/gpuguard/config-cache")
+# Bumped whenever the cached settings change shape; with the version, any other stamp is a miss.
+CACHE_FORMAT = 2
+CONFIG_MAX = 1024 * 1024  # a configuration file is a few KiB; more is not one
+
+
+def config_path(cli_path: Path | None) -> tuple[Path, bool]:
+    """Which file to read and whether it was named explicitly (an explicit file must exist)."""
+    if cli_path is not None:
+        return cli_path, True
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env), True
+    return DEFAULT_CONFIG_PATH, False
+
+
+def read_config(path: Path) -> bytes:
+    """The configuration file's bytes; as root, only from a file only root can change.
+
+    sshd's StrictModes: root's configuration decides which processes get killed, so it must be
+    owned by root and not writable by group or others, nor may any directory above it be (a
+    root-owned sticky directory such as /tmp excepted, see docs/security.md). Raises
+    files.UnsafePathError naming the file and the reason, FileNotFoundError, or OSError.
+    """
+    if os.geteuid() != 0:
+        return path.read_bytes()
+    return files.read_file(path, max_bytes=CONFIG_MAX)
+
+
+def _cache_file(path: Path) -> Path:
+    key = str(path.absolute()).strip("/").replace("%", "%25").replace("/", "%2F")
+    return CACHE_DIR / f"{key}.json"
+
+
+def _text(raw: bytes | None) -> str | None:
+    """The file's bytes as JSON-safe text (latin-1 maps every byte to one character)."""
+    return None if raw is None else raw.decode("latin-1")
+
+
+def _stamp() -> dict[str, object]:
+    return {"format": CACHE_FORMAT, "version": __version__}
+
+
+def store_validated(path: Path, raw: bytes | None, settings: dict[str, Any]) -> None:
+    """Remember ``settings`` as the validated form of ``raw`` (None: the file is absent).
+
+    Best effort: a host where /run/gpuguard is not writable (not root) simply has no cache.
+    """
+    document = {
+        **_stamp(),
+        "path": str(path.absolute()),
+        "text": _text(raw),
+        "settings": settings,
+    }
+    with contextlib.suppress(OSError):
+        files.write_file(_cache_file(path), json.dumps(document).encode(), mode=0o600)
+
+
+def load_validated(cli_path: Path | None) -> dict[str, Any] | None:
+    """The cached validated settings if the configuration file is byte-for-byte unchanged.
+
+    Anything unexpected (another gpuguard's stamp, a missing key, a wrong type, a file that is
+    not safely ours) is a miss, never an error: the caller then does the full load.
+    """
+    path, explicit = config_path(cli_path)
+    try:
+        raw: bytes | None = read_config(path)
+    except FileNotFoundError:
+        if explicit:
+            return None  # let the full load say "no such file"
+        raw = None
+    except OSError:
+        return None  # the full load says why
+    try:
+        document = json.loads(files.read_file(_cache_file(path), max_bytes=CONFIG_MAX * 4))
+    except (OSError, ValueError, RecursionError):
+        return None
+    expected = {**_stamp(), "path": str(path.absolute()), "text": _text(raw)}
+    if not isinstance(document, dict) or any(document.get(k) != v for k, v in expected.items()):
+        return None
+    settings = document.get("settings")
+    return settings if _fast_path_usable(settings) else None
+
+
+def _fast_path_usable(settings: object) -> bool:
+    """Whether ``settings`` has every key the gate's fast path reads, each of the right type."""
+    if not isinstance(settings, dict):
+        return False
+    units = settings.get("units")
+    library = settings.get("nvml_library")
+    timeout = settings.get("nvml_timeout_s")
+    threshold = settings.get("idle_threshold_mib")
+    return (
+        isinstance(units, dict)
+        and all(_unit_usable(unit) for unit in units.values())
+        and isinstance(timeout, int | float)
+        and not isinstance(timeout, bool)
+        and timeout > 0
+        and isinstance(threshold, int)
+        and not isinstance(threshold, bool)
+        and isinstance(settings.get("runtime_dir"), str)
+        and (library is None or isinstance(library, str))
+    )
+
+
+def _unit_usable(unit: object) -> bool:
+    if not isinstance(unit, dict):
+        return False
+    gpus = unit.get("gpus", False)
+    return gpus is None or (isinstance(gpus, list) and all(_gpu_usable(gpu) for gpu in gpus))
+
+
+def _gpu_usable(gpu: object) -> bool:
+    return isinstance(gpu, str) or (isinstance(gpu, int) and not isinstance(gpu, bool))

@@ -1,0 +1,79 @@
+"""Gather one inventory from the world: NVML first, then /proc, merged by the pure core."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters import nvml, procfs, state
+from gpuguard.core import baseline
+from gpuguard.core.holders import Inventory, build_inventory
+from gpuguard.core.values import MIB, MemoryApi
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gpuguard.config import Settings
+    from gpuguard.core.values import NvmlReading, ProcScan
+
+V1_RESERVED_FILE = "v1-reserved.json"
+
+
+def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
+    """Read NVML (bounded by its deadline) unless a fresh reading is given, then walk /proc.
+
+    The full walk, not the NVML-first shortcut: a worker left behind by a dead parent holds the
+    device but is named by nobody, and status must show it. PIDs NVML names that the walk missed
+    are then read one by one: without root a live job of another user is merely uninspectable.
+    """
+    if reading is None:
+        reading = nvml.read_gpus(settings.nvml_timeout_s, settings.nvml_library)
+    scan = procfs.scan_device_holders(settings.device_glob)
+    found = {facts.identity.pid for facts in scan.processes}
+    listed = {p.pid for gpu in reading.gpus for p in gpu.processes} - found
+    if listed:
+        extra = procfs.read_listed(listed, settings.device_glob)
+        scan = replace(
+            scan,
+            processes=tuple(
+                sorted((*scan.processes, *extra.processes), key=lambda f: f.identity.pid)
+            ),
+            hidden=extra.hidden,
+        )
+    threshold = settings.idle_threshold_mib * MIB
+    if any(g.memory is not None and g.memory.api is MemoryApi.V1 for g in reading.gpus):
+        reading = _without_v1_reserve(settings, reading, scan)
+    return build_inventory(reading, scan, threshold)
+
+
+def _without_v1_reserve(settings: Settings, reading: NvmlReading, scan: ProcScan) -> NvmlReading:
+    """Learn the v1 reserve from this reading (root only), remember it, take it out of ``used``.
+
+    Without root another user's job is invisible in /proc, so other users only use what root
+    learned and stored in state_dir.
+    """
+    path = settings.state_dir / V1_RESERVED_FILE
+    known = _load_learned(path)
+    learned = known
+    if os.geteuid() == 0:
+        raw = build_inventory(reading, scan, settings.idle_threshold_mib * MIB)
+        learned = baseline.learn(raw, known, settings.protected_processes)
+    if learned != known:
+        with contextlib.suppress(OSError):
+            state.write_json(path, learned)
+    configured = None if settings.v1_reserved_mib is None else settings.v1_reserved_mib * MIB
+    return baseline.apply(reading, configured, learned)
+
+
+def _load_learned(path: Path) -> dict[str, int]:
+    """The learned reserves (GPU model → bytes); anything malformed is dropped, not trusted."""
+    document = state.read_json(path)
+    if not isinstance(document, dict):
+        return {}
+    return {
+        model: value
+        for model, value in document.items()
+        if isinstance(model, str) and type(value) is int and value >= 0
+    }

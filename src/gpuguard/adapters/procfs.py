@@ -1,0 +1,539 @@
+"""Read who holds GPU device files from /proc: the only module that looks at /proc.
+
+Two walks. ``scan_device_holders`` visits every process, like ``fuser -v /dev/nvidia*``: it
+readlinks each ``/proc/PID/fd/*`` and searches ``/proc/PID/maps`` (a process may only mmap the
+device; psutil's ``open_files()`` never lists character devices, so fds are read here).
+``scan_pids`` is the NVML-first path: it reads only the PIDs NVML named and their descendants,
+which may have inherited the device fds through fork.
+
+Processes come and go while we read: a process that vanishes mid-read (ENOENT, ESRCH) is simply
+absent from the result, never an error, and a PID reused during the read is detected by reading
+the start time again at the end. Anything else we may not read (another user's fds without
+root) is counted in ``ProcScan.unreadable`` so the caller can say the answer is incomplete.
+
+``device_glob`` is an absolute fnmatch pattern compared with readlink targets and mapped paths
+(``*`` also matches ``/``, so ``/dev/nvidia*`` covers ``/dev/nvidia-caps/nvidia-cap1``).
+``proc_root`` is a parameter everywhere so tests can point it at a fake tree.
+"""
+
+# The /proc walk is the hot path (benchmarked against fuser over 40,000 fds): it uses str paths
+# and os.* calls because building a pathlib object per fd and file costs more than the syscall.
+# ruff: noqa: PTH112, PTH116, PTH208
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import pwd
+import re
+from collections import deque
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuguard.core.cgroup import parse_cgroup
+from gpuguard.core.values import ProcessFacts, ProcessIdentity, ProcScan
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+PROC = Path("/proc")
+PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
+_VANISHED = (FileNotFoundError, ProcessLookupError)  # ENOENT, ESRCH: the process exited
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_CHUNK = 1 << 16
+_DELETED = " (deleted)"
+_INVOCATION_ID = re.compile(rb"[0-9a-f]{32}")
+_INVOCATION_KEY = b"INVOCATION_ID="
+# The environment is the process's to write and may be large (up to a quarter of its stack
+# limit): only this much is read. An INVOCATION_ID beyond it is not found, which only ever
+# spares a process.
+ENVIRON_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StatFields:
+    """The fields of ``/proc/PID/stat`` gpuguard uses."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    flags: int
+    start_time: int
+
+    @property
+    def kernel_thread(self) -> bool:
+        """Whether the kernel marks this task as one of its own threads (PF_KTHREAD)."""
+        return bool(self.flags & PF_KTHREAD)
+
+
+def parse_stat(data: bytes) -> StatFields | None:
+    """Parse ``/proc/PID/stat``; None when it is not in the kernel's format.
+
+    The command name sits between the first ``(`` and the *last* ``)`` and may contain
+    anything, ``)`` and newlines included (``foo) Z 1 2 (``), so the numeric fields are read
+    after the last ``)`` only. Fields (proc(5)): 3 state, 4 ppid, 9 flags, 22 starttime.
+    """
+    opening = data.find(b"(")
+    closing = data.rfind(b")")
+    if opening < 0 or closing < opening:
+        return None
+    fields = data[closing + 1 :].split()
+    if len(fields) < 20:
+        return None
+    try:
+        pid = int(data[:opening])
+        ppid, flags, start_time = int(fields[1]), int(fields[6]), int(fields[19])
+    except ValueError:
+        return None
+    return StatFields(
+        pid=pid,
+        comm=data[opening + 1 : closing].decode("utf-8", "backslashreplace"),
+        state=fields[0].decode("ascii", "backslashreplace"),
+        ppid=ppid,
+        flags=flags,
+        start_time=start_time,
+    )
+
+
+class _DeviceMatcher:
+    """A device glob compiled for the hot path: a literal prefix test before the full match."""
+
+    __slots__ = ("_match", "prefix", "prefix_bytes")
+
+    def __init__(self, device_glob: str) -> None:
+        cut = next((i for i, ch in enumerate(device_glob) if ch in "*?["), len(device_glob))
+        self.prefix = device_glob[:cut]
+        self.prefix_bytes = os.fsencode(self.prefix)
+        self._match = re.compile(fnmatch.translate(device_glob)).match
+
+    def matches(self, path: str) -> bool:
+        """Whether ``path`` (a readlink target or maps path) matches the glob."""
+        return path.startswith(self.prefix) and self._match(path) is not None
+
+
+def _read(path: str, limit: int | None = None) -> bytes:
+    """Read a /proc file to EOF (short reads happen), or its first ``limit`` bytes."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit))
+        if not chunk:
+            return chunk
+        chunks = [chunk]
+        size = len(chunk)
+        while limit is None or size < limit:
+            want = _CHUNK if limit is None else min(_CHUNK, limit - size)
+            chunk = os.read(fd, want)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _fd_devices(base: str, matcher: _DeviceMatcher) -> list[str] | None:
+    """Return the device files among a process's open fds; None when they cannot be read.
+
+    The fd directory is opened once and each link read relative to it (readlinkat), which
+    spares the kernel a full path walk per fd: about 15% of the whole scan.
+    """
+    try:
+        dir_fd = os.open(base + "/fd", _DIR_FLAGS)
+    except _VANISHED:
+        return []
+    except OSError:
+        return None
+    prefix = matcher.prefix
+    found: list[str] = []
+    readlink = os.readlink
+    try:
+        for name in os.listdir(dir_fd):
+            try:
+                target = readlink(name, dir_fd=dir_fd)
+            except OSError:
+                continue  # closed since listdir (ENOENT) or the process exited
+            if target.startswith(prefix):
+                target = target.removesuffix(_DELETED)
+                if matcher.matches(target):
+                    found.append(target)
+    except _VANISHED:
+        return []
+    except OSError:
+        return None
+    finally:
+        os.close(dir_fd)
+    return found
+
+
+def _mapped_devices(base: str, matcher: _DeviceMatcher) -> list[str] | None:
+    """Return the device files a process has mmapped; None when its maps cannot be read."""
+    try:
+        data = _read(base + "/maps")
+    except _VANISHED:
+        return []
+    except OSError:
+        return None
+    prefix = matcher.prefix_bytes
+    if prefix not in data:
+        return []
+    found: list[str] = []
+    for line in data.split(b"\n"):
+        if prefix not in line:
+            continue
+        # address perms offset dev inode pathname: the path is the 6th column, may hold spaces.
+        columns = line.split(None, 5)
+        if len(columns) == 6:
+            path = os.fsdecode(columns[5]).removesuffix(_DELETED)
+            if matcher.matches(path):
+                found.append(path)
+    return found
+
+
+@lru_cache(maxsize=1024)
+def _user_name(uid: int) -> str:
+    """Return the login name of ``uid``, or the number when it has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def parse_uids(status: bytes) -> tuple[int, ...]:
+    """Return the real, effective, saved and filesystem uids from ``/proc/PID/status``.
+
+    The last ``Uid:`` line is used: only the ``Name:`` line before it is process-controlled.
+    Empty when the line is missing or malformed.
+    """
+    at = status.rfind(b"\nUid:")
+    if at < 0:
+        return ()
+    fields = status[at + 5 :].split(b"\n", 1)[0].split()
+    if len(fields) != 4 or not all(field.isdigit() for field in fields):
+        return ()
+    return tuple(int(field) for field in fields)
+
+
+def parse_invocation_id(environ: bytes) -> str | None:
+    """Return ``INVOCATION_ID`` from a NUL-separated environment block, if it is unambiguous.
+
+    It counts only as a systemd id (32 lower-case hex digits) named exactly once: a block with
+    two (``getenv`` and a shell disagree on which wins), a malformed value, or the variable cut
+    off by the read limit gives None. Linear in the size of the block.
+    """
+    items = environ.split(b"\0")
+    if not environ.endswith(b"\0"):
+        items.pop()  # cut off by the read limit (or the kernel's view of a rewritten block)
+    found = [item[len(_INVOCATION_KEY) :] for item in items if item.startswith(_INVOCATION_KEY)]
+    if len(found) != 1 or not _INVOCATION_ID.fullmatch(found[0]):
+        return None
+    return found[0].decode("ascii")
+
+
+def _split_cmdline(data: bytes) -> tuple[str, ...]:
+    """Split ``/proc/PID/cmdline``; trailing NULs (setproctitle padding) are dropped."""
+    data = data.rstrip(b"\0")
+    if not data:
+        return ()
+    return tuple(arg.decode("utf-8", "backslashreplace") for arg in data.split(b"\0"))
+
+
+def _read_stat(base: str) -> StatFields | None:
+    """Read and parse ``base/stat``; None when the process is gone or hidden from us."""
+    try:
+        return parse_stat(_read(base + "/stat"))
+    except OSError:
+        return None
+
+
+def _read_optional(path: str, limit: int | None = None) -> bytes | None:
+    """Read a file that may be unreadable for us; vanishing still propagates."""
+    try:
+        return _read(path, limit)
+    except _VANISHED:
+        raise
+    except OSError:
+        return None
+
+
+def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
+    """Build the full facts of one process; None when it vanished or its PID was reused."""
+    stat = _read_stat(base)
+    if stat is None:
+        return None
+    try:
+        cmdline = _read_optional(base + "/cmdline") or b""
+        status = _read_optional(base + "/status") or b""
+        cgroup = _read_optional(base + "/cgroup") or b""
+        environ = _read_optional(base + "/environ", ENVIRON_LIMIT) or b""
+        uids = parse_uids(status)
+        uid = uids[0] if uids else os.stat(base).st_uid
+    except _VANISHED:
+        return None
+    again = _read_stat(base)
+    if again is None or again.start_time != stat.start_time:
+        return None  # exited, or exited and the PID was reused, while we read
+    return ProcessFacts(
+        identity=ProcessIdentity(pid=pid, start_time=stat.start_time),
+        ppid=stat.ppid,
+        state=stat.state,
+        comm=stat.comm,
+        cmdline=_redacted(_split_cmdline(cmdline)),
+        uid=uid,
+        uids=uids,
+        user=_user_name(uid),
+        cgroup=parse_cgroup(cgroup.decode("utf-8", "backslashreplace")),
+        invocation_id=parse_invocation_id(environ),
+        device_files=devices,
+        kernel_thread=stat.kernel_thread,
+        kernel_wait=_kernel_wait(base) if stat.state == "D" else (),
+    )
+
+
+_STACK_FRAMES = 64
+_FRAME_CHARS = 200
+
+
+def _kernel_wait(base: str) -> tuple[str, ...]:
+    """Where a process in state D sleeps: its wchan symbol, then its kernel stack's frames.
+
+    ``stack`` lines read ``[<0>] uvm_spin_loop+0x8c/0x190 [nvidia_uvm]``: the frame, with the
+    module in brackets, is kept. Root alone may read ``stack``; without root the kernel shows
+    ``wchan`` as "0", so the answer may be empty (unknown). Bounded: a kernel stack is short,
+    but nothing read here is trusted to be.
+    """
+    frames: list[str] = []
+    with contextlib.suppress(OSError):
+        wchan = _read(base + "/wchan")[:_FRAME_CHARS].decode("ascii", "backslashreplace").strip()
+        if wchan not in {"", "0"}:
+            frames.append(wchan)
+    with contextlib.suppress(OSError):
+        for line in _read(base + "/stack").split(b"\n", _STACK_FRAMES)[:_STACK_FRAMES]:
+            frame = line.partition(b"] ")[2][:_FRAME_CHARS].decode("ascii", "backslashreplace")
+            if frame.strip():
+                frames.append(frame.strip())
+    return tuple(frames)
+
+
+def _is_kernel_thread(base: str) -> bool:
+    """Whether ``base`` is a kernel thread (whose fds are unreadable but hold nothing)."""
+    stat = _read_stat(base)
+    return stat is not None and stat.kernel_thread
+
+
+def _read_process(pid: int, root: str, matcher: _DeviceMatcher) -> tuple[ProcessFacts | None, bool]:
+    """Read one process with its device files; also say whether its fds and maps were readable."""
+    base = f"{root}/{pid}"
+    fds = _fd_devices(base, matcher)
+    maps = _mapped_devices(base, matcher)
+    facts = _facts(pid, base, frozenset((fds or []) + (maps or [])))
+    readable = (fds is not None and maps is not None) or (facts is not None and facts.kernel_thread)
+    return facts, readable
+
+
+def read_process(pid: int, device_glob: str, *, proc_root: Path = PROC) -> ProcessFacts | None:
+    """Return what /proc says about ``pid`` and which ``device_glob`` files it holds.
+
+    None when the process does not exist (or vanished while we read it). Device files that
+    could not be read (another user's process, without root) are simply missing.
+    """
+    facts, _readable = _read_process(pid, os.fspath(proc_root), _DeviceMatcher(device_glob))
+    return facts
+
+
+def scan_device_holders(device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+    """Walk every process and return those holding a file that matches ``device_glob``.
+
+    ``unreadable`` counts processes (not kernel threads) whose fds or maps we may not read.
+    """
+    matcher = _DeviceMatcher(device_glob)
+    root = os.fspath(proc_root)
+    found: list[ProcessFacts] = []
+    unreadable = 0
+    for name in os.listdir(root):
+        if not name.isdecimal():
+            continue
+        base = f"{root}/{name}"
+        fds = _fd_devices(base, matcher)
+        maps = _mapped_devices(base, matcher)
+        if (fds is None or maps is None) and not _is_kernel_thread(base):
+            unreadable += 1
+        if fds or maps:
+            facts = _facts(int(name), base, frozenset((fds or []) + (maps or [])))
+            if facts is not None:
+                found.append(facts)
+    found.sort(key=lambda facts: facts.identity.pid)
+    return ProcScan(processes=tuple(found), unreadable=unreadable, method="full")
+
+
+class _ChildrenUnsupportedError(Exception):
+    """The kernel has no ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN is off)."""
+
+
+def _children_of(root: str, pid: int) -> list[int]:
+    """Return the children of every thread of ``pid`` from ``task/*/children``."""
+    task_dir = f"{root}/{pid}/task"
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return []
+    children: list[int] = []
+    for tid in tids:
+        try:
+            data = _read(f"{task_dir}/{tid}/children")
+        except FileNotFoundError:
+            if os.path.isdir(f"{task_dir}/{tid}"):
+                raise _ChildrenUnsupportedError from None
+            continue  # the thread exited
+        except OSError:
+            continue
+        children.extend(int(child) for child in data.split() if child.isdigit())
+    return children
+
+
+def _children_by_ppid(root: str) -> dict[int, list[int]]:
+    """Map every process to its children by reading every ``stat`` (the slow fallback)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir(root):
+        if name.isdecimal():
+            stat = _read_stat(f"{root}/{name}")
+            if stat is not None:
+                children.setdefault(stat.ppid, []).append(int(name))
+    return children
+
+
+def scan_pids(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+    """Read the processes NVML named and all their descendants (fork inherits device fds).
+
+    Every listed PID that exists is returned, with or without device files (NVML named it);
+    a descendant only when it holds a file matching ``device_glob``. PIDs that do not exist
+    here (gone, or from another PID namespace) are left out.
+    """
+    matcher = _DeviceMatcher(device_glob)
+    root = os.fspath(proc_root)
+    listed = {pid for pid in pids if pid > 0}
+    queue = deque(sorted(listed))
+    seen: set[int] = set()
+    by_ppid: dict[int, list[int]] | None = None
+    found: list[ProcessFacts] = []
+    unreadable = 0
+    while queue:
+        pid = queue.popleft()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        facts, readable = _read_process(pid, root, matcher)
+        if facts is None:
+            continue
+        unreadable += not readable
+        if pid in listed or facts.device_files:
+            found.append(facts)
+        if by_ppid is None:
+            try:
+                queue.extend(_children_of(root, pid))
+                continue
+            except _ChildrenUnsupportedError:
+                by_ppid = _children_by_ppid(root)
+        queue.extend(by_ppid.get(pid, ()))
+    found.sort(key=lambda facts: facts.identity.pid)
+    return ProcScan(processes=tuple(found), unreadable=unreadable, method="nvml-first")
+
+
+def read_listed(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+    """Read PIDs NVML named that the device walk did not find, to tell "gone" from "hidden".
+
+    Without root another user's fds cannot be read, so a live GPU job is missing from the walk.
+    Such a process is returned with ``files_readable`` False; one whose /proc entry exists but
+    cannot be read at all is listed in ``hidden``. A process whose fds we can read and that holds
+    no device file is left out: the PID NVML names was reused, or the process let go already.
+    """
+    matcher = _DeviceMatcher(device_glob)
+    root = os.fspath(proc_root)
+    found: list[ProcessFacts] = []
+    hidden: set[int] = set()
+    for pid in sorted(set(pids)):
+        if pid <= 0:
+            continue
+        facts, readable = _read_process(pid, root, matcher)
+        if facts is not None and not readable:
+            found.append(replace(facts, files_readable=False))
+        elif facts is None and Path(f"{root}/{pid}").exists():
+            hidden.add(pid)
+    return ProcScan(processes=tuple(found), method="listed", hidden=frozenset(hidden))
+
+
+def read_stat(pid: int, *, proc_root: Path = PROC) -> StatFields | None:
+    """Return the parsed ``/proc/PID/stat`` of ``pid`` (state letter, start time…); None if gone."""
+    return _read_stat(f"{os.fspath(proc_root)}/{pid}")
+
+
+def read_identity(pid: int, *, proc_root: Path = PROC) -> ProcessIdentity | None:
+    """Return the identity (pid, start time) of ``pid`` now; None when no such process."""
+    stat = _read_stat(f"{os.fspath(proc_root)}/{pid}")
+    return None if stat is None else ProcessIdentity(pid=pid, start_time=stat.start_time)
+
+
+def read_wchan(pid: int, *, proc_root: Path = PROC) -> str | None:
+    """Return the kernel function ``pid`` sleeps in (telling a driver hang apart), if known.
+
+    None when it is running, gone, or the kernel hides the symbol from us (it then says "0").
+    """
+    try:
+        text = _read(f"{os.fspath(proc_root)}/{pid}/wchan").decode("ascii", "backslashreplace")
+    except OSError:
+        return None
+    text = text.strip()
+    return None if text in {"", "0"} else text
+
+
+def ancestor_pids(pid: int, *, proc_root: Path = PROC) -> tuple[int, ...]:
+    """Return the parent, grandparent, … of ``pid`` up to PID 1 (the gate must spare them)."""
+    root = os.fspath(proc_root)
+    chain: list[int] = []
+    current = pid
+    while current > 1 and len(chain) < 4096:
+        stat = _read_stat(f"{root}/{current}")
+        if stat is None or stat.ppid in chain or stat.ppid == current:
+            break
+        current = stat.ppid
+        if current <= 0:
+            break
+        chain.append(current)
+    return tuple(chain)
+
+
+def boot_time() -> float:
+    """When this host booted (Unix time): turns a start time in clock ticks into a date."""
+    import psutil  # noqa: PLC0415 - only status needs it; keep the gate's imports light
+
+    return float(psutil.boot_time())
+
+
+def clock_ticks_per_second() -> int:
+    """The unit of ``ProcessIdentity.start_time`` (USER_HZ, almost always 100)."""
+    return os.sysconf("SC_CLK_TCK")
+
+
+def _redacted(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """Secrets removed before a command line leaves this module.
+
+    Imported on first use: the gate's fast path imports procfs only to learn its own cgroup,
+    and must not pay for compiling the redaction patterns.
+    """
+    from gpuguard.core.redaction import redact_cmdline  # noqa: PLC0415 - see docstring
+
+    return redact_cmdline(argv)
+
+
+def read_cgroup(pid: int, *, proc_root: Path = PROC) -> str | None:
+    """The cgroup path of ``pid`` (as parse_cgroup reads /proc/PID/cgroup); None if it is gone."""
+    try:
+        data = Path(f"{os.fspath(proc_root)}/{pid}/cgroup").read_bytes()
+    except OSError:
+        return None
+    return parse_cgroup(data.decode("utf-8", "backslashreplace"))

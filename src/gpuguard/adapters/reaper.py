@@ -1,0 +1,352 @@
+"""Signal the stale GPU holders the policy chose: the only module in gpuguard that sends signals.
+
+What is at risk: a signal that reaches an unrelated process which reused a PID, a supervisor
+that respawns a worker we just killed, and an endless retry against a process the kernel will
+not let die. So each process is pinned with a pidfd *before* its identity (PID + start time)
+is checked again, and every later signal goes through that pidfd (earlyoom: "Open the pidfd
+before calling kill()"); parents are signalled before their children; SIGTERM goes to all,
+one shared grace, SIGKILL to the survivors, one bounded wait; whoever is still alive is
+reported as unkillable with its state and wchan (a GPU reset or reboot is needed), never
+retried. EPERM is reported once, never retried. Every signal sent is one log line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+from gpuguard.adapters import procfs
+from gpuguard.adapters.logs import get_logger
+from gpuguard.core.escaping import escape
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+    from pathlib import Path
+
+    from gpuguard.core.values import ProcessIdentity
+
+
+class EventLogger(Protocol):
+    """What the reaper needs from a logger; a structlog bound logger is one."""
+
+    def info(self, event: str, **kw: object) -> object:
+        """Log an event that went as expected."""
+
+    def warning(self, event: str, **kw: object) -> object:
+        """Log an event an operator has to act on."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReapTarget:
+    """A process the kill policy chose, with what an operator needs to recognise it."""
+
+    identity: ProcessIdentity
+    ppid: int
+    command: str  # display text, secrets already redacted
+    unit: str | None
+    reason: str  # why the policy chose it
+
+
+class ReapOutcome(StrEnum):
+    """How reaping one target ended."""
+
+    EXITED = "exited"  # exited after SIGTERM
+    KILLED = "killed"  # exited after SIGKILL
+    GONE = "gone"  # had already exited before we signalled it
+    PID_REUSED = "pid-reused"  # the PID now names another process, which was never signalled
+    UNKILLABLE = "unkillable"  # alive after SIGKILL and the wait (state D in the driver, …)
+    PERMISSION_DENIED = "permission-denied"  # EPERM: reported once, never retried
+    ERROR = "error"  # the kernel refused the pidfd or the signal for another reason
+    DRY_RUN = "dry-run"  # nothing was opened or sent
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    """The outcome for one target, the signals it was sent, and the why when it did not die."""
+
+    target: ReapTarget
+    outcome: ReapOutcome
+    signals: tuple[str, ...] = ()
+    detail: str | None = None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """The reaper's bookkeeping for one target while it works (internal, mutable)."""
+
+    target: ReapTarget
+    fd: int | None = None
+    state_before: str | None = None
+    signals: list[str] = field(default_factory=list)
+    outcome: ReapOutcome | None = None
+    detail: str | None = None
+
+    def result(self) -> ReapResult:
+        """The frozen result of a settled target."""
+        if self.outcome is None:
+            raise RuntimeError(f"internal error: PID {self.target.identity.pid} is not settled")
+        return ReapResult(self.target, self.outcome, tuple(self.signals), self.detail)
+
+    def pidfd(self) -> int:
+        """The open pidfd of a pinned target that is not settled yet."""
+        if self.fd is None:
+            raise RuntimeError(f"internal error: PID {self.target.identity.pid} is not pinned")
+        return self.fd
+
+
+_WARN = frozenset({ReapOutcome.UNKILLABLE, ReapOutcome.PERMISSION_DENIED, ReapOutcome.ERROR})
+
+
+def signal_order(targets: Sequence[ReapTarget]) -> tuple[ReapTarget, ...]:
+    """Return ``targets`` parents first: a target's ancestors among the targets come before it.
+
+    Targets are sorted by their depth in the parent links among themselves, then by input
+    order. A ppid cycle (impossible among live processes, possible in stale data) is broken
+    where the walk from the earliest target in it first closes the loop.
+    """
+    index_of = {target.identity.pid: index for index, target in enumerate(targets)}
+    depth: dict[int, int] = {}
+    for start in range(len(targets)):
+        path: list[int] = []
+        on_path: set[int] = set()
+        current: int | None = start
+        while current is not None and current not in depth and current not in on_path:
+            path.append(current)
+            on_path.add(current)
+            current = index_of.get(targets[current].ppid)
+        level = -1 if current is None or current in on_path else depth[current]
+        for index in reversed(path):
+            level += 1
+            depth[index] = level
+    ranked = sorted(range(len(targets)), key=lambda index: (depth[index], index))
+    return tuple(targets[index] for index in ranked)
+
+
+def _refuse(targets: Sequence[ReapTarget]) -> None:
+    """Raise ValueError for a target no policy may choose: PID 1/2, ourselves, our ancestors.
+
+    A PID listed with two start times is a contradictory plan and refused too.
+
+    Our ancestry is read from the real /proc whatever ``proc_root`` says: ``os.getpid()`` and
+    pidfd_open both speak this PID namespace. The gate runs inside the watched unit's cgroup,
+    so its own parents are exactly the processes a careless plan would include.
+    """
+    own = os.getpid()
+    ancestors = set(procfs.ancestor_pids(own, proc_root=procfs.PROC))
+    seen: dict[int, int] = {}
+    for target in targets:
+        pid = target.identity.pid
+        what = f"PID {pid} ({escape(target.command, 200)})"
+        if pid <= 2:
+            raise ValueError(f"refusing to signal {what}: init and kthreadd are never reaped")
+        if pid == own or pid in ancestors:
+            raise ValueError(f"refusing to signal {what}: it is gpuguard itself or its ancestor")
+        if seen.setdefault(pid, target.identity.start_time) != target.identity.start_time:
+            raise ValueError(f"refusing to reap {what}: it is listed with two start times")
+
+
+def _fields(target: ReapTarget) -> dict[str, object]:
+    """The log fields that identify a target to an operator."""
+    return {
+        "pid": target.identity.pid,
+        "start_time": target.identity.start_time,
+        "command": target.command,
+        "unit": target.unit,
+        "reason": target.reason,
+    }
+
+
+def _settle(item: _Tracked, outcome: ReapOutcome, detail: str | None, log: EventLogger) -> None:
+    """Record the outcome of a target, close its pidfd, and log its one outcome line."""
+    item.outcome = outcome
+    item.detail = detail
+    if item.fd is not None:
+        os.close(item.fd)
+        item.fd = None
+    emit = log.warning if outcome in _WARN else log.info
+    emit(
+        "reap outcome",
+        outcome=str(outcome),
+        signals=list(item.signals),
+        detail=detail,
+        **_fields(item.target),
+    )
+
+
+def _has_exited(fd: int) -> bool:
+    """Whether the process behind a pidfd has exited (the pidfd polls readable)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _pin(item: _Tracked, proc_root: Path, log: EventLogger) -> None:
+    """Open a pidfd on the target, then check that it still is the process the policy chose.
+
+    Order matters: the target was seen before this call, so if the identity read *after*
+    pidfd_open matches, the pidfd names that process and no later PID reuse can redirect it.
+    """
+    target = item.target
+    pid = target.identity.pid
+    try:
+        item.fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _settle(item, ReapOutcome.GONE, "no such process", log)
+        return
+    except OSError as error:  # ENOSYS before Linux 5.3, EMFILE, …
+        _settle(item, ReapOutcome.ERROR, f"pidfd_open failed: {error.strerror}", log)
+        return
+    stat = procfs.read_stat(pid, proc_root=proc_root)
+    if stat is None:
+        _settle(item, ReapOutcome.GONE, "no such process", log)
+    elif stat.start_time != target.identity.start_time:
+        detail = f"PID {pid} now names a process started at {stat.start_time} ({escape(stat.comm)})"
+        _settle(item, ReapOutcome.PID_REUSED, detail, log)
+    elif stat.kernel_thread:
+        name = escape(stat.comm)
+        raise ValueError(f"refusing to signal PID {pid} ({name}): it is a kernel thread")
+    elif _has_exited(item.fd):
+        _settle(item, ReapOutcome.GONE, "already exited (a zombie its parent has not reaped)", log)
+    else:
+        item.state_before = stat.state
+
+
+def _send(item: _Tracked, sig: signal.Signals, log: EventLogger) -> bool:
+    """Send ``sig`` through the pidfd; False when the process had already been reaped (ESRCH).
+
+    EPERM and other refusals settle the target: it gets no further signal.
+    """
+    try:
+        signal.pidfd_send_signal(item.pidfd(), sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        detail = f"{sig.name} refused (EPERM): run gpuguard as root or as the process's user"
+        _settle(item, ReapOutcome.PERMISSION_DENIED, detail, log)
+        return True
+    except OSError as error:
+        _settle(item, ReapOutcome.ERROR, f"{sig.name} failed: {error.strerror}", log)
+        return True
+    item.signals.append(sig.name)
+    log.info("signal", signal=sig.name, **_fields(item.target))
+    return True
+
+
+def _wait(items: list[_Tracked], seconds: float, outcome: ReapOutcome, log: EventLogger) -> None:
+    """Wait up to ``seconds`` for the pidfds of ``items`` to poll readable (their exit)."""
+    poller = select.poll()
+    by_fd: dict[int, _Tracked] = {}
+    for item in items:
+        if item.outcome is None and item.fd is not None:
+            poller.register(item.fd, select.POLLIN)
+            by_fd[item.fd] = item
+    deadline = time.monotonic() + seconds
+    while by_fd:
+        remaining = deadline - time.monotonic()
+        ready = poller.poll(max(0, math.ceil(remaining * 1000)))
+        for fd, _events in ready:
+            poller.unregister(fd)
+            _settle(by_fd.pop(fd), outcome, None, log)
+        if remaining <= 0:
+            break
+
+
+def _unkillable_detail(item: _Tracked, kill_wait_s: float, proc_root: Path) -> str:
+    """Say where a survivor is stuck: its state letter and the kernel function it sleeps in."""
+    pid = item.target.identity.pid
+    stat = procfs.read_stat(pid, proc_root=proc_root)
+    state = "?" if stat is None else stat.state
+    wchan = procfs.read_wchan(pid, proc_root=proc_root) or "unknown"
+    before = f" (state {item.state_before} before SIGTERM)" if item.state_before == "D" else ""
+    return (
+        f"state {state}, wchan {wchan}{before}; still alive {kill_wait_s:g} s after SIGKILL; "
+        "a GPU reset or reboot is needed"
+    )
+
+
+def _dry_run(order: Sequence[ReapTarget], grace_s: float, log: EventLogger) -> None:
+    """Log what a real run would send, in the order it would send it."""
+    for target in order:
+        log.info(
+            "would signal", signal="SIGTERM", then=f"SIGKILL after {grace_s:g} s", **_fields(target)
+        )
+
+
+def _terminate(
+    tracked: list[_Tracked], grace_s: float, kill_wait_s: float, proc_root: Path, log: EventLogger
+) -> None:
+    """Pin, TERM, wait, KILL, wait, and settle every target (given in signal order)."""
+    # Pin every target before the first signal, so that a child whose parent takes it down on
+    # SIGTERM is still ours to account for (exited), not an unexplained "gone".
+    for item in tracked:
+        _pin(item, proc_root, log)
+    for item in tracked:
+        if item.outcome is None and not _send(item, signal.SIGTERM, log):
+            _settle(item, ReapOutcome.GONE, "exited before SIGTERM", log)
+    _wait(tracked, grace_s, ReapOutcome.EXITED, log)
+    for item in tracked:
+        # Through the still-open pidfd: a process that exited meanwhile cannot be confused with
+        # a newcomer that took its PID, and ESRCH means it has been reaped.
+        if item.outcome is None and (
+            _has_exited(item.pidfd()) or not _send(item, signal.SIGKILL, log)
+        ):
+            _settle(item, ReapOutcome.EXITED, None, log)
+    _wait(tracked, kill_wait_s, ReapOutcome.KILLED, log)
+    for item in tracked:
+        if item.outcome is None:
+            detail = _unkillable_detail(item, kill_wait_s, proc_root)
+            _settle(item, ReapOutcome.UNKILLABLE, detail, log)
+
+
+def reap(  # noqa: PLR0913 - the knobs are keyword-only and each has a safe default
+    targets: Iterable[ReapTarget],
+    *,
+    grace_s: float = 10.0,
+    kill_wait_s: float = 5.0,
+    dry_run: bool = False,
+    proc_root: Path = procfs.PROC,
+    logger: EventLogger | None = None,
+) -> tuple[ReapResult, ...]:
+    """Terminate ``targets`` safely and return one result per target, in the order given.
+
+    SIGTERM goes to every target (parents first), then one shared grace of ``grace_s``,
+    SIGKILL to the survivors, a wait of at most ``kill_wait_s``: the whole call is bounded by
+    about ``grace_s + kill_wait_s`` even for processes stuck in state D. ``dry_run`` opens and
+    sends nothing and only logs what it would do. Raises ValueError, before anything is sent,
+    for PID 1/2, gpuguard itself or its ancestors, a kernel thread, or one PID with two start
+    times: the policy should have refused those. A process listed twice is reaped once.
+    """
+    given = tuple(targets)
+    if grace_s < 0 or kill_wait_s < 0:
+        raise ValueError(f"grace_s and kill_wait_s must not be negative: {grace_s}, {kill_wait_s}")
+    _refuse(given)
+    if not given:
+        return ()  # nothing to do; and structlog stays unimported on the gate's fast path
+    log = get_logger() if logger is None else logger
+    # A process listed twice (it holds two GPUs, say) is signalled once; both share the outcome.
+    unique: dict[ProcessIdentity, ReapTarget] = {}
+    for target in given:
+        unique.setdefault(target.identity, target)
+    # Parents first: a supervisor (SGLang's launcher, a torchrun) that is still alive when its
+    # worker dies may start a new worker, which would hold the GPU and escape this plan.
+    order = signal_order(tuple(unique.values()))
+    if dry_run:
+        _dry_run(order, grace_s, log)
+        return tuple(ReapResult(target, ReapOutcome.DRY_RUN) for target in given)
+
+    tracked = [_Tracked(target) for target in order]
+    try:
+        _terminate(tracked, grace_s, kill_wait_s, proc_root, log)
+    finally:
+        for item in tracked:
+            if item.fd is not None:
+                os.close(item.fd)
+                item.fd = None
+    by_identity = {item.target.identity: item.result() for item in tracked}
+    return tuple(replace(by_identity[target.identity], target=target) for target in given)

@@ -1,0 +1,277 @@
+"""The systemd adapter: unit state through ``systemctl`` as a subprocess (no D-Bus library).
+
+Also what ties a process to one of a unit's runs (:func:`provenance`): the invocation ids PID 1
+logged for the unit, read with ``journalctl`` from entries only PID 1 can write (journald stamps
+``_PID`` itself), and the uid of the unit's ``User=``.
+"""
+
+from __future__ import annotations
+
+import json
+import pwd
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+from gpuguard.adapters import programs
+from gpuguard.core import unitconfig
+from gpuguard.core.values import UnitProvenance
+
+_PROPERTIES = (
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "MainPID",
+    "ControlPID",
+    "InvocationID",
+    "Environment",
+    "NRestarts",
+    "User",
+    "DynamicUser",
+)
+_TIMEOUT_S = 10
+_INVOCATION_ID = re.compile(r"[0-9a-f]{32}")
+# PID 1 logs a handful of entries per run (starting, started, stopped, consumed…): this many of
+# the newest cover hundreds of runs; each line is a few hundred bytes.
+_JOURNAL_ENTRIES = 4096
+_JOURNAL_LINE_LIMIT = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class UnitState:
+    """What systemd says about a unit; ``error`` is set when it could not be asked."""
+
+    unit: str
+    active_state: str | None = None
+    sub_state: str | None = None
+    main_pid: int | None = None
+    invocation_id: str | None = None
+    environment: dict[str, str] = field(default_factory=dict)
+    n_restarts: int | None = None
+    user: str | None = None
+    dynamic_user: bool = False
+    error: str | None = None
+    load_state: str | None = None
+    control_pid: int | None = None
+    """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
+
+    @property
+    def not_found(self) -> bool:
+        """Whether systemd has no such unit (a typo, a package not installed).
+
+        ``ActiveState=inactive`` says nothing here: systemctl answers ``LoadState=not-found``
+        with ``ActiveState=inactive`` for any name.
+        """
+        return self.load_state == "not-found"
+
+    @property
+    def running(self) -> bool:
+        """Active, reloading or still starting: its current invocation's processes are live."""
+        return self.active_state in {"active", "reloading", "activating", "deactivating"}
+
+
+def show_unit(unit: str) -> UnitState:
+    """Ask systemd for the unit's state; failures become ``error``, never exceptions."""
+    try:
+        result = programs.run(
+            ["systemctl", "show", unit, *(f"--property={p}" for p in _PROPERTIES)],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return UnitState(unit, error=f"systemctl failed: {err}")
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "no output"
+        return UnitState(unit, error=f"systemctl show {unit}: {reason}")
+    return parse_show(unit, result.stdout)
+
+
+def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:
+    """The named properties of ``unit`` as `systemctl show` prints them, or why not."""
+    try:
+        result = programs.run(
+            ["systemctl", "show", unit, *(f"--property={p}" for p in names)],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"systemctl failed: {err}"
+    if result.returncode != 0:
+        return f"systemctl show {unit}: {result.stderr.strip() or result.returncode}"
+    values: dict[str, str] = {}
+    for line in result.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key] = value
+    return values
+
+
+def _pid(text: str) -> int | None:
+    """A PID property (0 means none); None when absent, zero or not a plain number."""
+    return (
+        int(text)
+        if text.isascii() and text.isdigit() and 0 < len(text) <= 10 and int(text)
+        else None
+    )
+
+
+def parse_show(unit: str, text: str) -> UnitState:
+    """Parse ``systemctl show`` KEY=VALUE output."""
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key] = value
+    restarts = values.get("NRestarts", "")
+    return UnitState(
+        unit=unit,
+        active_state=values.get("ActiveState") or None,
+        sub_state=values.get("SubState") or None,
+        main_pid=_pid(values.get("MainPID", "")),
+        control_pid=_pid(values.get("ControlPID", "")),
+        invocation_id=values.get("InvocationID") or None,
+        environment=parse_environment(values.get("Environment", "")),
+        n_restarts=int(restarts) if restarts.isdecimal() else None,
+        load_state=values.get("LoadState") or None,
+        user=values.get("User") or None,
+        dynamic_user=values.get("DynamicUser") == "yes",
+    )
+
+
+def parse_environment(value: str) -> dict[str, str]:
+    """Split the Environment= property, which systemctl prints as shell-quoted words."""
+    return unitconfig.parse_environment(value)
+
+
+def control(verb: str, unit: str) -> str | None:
+    """Run ``systemctl --no-block VERB UNIT`` (stop, start, reset-failed); None or the error.
+
+    --no-block: the daemon polls the unit's state itself, so its watchdog keeps ticking while a
+    server drains or loads a model.
+    """
+    if verb not in {"stop", "start", "reset-failed"}:
+        raise ValueError(f"unsupported systemctl verb {verb!r}")
+    try:
+        result = programs.run(
+            ["systemctl", "--no-block", verb, unit],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"systemctl {verb} {unit} failed: {err}"
+    if result.returncode != 0:
+        return f"systemctl {verb} {unit}: {result.stderr.strip() or f'exit {result.returncode}'}"
+    return None
+
+
+def unit_uid(state: UnitState) -> int | None:
+    """The uid the unit's processes run as: ``User=`` resolved, root when unset; None if unknown.
+
+    A ``DynamicUser=`` unit's user exists only while it runs (and is named after the unit when
+    ``User=`` is unset); when the name does not resolve the uid is unknown.
+    """
+    name = state.user
+    if name is None:
+        if not state.dynamic_user:
+            return 0
+        name = state.unit.rsplit(".", 1)[0]
+    if name.isdecimal():
+        return int(name)
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_invocations(text: str, unit: str) -> frozenset[str]:
+    """The invocation ids in ``journalctl -o json`` output that PID 1 logged for ``unit``.
+
+    Total and linear: an over-long line, a line that is not a JSON object, an entry not stamped
+    ``_PID=1``, naming another unit or a malformed id is skipped.
+    """
+    found: set[str] = set()
+    for line in text.split("\n"):
+        if not line or len(line) > _JOURNAL_LINE_LIMIT:
+            continue
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(entry, dict) or entry.get("_PID") != "1" or entry.get("UNIT") != unit:
+            continue
+        invocation = entry.get("INVOCATION_ID")
+        if isinstance(invocation, str) and _INVOCATION_ID.fullmatch(invocation):
+            found.add(invocation)
+    return frozenset(found)
+
+
+def logged_invocations(unit: str) -> frozenset[str]:
+    """The invocation ids PID 1 logged for ``unit``; empty when the journal is silent.
+
+    Only the journal's newest entries are read (bounded), and only PID 1's: ``journalctl -u``
+    would also match the unit's own chatty output. No ``--boot``: a sandboxed service in a
+    container sees the host's boot ID and would match nothing, and an id from an earlier boot
+    is harmless (no process survives a reboot; one carrying such an id forged it as the unit's
+    own user, who could signal it anyway).
+    """
+    try:
+        result = programs.run(
+            [
+                "journalctl",
+                "--quiet",
+                "--no-pager",
+                "--output=json",
+                "--output-fields=INVOCATION_ID,UNIT,_PID",
+                f"--lines={_JOURNAL_ENTRIES}",
+                "_PID=1",
+                f"UNIT={unit}",
+            ],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return parse_invocations(result.stdout, unit) if result.returncode == 0 else frozenset()
+
+
+def provenance(state: UnitState, *, inside: bool = False) -> UnitProvenance:
+    """What ties a process to an ended run of the unit, from systemd's answer and its journal.
+
+    ``inside``: gpuguard runs in the unit's own cgroup (its ExecStartPre= or ExecStopPost=), so
+    no other run of the unit is live whatever systemctl says; its cgroup may be reaped even when
+    systemd cannot be asked, but nothing outside it is, for want of the unit's user and runs.
+    """
+    if state.error is not None:
+        return UnitProvenance(None if inside else state.error)
+    if state.running and state.invocation_id is None and not inside:
+        return UnitProvenance(f"{state.unit} is running but systemd names no invocation id")
+    runs = set(logged_invocations(state.unit))
+    if state.invocation_id is not None:
+        runs.add(state.invocation_id)  # a stopped unit still names its last, ended run
+    if state.running and not inside:
+        runs.discard(state.invocation_id or "")  # the live run is not a left-over
+    return UnitProvenance(None, frozenset(runs), unit_uid(state))
+
+
+# Where a unit is while systemd runs its ExecStartPre= (start-pre) or ExecStopPost= (stop-post,
+# and the final-* states that follow it when it overstays).
+_CONTROL_STATES = frozenset(
+    {"start-pre", "stop-post", "final-sigterm", "final-sigkill", "final-watchdog"}
+)
+
+
+def is_control_process(state: UnitState, pid: int, *, trust_unknown: bool) -> bool:
+    """Whether ``pid`` is the unit's ExecStartPre=/ExecStopPost= process, as systemd says.
+
+    Only that process may speak for the unit's run being over: any other process in the
+    cgroup (a worker, another user's job in a multi-user service) may not. When systemd
+    cannot be asked, ``trust_unknown`` decides (root running gpuguard itself in the cgroup).
+    """
+    if state.error is not None or state.sub_state is None:
+        return trust_unknown
+    return state.sub_state in _CONTROL_STATES and state.control_pid == pid

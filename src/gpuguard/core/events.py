@@ -1,0 +1,493 @@
+"""Journal entries → typed unit lifecycle events (pure: no I/O, no clock).
+
+systemd (PID 1) reports each run of a unit in the journal; this module turns one
+``journalctl -o json`` entry into a ``UnitEvent`` or ``None``. What is at risk: acting on a
+forged entry. Everything in a journal entry without a leading underscore (``MESSAGE``,
+``MESSAGE_ID``, ``UNIT``, ``N_RESTARTS``, ``INVOCATION_ID``…) can be sent by any local user, so a
+lifecycle event counts only when journald's trusted fields say PID 1 wrote it (``is_trusted``).
+
+The unit's own output is a second, weaker source: it can only ever yield ``gpu-oom-output``,
+when a line matches what servers print when GPU memory is already taken (``GPU_OOM_PATTERNS``).
+``_SYSTEMD_UNIT`` proves which unit wrote the line, but the text itself is free: such an event is
+evidence for a cause, never a trigger on its own (the detector uses it only to explain runs that
+PID 1 reported as failed).
+
+Facts: systemd.journal-fields(7) (trusted fields), systemd's catalog (MESSAGE_IDs), docs/daemon.md;
+golden samples in tests/journal_samples (systemd 252 and 257).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from gpuguard.core.escaping import escape
+
+
+class EventKind(StrEnum):
+    """What happened to a unit, as systemd (or, for ``gpu-oom-output``, the unit) said it."""
+
+    STARTING = "starting"
+    """``Starting …`` (UNIT_STARTING); absent for Type=simple units without ExecStartPre=."""
+    STARTED = "started"
+    """``Started …`` (UNIT_STARTED): the start job finished."""
+    START_FAILED = "start-failed"
+    """``Failed to start …`` (UNIT_FAILED): the start job failed; ``result`` is JOB_RESULT."""
+    STOPPING = "stopping"
+    """``Stopping …`` (UNIT_STOPPING)."""
+    STOPPED = "stopped"
+    """``Stopped …`` (UNIT_STOPPED); 252 also logs it between automatic restarts, 257 does not."""
+    MAIN_EXITED = "main-exited"
+    """``Main process exited, code=…, status=…`` (UNIT_PROCESS_EXIT of the main process only)."""
+    FAILED = "failed"
+    """``Failed with result '…'`` (UNIT_FAILURE_RESULT): the run ended in failure."""
+    DEACTIVATED = "deactivated"
+    """``Deactivated successfully.`` (UNIT_SUCCESS): the run ended cleanly."""
+    RESTART_SCHEDULED = "restart-scheduled"
+    """``Scheduled restart job, restart counter is at N.`` (UNIT_RESTART_SCHEDULED)."""
+    STOP_TIMED_OUT = "stop-timed-out"
+    """``State 'stop-sigterm' timed out. Killing.`` (text only; ``final`` for final-sigterm)."""
+    SURVIVED_SIGKILL = "survived-sigkill"
+    """``Processes still around after (final) SIGKILL.`` (text only)."""
+    LEFT_OVER_PROCESS = "left-over-process"
+    """``Found left-over process N (comm) in control group while starting unit.`` (text only)."""
+    START_LIMIT_HIT = "start-limit-hit"
+    """``Start request repeated too quickly.`` (text only; systemd stops restarting the unit)."""
+    GPU_OOM_OUTPUT = "gpu-oom-output"
+    """The unit's own output says GPU memory was not available: evidence, never a trigger."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitEvent:
+    """One lifecycle event of a unit, with the journal position it came from.
+
+    ``invocation_id`` names the run: ``INVOCATION_ID`` on PID 1's entries (the *old* run for
+    "Failed with result", "Scheduled restart job" and "Stopped"; the *new* one for
+    "Starting"/"Started" and the left-over warning), ``_SYSTEMD_INVOCATION_ID`` on output.
+    ``message`` is the decoded text, ANSI sequences removed, control characters escaped and cut
+    to about 300 characters: for people, never for decisions.
+
+    Time is the journal's per-boot monotonic stamp with ``boot_id``, never the wall clock: a wall
+    that steps (NTP, a wrong RTC) would age events that just happened, or keep old ones young.
+    """
+
+    kind: EventKind
+    unit: str
+    monotonic_s: float
+    """Where the entry sits on its boot's timeline (``__MONOTONIC_TIMESTAMP``): decisions use it."""
+    realtime_s: float | None
+    """The wall clock when journald stored it (``__REALTIME_TIMESTAMP``): only shown to people."""
+    cursor: str
+    invocation_id: str | None
+    boot_id: str | None
+    message: str = ""
+    exit_code: str | None = None
+    """main-exited: ``exited``, ``killed`` or ``dumped`` (EXIT_CODE)."""
+    exit_status: int | None = None
+    """main-exited: the exit status, or the signal number when killed/dumped (EXIT_STATUS)."""
+    signal: str | None = None
+    """main-exited when killed/dumped: the signal's name without ``SIG`` (``KILL``)."""
+    result: str | None = None
+    """failed: UNIT_RESULT (``exit-code``, ``signal``, ``timeout``…); start-failed: JOB_RESULT."""
+    n_restarts: int | None = None
+    """restart-scheduled: systemd's restart counter (N_RESTARTS)."""
+    pid: int | None = None
+    """left-over-process: the left-over PID."""
+    comm: str | None = None
+    """left-over-process: its command name."""
+    final: bool = False
+    """stop-timed-out / survived-sigkill: the final-sigterm / final SIGKILL variant."""
+    job_type: str | None = None
+    """stopping / stopped: the job that stops the unit (JOB_TYPE): ``stop`` is a stop job someone
+    asked for (an operator, a conflict, gpuguard), ``restart`` systemd's or a restart request."""
+    device: int | None = None
+    """gpu-oom-output: the CUDA device the line names (``cuda:1``, ``GPU 3``), numbered as the
+    process saw its devices (after CUDA_VISIBLE_DEVICES), not NVML's index."""
+
+
+# MESSAGE_IDs from sd-messages.h (identical in systemd 249…257; facts §4.1).
+MESSAGE_IDS: Final[Mapping[str, EventKind]] = {
+    "7d4958e842da4a758f6c1cdc7b36dcc5": EventKind.STARTING,
+    "39f53479d3a045ac8e11786248231fbf": EventKind.STARTED,
+    "be02cf6855d2428ba40df7e9d022f03d": EventKind.START_FAILED,
+    "de5b426a63be47a7b6ac3eaac82e2f6f": EventKind.STOPPING,
+    "9d1aaa27d60140bd96365438aad20286": EventKind.STOPPED,
+    "98e322203f7a4ed290d09fe03c09fe15": EventKind.MAIN_EXITED,
+    "d9b373ed55a64feb8242e02dbe79a49c": EventKind.FAILED,
+    "7ad2d189f7e94e70a38c781354912448": EventKind.DEACTIVATED,
+    "5eb03494b6584870a536b337290809b3": EventKind.RESTART_SCHEDULED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """A line a server prints when GPU memory was already taken at start, and where it is from."""
+
+    pattern: str
+    server: str
+    source: str
+
+
+START_FAILURE_SIGNATURES: Final[tuple[Signature, ...]] = (
+    Signature(
+        r"torch\.(?:cuda\.)?OutOfMemoryError",
+        "PyTorch",
+        "torch.OutOfMemoryError (2.1+), torch.cuda.OutOfMemoryError (1.13-2.0)",
+    ),
+    Signature(
+        r"CUDA out of memory",
+        "PyTorch",
+        "the caching allocator's message: 'CUDA out of memory. Tried to allocate 20.00 MiB. "
+        "GPU 0 has a total capacity of …' (older: '… (GPU 0; 7.93 GiB total capacity; …)')",
+    ),
+    Signature(
+        r"CUDA error: out of memory",
+        "PyTorch",
+        "a CUDA runtime error surfaced as text (cudaErrorMemoryAllocation), current form",
+    ),
+    Signature(
+        r"CUDA error \(2\): out of memory",
+        "PyTorch",
+        "legacy form of the same error (code 2 = cudaErrorMemoryAllocation), e.g. from "
+        "torch.cuda.Stream() on PyTorch 1.x",
+    ),
+    Signature(
+        r"cuda runtime error \(2\) ?: out of memory",
+        "PyTorch",
+        "THC's THCudaCheck before PyTorch 1.5: 'cuda runtime error (2) : out of memory at …'",
+    ),
+    Signature(
+        r"The memory capacity is unbalanced\. Some GPUs may be occupied by other processes",
+        "SGLang",
+        "model runner, TP > 1, before loading weights",
+    ),
+    Signature(
+        r"Not enough memory\. Please try to increase --mem-fraction-static",
+        "SGLang",
+        "KV-cache sizing",
+    ),
+    # vLLM's ValueError "Free memory on device cuda:0 (6.9/79.2 GiB) on startup is less than
+    # desired GPU memory utilization (0.9, 71.3 GiB). …" (older: "on device (6.9/8.0 GiB)"),
+    # often behind a "(EngineCore_DP0 pid=…)" prefix, and seen wrapped after the device name or
+    # after "GPU memory". Two literal patterns cover one line and each wrapped half; no gap.
+    Signature(
+        r"GiB\) on startup is less than desired",
+        "vLLM",
+        "the startup memory check of the GPU worker (one line, or its second half when wrapped "
+        "after the device name)",
+    ),
+    Signature(
+        r"Free memory on device(?: cuda:\d{1,3})?$",
+        "vLLM",
+        "the first line of the same message when wrapped right after the device name",
+    ),
+)
+"""Start-failure signatures (facts §7): what servers print when the GPU memory they need is held.
+
+Each is a case-sensitive regex in the syntax Python ``re`` and PCRE2 share (``journalctl --grep``
+with ``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses
+it. They are matched against the first ``OUTPUT_SCAN_CHARS`` of the decoded MESSAGE with ANSI
+sequences removed: a pre-filter on raw JSON lines must let MESSAGEs that journalctl printed as
+byte arrays through. Every pattern is linear in PCRE2 and ``re`` alike: literals, bounded
+repetitions, no gap (an unbounded ``.*`` between two literals is quadratic on a long line: 212 s
+in PCRE2 for 859 KiB of repeated prefixes).
+"""
+
+GPU_OOM_PATTERNS: Final[tuple[str, ...]] = tuple(s.pattern for s in START_FAILURE_SIGNATURES)
+"""The patterns of ``START_FAILURE_SIGNATURES``."""
+
+GPU_OOM_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in GPU_OOM_PATTERNS)
+"""``GPU_OOM_PATTERNS`` as one alternation."""
+
+FIELDS_READ: Final = (
+    "MESSAGE",
+    "MESSAGE_ID",
+    "UNIT",
+    "INVOCATION_ID",
+    "N_RESTARTS",
+    "EXIT_CODE",
+    "EXIT_STATUS",
+    "UNIT_RESULT",
+    "JOB_RESULT",
+    "JOB_TYPE",
+    "COMMAND",
+    "_PID",
+    "_UID",
+    "_SYSTEMD_CGROUP",
+    "_SYSTEMD_UNIT",
+    "_SYSTEMD_INVOCATION_ID",
+    "_TRANSPORT",
+    "_BOOT_ID",
+)
+"""Every field parse_entry reads (journalctl adds __CURSOR, __REALTIME_TIMESTAMP and
+__MONOTONIC_TIMESTAMP itself): the
+follower asks journalctl for these only, which halves what Python has to json.loads."""
+
+_GPU_OOM = re.compile(GPU_OOM_REGEX)
+# The CUDA device a start-failure line names: "cuda:1", "GPU 3 has a total capacity", "(GPU 0;".
+_DEVICE = re.compile(r"(?:\bcuda:|\bGPU )(\d{1,3})(?![\d.])")
+
+# Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; facts §4.1, §4.7).
+_LEFT_OVER = re.compile(
+    r"Found left-over process (?P<pid>\d{1,10}) \((?P<comm>.{0,64})\) "
+    r"in control group while starting"
+)
+_STOP_TIMEOUT = re.compile(r"State '(?P<state>(?:stop|final)-sigterm)' timed out\.")
+_SURVIVED = re.compile(r"Processes still around after (?P<final>final )?SIGKILL\.")
+_START_LIMIT = "Start request repeated too quickly."
+_MAIN_EXIT = "Main process exited"
+_OTHER_EXIT = re.compile(r"(?:Control|Condition check) process exited")
+
+_OUTPUT_TRANSPORTS: Final = frozenset({"stdout", "journal", "syslog"})
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_INT = re.compile(r"[+-]?\d{1,18}")
+MESSAGE_LIMIT: Final = 300
+"""Characters of MESSAGE kept on an event."""
+OUTPUT_SCAN_CHARS: Final = 64 * 1024
+"""Characters of a MESSAGE examined at all: a server's out-of-memory phrase comes in its first
+line; what a hostile unit prints past this costs nothing (a 1 MiB line is cut, not scanned)."""
+_PID1_SCAN_CHARS: Final = 4096
+"""PID 1's messages are short; the text matched against them is cut to this (linear anyway)."""
+_MAX_REALTIME_US: Final = 253_402_300_799_999_999
+"""9999-12-31T23:59:59.999999Z: past it, no datetime can show the stamp (it is left out)."""
+
+
+def is_trusted(entry: Mapping[str, object], unit: str) -> bool:
+    """Whether journald's trusted fields say systemd (PID 1) wrote this entry about ``unit``.
+
+    ``_PID``/``_UID``/``_SYSTEMD_CGROUP`` are set by journald and cannot be sent by a client;
+    ``_SYSTEMD_CGROUP=/init.scope`` is how systemd 257's own ``journalctl -u`` recognises the
+    manager (and the helpers it forks). ``UNIT`` itself is forgeable, but only PID 1 is trusted
+    to set it here.
+    """
+    if _string(entry.get("_UID")) != "0":
+        return False
+    if _string(entry.get("_PID")) != "1" and _string(entry.get("_SYSTEMD_CGROUP")) != "/init.scope":
+        return False
+    return _string(entry.get("UNIT")) == unit
+
+
+def parse_entry(entry: Mapping[str, object], unit: str) -> UnitEvent | None:
+    """The event a journal entry reports about ``unit``, or None (unknown, untrusted, malformed).
+
+    Never raises: journalctl prints a MESSAGE as an array of byte values (ANSI escapes,
+    non-UTF-8), ``null`` when it is over 4096 bytes without ``--all``, and a field sent twice as
+    an array; anything else of the wrong type just makes the entry unrecognised.
+    """
+    if not isinstance(entry, Mapping):
+        return None
+    cursor = _string(entry.get("__CURSOR"))
+    monotonic_s = _timestamp_s(entry.get("__MONOTONIC_TIMESTAMP"))
+    if not cursor or monotonic_s is None:
+        return None
+    where = _Where(
+        cursor,
+        monotonic_s,
+        _timestamp_s(entry.get("__REALTIME_TIMESTAMP")),
+        _string(entry.get("_BOOT_ID")) or None,
+    )
+    if is_trusted(entry, unit):
+        return _lifecycle_event(entry, unit, where)
+    if _is_unit_output(entry, unit):
+        return _output_event(entry, unit, where)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """An entry's position: cursor, boot timeline, and the wall clock for people."""
+
+    cursor: str
+    monotonic_s: float
+    realtime_s: float | None
+    boot_id: str | None
+
+
+def _lifecycle_event(entry: Mapping[str, object], unit: str, where: _Where) -> UnitEvent | None:
+    """The event in an entry PID 1 wrote: by MESSAGE_ID, else by its fixed text.
+
+    The kind and its fields are worked out first and the event is built once: building a
+    placeholder and replace()-ing it cost half of the parse (bench/journal_throughput.py).
+    """
+    text = decode_message(entry.get("MESSAGE"), limit=_PID1_SCAN_CHARS)
+    message_id = _string(entry.get("MESSAGE_ID"))
+    if message_id:
+        kind = MESSAGE_IDS.get(message_id.lower())
+        fields = None if kind is None else _fields_by_id(kind, entry, text)
+    else:
+        fields = None if text is None else _fields_by_text(text)
+    if fields is None:
+        return None
+    return UnitEvent(
+        unit=unit,
+        monotonic_s=where.monotonic_s,
+        realtime_s=where.realtime_s,
+        cursor=where.cursor,
+        invocation_id=_string(entry.get("INVOCATION_ID")) or None,
+        boot_id=where.boot_id,
+        message=_display(text),
+        **fields,
+    )
+
+
+def _fields_by_id(
+    kind: EventKind, entry: Mapping[str, object], text: str | None
+) -> dict[str, Any] | None:
+    """The kind with the structured fields systemd attaches to that MESSAGE_ID."""
+    match kind:
+        case EventKind.MAIN_EXITED:
+            if not _is_main_process(entry, text):
+                return None
+            code = _string(entry.get("EXIT_CODE")) or None
+            status = _integer(entry.get("EXIT_STATUS"))
+            return {
+                "kind": kind,
+                "exit_code": code,
+                "exit_status": status,
+                "signal": _signal_name(status) if code in {"killed", "dumped"} else None,
+            }
+        case EventKind.FAILED | EventKind.START_FAILED:
+            field = "UNIT_RESULT" if kind is EventKind.FAILED else "JOB_RESULT"
+            return {"kind": kind, "result": _string(entry.get(field)) or None}
+        case EventKind.RESTART_SCHEDULED:
+            return {"kind": kind, "n_restarts": _integer(entry.get("N_RESTARTS"))}
+        case EventKind.STOPPING | EventKind.STOPPED:
+            return {"kind": kind, "job_type": _string(entry.get("JOB_TYPE")) or None}
+        case _:
+            return {"kind": kind}
+
+
+def _is_main_process(entry: Mapping[str, object], text: str | None) -> bool:
+    """Whether a PROCESS_EXIT entry is about the main process, not a control/condition process.
+
+    The text says which ("Main process exited" / "Control process exited"); COMMAND
+    (``ExecStart``, ``ExecStartPre``…) decides when the text is missing or unfamiliar.
+    """
+    if text is not None:
+        if _MAIN_EXIT in text:
+            return True
+        if _OTHER_EXIT.search(text):
+            return False
+    return _string(entry.get("COMMAND")) == "ExecStart"
+
+
+def _fields_by_text(text: str) -> dict[str, Any] | None:
+    """The kind a PID-1 message without MESSAGE_ID reports, matched by its fixed text."""
+    if match := _LEFT_OVER.search(text):
+        return {
+            "kind": EventKind.LEFT_OVER_PROCESS,
+            "pid": int(match["pid"]),
+            "comm": match["comm"],
+        }
+    if match := _STOP_TIMEOUT.search(text):
+        return {"kind": EventKind.STOP_TIMED_OUT, "final": match["state"].startswith("final-")}
+    if match := _SURVIVED.search(text):
+        return {"kind": EventKind.SURVIVED_SIGKILL, "final": bool(match["final"])}
+    if _START_LIMIT in text:
+        return {"kind": EventKind.START_LIMIT_HIT}
+    return None
+
+
+def _is_unit_output(entry: Mapping[str, object], unit: str) -> bool:
+    """Whether a process running in ``unit`` wrote this entry (stdout, journal or syslog)."""
+    return (
+        _string(entry.get("_SYSTEMD_UNIT")) == unit
+        and _string(entry.get("_TRANSPORT")) in _OUTPUT_TRANSPORTS
+        and _string(entry.get("_PID")) != "1"
+    )
+
+
+def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> UnitEvent | None:
+    """A ``gpu-oom-output`` event when the unit's output says GPU memory was taken, else None."""
+    text = decode_message(entry.get("MESSAGE"), limit=OUTPUT_SCAN_CHARS)
+    if text is None:
+        return None
+    match = _GPU_OOM.search(text)
+    if match is None:
+        return None
+    # The device is named near the phrase, before it (vLLM) or after it (PyTorch).
+    device = _DEVICE.search(text, max(0, match.start() - 120), match.start() + 400)
+    # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
+    start = max(0, match.start() - 60)
+    shown = text[start:] if start == 0 else "…" + text[start:]
+    return UnitEvent(
+        kind=EventKind.GPU_OOM_OUTPUT,
+        unit=unit,
+        monotonic_s=where.monotonic_s,
+        realtime_s=where.realtime_s,
+        cursor=where.cursor,
+        invocation_id=_string(entry.get("_SYSTEMD_INVOCATION_ID")) or None,
+        boot_id=where.boot_id,
+        message=_display(shown),
+        device=None if device is None else int(device.group(1)),
+    )
+
+
+def decode_message(value: object, *, limit: int | None = None) -> str | None:
+    """The text of a MESSAGE as journalctl's JSON gives it, ANSI sequences removed; None if absent.
+
+    A string stays a string; an array of byte values (non-printable or non-UTF-8 content) is
+    decoded as UTF-8 with replacement characters; a field sent twice (an array of values) is
+    joined with newlines; ``null`` (over 4096 bytes without ``--all``) and anything else is None.
+    With ``limit``, only about the first ``limit`` characters are decoded and returned: the cost
+    of a hostile megabyte line stays that of its first ``limit`` characters.
+    """
+    if isinstance(value, str):
+        return _ANSI.sub("", value[:limit])[:limit]
+    if isinstance(value, list) and value:
+        head = value[: None if limit is None else 4 * limit]  # UTF-8: at most 4 bytes a char
+        if all(_is_byte(item) for item in head):
+            return _ANSI.sub("", bytes(head).decode("utf-8", errors="replace"))[:limit]
+        parts = [decode_message(item, limit=limit) for item in value if not _is_byte(item)]
+        if len(parts) == len(value) and all(part is not None for part in parts):
+            return "\n".join(part for part in parts if part is not None)[:limit]
+    return None
+
+
+def _is_byte(item: object) -> bool:
+    """Whether a JSON array element is a byte value (bool is an int in Python, and not one)."""
+    return isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= 255
+
+
+def _display(text: str | None) -> str:
+    """``text`` on one line for people: escaped (gpuguard.core.escaping), cut to MESSAGE_LIMIT."""
+    return escape(text, MESSAGE_LIMIT) if text else ""
+
+
+def _string(value: object) -> str | None:
+    """A field's value when it is a single string (a field sent twice is an array: not trusted)."""
+    return value if isinstance(value, str) else None
+
+
+def _integer(value: object) -> int | None:
+    """A decimal field as an int, or None when absent or malformed."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _INT.fullmatch(value):
+        return int(value)
+    return None
+
+
+def _timestamp_s(value: object) -> float | None:
+    """A journal timestamp (µs) in seconds; None when malformed, negative or past year 9999.
+
+    Past 9999 no ``datetime`` can show it (``ValueError``), and no boot lasts that long.
+    """
+    micros = _integer(value)
+    if micros is None or not 0 <= micros <= _MAX_REALTIME_US:
+        return None
+    return micros / 1_000_000
+
+
+def _signal_name(number: int | None) -> str | None:
+    """A signal number's name without ``SIG`` (``9`` → ``KILL``), None when unknown."""
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number).name.removeprefix("SIG")
+    except ValueError:
+        return None

@@ -1,0 +1,217 @@
+"""The restart gate: free a unit's GPUs of stale holders and wait until they are idle.
+
+Runs as ``ExecStartPre=`` of the watched unit, so a start never meets GPU memory held by the
+previous run. The loop is written against injected callables (gather, reap, clock, sleep,
+report) so it is tested with real processes and with in-memory twins alike; it never signals
+anything itself. What waiting cannot change (NVML not answering, a GPU of the set lost or
+absent) refuses the start at once; while it waits, it says who holds what at a steady interval,
+so a 300 s wait is never silent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from gpuguard.core.escaping import escape
+from gpuguard.core.health import reset_reasons
+from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
+from gpuguard.core.protection import is_idle
+from gpuguard.core.values import MIB, GateOutcome, NvmlHealth
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from gpuguard.adapters.reaper import ReapResult, ReapTarget
+    from gpuguard.core.holders import Holder, Inventory
+    from gpuguard.core.values import ProcessIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    """What one gate run needs to know."""
+
+    request: PlanRequest
+    idle_threshold_bytes: int
+    timeout_s: float
+    poll_s: float = 0.1
+    report_every_s: float = 10.0
+
+
+def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
+    """Why waiting cannot make the set idle: NVML cannot answer, a GPU of the set is gone.
+
+    Gone includes needing a reset: lost, a pending row remap or page retirement, or the driver
+    asking for it. Empty when waiting may help. Such a GPU keeps its memory until a reset or
+    reboot, and without NVML idleness cannot be known at all: a 300 s wait would only delay the
+    same refusal.
+    """
+    nvml = inventory.nvml
+    if nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return (nvml.reason or f"NVML {nvml.health.value}",)
+    gpu_set = settings.request.gpu_set
+    missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
+    return (
+        *(f"GPU {index} is not present" for index in missing),
+        *(
+            f"GPU {gpu.reading.index}: {gpu.reading.problem or 'lost'}"
+            for gpu in inventory.gpus
+            if gpu.reading.lost and (gpu_set is None or gpu.reading.index in gpu_set)
+        ),
+        *(
+            f"GPU {gpu.reading.index} needs a reset: " + "; ".join(reasons)
+            for gpu in inventory.gpus
+            if not gpu.reading.lost
+            and (gpu_set is None or gpu.reading.index in gpu_set)
+            and (reasons := reset_reasons(gpu.reading))
+        ),
+    )
+
+
+def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
+    """Why the unit's GPUs are not idle, one phrase per cause; empty means idle."""
+    nvml = inventory.nvml
+    if nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return (nvml.reason or f"NVML {nvml.health.value}",)
+    gpu_set = settings.request.gpu_set
+    wanted = [g for g in inventory.gpus if gpu_set is None or g.reading.index in gpu_set]
+    missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
+    blockers = [f"GPU {index} is not present" for index in missing]
+    for gpu in wanted:
+        if is_idle(gpu.reading, settings.idle_threshold_bytes):
+            continue
+        reading = gpu.reading
+        used = (
+            f"{reading.memory.used_bytes // MIB} MiB used"
+            if reading.memory
+            else (reading.problem or "memory unreadable")
+        )
+        holders = [inventory.holder(pid) for pid in gpu.holder_pids]
+        named = "; ".join(_holder_phrase(h, settings.request) for h in holders if h is not None)
+        blockers.append(f"GPU {reading.index}: {used}" + (f", held by {named}" if named else ""))
+        if gpu.unattributed_bytes:
+            blockers.append(
+                f"GPU {reading.index}: {gpu.unattributed_bytes // MIB} MiB that no visible "
+                "process explains"
+            )
+    blockers.extend(
+        f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}, which /proc does not have"
+        for gone in inventory.vanished
+        if gpu_set is None or gone.gpu_index in gpu_set
+    )
+    blockers.extend(
+        f"GPU {hidden.gpu_index}: NVML lists PID {hidden.pid}, which /proc does not let "
+        "gpuguard inspect"
+        for hidden in inventory.uninspectable
+        if gpu_set is None or hidden.gpu_index in gpu_set
+    )
+    return tuple(blockers)
+
+
+def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
+    decision = plan([holder], request).decisions[0]
+    why = (
+        "would be reaped" if decision.verdict is Verdict.REAP else f"not touched: {decision.reason}"
+    )
+    return f"PID {holder.pid} ({escape(holder.comm)}, {holder.owner}) - {why}"
+
+
+def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
+    settings: GateSettings,
+    gather: Callable[[], Inventory],
+    reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    *,
+    report: Callable[[str], None] | None = None,
+) -> GateOutcome:
+    """Pass at once when the set is idle; else reap stale holders and wait, up to the timeout.
+
+    Refuses at once when waiting cannot help (see ``hopeless``). While waiting, ``report`` gets
+    one line per blocker every ``report_every_s``.
+    """
+    started = clock()
+    inventory = gather()
+    if at_once := hopeless(inventory, settings):
+        return _outcome(settings, clock() - started, (), {}, blockers=at_once, hopeless=True)
+    if not set_blockers(inventory, settings):
+        return replace(_outcome(settings, clock() - started, (), {}), fast_path=True)
+    reaped: list[ReapResult] = []
+    signalled: set[ProcessIdentity] = set()
+    spared: dict[int, Decision] = {}
+    progress = _Progress(settings, report)
+    while True:
+        current = plan(inventory.holders, settings.request)
+        spared.update({d.holder.pid: d for d in current.spared})
+        fresh = [d for d in current.to_reap if d.holder.identity not in signalled]
+        if fresh:
+            reaped.extend(reap(reap_targets(fresh)))
+            signalled.update(d.holder.identity for d in fresh)
+            inventory = gather()
+        waited = clock() - started
+        if at_once := hopeless(inventory, settings):
+            return _outcome(settings, waited, reaped, spared, blockers=at_once, hopeless=True)
+        blockers = set_blockers(inventory, settings)
+        if not blockers or waited >= settings.timeout_s:
+            return _outcome(settings, waited, reaped, spared, blockers=blockers)
+        progress.tell(waited, blockers)
+        sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
+        inventory = gather()
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Says who still blocks the start, one line per blocker, every ``report_every_s``."""
+
+    settings: GateSettings
+    sink: Callable[[str], None] | None
+    due: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.due = self.settings.report_every_s
+
+    def tell(self, waited: float, blockers: Sequence[str]) -> None:
+        if self.sink is None or waited < self.due:
+            return
+        for blocker in blockers:
+            self.sink(f"waiting {waited:.0f} s of {self.settings.timeout_s:g} s: {blocker}")
+        while self.due <= waited:
+            self.due += self.settings.report_every_s
+
+
+def _outcome(  # noqa: PLR0913 - the pieces of one outcome
+    settings: GateSettings,
+    waited: float,
+    reaped: Sequence[ReapResult],
+    spared: dict[int, Decision],
+    *,
+    blockers: tuple[str, ...] = (),
+    hopeless: bool = False,
+) -> GateOutcome:
+    """The gate's outcome: it passed when nothing blocks the start."""
+    return GateOutcome(
+        settings.request.unit,
+        passed=not blockers,
+        fast_path=False,
+        waited_s=waited,
+        reaped=tuple(reaped),
+        spared=tuple(spared.values()),
+        blockers=blockers,
+        hopeless=hopeless,
+    )
+
+
+def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:
+    """The reaper's view of the holders a plan chose."""
+    from gpuguard.adapters.reaper import ReapTarget  # noqa: PLC0415 - only needed once something is stale
+
+    return [
+        ReapTarget(
+            identity=d.holder.identity,
+            ppid=d.holder.ppid,
+            command=d.holder.command,
+            unit=d.holder.attribution.unit,
+            reason=d.reason,
+        )
+        for d in decisions
+    ]

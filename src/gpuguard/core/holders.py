@@ -1,0 +1,241 @@
+"""Who holds which GPU: NVML's view and the /proc view merged into one list (pure).
+
+NVML knows memory per process but can name PIDs that are gone and misses forked children that
+only inherited the device fds; /proc knows every open device file but not how much memory stands
+behind it. Neither is guessed from the other: memory that no visible process explains is reported
+as unattributed, a PID that NVML names but /proc lacks is reported as vanished, and one that /proc
+has but will not show this user (not root) as uninspectable - it exists, so it did not vanish.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import TYPE_CHECKING
+
+from gpuguard.core.cgroup import Attribution, attribute
+from gpuguard.core.escaping import escape
+from gpuguard.core.redaction import display_command
+from gpuguard.core.values import NvmlHealth
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from gpuguard.core.values import (
+        GpuReading,
+        NvmlReading,
+        ProcessFacts,
+        ProcessIdentity,
+        ProcScan,
+    )
+
+_GPU_NODE = re.compile(r"nvidia(\d+)")
+# The command line shown to people, in records and in logs: a process may have 2 MiB of it
+# (status --json keeps the whole, redacted ``cmdline``).
+COMMAND_LIMIT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUse:
+    """One holder's use of one GPU; ``used_bytes`` is None when NVML did not list or size it."""
+
+    gpu_index: int
+    used_bytes: int | None
+    listed_by_nvml: bool
+    holds_device_file: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A live process that holds GPU memory or an NVIDIA device file, attributed to its owner."""
+
+    identity: ProcessIdentity
+    ppid: int
+    state: str
+    user: str
+    comm: str
+    cmdline: tuple[str, ...]
+    attribution: Attribution
+    invocation_id: str | None
+    gpus: tuple[GpuUse, ...]
+    device_files: frozenset[str]
+    kernel_thread: bool
+    files_readable: bool = True
+    kernel_wait: tuple[str, ...] = ()
+    uids: tuple[int, ...] = ()
+    """Real, effective, saved and filesystem uid; empty when /proc did not say."""
+
+    @property
+    def pid(self) -> int:
+        """The holder's PID (identity.pid), for readability at call sites."""
+        return self.identity.pid
+
+    @property
+    def owner(self) -> str:
+        """Who the process belongs to, for humans: container, else unit, else "no unit".
+
+        Escaped: a user names its own cgroups and containers.
+        """
+        attribution = self.attribution
+        if attribution.unknown:
+            return "unknown cgroup"
+        if attribution.container:
+            return escape(attribution.container)
+        if attribution.unit:
+            unit = escape(attribution.unit)
+            return f"{unit} (user)" if attribution.user_unit else unit
+        return "no unit"
+
+    @property
+    def command(self) -> str:
+        """The command line for humans: redacted, escaped, at most COMMAND_LIMIT characters."""
+        return display_command(self.cmdline, COMMAND_LIMIT) or f"[{escape(self.comm)}]"
+
+
+@dataclass(frozen=True, slots=True)
+class VanishedProcess:
+    """A PID that NVML lists on a GPU but that /proc does not have (gone, or another namespace)."""
+
+    pid: int
+    gpu_index: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class UninspectableProcess:
+    """A PID that NVML lists and /proc has, but whose details this user may not read."""
+
+    pid: int
+    gpu_index: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuOccupancy:
+    """One GPU with the evidence about who uses it."""
+
+    reading: GpuReading
+    holder_pids: tuple[int, ...]
+    unattributed_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    """Everything known about GPU use at one moment."""
+
+    nvml: NvmlReading
+    scan: ProcScan
+    gpus: tuple[GpuOccupancy, ...]
+    holders: tuple[Holder, ...]
+    vanished: tuple[VanishedProcess, ...]
+    uninspectable: tuple[UninspectableProcess, ...] = ()
+
+    def holder(self, pid: int) -> Holder | None:
+        """The holder with this PID, if any."""
+        return next((h for h in self.holders if h.pid == pid), None)
+
+
+def gpu_minor_of(path: str) -> int | None:
+    """The minor number a device path names (``/dev/nvidia3`` → 3); None for control nodes."""
+    match = _GPU_NODE.fullmatch(PurePath(path).name)
+    return int(match.group(1)) if match else None
+
+
+def build_inventory(nvml: NvmlReading, scan: ProcScan, idle_threshold_bytes: int) -> Inventory:
+    """Merge an NVML reading and a /proc scan into attributed holders and per-GPU evidence."""
+    index_of_minor = {g.minor: g.index for g in nvml.gpus if g.minor is not None}
+    facts_by_pid = {p.identity.pid: p for p in scan.processes}
+    listed: dict[int, dict[int, int | None]] = {}
+    vanished: list[VanishedProcess] = []
+    hidden: list[UninspectableProcess] = []
+    for gpu in nvml.gpus:
+        for process in gpu.processes:
+            if process.pid in facts_by_pid:
+                listed.setdefault(process.pid, {})[gpu.index] = process.used_bytes
+            elif process.pid in scan.hidden:
+                hidden.append(UninspectableProcess(process.pid, gpu.index, process.used_bytes))
+            else:
+                vanished.append(VanishedProcess(process.pid, gpu.index, process.used_bytes))
+    holders = tuple(
+        holder
+        for facts in sorted(facts_by_pid.values(), key=lambda f: f.identity.pid)
+        if (holder := _holder(facts, listed.get(facts.identity.pid, {}), index_of_minor))
+    )
+    lists_known = nvml.health is not NvmlHealth.DRIVER_TOO_OLD
+    gpus = tuple(
+        _occupancy(gpu, holders, idle_threshold_bytes, lists_known=lists_known) for gpu in nvml.gpus
+    )
+    return Inventory(nvml, scan, gpus, holders, tuple(vanished), tuple(hidden))
+
+
+def _holder(
+    facts: ProcessFacts,
+    listed_on: Mapping[int, int | None],
+    index_of_minor: Mapping[int, int],
+) -> Holder | None:
+    """The holder a process is, or None when it holds nothing of ours (NVML-first extras)."""
+    # A device node NVML did not describe (NVML unavailable, or a minor it did not report) is
+    # still evidence, shown through ``device_files``; it is never guessed onto a GPU index.
+    minors = {gpu_minor_of(path) for path in facts.device_files}
+    file_gpus = {index for minor, index in index_of_minor.items() if minor in minors}
+    uses = tuple(
+        GpuUse(
+            gpu_index=index,
+            used_bytes=listed_on.get(index),
+            listed_by_nvml=index in listed_on,
+            holds_device_file=index in file_gpus,
+        )
+        for index in sorted(set(listed_on) | file_gpus)
+    )
+    if not uses and not facts.device_files:
+        return None
+    return Holder(
+        identity=facts.identity,
+        ppid=facts.ppid,
+        state=facts.state,
+        user=facts.user,
+        comm=facts.comm,
+        cmdline=facts.cmdline,
+        attribution=attribute(facts.cgroup),
+        invocation_id=facts.invocation_id,
+        gpus=uses,
+        device_files=facts.device_files,
+        kernel_thread=facts.kernel_thread,
+        files_readable=facts.files_readable,
+        kernel_wait=facts.kernel_wait,
+        uids=facts.uids,
+    )
+
+
+def _occupancy(
+    gpu: GpuReading, holders: tuple[Holder, ...], idle_threshold_bytes: int, *, lists_known: bool
+) -> GpuOccupancy:
+    pids = tuple(h.pid for h in holders if any(u.gpu_index == gpu.index for u in h.gpus))
+    return GpuOccupancy(
+        reading=gpu,
+        holder_pids=pids,
+        unattributed_bytes=_unattributed(
+            gpu, idle_threshold_bytes, lists_known=lists_known, held=bool(pids)
+        ),
+    )
+
+
+def _unattributed(
+    gpu: GpuReading, idle_threshold_bytes: int, *, lists_known: bool, held: bool
+) -> int | None:
+    """Used memory that the listed processes do not explain, beyond the idle allowance.
+
+    None when it cannot be known: no memory reading, a process whose usage the driver does not
+    report, the v1 API whose reserved carve-out is not estimated (baseline.py), or a driver
+    that cannot list processes while /proc shows one holding the GPU. With no process list and
+    no holder at all, everything above the reserve is unexplained.
+    """
+    memory = gpu.memory
+    if memory is None or memory.reserved_bytes is None or (held and not lists_known):
+        return None
+    sizes = [p.used_bytes for p in gpu.processes]
+    if any(size is None for size in sizes):
+        return None
+    unexplained = memory.used_bytes - sum(size for size in sizes if size is not None)
+    return unexplained if unexplained > idle_threshold_bytes else 0

@@ -1,0 +1,767 @@
+"""Judge an inventory and render it for an operator: one screen of text, or versioned JSON (pure).
+
+The exit status follows the monitoring-plugin convention (0 OK, 1 WARNING, 2 CRITICAL,
+3 UNKNOWN) so the same command serves a human at a terminal and a Nagios/Icinga-style check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from gpuguard.core.escaping import escape
+from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
+from gpuguard.core.policy import matching_pattern
+from gpuguard.core.protection import is_idle, is_protected
+from gpuguard.core.values import MIB, MemoryApi, NvmlHealth
+from gpuguard.core.xid import XidClass
+from gpuguard.core.xidevents import normalize_pci
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Mapping, Sequence
+
+    from gpuguard.core.holders import GpuOccupancy, Holder, Inventory
+    from gpuguard.core.values import GpuHealth, GpuReading
+
+SCHEMA_VERSION = 2
+_COMMAND_WIDTH = 100
+
+
+class Level(IntEnum):
+    """Monitoring-plugin levels; the value is the exit status."""
+
+    OK = 0
+    WARNING = 1
+    CRITICAL = 2
+    UNKNOWN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing an operator should know, with how serious it is."""
+
+    level: Level
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnitView:
+    """A watched unit as status shows it: systemd's state, its GPU set, its last gate runs."""
+
+    name: str
+    state: str
+    gpu_set: str
+    gate_decisions: tuple[Mapping[str, Any], ...] = ()
+    not_found: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonView:
+    """The watchdog daemon as its snapshot shows it, and whether that process is still alive.
+
+    ``state``: "running", "stopped" (shut down cleanly), "dead" (the snapshot says running but
+    its process is gone) or "absent" (no snapshot: the daemon is not installed or never ran).
+    """
+
+    state: str
+    snapshot: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusContext:
+    """What the judgement needs besides the inventory: configuration facts and who is asking."""
+
+    watched_units: Mapping[str, Sequence[str]]
+    protected_names: Collection[str]
+    idle_threshold_bytes: int
+    as_root: bool
+    units: tuple[UnitView, ...] = ()
+    boot_time: float | None = None
+    clock_ticks: int = 100
+    daemon: DaemonView | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """An inventory judged: the overall level, the headline and each finding."""
+
+    inventory: Inventory
+    level: Level
+    headline: str
+    findings: tuple[Finding, ...]
+    idle_gpus: frozenset[int]
+    generated_at: datetime
+    units: tuple[UnitView, ...] = ()
+    boot_time: float | None = None
+    clock_ticks: int = 100
+    daemon: DaemonView | None = None
+
+
+def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
+    """Turn evidence into findings; the worst finding sets the level."""
+    findings = [
+        *_gate_findings(context.units),
+        *_daemon_findings(context.daemon),
+        *_nvml_findings(inventory),
+        *_gpu_findings(inventory),
+        *_xid_findings(inventory, context.daemon),
+        *_holder_findings(inventory, context),
+    ]
+    if inventory.scan.unreadable and not context.as_root:
+        findings.append(
+            Finding(
+                Level.OK,
+                f"{inventory.scan.unreadable} processes could not be inspected without root; "
+                "run as root to see every holder",
+            )
+        )
+    idle = frozenset(
+        gpu.reading.index
+        for gpu in inventory.gpus
+        if is_idle(gpu.reading, context.idle_threshold_bytes)
+    )
+    level = max((f.level for f in findings), default=Level.OK)
+    if level is Level.OK:
+        headline = _ok_headline(inventory, idle)
+    else:
+        headline = next(f.message for f in findings if f.level is level)
+    return StatusReport(
+        inventory,
+        level,
+        headline,
+        tuple(findings),
+        idle,
+        now,
+        context.units,
+        context.boot_time,
+        context.clock_ticks,
+        context.daemon,
+    )
+
+
+def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
+    """A watched unit systemd does not know; a unit whose last start the gate refused."""
+    findings = [
+        Finding(
+            Level.WARNING,
+            f"watched unit {unit.name} does not exist (LoadState=not-found): "
+            "check the name in the configuration",
+        )
+        for unit in units
+        if unit.not_found
+    ]
+    for unit in units:
+        last = unit.gate_decisions[-1] if unit.gate_decisions else None
+        if last is not None and last.get("result") == "refused":
+            blockers = _list(last.get("blockers"))
+            why = escape(str(blockers[0])) if blockers else "GPUs busy"
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"the gate refused the last start of {unit.name} at {last.get('time')}: {why}",
+                )
+            )
+    return findings
+
+
+def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
+    """Loops the daemon found, units it gave up on, and a daemon that died."""
+    if daemon is None or daemon.state == "absent":
+        return []
+    findings: list[Finding] = []
+    if daemon.state == "dead":
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"the gpuguard daemon (PID {daemon.snapshot.get('pid')}) is not running; its last "
+                f"snapshot is from {daemon.snapshot.get('updated_at')}",
+            )
+        )
+    for name, value in _dict(daemon.snapshot.get("units")).items():
+        unit = _dict(value)
+        if unit.get("needs_operator") and unit.get("cause") == "gpu-needs-reset":
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
+                    f"restart can replace ({escape(str(unit.get('cause_detail')))})",
+                )
+            )
+        elif unit.get("needs_operator"):
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{name} needs an operator: recoveries did not break its restart loop "
+                    f"({escape(str(unit.get('verdict')))})",
+                )
+            )
+        elif unit.get("looping"):
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"{name} is in a restart loop: {escape(str(unit.get('verdict')))}; "
+                    f"cause {unit.get('cause')}; daemon action {unit.get('action')}",
+                )
+            )
+    return findings
+
+
+def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
+    total = len(inventory.gpus)
+    if total and len(idle) == total:
+        return f"all {total} GPUs idle"
+    busy = total - len(idle)
+    return f"{busy} of {total} GPUs in use by live processes"
+
+
+def _nvml_findings(inventory: Inventory) -> list[Finding]:
+    nvml = inventory.nvml
+    if nvml.health is NvmlHealth.OK:
+        return []
+    reason = nvml.reason or nvml.health.value
+    if nvml.health is NvmlHealth.TIMED_OUT:
+        return [Finding(Level.CRITICAL, reason)]
+    if nvml.health is NvmlHealth.DRIVER_TOO_OLD:
+        return [Finding(Level.WARNING, reason)]
+    # Without NVML the /proc scan is the only evidence; with none at all we cannot judge.
+    level = Level.WARNING if inventory.holders else Level.UNKNOWN
+    return [Finding(level, reason)]
+
+
+def _v1_findings(inventory: Inventory) -> list[Finding]:
+    """Say when memory figures are estimates, and when they cannot even be that."""
+    estimated: list[str] = []
+    findings: list[Finding] = []
+    for gpu in inventory.gpus:
+        memory = gpu.reading.memory
+        if memory is None or memory.api is not MemoryApi.V1:
+            continue
+        if memory.reserved_bytes is None:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"GPU {gpu.reading.index}: the v1 memory API counts the driver's reserved "
+                    "memory as used and no estimate of it exists yet, so idle cannot be told "
+                    "from busy (set v1_reserved_mib, or run gpuguard as root while it is idle)",
+                )
+            )
+        else:
+            estimated.append(
+                f"GPU {gpu.reading.index} {_mib(memory.reserved_bytes)} "
+                f"({memory.reserved_source or 'reported'})"
+            )
+    if estimated:
+        findings.insert(
+            0,
+            Finding(
+                Level.OK,
+                "memory use is estimated: the v1 memory API counts the driver's reserved memory "
+                "as used; taken out: " + ", ".join(estimated),
+            ),
+        )
+    return findings
+
+
+def _gpu_findings(inventory: Inventory) -> list[Finding]:
+    findings: list[Finding] = _v1_findings(inventory)
+    for gpu in inventory.gpus:
+        reading = gpu.reading
+        if reasons := reset_reasons(reading):
+            findings.append(Finding(Level.CRITICAL, _reset_advice(reading, reasons)))
+        elif reading.problem:
+            findings.append(Finding(Level.WARNING, f"GPU {reading.index}: {reading.problem}"))
+        findings.extend(
+            Finding(Level.WARNING, f"GPU {reading.index}: {warning}")
+            for warning in health_warnings(reading)
+        )
+        if gpu.unattributed_bytes:
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"GPU {reading.index}: {_mib(gpu.unattributed_bytes)} in use that no visible "
+                    "process explains (a process in another PID namespace, or the driver "
+                    "still releasing it)",
+                )
+            )
+    findings.extend(
+        Finding(
+            Level.CRITICAL,
+            f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}"
+            f"{'' if gone.used_bytes is None else f' ({_mib(gone.used_bytes)})'}"
+            " but /proc has no such process",
+        )
+        for gone in inventory.vanished
+    )
+    findings.extend(
+        Finding(
+            Level.OK,
+            f"GPU {hidden.gpu_index}: NVML lists PID {hidden.pid}"
+            f"{'' if hidden.used_bytes is None else f' ({_mib(hidden.used_bytes)})'}"
+            ", which exists but is not inspectable without root",
+        )
+        for hidden in inventory.uninspectable
+    )
+    return findings
+
+
+# Xid classes after which no kill helps (xid.py); an application fault is the reaper's business.
+_SERIOUS_XIDS = frozenset({XidClass.RESET_GPU, XidClass.REBOOT, XidClass.OPERATOR})
+
+
+def xid_events(inventory: Inventory, daemon: DaemonView | None) -> list[dict[str, Any]]:
+    """The daemon's recent kernel Xid events, each with the GPU index NVML gives its PCI id.
+
+    ``gpu`` is None when NVML knows no GPU at that address (reported, not dropped).
+    """
+    if daemon is None:
+        return []
+    by_pci = {
+        normalize_pci(gpu.reading.pci_bus_id): gpu.reading.index
+        for gpu in inventory.gpus
+        if gpu.reading.pci_bus_id
+    }
+    events = []
+    for raw in _list(_dict(daemon.snapshot.get("xid")).get("recent")):
+        event = _dict(raw)
+        pci = event.get("pci_bus_id")
+        if not isinstance(pci, str) or not isinstance(event.get("code"), int):
+            continue
+        events.append({**event, "gpu": by_pci.get(normalize_pci(pci))})
+    return events
+
+
+def _xid_findings(inventory: Inventory, daemon: DaemonView | None) -> list[Finding]:
+    """Xids after which no kill helps, per GPU; Xids for an address NVML does not know."""
+    findings: list[Finding] = []
+    seen: set[tuple[object, object]] = set()
+    for event in reversed(xid_events(inventory, daemon)):
+        key = (event["gpu"] if event["gpu"] is not None else event["pci_bus_id"], event["code"])
+        if key in seen:
+            continue
+        seen.add(key)
+        what = _xid_phrase(event)
+        if event["gpu"] is None:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"kernel Xid for PCI {escape(str(event['pci_bus_id']))}, which NVML "
+                    f"does not know{_unaddressed(inventory)}: {what}",
+                )
+            )
+        elif event.get("xid_class") in _SERIOUS_XIDS:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"GPU {event['gpu']} had {what}: no kill helps after it; a reset or reboot "
+                    "may be needed (docs/xid.md)",
+                )
+            )
+    malformed = _dict(daemon.snapshot.get("xid")).get("malformed") if daemon else None
+    if isinstance(malformed, int) and malformed > 0:
+        findings.append(
+            Finding(Level.OK, f"{malformed} kernel Xid line(s) could not be read (daemon log)")
+        )
+    return findings
+
+
+def _unaddressed(inventory: Inventory) -> str:
+    """GPUs NVML cannot give an address for (lost, unreadable): an unmatched Xid may be theirs.
+
+    Said, not guessed: the address of a lost GPU is exactly what NVML can no longer tell.
+    """
+    without = [str(g.reading.index) for g in inventory.gpus if not g.reading.pci_bus_id]
+    if not without:
+        return ""
+    return f" (NVML cannot tell the address of GPU {', '.join(without)}: it may be that one)"
+
+
+def _xid_phrase(event: Mapping[str, Any]) -> str:
+    who = f", pid {event['pid']}" if isinstance(event.get("pid"), int) else ""
+    return (
+        f"Xid {event['code']} ({escape(str(event.get('xid_class')))}) at "
+        f"{escape(str(event.get('time')))}: "
+        f"{escape(str(event.get('detail') or ''))}{who}"
+    )
+
+
+def _reset_advice(reading: GpuReading, reasons: Sequence[str]) -> str:
+    """What is wrong and what to do: killing processes cannot free such a GPU."""
+    index = reading.index
+    what = "; ".join(reasons)
+    if needs_reboot(reading):
+        return (
+            f"GPU {index} needs a reboot ({what}): no kill or restart can free it; drain the "
+            "host and reboot it (docs/runbook.md, GPU needs a reset)"
+        )
+    return (
+        f"GPU {index} needs a GPU reset ({what}): no kill or restart can free it; stop every "
+        f"process using it, then run `nvidia-smi -r -i {index}` as root, or reboot "
+        "(docs/runbook.md, GPU needs a reset)"
+    )
+
+
+def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
+    findings: list[Finding] = []
+    for holder in inventory.holders:
+        who = f"PID {holder.pid} ({escape(holder.comm)}) holding {_gpu_list(holder)}"
+        if holder.state == "D":
+            findings.append(_sleep_finding(who, holder.kernel_wait))
+        elif holder.state == "Z":
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"{who} is a zombie: a thread or its parent keeps its GPU memory",
+                )
+            )
+        if is_protected(holder, context.protected_names):
+            continue
+        for unit, patterns in context.watched_units.items():
+            if holder.attribution.unit != unit and matching_pattern(holder, patterns):
+                findings.append(
+                    Finding(
+                        Level.WARNING,
+                        f"{who} looks like a left-over "
+                        f"of {unit} but runs outside it ({holder.owner})",
+                    )
+                )
+    return findings
+
+
+# Module and symbol names of the NVIDIA kernel driver (nvidia, nvidia_uvm, nvidia_modeset).
+_DRIVER_MARKS = ("nvidia", "uvm")
+
+
+def _sleep_finding(who: str, kernel_wait: Sequence[str]) -> Finding:
+    """State D is "stuck in the driver" only when the kernel says so.
+
+    A vfork() parent waiting for its child, or a process in disk or network I/O, is in state D
+    too and wakes on its own; calling that a driver hang would send an operator to reset a GPU.
+    """
+    driver = next((f for f in kernel_wait if any(m in f.lower() for m in _DRIVER_MARKS)), None)
+    if driver is not None:
+        return Finding(
+            Level.CRITICAL,
+            f"{who} is stuck in the NVIDIA driver (state D, in {escape(driver)}): "
+            "it cannot be killed; a GPU reset or reboot may be needed",
+        )
+    if kernel_wait:
+        return Finding(
+            Level.OK,
+            f"{who} is in uninterruptible sleep (state D, in {escape(kernel_wait[0])}, "
+            "not the NVIDIA driver): signals take effect when it wakes",
+        )
+    return Finding(
+        Level.WARNING,
+        f"{who} is in uninterruptible sleep (state D); where it waits is visible only to root "
+        "(run as root to tell a driver hang from I/O)",
+    )
+
+
+def _gpu_list(holder: Holder) -> str:
+    if holder.gpus:
+        return "GPU " + ",".join(str(u.gpu_index) for u in holder.gpus)
+    return "NVIDIA device files"
+
+
+def _mib(value: int) -> str:
+    return f"{value // MIB} MiB"
+
+
+def render_text(report: StatusReport) -> str:
+    """The one-screen view: headline, NVML health, each GPU with its holders, then findings."""
+    inventory = report.inventory
+    nvml = inventory.nvml
+    lines = [f"gpuguard status: {report.level.name} - {report.headline}"]
+    if nvml.health is NvmlHealth.OK:
+        api = {g.reading.memory.api.value for g in inventory.gpus if g.reading.memory}
+        lines.append(
+            f"NVML: ok, driver {nvml.driver_version or 'unknown'}, {len(inventory.gpus)} GPUs"
+            + (f", memory API {'/'.join(sorted(api))}" if api else "")
+        )
+    else:
+        lines.append(f"NVML: {nvml.reason or nvml.health.value}")
+    shown: set[int] = set()
+    xids = xid_events(inventory, report.daemon)
+    for gpu in inventory.gpus:
+        lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
+        lines.extend(
+            f"    {_xid_phrase(event)}"
+            for event in [e for e in xids if e["gpu"] == gpu.reading.index][-3:]
+        )
+        shown.update(gpu.holder_pids)
+    others = [h for h in inventory.holders if h.pid not in shown]
+    if others:
+        lines.append("Other holders of NVIDIA device files:")
+        lines.extend(_holder_line(h, None) for h in others)
+    lines.extend(
+        f"Unattributed: GPU {gpu.reading.index}: {_mib(gpu.unattributed_bytes)}"
+        for gpu in inventory.gpus
+        if gpu.unattributed_bytes
+    )
+    lines.extend(
+        f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
+        for gone in inventory.vanished
+    )
+    lines.extend(
+        f"Not inspectable: PID {hidden.pid} listed by NVML on GPU {hidden.gpu_index} exists; "
+        "/proc shows its details only to root"
+        for hidden in inventory.uninspectable
+    )
+    lines.extend(_daemon_lines(report.daemon))
+    for unit in report.units:
+        lines.append(f"Unit {unit.name}: {unit.state}; {unit.gpu_set}")
+        lines.extend(f"    {line}" for line in _watch_lines(report.daemon, unit.name))
+        lines.extend(f"    gate {_gate_line(entry)}" for entry in unit.gate_decisions)
+    scan = inventory.scan
+    lines.append(
+        f"/proc: {scan.method} scan, {len(inventory.holders)} holders"
+        + (f", {scan.unreadable} processes not readable" if scan.unreadable else "")
+    )
+    lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
+    # Every line is escaped once more as a whole: whatever foreign text reached it (a process
+    # or cgroup name, a unit's environment, systemctl's error), it stays on its own line.
+    return "\n".join(escape(line) for line in lines) + "\n"
+
+
+def _daemon_lines(daemon: DaemonView | None) -> list[str]:
+    if daemon is None or daemon.state == "absent":
+        return ["Daemon: not running (no snapshot; install and start gpuguard.service)"]
+    snapshot = daemon.snapshot
+    journal = _dict(snapshot.get("journal"))
+    dry = ", DRY RUN" if snapshot.get("dry_run") else ""
+    reason = f": {escape(str(journal['reason']))}" if journal.get("reason") else ""
+    return [
+        (
+            f"Daemon: {daemon.state} (PID {snapshot.get('pid')}, since "
+            f"{snapshot.get('started_at')}, snapshot {snapshot.get('updated_at')}{dry}); "
+            f"journal {journal.get('state')}{reason}"
+        )
+    ]
+
+
+def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
+    """What the daemon says about one unit: verdict, evidence, recent recoveries and sweeps."""
+    watch = _dict(_dict(daemon.snapshot.get("units")).get(unit)) if daemon else {}
+    if not watch:
+        return []
+    lines = [
+        (
+            f"daemon: {escape(str(watch.get('verdict')))} "
+            f"(starts in window {watch.get('starts_in_window')}, "
+            f"restart counter {watch.get('n_restarts')}, action {watch.get('action')})"
+        )
+    ]
+    if watch.get("looping"):
+        detail = escape(str(watch.get("cause_detail")))
+        lines.append(f"  cause {watch.get('cause')}: {detail}")
+        lines.extend(f"  {escape(str(line))}" for line in _list(watch.get("evidence"))[-5:])
+    lines.extend(
+        f"recovery {record.get('started_at')}: {record.get('result')}"
+        f", reaped {len(_list(record.get('reaped')))}"
+        + (f": {escape(str(record['problem']))}" if record.get("problem") else "")
+        for record in map(_dict, _list(watch.get("recoveries"))[-3:])
+    )
+    lines.extend(
+        f"survivors {escape(str(record.get('at')))}: {escape(str(record.get('summary')))}"
+        for record in map(_dict, _list(watch.get("survivors"))[-3:])
+        if record.get("summary")
+    )
+    if watch.get("needs_operator"):
+        lines.append("NEEDS OPERATOR: recoveries stopped; see docs/runbook.md")
+    return lines
+
+
+def _dict(value: object) -> dict[str, Any]:
+    """A snapshot field that should be an object (snapshots are read back from disk)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    """A snapshot field that should be a list."""
+    return value if isinstance(value, list) else []
+
+
+def _gate_line(entry: Mapping[str, Any]) -> str:
+    """One recorded gate decision: when, result, how long, reaped and spared."""
+    reaped = entry.get("reaped") or []
+    spared = entry.get("spared") or []
+    line = (
+        f"{entry.get('time', '?')} {entry.get('result', '?')} after {entry.get('waited_s', '?')} s"
+        f", reaped {len(reaped)}, spared {len(spared)}"
+    )
+    blockers = entry.get("blockers") or []
+    return line + (f": {escape(str(blockers[0]))}" if blockers else "")
+
+
+def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) -> list[str]:
+    reading = gpu.reading
+    name = reading.name or "unknown GPU"
+    if reading.memory is not None:
+        usage = f"{_mib(reading.memory.used_bytes)} / {_mib(reading.memory.total_bytes)}"
+    else:
+        usage = "memory unknown"
+    tag = " idle" if reading.index in idle else ""
+    if reset_reasons(reading):
+        tag = " NEEDS REBOOT" if needs_reboot(reading) else " NEEDS RESET"
+    if reading.lost:
+        tag = " LOST"
+    if reading.memory is not None and reading.memory.reserved_source is not None:
+        usage += (
+            f" (estimated: {_mib(reading.memory.reserved_bytes or 0)} reserved, "
+            f"{reading.memory.reserved_source.value})"
+        )
+    lines = [f"GPU {reading.index}  {name}  {usage}{tag}"]
+    notes = (*reset_reasons(reading), *health_warnings(reading))
+    if notes:
+        lines.append("    health: " + "; ".join(notes))
+    for pid in gpu.holder_pids:
+        holder = inventory.holder(pid)
+        if holder is not None:
+            lines.append(_holder_line(holder, reading.index))
+    return lines
+
+
+def _holder_line(holder: Holder, gpu_index: int | None) -> str:
+    use = next((u for u in holder.gpus if u.gpu_index == gpu_index), None)
+    if use is not None and use.used_bytes is not None:
+        size = _mib(use.used_bytes)
+    elif use is not None and use.listed_by_nvml:
+        size = "size n/a"
+    else:
+        size = "fd only"
+    owner = holder.owner
+    hidden = "" if holder.files_readable else "  (open files not inspectable without root)"
+    # At most 100 characters of command line: one holder stays on one line of a wide terminal;
+    # --json has the whole command line.
+    command = escape(holder.command, _COMMAND_WIDTH)
+    return f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {command}{hidden}"
+
+
+def to_json(report: StatusReport) -> dict[str, Any]:
+    """The same report as a versioned document (see docs/status-json.md)."""
+    inventory = report.inventory
+    nvml = inventory.nvml
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": report.generated_at.isoformat(),
+        "status": report.level.name,
+        "exit_code": int(report.level),
+        "headline": report.headline,
+        "nvml": {
+            "health": nvml.health.value,
+            "reason": nvml.reason,
+            "driver_version": nvml.driver_version,
+        },
+        "gpus": [_gpu_json(gpu, report.idle_gpus) for gpu in inventory.gpus],
+        "holders": [_holder_json(h, report) for h in inventory.holders],
+        "vanished": [
+            {"pid": v.pid, "gpu": v.gpu_index, "used_mib": _opt_mib(v.used_bytes)}
+            for v in inventory.vanished
+        ],
+        "uninspectable": [
+            {"pid": u.pid, "gpu": u.gpu_index, "used_mib": _opt_mib(u.used_bytes)}
+            for u in inventory.uninspectable
+        ],
+        "units": [
+            {
+                "name": unit.name,
+                "state": unit.state,
+                "found": not unit.not_found,
+                "gpu_set": unit.gpu_set,
+                "gate_decisions": list(unit.gate_decisions),
+            }
+            for unit in report.units
+        ],
+        "xid_events": xid_events(inventory, report.daemon),
+        "daemon": None
+        if report.daemon is None
+        else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},
+        "scan": {"method": inventory.scan.method, "unreadable": inventory.scan.unreadable},
+        "findings": [{"level": f.level.name, "message": f.message} for f in report.findings],
+    }
+
+
+def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
+    reading = gpu.reading
+    memory = reading.memory
+    return {
+        "index": reading.index,
+        "name": reading.name,
+        "uuid": reading.uuid,
+        "pci_bus_id": reading.pci_bus_id,
+        "minor": reading.minor,
+        "memory": None
+        if memory is None
+        else {
+            "api": memory.api.value,
+            "total_mib": memory.total_bytes // MIB,
+            "used_mib": memory.used_bytes // MIB,
+            "reserved_mib": _opt_mib(memory.reserved_bytes),
+            "reserved_source": None
+            if memory.reserved_source is None
+            else memory.reserved_source.value,
+        },
+        "idle": reading.index in idle,
+        "lost": reading.lost,
+        "problem": reading.problem,
+        "health": _health_json(reading),
+        "holder_pids": list(gpu.holder_pids),
+        "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
+    }
+
+
+def _health_json(reading: GpuReading) -> dict[str, Any]:
+    """Each fact as NVML gave it (null: unknown), and the verdict drawn from them."""
+    health: GpuHealth = reading.health
+    reasons = reset_reasons(reading)
+    return {
+        "needs_reset": bool(reasons),
+        "needs_reboot": bool(reasons) and needs_reboot(reading),
+        "reset_reasons": list(reasons),
+        "warnings": list(health_warnings(reading)),
+        "reset_required": health.reset_required,
+        "retired_pages_pending": health.retired_pages_pending,
+        "remapped_rows_pending": health.remapped_rows_pending,
+        "remapped_rows_failed": health.remapped_rows_failed,
+        "volatile_uncorrectable_ecc": health.volatile_uncorrectable_ecc,
+        "recovery_action": None if health.recovery_action is None else health.recovery_action.value,
+    }
+
+
+def _holder_json(holder: Holder, report: StatusReport) -> dict[str, Any]:
+    attribution = holder.attribution
+    started_at = None
+    if report.boot_time is not None:
+        started = report.boot_time + holder.identity.start_time / report.clock_ticks
+        started_at = datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds")
+    return {
+        "pid": holder.pid,
+        "start_time": holder.identity.start_time,
+        "started_at": started_at,
+        "ppid": holder.ppid,
+        "state": holder.state,
+        "user": holder.user,
+        "comm": holder.comm,
+        "cmdline": list(holder.cmdline),
+        "unit": attribution.unit,
+        "user_unit": attribution.user_unit,
+        "container": attribution.container,
+        "invocation_id": holder.invocation_id,
+        "device_files": sorted(holder.device_files),
+        "files_readable": holder.files_readable,
+        "gpus": [
+            {
+                "index": use.gpu_index,
+                "used_mib": _opt_mib(use.used_bytes),
+                "listed_by_nvml": use.listed_by_nvml,
+                "holds_device_file": use.holds_device_file,
+            }
+            for use in holder.gpus
+        ],
+    }
+
+
+def _opt_mib(value: int | None) -> int | None:
+    return None if value is None else value // MIB

@@ -1,0 +1,1 @@
+"""The watchdog daemon (`gpuguard run`): journal in, recovery out."""
