@@ -21,6 +21,7 @@ lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 test: venv fakenvml
 	$(PY) -m pytest

@@ -25,16 +25,16 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import TextIO
 
-    from gpuguard.adapters.reaper import ReapResult, ReapTarget
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings, UnitSettings
+    from gpuguard.core.gate import GateOutcome
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gateproto import Request as GateRequest
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.holders import Inventory
     from gpuguard.core.policy import KillPlan, PlanRequest
     from gpuguard.core.status import DaemonView
-    from gpuguard.core.values import GateOutcome, NvmlReading, UnitProvenance
+    from gpuguard.core.values import NvmlReading, ReapResult, ReapTarget, UnitProvenance
 
 EX_USAGE = 64
 EX_NOPERM = 77  # sysexits.h: the command needs a permission this user lacks (root)
@@ -838,9 +838,10 @@ def _gate_fast_path(
     reading taken on the way is handed on so the full path does not read it again.
     """
     from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see module doc
+    from gpuguard.core.gate import GateOutcome  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
     from gpuguard.core.protection import is_idle  # noqa: PLC0415
-    from gpuguard.core.values import MIB, GateOutcome, NvmlHealth  # noqa: PLC0415
+    from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
 
     started = time.monotonic()
     cached = configfile.load_validated(args.config)

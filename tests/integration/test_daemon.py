@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
     from clirunner import Openers, UnitCgroups
 
+    from gpuguard.core.values import ReapResult, ReapTarget
+
     Entry = dict[str, object]
     from fakeholder import Holder, HolderSpawner
 
@@ -252,7 +254,7 @@ def build(
             holder[0].request_stop()
         del seconds
 
-    def reap(targets: Sequence[reaper.ReapTarget]) -> tuple[reaper.ReapResult, ...]:
+    def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
         return reaper.reap(targets, grace_s=settings.reap_grace_s, logger=recorder)
 
     ports = Ports(

@@ -20,8 +20,8 @@ from structlog.testing import capture_logs
 
 from gpuguard.adapters import procfs
 from gpuguard.adapters.logs import configure_logging, get_logger
-from gpuguard.adapters.reaper import ReapOutcome, ReapTarget, reap
-from gpuguard.core.values import ProcessIdentity
+from gpuguard.adapters.reaper import reap
+from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapTarget
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -64,7 +64,8 @@ while True:
 AS_NOBODY = r"""
 import json, os, sys, time
 from gpuguard.adapters.logs import configure_logging, get_logger
-from gpuguard.adapters.reaper import ReapTarget, reap
+from gpuguard.adapters.reaper import reap
+from gpuguard.core.values import ReapTarget
 from gpuguard.core.values import ProcessIdentity
 configure_logging(json=True, stream=sys.stderr)
 get_logger().bind()  # resolve the configuration now, while the interpreter's files are readable

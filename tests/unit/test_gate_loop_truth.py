@@ -32,9 +32,9 @@ from gpuguard.core.values import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpuguard.adapters.reaper import ReapResult, ReapTarget
+    from gpuguard.core.gate import GateOutcome
     from gpuguard.core.holders import Inventory
-    from gpuguard.core.values import GateOutcome
+    from gpuguard.core.values import ReapResult, ReapTarget
 
 UNIT = "sglang.service"
 REQUEST = PlanRequest(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.adapters.reaper import ReapTarget, signal_order
-from gpuguard.core.values import ProcessIdentity
+from gpuguard.adapters.reaper import signal_order
+from gpuguard.core.values import ProcessIdentity, ReapTarget
 
 
 def _target(pid: int, ppid: int) -> ReapTarget:

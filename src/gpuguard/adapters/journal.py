@@ -71,7 +71,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self, cast
 
-from gpuguard.adapters import programs
+from gpuguard.adapters import programs, signals
 from gpuguard.adapters.state import read_json, write_json
 
 if TYPE_CHECKING:
@@ -700,13 +700,11 @@ def _end_group(proc: subprocess.Popen[bytes]) -> int:
     """
     if proc.returncode is not None:
         return proc.returncode
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    signals.signal_own_group(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + _STOP_GRACE_S
     while not _has_exited(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    signals.signal_own_group(proc.pid, signal.SIGKILL)
     return proc.wait()
 
 

@@ -14,14 +14,13 @@ import functools
 import os
 import pickle
 import selectors
-import signal
 import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, programs
+from gpuguard.adapters import files, programs, signals
 from gpuguard.core.values import (
     GpuHealth,
     GpuMemory,
@@ -228,8 +227,7 @@ def run_abandonable(
     if answer is None:
         # SIGKILL may not take while the child is blocked in the driver; it is reaped later by
         # _reap_abandoned, never waited for here.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+        signals.kill_own_child(child)
         _abandoned.add(child)
         _reap_abandoned()
         return on_timeout(timeout_s)

@@ -1,4 +1,4 @@
-"""Signal the stale GPU holders the policy chose: the only module in gpuguard that sends signals.
+"""Signal the stale GPU holders the policy chose, through the signals adapter and their pidfds.
 
 What is at risk: a signal that reaches an unrelated process which reused a PID, a supervisor
 that respawns a worker we just killed, and an endless retry against a process the kernel will
@@ -18,18 +18,16 @@ import select
 import signal
 import time
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from gpuguard.adapters import procfs
+from gpuguard.adapters import procfs, signals
 from gpuguard.adapters.logs import get_logger
 from gpuguard.core.escaping import escape
+from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapResult, ReapTarget
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
     from pathlib import Path
-
-    from gpuguard.core.values import ProcessIdentity
 
 
 class EventLogger(Protocol):
@@ -40,40 +38,6 @@ class EventLogger(Protocol):
 
     def warning(self, event: str, **kw: object) -> object:
         """Log an event an operator has to act on."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReapTarget:
-    """A process the kill policy chose, with what an operator needs to recognise it."""
-
-    identity: ProcessIdentity
-    ppid: int
-    command: str  # display text, secrets already redacted
-    unit: str | None
-    reason: str  # why the policy chose it
-
-
-class ReapOutcome(StrEnum):
-    """How reaping one target ended."""
-
-    EXITED = "exited"  # exited after SIGTERM
-    KILLED = "killed"  # exited after SIGKILL
-    GONE = "gone"  # had already exited before we signalled it
-    PID_REUSED = "pid-reused"  # the PID now names another process, which was never signalled
-    UNKILLABLE = "unkillable"  # alive after SIGKILL and the wait (state D in the driver, …)
-    PERMISSION_DENIED = "permission-denied"  # EPERM: reported once, never retried
-    ERROR = "error"  # the kernel refused the pidfd or the signal for another reason
-    DRY_RUN = "dry-run"  # nothing was opened or sent
-
-
-@dataclass(frozen=True, slots=True)
-class ReapResult:
-    """The outcome for one target, the signals it was sent, and the why when it did not die."""
-
-    target: ReapTarget
-    outcome: ReapOutcome
-    signals: tuple[str, ...] = ()
-    detail: str | None = None
 
 
 @dataclass(slots=True)
@@ -223,7 +187,7 @@ def _send(item: _Tracked, sig: signal.Signals, log: EventLogger) -> bool:
     EPERM and other refusals settle the target: it gets no further signal.
     """
     try:
-        signal.pidfd_send_signal(item.pidfd(), sig)
+        signals.send_pinned(item.pidfd(), sig)
     except ProcessLookupError:
         return False
     except PermissionError:

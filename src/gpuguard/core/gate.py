@@ -17,14 +17,53 @@ from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
 from gpuguard.core.protection import is_idle
-from gpuguard.core.values import MIB, GateOutcome, NvmlHealth
+from gpuguard.core.values import MIB, NvmlHealth, ReapTarget
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from gpuguard.adapters.reaper import ReapResult, ReapTarget
     from gpuguard.core.holders import Holder, Inventory
-    from gpuguard.core.values import ProcessIdentity
+    from gpuguard.core.values import ProcessIdentity, ReapResult
+
+
+@dataclass(frozen=True, slots=True)
+class GateOutcome:
+    """How a gate run ended: passed or not, how long it waited, whom it reaped and spared."""
+
+    unit: str
+    passed: bool
+    fast_path: bool
+    waited_s: float
+    reaped: tuple[ReapResult, ...]
+    spared: tuple[Decision, ...]
+    blockers: tuple[str, ...]
+    hopeless: bool = False
+    """Refused without waiting out the timeout: waiting could not have made the GPUs idle."""
+
+    @property
+    def message(self) -> str:
+        """One line for the journal."""
+        unit = self.unit
+        if self.passed and self.fast_path:
+            return f"GPUs of {unit} idle: start allowed"
+        if self.passed:
+            return (
+                f"GPUs of {unit} idle after {self.waited_s:.1f} s, "
+                f"{len(self.reaped)} stale holder(s) reaped: start allowed"
+            )
+        if self.hopeless:
+            return (
+                f"start of {unit} refused at once: "
+                + "; ".join(self.blockers)
+                + ". Waiting cannot help; Restart= retries until the unit's start limit ends it"
+                " (gpuguard doctor checks that it does)."
+            )
+        return (
+            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
+            + "; ".join(self.blockers)
+            + ". Start refused; Restart= retries until the unit's start limit ends it"
+            " (gpuguard doctor checks that it does)."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +242,6 @@ def _outcome(  # noqa: PLR0913 - the pieces of one outcome
 
 def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:
     """The reaper's view of the holders a plan chose."""
-    from gpuguard.adapters.reaper import ReapTarget  # noqa: PLC0415 - only needed once something is stale
-
     return [
         ReapTarget(
             identity=d.holder.identity,

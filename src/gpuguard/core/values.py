@@ -8,11 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gpuguard.adapters.reaper import ReapResult
-    from gpuguard.core.policy import Decision
 
 MIB = 1024 * 1024
 
@@ -205,40 +200,34 @@ class ProcScan:
 
 
 @dataclass(frozen=True, slots=True)
-class GateOutcome:
-    """How a gate run ended: passed or not, how long it waited, whom it reaped and spared."""
+class ReapTarget:
+    """A process the kill policy chose, with what an operator needs to recognise it."""
 
-    unit: str
-    passed: bool
-    fast_path: bool
-    waited_s: float
-    reaped: tuple[ReapResult, ...]
-    spared: tuple[Decision, ...]
-    blockers: tuple[str, ...]
-    hopeless: bool = False
-    """Refused without waiting out the timeout: waiting could not have made the GPUs idle."""
+    identity: ProcessIdentity
+    ppid: int
+    command: str  # display text, secrets already redacted
+    unit: str | None
+    reason: str  # why the policy chose it
 
-    @property
-    def message(self) -> str:
-        """One line for the journal."""
-        unit = self.unit
-        if self.passed and self.fast_path:
-            return f"GPUs of {unit} idle: start allowed"
-        if self.passed:
-            return (
-                f"GPUs of {unit} idle after {self.waited_s:.1f} s, "
-                f"{len(self.reaped)} stale holder(s) reaped: start allowed"
-            )
-        if self.hopeless:
-            return (
-                f"start of {unit} refused at once: "
-                + "; ".join(self.blockers)
-                + ". Waiting cannot help; Restart= retries until the unit's start limit ends it"
-                " (gpuguard doctor checks that it does)."
-            )
-        return (
-            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
-            + "; ".join(self.blockers)
-            + ". Start refused; Restart= retries until the unit's start limit ends it"
-            " (gpuguard doctor checks that it does)."
-        )
+
+class ReapOutcome(StrEnum):
+    """How reaping one target ended."""
+
+    EXITED = "exited"  # exited after SIGTERM
+    KILLED = "killed"  # exited after SIGKILL
+    GONE = "gone"  # had already exited before we signalled it
+    PID_REUSED = "pid-reused"  # the PID now names another process, which was never signalled
+    UNKILLABLE = "unkillable"  # alive after SIGKILL and the wait (state D in the driver, …)
+    PERMISSION_DENIED = "permission-denied"  # EPERM: reported once, never retried
+    ERROR = "error"  # the kernel refused the pidfd or the signal for another reason
+    DRY_RUN = "dry-run"  # nothing was opened or sent
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    """The outcome for one target, the signals it was sent, and the why when it did not die."""
+
+    target: ReapTarget
+    outcome: ReapOutcome
+    signals: tuple[str, ...] = ()
+    detail: str | None = None

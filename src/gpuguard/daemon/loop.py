@@ -63,13 +63,13 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gpuguard.adapters.journal import JournalHealth, JournalRecord
-    from gpuguard.adapters.reaper import ReapResult, ReapTarget
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.events import UnitEvent
+    from gpuguard.core.gate import GateOutcome
     from gpuguard.core.holders import Inventory
-    from gpuguard.core.values import GateOutcome, ProcessIdentity
+    from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget
 
 SNAPSHOT_SCHEMA = 1
 XIDS_KEPT = 50
