@@ -124,6 +124,7 @@ def client(
     code = (
         "import os, sys, socket, json\n"
         "import gpuguard.cli, gpuguard.adapters.gateclient, gpuguard.config\n"
+        "import gpuguard.commands.relay, gpuguard.commands.gate\n"
     )
     if uid is not None:
         code += f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"

@@ -35,6 +35,12 @@ sys.exit(main(sys.argv[2:]))
 PREIMPORTS = (
     "gpuguard.cli",
     "gpuguard.config",
+    "gpuguard.commands.status",
+    "gpuguard.commands.doctor",
+    "gpuguard.commands.install_gate",
+    "gpuguard.commands.relay",
+    "gpuguard.commands.gate",
+    "gpuguard.commands.reap",
     "gpuguard.adapters.dropin",
     "gpuguard.core.doctor",
     "gpuguard.adapters.doctorio",

@@ -10,7 +10,7 @@ so a 300 s wait is never silent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuguard.core.escaping import escape
@@ -169,12 +169,13 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
     Refuses at once when waiting cannot help (see ``hopeless``). While waiting, ``report`` gets
     one line per blocker every ``report_every_s``.
     """
+    unit = settings.request.unit
     started = clock()
     inventory = gather()
     if at_once := hopeless(inventory, settings):
-        return _outcome(settings, clock() - started, (), {}, blockers=at_once, hopeless=True)
+        return outcome(unit, clock() - started, blockers=at_once, hopeless=True)
     if not set_blockers(inventory, settings):
-        return replace(_outcome(settings, clock() - started, (), {}), fast_path=True)
+        return outcome(unit, clock() - started, fast_path=True)
     reaped: list[ReapResult] = []
     signalled: set[ProcessIdentity] = set()
     spared: dict[int, Decision] = {}
@@ -189,10 +190,19 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
             inventory = gather()
         waited = clock() - started
         if at_once := hopeless(inventory, settings):
-            return _outcome(settings, waited, reaped, spared, blockers=at_once, hopeless=True)
+            return outcome(
+                unit,
+                waited,
+                reaped=reaped,
+                spared=list(spared.values()),
+                blockers=at_once,
+                hopeless=True,
+            )
         blockers = set_blockers(inventory, settings)
         if not blockers or waited >= settings.timeout_s:
-            return _outcome(settings, waited, reaped, spared, blockers=blockers)
+            return outcome(
+                unit, waited, reaped=reaped, spared=list(spared.values()), blockers=blockers
+            )
         progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
         inventory = gather()
@@ -218,23 +228,24 @@ class _Progress:
             self.due += self.settings.report_every_s
 
 
-def _outcome(  # noqa: PLR0913 - the pieces of one outcome
-    settings: GateSettings,
-    waited: float,
-    reaped: Sequence[ReapResult],
-    spared: dict[int, Decision],
+def outcome(  # noqa: PLR0913 - the pieces of one outcome
+    unit: str,
+    waited_s: float,
     *,
+    reaped: Sequence[ReapResult] = (),
+    spared: Sequence[Decision] = (),
     blockers: tuple[str, ...] = (),
     hopeless: bool = False,
+    fast_path: bool = False,
 ) -> GateOutcome:
-    """The gate's outcome: it passed when nothing blocks the start."""
+    """The gate's outcome, built here only: it passed when nothing blocks the start."""
     return GateOutcome(
-        settings.request.unit,
+        unit,
         passed=not blockers,
-        fast_path=False,
-        waited_s=waited,
+        fast_path=fast_path,
+        waited_s=waited_s,
         reaped=tuple(reaped),
-        spared=tuple(spared.values()),
+        spared=tuple(spared),
         blockers=blockers,
         hopeless=hopeless,
     )

@@ -1,0 +1,157 @@
+"""``gpuguard gate``: the fast path on idle GPUs, else reap the unit's stale holders and wait."""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuguard.commands.context import (
+    asker,
+    plan_request,
+    result_json,
+    unit_environment,
+    unit_settings,
+)
+from gpuguard.core.escaping import escape
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+
+    from gpuguard.config import Settings
+    from gpuguard.core.gate import GateOutcome
+    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gpuset import GpuSet
+    from gpuguard.core.holders import Inventory
+    from gpuguard.core.values import NvmlReading, ReapResult, ReapTarget
+
+# The gate's verdict is one journal entry; journald splits lines longer than LineMax (48K).
+_GATE_LINE_LIMIT = 8192
+
+
+def fast_path(
+    args: argparse.Namespace, caller: Caller | None
+) -> tuple[int | None, NvmlReading | None]:
+    """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
+
+    Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
+    (idle is a matter of memory, see protection.is_idle). Returns None whenever anything needs
+    the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle; the NVML
+    reading taken on the way is handed on so the full path does not read it again.
+    """
+    from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see the package doc
+    from gpuguard.core import gate  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.core.protection import is_idle  # noqa: PLC0415
+    from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
+
+    started = time.monotonic()
+    cached = configfile.load_validated(args.config)
+    if cached is None:
+        return None, None
+    runtime_dir = Path(cached["runtime_dir"])
+    environment = unit_environment(asker(caller), args.unit, runtime_dir)
+    if environment is None:
+        return None, None
+    unit = cached["units"].get(args.unit) or {}
+    library = cached["nvml_library"]
+    reading = nvml.read_gpus(float(cached["nvml_timeout_s"]), library and Path(library))
+    if reading.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return None, reading
+    gpu_set = resolve_gpu_set(unit.get("gpus"), environment, reading.gpus)
+    present = {gpu.index for gpu in reading.gpus}
+    if gpu_set.indices is not None and not gpu_set.indices <= present:
+        return None, reading
+    threshold = int(cached["idle_threshold_mib"]) * MIB
+    for gpu in reading.gpus:
+        wanted = gpu_set.indices is None or gpu.index in gpu_set.indices
+        if wanted and not is_idle(gpu, threshold):
+            return None, reading
+    outcome = gate.outcome(args.unit, time.monotonic() - started, fast_path=True)
+    return _finish_gate(runtime_dir, outcome, gpu_set), reading
+
+
+def run(
+    settings: Settings,
+    args: argparse.Namespace,
+    reading: NvmlReading | None,
+    caller: Caller | None,
+) -> int:
+    """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
+    from gpuguard.adapters import inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.core import gate  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+
+    unit = unit_settings(settings, args.unit)
+    first = inventory.gather(settings, reading)
+    who = asker(caller)
+    # The unit's own process (its ExecStartPre=) has its real environment, EnvironmentFile=
+    # included; anyone else: systemd's Environment= only, and the running invocation's
+    # processes are kept. Either way systemd names the unit's user and runs, the evidence for
+    # its left-overs.
+    unit_state = systemd.show_unit(args.unit)
+    inside = who.runs_in(args.unit) and systemd.is_control_process(
+        unit_state, who.pid, trust_unknown=caller is None
+    )
+    environment = unit_environment(who, args.unit, settings.runtime_dir)
+    if environment is None:
+        environment = unit_state.environment
+    live = unit_state.invocation_id if unit_state.running and not inside else None
+    gpu_set = resolve_gpu_set(unit.gpus, environment, first.nvml.gpus)
+    provenance = systemd.provenance(unit_state, inside=inside)
+    request = plan_request(settings, args.unit, args.scope, gpu_set, live, provenance, caller=who)
+    timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
+    grace = args.grace if args.grace is not None else settings.reap_grace_s
+    pending = [first]
+
+    def gather() -> Inventory:
+        return pending.pop() if pending else inventory.gather(settings)
+
+    def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        logs.configure_logging(json=False)  # structlog loads only when something is signalled
+        log = logs.get_logger().bind(unit=args.unit, command="gate")
+        return reaper.reap(targets, grace_s=grace, logger=log)
+
+    def report(line: str) -> None:
+        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
+
+    outcome = gate.run_gate(
+        gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
+        gather,
+        reap,
+        time.monotonic,
+        time.sleep,
+        report=report,
+    )
+    return _finish_gate(settings.runtime_dir, outcome, gpu_set)
+
+
+def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:
+    """Record the decision for `gpuguard status`, say it in one line, return the exit status."""
+    from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
+
+    record = {
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "unit": outcome.unit,
+        "gpu_set": gpu_set.describe(),
+        "result": "passed" if outcome.passed else "refused",
+        "fast_path": outcome.fast_path,
+        "waited_s": round(outcome.waited_s, 2),
+        "reaped": [result_json(r) for r in outcome.reaped],
+        "spared": [
+            {"pid": d.holder.pid, "command": d.holder.command, "reason": d.reason}
+            for d in outcome.spared
+        ],
+        "blockers": list(outcome.blockers),
+    }
+    try:
+        state.record_gate_decision(runtime_dir, outcome.unit, record)
+    except OSError as err:
+        sys.stderr.write(f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}\n")
+    # One journal entry whatever the blockers hold: escaped, and cut below journald's LineMax.
+    line = escape(f"{outcome.message} [{gpu_set.describe()}]", _GATE_LINE_LIMIT)
+    sys.stderr.write(f"gpuguard gate: {line}\n")
+    return 0 if outcome.passed else 1

@@ -1,0 +1,203 @@
+"""``gpuguard reap``: plan, confirm, signal the stale holders of one unit's GPUs, report."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from gpuguard.commands.context import (
+    asker,
+    plan_request,
+    result_json,
+    unit_environment,
+    unit_settings,
+)
+from gpuguard.commands.exits import EX_USAGE
+from gpuguard.core.escaping import escape
+
+if TYPE_CHECKING:
+    import argparse
+
+    from gpuguard.config import Settings
+    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gpuset import GpuSet
+    from gpuguard.core.holders import Inventory
+    from gpuguard.core.policy import KillPlan
+    from gpuguard.core.values import ReapResult
+
+REAP_TIMEOUT_S = 60.0
+
+
+def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> int:
+    """Plan, confirm, signal and report; the exit status says whether the GPUs are idle."""
+    from gpuguard.adapters import inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.core import policy  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+
+    unit_name = args.unit or _only_unit(settings)
+    if unit_name is None:
+        sys.stderr.write(
+            "gpuguard reap: several units are watched; name one with --unit "
+            f"({', '.join(settings.units)})\n"
+        )
+        return EX_USAGE
+    unit_state = systemd.show_unit(unit_name)
+    who = asker(caller)
+    # As the unit's ExecStopPost= the run is over even though systemd still says
+    # "deactivating": everything else in the cgroup is left over, as at the gate.
+    inside = who.runs_in(unit_name) and systemd.is_control_process(
+        unit_state, who.pid, trust_unknown=caller is None
+    )
+    environment = unit_environment(who, unit_name, settings.runtime_dir)
+    live = unit_state.invocation_id if unit_state.running and not inside else None
+    found = inventory.gather(settings)
+    unit = unit_settings(settings, unit_name)
+    gpu_set = resolve_gpu_set(
+        unit.gpus,
+        unit_state.environment if environment is None else environment,
+        found.nvml.gpus,
+    )
+    provenance = systemd.provenance(unit_state, inside=inside)
+    request = plan_request(settings, unit_name, args.scope, gpu_set, live, provenance, caller=who)
+    kill_plan = policy.plan(found.holders, request)
+    notes = (
+        [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
+    )
+    if not args.json:
+        sys.stdout.write(_plan_text(kill_plan, gpu_set, notes))
+    if args.dry_run or not kill_plan.to_reap:
+        return _reap_finish(
+            settings,
+            found,
+            kill_plan=kill_plan,
+            gpu_set=gpu_set,
+            results=(),
+            args=args,
+            waited=False,
+        )
+    if not args.yes and not _confirmed(len(kill_plan.to_reap)):
+        sys.stderr.write("gpuguard reap: nothing signalled (confirm on a terminal, or --yes)\n")
+        return 1
+    logs.configure_logging(json=False)
+    log = logs.get_logger().bind(unit=unit_name, command="reap")
+    grace = args.grace if args.grace is not None else settings.reap_grace_s
+    from gpuguard.core.gate import reap_targets  # noqa: PLC0415
+
+    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=log)
+    return _reap_finish(
+        settings,
+        found,
+        kill_plan=kill_plan,
+        gpu_set=gpu_set,
+        results=results,
+        args=args,
+        waited=True,
+    )
+
+
+def _only_unit(settings: Settings) -> str | None:
+    return next(iter(settings.units)) if len(settings.units) == 1 else None
+
+
+def _confirmed(count: int) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    sys.stdout.write(f"Signal {count} process(es)? [y/N] ")
+    sys.stdout.flush()
+    return sys.stdin.readline().strip().lower() in {"y", "yes"}
+
+
+def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
+    request = kill_plan.request
+    lines = [f"Plan for {request.unit}, scope {request.scope.value}, {gpu_set.describe()}:"]
+    lines.extend(f"  note: {note}" for note in notes)
+    if gpu_set.note:
+        lines.append(f"  note: {gpu_set.note}")
+    for decision in kill_plan.to_reap:
+        command = escape(decision.holder.command, 60)
+        lines.append(f"  reap  pid {decision.holder.pid:<7} {command}  - {decision.reason}")
+    for decision in kill_plan.spared:
+        command = escape(decision.holder.command, 60)
+        lines.append(
+            f"  spare pid {decision.holder.pid:<7} {command}  - "
+            f"{decision.verdict.value}: {decision.reason}"
+        )
+    if not kill_plan.decisions:
+        lines.append("  no process holds these GPUs")
+    return "".join(f"{escape(line)}\n" for line in lines)
+
+
+def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
+    settings: Settings,
+    found: Inventory,
+    *,
+    kill_plan: KillPlan,
+    gpu_set: GpuSet,
+    results: tuple[ReapResult, ...],
+    args: argparse.Namespace,
+    waited: bool,
+) -> int:
+    from gpuguard.adapters import inventory  # noqa: PLC0415 - see the package doc
+    from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
+
+    gate_settings = gate.GateSettings(
+        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, args.timeout
+    )
+    deadline = time.monotonic() + (args.timeout if waited else 0)
+    current = found if not waited else inventory.gather(settings)
+    blockers = gate.set_blockers(current, gate_settings)
+    while blockers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        current = inventory.gather(settings)
+        blockers = gate.set_blockers(current, gate_settings)
+    wanted = [
+        g for g in current.gpus if gpu_set.indices is None or g.reading.index in gpu_set.indices
+    ]
+    if args.json:
+        document = {
+            "schema_version": 1,
+            "unit": kill_plan.request.unit,
+            "scope": kill_plan.request.scope.value,
+            "gpu_set": gpu_set.describe(),
+            "dry_run": bool(args.dry_run),
+            "plan": [
+                {
+                    "pid": d.holder.pid,
+                    "command": d.holder.command,
+                    "verdict": d.verdict.value,
+                    "reason": d.reason,
+                }
+                for d in kill_plan.decisions
+            ],
+            "results": [result_json(r) for r in results],
+            "gpus": [
+                {
+                    "index": g.reading.index,
+                    "used_mib": None
+                    if g.reading.memory is None
+                    else g.reading.memory.used_bytes >> 20,
+                }
+                for g in wanted
+            ],
+            "idle": not blockers,
+            "blockers": list(blockers),
+        }
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        lines = [
+            f"pid {r.target.identity.pid}: {r.outcome.value}"
+            + (f" ({', '.join(r.signals)})" if r.signals else "")
+            + (f" - {r.detail}" if r.detail else "")
+            for r in results
+        ]
+        for g in wanted:
+            memory = g.reading.memory
+            used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"
+            lines.append(f"GPU {g.reading.index}: {used} used")
+        lines.extend(f"still busy: {b}" for b in blockers)
+        sys.stdout.write("".join(f"{escape(line)}\n" for line in lines))
+    if args.dry_run:
+        return 0  # a plan was asked for and shown; busy GPUs are its subject, not a failure
+    return 0 if not blockers else 1

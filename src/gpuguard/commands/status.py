@@ -1,0 +1,87 @@
+"""``gpuguard status``: gather the inventory, the units and the daemon; judge; print."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuguard.adapters.systemd import UnitState
+    from gpuguard.config import Settings
+    from gpuguard.core.status import DaemonView
+
+
+def run(settings: Settings, *, as_json: bool) -> int:
+    """Print the status report; exit with its level (the monitoring-plugin convention)."""
+    from gpuguard.adapters import inventory, procfs, state, systemd, unitenv  # noqa: PLC0415
+    from gpuguard.core import status  # noqa: PLC0415
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+
+    found = inventory.gather(settings)
+    units = []
+    for name, unit in settings.units.items():
+        unit_state = systemd.show_unit(name)
+        # The set the gate and the daemon use: the gate's record includes EnvironmentFile=.
+        recorded = unitenv.recorded(settings.runtime_dir, name)
+        environment = unit_state.environment if recorded is None else recorded
+        gpu_set = resolve_gpu_set(unit.gpus, environment, found.nvml.gpus)
+        units.append(
+            status.UnitView(
+                name=name,
+                state=_unit_state_text(unit_state),
+                not_found=unit_state.not_found,
+                gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
+                gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
+            )
+        )
+    report = status.assess(
+        found,
+        status.StatusContext(
+            watched_units={name: unit.patterns for name, unit in settings.units.items()},
+            protected_names=settings.protected_processes,
+            idle_threshold_bytes=settings.idle_threshold_mib * 1024 * 1024,
+            as_root=os.geteuid() == 0,
+            units=tuple(units),
+            boot_time=procfs.boot_time(),
+            clock_ticks=procfs.clock_ticks_per_second(),
+            daemon=_daemon_view(settings),
+        ),
+        datetime.now(UTC),
+    )
+    if as_json:
+        sys.stdout.write(json.dumps(status.to_json(report), indent=2) + "\n")
+    else:
+        sys.stdout.write(status.render_text(report))
+    return int(report.level)
+
+
+def _unit_state_text(unit_state: UnitState) -> str:
+    """The unit's state in words; a unit systemd does not know is "not found", not "inactive"."""
+    if unit_state.error:
+        return f"state unknown ({unit_state.error})"
+    if unit_state.not_found:
+        return "not found (LoadState=not-found: systemd has no such unit)"
+    return f"{unit_state.active_state} ({unit_state.sub_state})"
+
+
+def _daemon_view(settings: Settings) -> DaemonView:
+    """The daemon's snapshot and whether the process that wrote it still lives."""
+    from gpuguard.adapters import procfs, state  # noqa: PLC0415 - see the package doc
+    from gpuguard.core.status import DaemonView  # noqa: PLC0415
+    from gpuguard.core.values import ProcessIdentity  # noqa: PLC0415
+
+    snapshot = state.read_json(settings.runtime_dir / "daemon.json")
+    if not isinstance(snapshot, dict):
+        return DaemonView("absent", {})
+    if not snapshot.get("running"):
+        return DaemonView("stopped", snapshot)
+    pid, start = snapshot.get("pid"), snapshot.get("start_time")
+    alive = (
+        isinstance(pid, int)
+        and isinstance(start, int)
+        and procfs.read_identity(pid) == ProcessIdentity(pid, start)
+    )
+    return DaemonView("running" if alive else "dead", snapshot)

@@ -1,0 +1,102 @@
+"""``gpuguard run``: wire the real adapters into the daemon and run it until SIGTERM.
+
+Imported only when ``run`` is the command, so it imports what the daemon needs at the top.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuguard.adapters import (
+    inventory,
+    journal,
+    logs,
+    notify,
+    procfs,
+    reaper,
+    state,
+    systemd,
+    unitenv,
+)
+from gpuguard.commands.context import untouchable
+from gpuguard.core import events, xidevents
+from gpuguard.daemon import loop as daemon
+
+if TYPE_CHECKING:
+    from gpuguard.config import Settings
+
+
+def run(settings: Settings) -> int:
+    """Wire the real adapters into the daemon and run it until SIGTERM."""
+    logs.configure_logging(json=True, stream=sys.stdout)
+    log = logs.get_logger().bind(command="run")
+
+    def write_snapshot(document: dict[str, Any]) -> None:
+        try:
+            state.write_json(settings.runtime_dir / "daemon.json", document)
+        except OSError as err:
+            log.warning("cannot write the status snapshot", error=str(err))
+
+    def save_unit_state(unit: str, document: dict[str, Any]) -> None:
+        try:
+            state.write_json(
+                daemon.unit_state_path(settings.state_dir, unit), document, durable=True
+            )
+        except OSError as err:
+            log.warning("cannot save unit state", unit=unit, error=str(err))
+
+    def load_unit_state(unit: str) -> dict[str, Any] | None:
+        saved = state.read_json(daemon.unit_state_path(settings.state_dir, unit))
+        return saved if isinstance(saved, dict) else None
+
+    # A signal writes a byte here, so SIGTERM ends the loop's long idle wait at once.
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    follower = journal.JournalFollower(
+        list(settings.units),
+        settings.state_dir / "journal-cursor.json",
+        output_patterns=events.GPU_OOM_PATTERNS if settings.daemon.watch_output else (),
+        kernel_patterns=(re.escape(xidevents.MARKER),),
+        replay_s=settings.daemon.loop_window_s,
+        fields=events.FIELDS_READ,
+    )
+    ports = daemon.Ports(
+        gather=lambda: inventory.gather(settings),
+        show_unit=systemd.show_unit,
+        control=systemd.control,
+        reap=lambda targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log),
+        notifier=notify.Notifier(),
+        log=log,
+        wall=time.time,
+        monotonic=time.monotonic,
+        sleep=time.sleep,
+        write_snapshot=write_snapshot,
+        load_unit_state=load_unit_state,
+        save_unit_state=save_unit_state,
+        untouchable=untouchable(),
+        provenance=systemd.provenance,
+        boot_id=boot_id(),
+        identity=procfs.read_identity(os.getpid()),
+        watchdog_interval_s=notify.watchdog_interval_s(),
+        wakeup_fd=wake_read,
+        gate_environment=lambda unit: unitenv.recorded(settings.runtime_dir, unit),
+    )
+    watchdog = daemon.Daemon(settings, follower, ports)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: watchdog.request_stop())
+    signal.set_wakeup_fd(wake_write)
+    return watchdog.run()
+
+
+def boot_id() -> str | None:
+    """The current boot's ID: the daemon compares monotonic times only within one boot."""
+    try:
+        text = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
+    return text.replace("-", "") or None
