@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.adapters import programs
+from gpuguard.adapters import programs, systemd
 from gpuguard.core.doctor import GpuUseFacts, History, HostFacts, PathFact, UnitFacts, build_history
 from gpuguard.core.events import FIELDS_READ
 from gpuguard.core.gpuset import resolve_gpu_set
@@ -65,7 +65,7 @@ def _run(command: Sequence[str]) -> tuple[str | None, str | None]:
 
 def unit_config(unit: str) -> tuple[UnitConfig, str | None]:
     """The unit's effective settings (every drop-in applied), or why systemd could not say."""
-    out, problem = _run(["systemctl", "show", unit, *(f"--property={p}" for p in PROPERTIES)])
+    out, problem = systemd.systemctl("show", unit, *(f"--property={p}" for p in PROPERTIES))
     if out is None:
         return UnitConfig(unit), problem
     return parse_show(unit, out), None

@@ -9,11 +9,10 @@ the source tree is this text rendered for the packaged binary (a test keeps the 
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuguard.adapters import files, programs
+from gpuguard.adapters import files, systemd
 
 SYSTEMD_DIR = Path("/etc/systemd/system")
 FILE_NAME = "gpuguard-gate.conf"
@@ -203,12 +202,4 @@ _EXEC_SUFFIX = b" gate --unit %n"
 
 def daemon_reload() -> str | None:
     """Make systemd read the change; None, or why it could not."""
-    try:
-        result = programs.run(
-            ["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"systemctl daemon-reload failed: {err}"
-    if result.returncode != 0:
-        return f"systemctl daemon-reload: {result.stderr.strip() or result.returncode}"
-    return None
+    return systemd.systemctl("daemon-reload", timeout=60)[1]

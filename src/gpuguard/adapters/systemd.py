@@ -70,38 +70,40 @@ class UnitState:
         return self.active_state in {"active", "reloading", "activating", "deactivating"}
 
 
+def systemctl(*args: str, timeout: float = _TIMEOUT_S) -> tuple[str | None, str | None]:
+    """Run ``systemctl ARGS`` (programs: absolute path, fixed environment): stdout, or why not.
+
+    The one place gpuguard runs systemctl; a failure is a short reason, never an exception.
+    """
+    verb = " ".join(a for a in args if not a.startswith("--"))
+    try:
+        result = programs.run(["systemctl", *args], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return None, f"systemctl {verb} failed: {err}"
+    if result.returncode != 0:
+        last = result.stderr.strip().splitlines()[-1:] or [f"exit {result.returncode}"]
+        return None, f"systemctl {verb}: {last[0][:300]}"
+    return result.stdout, None
+
+
 def show_unit(unit: str) -> UnitState:
     """Ask systemd for the unit's state; failures become ``error``, never exceptions."""
-    try:
-        result = programs.run(
-            ["systemctl", "show", unit, *(f"--property={p}" for p in _PROPERTIES)],
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return UnitState(unit, error=f"systemctl failed: {err}")
-    if result.returncode != 0:
-        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "no output"
-        return UnitState(unit, error=f"systemctl show {unit}: {reason}")
-    return parse_show(unit, result.stdout)
+    out, problem = systemctl("show", unit, *(f"--property={p}" for p in _PROPERTIES))
+    return UnitState(unit, error=problem) if out is None else parse_show(unit, out)
 
 
 def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:
     """The named properties of ``unit`` as `systemctl show` prints them, or why not."""
-    try:
-        result = programs.run(
-            ["systemctl", "show", unit, *(f"--property={p}" for p in names)],
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"systemctl failed: {err}"
-    if result.returncode != 0:
-        return f"systemctl show {unit}: {result.stderr.strip() or result.returncode}"
+    out, problem = systemctl("show", unit, *(f"--property={p}" for p in names))
+    if out is None:
+        return problem or "systemctl show failed"
+    return _properties(out)
+
+
+def _properties(text: str) -> dict[str, str]:
+    """``systemctl show``'s KEY=VALUE lines as a dict."""
     values: dict[str, str] = {}
-    for line in result.stdout.splitlines():
+    for line in text.splitlines():
         key, sep, value = line.partition("=")
         if sep:
             values[key] = value
@@ -119,11 +121,7 @@ def _pid(text: str) -> int | None:
 
 def parse_show(unit: str, text: str) -> UnitState:
     """Parse ``systemctl show`` KEY=VALUE output."""
-    values: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            values[key] = value
+    values = _properties(text)
     restarts = values.get("NRestarts", "")
     return UnitState(
         unit=unit,
@@ -153,18 +151,7 @@ def control(verb: str, unit: str) -> str | None:
     """
     if verb not in {"stop", "start", "reset-failed"}:
         raise ValueError(f"unsupported systemctl verb {verb!r}")
-    try:
-        result = programs.run(
-            ["systemctl", "--no-block", verb, unit],
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"systemctl {verb} {unit} failed: {err}"
-    if result.returncode != 0:
-        return f"systemctl {verb} {unit}: {result.stderr.strip() or f'exit {result.returncode}'}"
-    return None
+    return systemctl("--no-block", verb, unit)[1]
 
 
 def unit_uid(state: UnitState) -> int | None:
