@@ -25,7 +25,7 @@ from gpuguard.adapters import dropin
 from gpuguard.adapters.journal import JournalHealth, JournalRecord
 from gpuguard.adapters.systemd import parse_show, provenance
 from gpuguard.config import Settings, UnitSettings
-from gpuguard.core.holders import build_inventory
+from gpuguard.core.inventory import build_inventory
 from gpuguard.core.values import NvmlHealth, NvmlReading, ProcScan
 from gpuguard.daemon.loop import Daemon, Ports
 

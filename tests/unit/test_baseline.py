@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gpuguard.core.baseline import LEARNED_CAP_DIVISOR, apply, learn
-from gpuguard.core.holders import build_inventory
-from gpuguard.core.protection import is_idle
+from gpuguard.core.idle import is_idle
+from gpuguard.core.inventory import build_inventory
 from gpuguard.core.values import (
     MIB,
     GpuMemory,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuguard.core.gate import GateSettings, run_gate
-from gpuguard.core.holders import build_inventory
+from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.values import (
     MIB,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.core.gate import GateOutcome
-    from gpuguard.core.holders import Inventory
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import ReapResult, ReapTarget
 
 UNIT = "sglang.service"

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from gpuguard.core.holders import build_inventory, gpu_minor_of
+from gpuguard.core.inventory import build_inventory, gpu_minor_of
 from gpuguard.core.status import (
     DaemonView,
     Level,

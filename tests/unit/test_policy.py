@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.core.cgroup import Attribution
-from gpuguard.core.holders import GpuUse, Holder
+from gpuguard.core.inventory import GpuUse, Holder
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.values import ProcessIdentity, UnitProvenance
 

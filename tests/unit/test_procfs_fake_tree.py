@@ -22,7 +22,7 @@ from gpuguard.adapters.procfs import (
     scan_device_holders,
     scan_pids,
 )
-from gpuguard.core.holders import build_inventory
+from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, plan
 from gpuguard.core.redaction import REDACTED
 from gpuguard.core.values import (

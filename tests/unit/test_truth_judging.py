@@ -6,7 +6,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from gpuguard.core.gate import GateSettings, set_blockers
-from gpuguard.core.holders import build_inventory
+from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
 from gpuguard.core.values import (

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.config import Settings
-    from gpuguard.core.holders import Inventory
+    from gpuguard.core.inventory import Inventory
 
 JOURNAL_MAX_ENTRIES: Final = 20_000
 """The newest PID-1 entries about the unit that are read: weeks of a busy server's history."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.adapters import nvml, procfs, state
 from gpuguard.core import baseline
-from gpuguard.core.holders import Inventory, build_inventory
+from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.values import MIB, MemoryApi
 
 if TYPE_CHECKING:

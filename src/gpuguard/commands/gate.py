@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from gpuguard.core.gate import GateOutcome
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
-    from gpuguard.core.holders import Inventory
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import NvmlReading, ReapResult, ReapTarget
 
 # The gate's verdict is one journal entry; journald splits lines longer than LineMax (48K).
@@ -38,14 +38,14 @@ def fast_path(
     """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
 
     Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
-    (idle is a matter of memory, see protection.is_idle). Returns None whenever anything needs
+    (idle is a matter of memory, see idle.is_idle). Returns None whenever anything needs
     the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle; the NVML
     reading taken on the way is handed on so the full path does not read it again.
     """
     from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see the package doc
     from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
-    from gpuguard.core.protection import is_idle  # noqa: PLC0415
+    from gpuguard.core.idle import is_idle  # noqa: PLC0415
     from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
 
     started = time.monotonic()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
-    from gpuguard.core.holders import Inventory
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import KillPlan
     from gpuguard.core.values import ReapResult
 

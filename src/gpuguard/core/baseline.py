@@ -30,7 +30,7 @@ from gpuguard.core.values import MIB, GpuMemory, MemoryApi, ReservedSource
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping
 
-    from gpuguard.core.holders import Inventory
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import GpuReading, NvmlReading
 
 # Driver reserves seen with the v1 API are 0.3-1 % of the framebuffer (A100 80 GB: ~560 MiB);

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
+from gpuguard.core.idle import is_idle
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
-from gpuguard.core.protection import is_idle
 from gpuguard.core.values import MIB, NvmlHealth, ReapTarget
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from gpuguard.core.holders import Holder, Inventory
+    from gpuguard.core.inventory import Holder, Inventory
     from gpuguard.core.values import ProcessIdentity, ReapResult
 
 

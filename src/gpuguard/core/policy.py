@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from gpuguard.core.protection import is_protected
+from gpuguard.core.protection import never_signal
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-    from gpuguard.core.holders import Holder
+    from gpuguard.core.inventory import Holder
     from gpuguard.core.values import UnitProvenance
 
 
@@ -134,7 +134,7 @@ def plan(holders: Iterable[Holder], request: PlanRequest) -> KillPlan:
 
 def decide(holder: Holder, request: PlanRequest) -> Decision:
     """One holder's verdict: the refusals, then the GPU set, then the scope."""
-    refusal = _refusal(holder, request)
+    refusal = never_signal(holder, request.protected_names, request.untouchable_pids)
     if refusal is not None:
         return Decision(holder, Verdict.REFUSE, refusal)
     outside = _outside_gpu_set(holder, request)
@@ -144,18 +144,6 @@ def decide(holder: Holder, request: PlanRequest) -> Decision:
     if other is not None:
         return Decision(holder, Verdict.KEEP, other)
     return _by_scope(holder, request)
-
-
-def _refusal(holder: Holder, request: PlanRequest) -> str | None:
-    if holder.pid in (1, 2):
-        return f"PID {holder.pid} is never signalled"
-    if holder.kernel_thread:
-        return "kernel thread"
-    if holder.pid in request.untouchable_pids:
-        return "gpuguard itself or one of its ancestors"
-    if is_protected(holder, request.protected_names):
-        return f"protected process ({holder.comm})"
-    return None
 
 
 def _outside_gpu_set(holder: Holder, request: PlanRequest) -> str | None:

@@ -1,4 +1,8 @@
-"""Which processes gpuguard must never signal, and which GPUs count as idle (pure)."""
+"""Which processes gpuguard must never signal, whatever the scope or the caller (pure).
+
+The one home of that rule: the kill policy refuses exactly the processes ``never_signal``
+names a reason for, before any other rule is asked.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-    from gpuguard.core.holders import Holder
-    from gpuguard.core.values import GpuReading
+    from gpuguard.core.inventory import Holder
 
 
 def is_protected(holder: Holder, protected_names: Collection[str]) -> bool:
@@ -23,16 +26,20 @@ def is_protected(holder: Holder, protected_names: Collection[str]) -> bool:
     return holder.comm in names or argv0 in names or any(n[:15] == holder.comm for n in names)
 
 
-def is_idle(reading: GpuReading, idle_threshold_bytes: int) -> bool:
-    """Idle means the next start can allocate: no process has memory on the GPU.
+def never_signal(
+    holder: Holder, protected_names: Collection[str], untouchable_pids: Collection[int]
+) -> str | None:
+    """Why ``holder`` must never be signalled, or None when other rules decide.
 
-    That is: NVML lists no process on it (a protected one too: gpuguard will not kill it, but
-    its memory is not free either) and its used memory is within the threshold. A process that
-    merely opened /dev/nvidiaN (an exporter, nvidia-smi) holds no memory and does not count:
-    waiting on it would block every start. Memory kept through an inherited fd by a process
-    NVML does not list still shows in ``used``. Never idle when NVML could not read the GPU's
-    memory: an error is not evidence of idleness.
+    PID 1 and 2, kernel threads, gpuguard itself and its ancestors (and the gate's caller),
+    and the protected processes (``is_protected``).
     """
-    if reading.memory is None or reading.lost or reading.processes:
-        return False
-    return reading.memory.used_bytes <= idle_threshold_bytes
+    if holder.pid in (1, 2):
+        return f"PID {holder.pid} is never signalled"
+    if holder.kernel_thread:
+        return "kernel thread"
+    if holder.pid in untouchable_pids:
+        return "gpuguard itself or one of its ancestors"
+    if is_protected(holder, protected_names):
+        return f"protected process ({holder.comm})"
+    return None

@@ -48,7 +48,7 @@ class RecoveryLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class RecoveryDecision:
     """The action with its reason; ``not_before_s`` says when a WAIT ends."""
 
     action: Action
@@ -71,27 +71,27 @@ class RecoveryPlanner:
         """Recoveries since the unit last ran stably."""
         return self._unhelped
 
-    def decide(self, diagnosis: Diagnosis, now: float) -> Decision:
+    def decide(self, diagnosis: Diagnosis, now: float) -> RecoveryDecision:
         """The action for a fresh diagnosis at ``now``."""
         if not diagnosis.looping:
-            return Decision(Action.NONE, diagnosis.reason)
+            return RecoveryDecision(Action.NONE, diagnosis.reason)
         if diagnosis.cause is Cause.GPU_NEEDS_RESET:
             # Not counted as a recovery and not sticky: once the GPU is reset the next
             # diagnosis no longer says so, and nothing gpuguard did needs forgiving.
-            return Decision(
+            return RecoveryDecision(
                 Action.NEEDS_OPERATOR,
                 f"{diagnosis.cause_detail}: no kill or restart can help; reset the GPU or reboot "
                 "(see `gpuguard status` and the runbook)",
             )
         if diagnosis.cause is not Cause.STALE_GPU_HOLDERS:
-            return Decision(
+            return RecoveryDecision(
                 Action.REPORT,
                 f"restart loop without a GPU cause ({diagnosis.cause.value}: "
                 f"{diagnosis.cause_detail}); gpuguard does not act on it",
             )
         if self.needs_operator or self._unhelped >= self._limits.max_attempts:
             self.needs_operator = True
-            return Decision(
+            return RecoveryDecision(
                 Action.NEEDS_OPERATOR,
                 f"{self._unhelped} recoveries did not help; needs an operator "
                 "(see `gpuguard status` and the runbook)",
@@ -99,12 +99,12 @@ class RecoveryPlanner:
         if self._last_s is not None:
             wait = self._limits.backoff_s * 2 ** max(self._unhelped - 1, 0)
             if now < self._last_s + wait:
-                return Decision(
+                return RecoveryDecision(
                     Action.WAIT,
                     f"last recovery {now - self._last_s:.0f} s ago; next not before {wait:.0f} s",
                     self._last_s + wait,
                 )
-        return Decision(
+        return RecoveryDecision(
             Action.RECOVER, f"restart loop caused by stale GPU holders: {diagnosis.reason}"
         )
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
+from gpuguard.core.idle import is_idle
 from gpuguard.core.policy import matching_pattern
-from gpuguard.core.protection import is_idle, is_protected
+from gpuguard.core.protection import is_protected
 from gpuguard.core.values import MIB, MemoryApi, NvmlHealth
 from gpuguard.core.xid import XidClass
 from gpuguard.core.xidevents import normalize_pci
@@ -22,7 +23,7 @@ from gpuguard.core.xidevents import normalize_pci
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
 
-    from gpuguard.core.holders import GpuOccupancy, Holder, Inventory
+    from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory
     from gpuguard.core.values import GpuHealth, GpuReading
 
 SCHEMA_VERSION = 2

@@ -39,8 +39,8 @@ from gpuguard.core.policy import PlanRequest, Scope, plan
 from gpuguard.core.records import bound_record
 from gpuguard.core.recovery import (
     Action,
-    Decision,
     Interrupted,
+    RecoveryDecision,
     RecoveryLimits,
     RecoveryPlanner,
     resume_problem,
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.events import UnitEvent
     from gpuguard.core.gate import GateOutcome
-    from gpuguard.core.holders import Inventory
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget
 
 SNAPSHOT_SCHEMA = 1
@@ -204,7 +204,7 @@ class _Watch:
     ends: RunEnds
     """Which runs are over, for the sweep of their survivors."""
     diagnosis: Diagnosis | None = None
-    decision: Decision | None = None
+    decision: RecoveryDecision | None = None
     systemd_state: str = "unknown"
     not_found: bool = False
     recoveries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
@@ -444,7 +444,7 @@ class Daemon:
         if decision.action is Action.RECOVER and state.active_state == "inactive":
             # Nothing will start it again (a restart pending is "activating"): someone stopped
             # it, and gpuguard does not start a unit that was stopped on purpose.
-            decision = Decision(
+            decision = RecoveryDecision(
                 Action.REPORT,
                 f"{watch.name} is inactive with no restart pending: it was stopped on purpose, "
                 "and gpuguard does not start it",
@@ -463,7 +463,7 @@ class Daemon:
         watch.not_found = state.not_found
         watch.systemd_state = _describe_state(state)
 
-    def _say(self, watch: _Watch, diagnosis: Diagnosis, decision: Decision | None) -> None:
+    def _say(self, watch: _Watch, diagnosis: Diagnosis, decision: RecoveryDecision | None) -> None:
         """Log a verdict once when it changes, not on every event."""
         before = (watch.diagnosis.reason if watch.diagnosis else None, _action(watch.decision))
         watch.diagnosis, watch.decision = diagnosis, decision
@@ -1027,7 +1027,7 @@ def _needs_operator(watch: _Watch) -> bool:
     )
 
 
-def _action(decision: Decision | None) -> str | None:
+def _action(decision: RecoveryDecision | None) -> str | None:
     return decision.action.value if decision is not None else None
 
 
