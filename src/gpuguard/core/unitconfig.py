@@ -155,6 +155,11 @@ def parse_show(unit: str, text: str) -> UnitConfig:
     )
 
 
+def exec_argvs(value: str) -> tuple[tuple[str, ...], ...]:
+    """The argv of each command in one Exec*= property's text (``{ path=… ; argv[]=… ; … }``)."""
+    return tuple(tuple(_split(match["argv"])) for match in _ARGV.finditer(value[:_MAX_LINE]))
+
+
 def parse_timespan(text: str) -> float | None:
     """A systemd time span ("1min 30s", "100ms", "2h", "5") in seconds; None if not one.
 
