@@ -28,6 +28,7 @@ from pydantic import (
 
 from gpuguard.adapters.configfile import EX_CONFIG, config_path, read_config, store_validated
 from gpuguard.adapters.files import UnsafePathError
+from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
 
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",
@@ -108,6 +109,19 @@ class UnitSettings(_Strict):
         "never makes a process the unit's (scope patterns reaches them explicitly); default: "
         "those of `server`.",
     )
+
+    container: str | None = Field(
+        default=None,
+        description="Name of the docker/podman container the unit runs its server in; unset: "
+        "the --name of a `docker run`/`podman run` ExecStart=.",
+    )
+
+    @field_validator("container")
+    @classmethod
+    def _container_name(cls, value: str | None) -> str | None:
+        if value is not None and not CONTAINER_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a container name ([a-zA-Z0-9][a-zA-Z0-9_.-]*)")
+        return value
 
     @field_validator("patterns")
     @classmethod

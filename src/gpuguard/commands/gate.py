@@ -81,7 +81,13 @@ def run(
     caller: Caller | None,
 ) -> int:
     """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
-    from gpuguard.adapters import inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.adapters import (  # noqa: PLC0415
+        containerstop,
+        inventory,
+        logs,
+        reaper,
+        systemd,
+    )
     from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
@@ -110,10 +116,12 @@ def run(
     def gather() -> Inventory:
         return pending.pop() if pending else inventory.gather(settings)
 
+    def logger() -> reaper.EventLogger:
+        logs.configure_logging(json=False)  # structlog loads only when something is logged
+        return logs.get_logger().bind(unit=args.unit, command="gate")
+
     def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
-        logs.configure_logging(json=False)  # structlog loads only when something is signalled
-        log = logs.get_logger().bind(unit=args.unit, command="gate")
-        return reaper.reap(targets, grace_s=grace, logger=log)
+        return reaper.reap(targets, grace_s=grace, logger=logger())
 
     def report(line: str) -> None:
         sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
@@ -125,6 +133,9 @@ def run(
         time.monotonic,
         time.sleep,
         report=report,
+        containers=containerstop.for_unit(
+            request, unit.container, grace_s=grace, dry_run=False, logger=logger
+        ),
     )
     return _finish_gate(settings.runtime_dir, outcome, gpu_set)
 

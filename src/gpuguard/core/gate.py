@@ -163,11 +163,13 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
     sleep: Callable[[float], None],
     *,
     report: Callable[[str], None] | None = None,
+    containers: Callable[[Inventory], bool] | None = None,
 ) -> GateOutcome:
     """Pass at once when the set is idle; else reap stale holders and wait, up to the timeout.
 
     Refuses at once when waiting cannot help (see ``hopeless``). While waiting, ``report`` gets
-    one line per blocker every ``report_every_s``.
+    one line per blocker every ``report_every_s``. ``containers`` stops the unit's left-over
+    containers through their engine (adapters/containerstop) and says whether it stopped one.
     """
     unit = settings.request.unit
     started = clock()
@@ -181,6 +183,8 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
     spared: dict[int, Decision] = {}
     progress = _Progress(settings, report)
     while True:
+        if containers is not None and containers(inventory):
+            inventory = gather()
         current = plan(inventory.holders, settings.request)
         spared.update({d.holder.pid: d for d in current.spared})
         fresh = [d for d in current.to_reap if d.holder.identity not in signalled]

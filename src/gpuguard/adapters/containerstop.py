@@ -1,0 +1,198 @@
+"""Stop a unit's left-over server container through its engine, as the gate and recovery wait.
+
+The process reaper never signals a holder in a container (policy: "belongs to docker:…"); this
+is the one path by which such a holder goes away, and only for a container the engine confirms
+is the unit's own (core/unitcontainers.judge). The engine stops it as ``docker stop`` would: the
+container's stop signal, the reaper's grace, SIGKILL. One log line per container looked at,
+decision and outcome together; with ``dry_run`` nothing is sent. Each container is judged once
+per gate run: a kept one stays kept (the gate then refuses, naming it), a stopped one is not
+stopped twice. Costs nothing on a host without containers: the unit's names and the engine are
+asked only when a container holds one of the unit's GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters import procfs
+from gpuguard.adapters.engineapi import EngineClient, EngineError
+from gpuguard.core.cgroup import attribute
+from gpuguard.core.unitconfig import exec_argvs
+from gpuguard.core.unitcontainers import (
+    RUN_START,
+    Claim,
+    ContainerFacts,
+    ContainerVerdict,
+    Engine,
+    Evidence,
+    claims,
+    container_of,
+    judge,
+    parse_inspect,
+    run_start_s,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from pathlib import Path
+
+    from gpuguard.adapters.reaper import EventLogger
+    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.policy import PlanRequest
+
+
+@dataclass(slots=True)
+class ContainerStopper:
+    """The gate's ``containers`` step for one unit (see run_gate).
+
+    ``claims`` gives the names the unit's configuration names (asked once, when first needed);
+    ``live`` says the unit has, or may have, a live run; ``live_since_s`` gives that run's start
+    in seconds since boot (asked only then), None when it cannot be read.
+    """
+
+    unit: str
+    gpu_set: frozenset[int] | None
+    claims: Callable[[], tuple[Claim, ...]]
+    live: bool
+    live_since_s: Callable[[], float | None]
+    grace_s: float
+    dry_run: bool
+    logger: Callable[[], EventLogger]
+    client: Callable[[Engine], EngineClient] = EngineClient
+    proc_root: Path = procfs.PROC
+    judged: dict[str, ContainerVerdict] = field(default_factory=dict)
+    _names: tuple[Claim, ...] | None = None
+
+    def __call__(self, inventory: Inventory) -> bool:
+        """Judge each container newly seen holding the unit's GPUs; True when one was stopped."""
+        stopped = False
+        for engine, short_id in self._holding(inventory):
+            if f"{engine}:{short_id}" in self.judged:
+                continue
+            verdict = self._judge(engine, short_id)
+            self.judged[f"{engine}:{short_id}"] = verdict
+            stopped = self._act(verdict) or stopped
+        return stopped
+
+    def _holding(self, inventory: Inventory) -> list[tuple[Engine, str]]:
+        """docker:/podman: containers whose processes hold a GPU of the set, in holder order."""
+        found: dict[tuple[Engine, str], None] = {}
+        for holder in inventory.holders:
+            container = container_of(holder.attribution.container)
+            uses = {use.gpu_index for use in holder.gpus}
+            if container is not None and (
+                self.gpu_set is None or not uses or bool(uses & self.gpu_set)
+            ):
+                found[container] = None
+        return list(found)
+
+    def _judge(self, engine: Engine, short_id: str) -> ContainerVerdict:
+        if self._names is None:
+            self._names = self.claims()
+        names = [c for c in self._names if c.engine in {None, engine}]
+        if not names:
+            return judge(self.unit, Evidence(engine, short_id))
+        live_since = self.live_since_s() if self.live else None
+        if self.live and live_since is None:
+            problem = f"the start of {self.unit}'s running invocation cannot be read"
+            return judge(self.unit, Evidence(engine, short_id, problem=problem))
+        try:
+            claim, facts = self._find(engine, short_id, names)
+        except EngineError as err:
+            return judge(self.unit, Evidence(engine, short_id, problem=str(err)))
+        init_container: str | None = None
+        init_started: float | None = None
+        if facts is not None and facts.pid is not None:
+            cgroup = procfs.read_cgroup(facts.pid, proc_root=self.proc_root)
+            init_container = attribute(cgroup).container
+            stat = procfs.read_stat(facts.pid, proc_root=self.proc_root)
+            if stat is not None:
+                init_started = stat.start_time / procfs.clock_ticks_per_second()
+        return judge(
+            self.unit,
+            Evidence(
+                engine,
+                short_id,
+                claim=claim,
+                facts=facts,
+                init_container=init_container,
+                init_started_s=init_started,
+                live_since_s=live_since,
+            ),
+        )
+
+    def _find(
+        self, engine: Engine, short_id: str, names: list[Claim]
+    ) -> tuple[Claim | None, ContainerFacts | None]:
+        """The claimed name the engine says is this container, else the first one it knows."""
+        client = self.client(engine)
+        first: tuple[Claim | None, ContainerFacts | None] = (None, None)
+        for claim in names:
+            facts = parse_inspect(client.inspect(claim.name))
+            if facts is None:
+                continue
+            if facts.id[:12] == short_id:
+                return claim, facts
+            if first[1] is None:
+                first = (claim, facts)
+        return first
+
+    def _act(self, verdict: ContainerVerdict) -> bool:
+        log = self.logger()
+        fields: Mapping[str, object] = {
+            "unit": self.unit,
+            "container": f"{verdict.engine}:{verdict.short_id}",
+            "reason": verdict.reason,
+        }
+        if not verdict.stop or verdict.full_id is None:
+            log.info("container not stopped", **fields)
+            return False
+        if self.dry_run:
+            log.info("would stop container", grace_s=self.grace_s, **fields)
+            return False
+        try:
+            outcome = self.client(verdict.engine).stop(verdict.full_id, self.grace_s)
+        except EngineError as err:
+            log.warning("container stop failed", error=str(err), **fields)
+            return False
+        log.info("container stopped", outcome=outcome, grace_s=self.grace_s, **fields)
+        return True
+
+
+def for_unit(
+    request: PlanRequest,
+    configured: str | None,
+    *,
+    grace_s: float,
+    dry_run: bool,
+    logger: Callable[[], EventLogger],
+) -> ContainerStopper:
+    """The stopper for the unit of a gate's ``request``, named by ``configured`` or ExecStart=.
+
+    The unit's run may be live when the request keeps a live invocation, and also when
+    systemd's view of the unit is unknown: then the run's start is asked, and unknown keeps.
+    """
+    from gpuguard.adapters import systemd  # noqa: PLC0415 - only once a container holds a GPU
+
+    unit = request.unit
+
+    def names() -> tuple[Claim, ...]:
+        shown = systemd.show_properties(unit, ("ExecStart",))
+        text = shown.get("ExecStart", "") if isinstance(shown, dict) else ""
+        return claims(configured, exec_argvs(text))
+
+    def live_since_s() -> float | None:
+        shown = systemd.show_properties(unit, (RUN_START,))
+        return run_start_s(shown.get(RUN_START, "") if isinstance(shown, dict) else "")
+
+    return ContainerStopper(
+        unit,
+        request.gpu_set,
+        names,
+        live=request.live_invocation is not None or request.provenance.problem is not None,
+        live_since_s=live_since_s,
+        grace_s=grace_s,
+        dry_run=dry_run,
+        logger=logger,
+    )
