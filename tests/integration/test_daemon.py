@@ -33,7 +33,7 @@ from gpuguard.core.values import MIB
 from gpuguard.daemon.loop import Daemon, Ports
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from clirunner import Openers, UnitCgroups
 
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
     Entry = dict[str, object]
     from fakeholder import Holder, HolderSpawner
+
+    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.policy import PlanRequest
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
 OLD_INVOCATION = "0" * 32
@@ -224,6 +227,7 @@ def build(
     recorder: Recorder | None = None,
     gate_environment: dict[str, str] | None = None,
     reap_stopped_survivors: bool = False,
+    containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None] = lambda _r: None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -275,6 +279,7 @@ def build(
         boot_id=BOOT,
         watchdog_interval_s=watchdog_interval_s,
         gate_environment=lambda _unit: gate_environment,
+        containers=containers,
     )
     follower = ReplayFollower(entries, live=live)
     daemon = Daemon(settings, follower, ports)
@@ -325,6 +330,45 @@ def test_loop_with_stale_holders_is_recovered(
     assert last["recoveries"][-1]["result"] == "restarted"
     assert harness.saved[unit]["in_progress"] is None
     assert harness.log.notes[0].startswith("READY")
+
+
+def test_recovery_asks_the_units_container_stopper_before_the_start(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The recovery's gate runs the unit's container stopper (containerstop) after the stop.
+
+    The stopper itself is tested against an engine in test_container_engine.py; here it is a
+    recorder, to show that the daemon hands it the stopped unit (no live run) and its GPUs,
+    and calls it on the gate's inventories before the start.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    asked: list[PlanRequest] = []
+    seen: list[Inventory] = []
+
+    def stopper_for(request: PlanRequest) -> Callable[[Inventory], bool]:
+        asked.append(request)
+
+        def stopper(inventory: Inventory) -> bool:
+            seen.append(inventory)
+            return False
+
+        return stopper
+
+    harness = build(
+        tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False, containers=stopper_for
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {unit}", f"reset-failed {unit}", f"start {unit}"]
+    assert [(r.unit, r.live_invocation) for r in asked] == [(unit, None)]
+    assert seen
+    assert any(2 in {use.gpu_index for h in i.holders for use in h.gpus} for i in seen)
 
 
 def test_recovery_uses_the_gpu_set_the_gate_recorded(

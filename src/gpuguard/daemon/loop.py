@@ -86,6 +86,9 @@ _RECENT = 10
 # Beyond a long step's own deadline (NVML's timeout, the reaper's grace, systemctl's 10 s): the
 # /proc walk, the reaper's SIGKILL wait, a busy host. Past it the watchdog goes hungry.
 _STEP_SLACK_S = 30.0
+# Beyond the grace, a container stopper's step: the engine's inspect answers (engineapi: 10 s
+# each) and its own SIGKILL and wait after the grace (engineapi: 30 s).
+_CONTAINER_SLACK_S = 60.0
 # An interrupted recovery is resumed only if it could still be running: the stop wait, the
 # gate's timeout and one restart of the daemon.
 _RESUME_SLACK_S = 60.0
@@ -192,6 +195,8 @@ class Ports:
     """Read end of a self-pipe that signal.set_wakeup_fd writes to: SIGTERM ends a long wait."""
     gate_environment: Callable[[str], dict[str, str] | None] = lambda _unit: None
     """The unit's GPU variables as its gate last read them (unitenv); None: ask systemd."""
+    containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None] = lambda _r: None
+    """The stopper of a unit's left-over containers for a recovery's gate (containerstop)."""
 
 
 @dataclass
@@ -773,7 +778,14 @@ class Daemon:
             def gather() -> Inventory:
                 return pending.pop() if pending else self._gather()
 
-            outcome = run_gate(settings, gather, self._reap, ports.monotonic, self._heartbeat_sleep)
+            outcome = run_gate(
+                settings,
+                gather,
+                self._reap,
+                ports.monotonic,
+                self._heartbeat_sleep,
+                containers=self._fed_containers(settings.request),
+            )
             problem = None if outcome.passed else "; ".join(outcome.blockers)
         elif problem is None:
             problem = f"{watch.name} did not stop within {_STOP_WAIT_S:.0f} s"
@@ -856,6 +868,13 @@ class Daemon:
                 feeder.join()
 
         return fed
+
+    def _fed_containers(self, request: PlanRequest) -> Callable[[Inventory], bool] | None:
+        """The unit's container stopper, fed like the reaper: an engine's stop can take a while."""
+        stopper = self._ports.containers(request)
+        if stopper is None:
+            return None
+        return self._fed(self._settings.reap_grace_s + _CONTAINER_SLACK_S, stopper)
 
     def _heartbeat_sleep(self, seconds: float) -> None:
         """Sleep inside a recovery while still proving to systemd's watchdog that we live."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import (
+    containerstop,
     inventory,
     journal,
     logs,
@@ -85,6 +86,13 @@ def run(settings: Settings) -> int:
         watchdog_interval_s=notify.watchdog_interval_s(),
         wakeup_fd=wake_read,
         gate_environment=lambda unit: unitenv.recorded(settings.runtime_dir, unit),
+        containers=lambda request: containerstop.for_unit(
+            request,
+            settings.units[request.unit].container,
+            grace_s=settings.reap_grace_s,
+            dry_run=settings.daemon.dry_run,
+            logger=lambda: log,
+        ),
     )
     watchdog = daemon.Daemon(settings, follower, ports)
     for signum in (signal.SIGTERM, signal.SIGINT):
