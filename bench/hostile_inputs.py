@@ -221,6 +221,44 @@ def _invocations(piece: str) -> Callable[[int], Callable[[], object]]:
     return make
 
 
+def _exec_start(piece: str, head: str) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.core.unitconfig import exec_argvs  # noqa: PLC0415
+        from gpuguard.core.unitcontainers import claim_from_exec  # noqa: PLC0415
+
+        text = head + fill(piece, size - len(head))
+        return lambda: [claim_from_exec(argv) for argv in exec_argvs(text)]
+
+    return make
+
+
+def _run_argv(piece: str) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.core.unitcontainers import claim_from_exec  # noqa: PLC0415
+
+        argv = ["/usr/bin/docker", "run", *fill(piece, size).split(), "--name", "n", "img"]
+        return lambda: claim_from_exec(argv)
+
+    return make
+
+
+def _inspect(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.core.unitcontainers import parse_inspect  # noqa: PLC0415
+
+        text = head + fill(piece, size - len(head))
+
+        def run() -> object:
+            try:
+                return parse_inspect(json.loads(text))
+            except (ValueError, RecursionError):  # what engineapi turns into EngineError
+                return None
+
+        return run
+
+    return make
+
+
 NOISE_FLOOR_S = 0.01
 """Seconds per MiB below which no ratio is flagged: a slice of a 2 MiB string costs about this."""
 
@@ -288,6 +326,18 @@ CASES: dict[str, dict[str, Callable[[int], Callable[[], object]]]] = {
         "file: quotes": _env_file('A="\\"\n'),
         "show: Environment= backslash-space": _unit_show("a\\ ", head="Environment="),
         "show: many ExecStartPre= lines": _unit_show("ExecStartPre={ path=/x }\n"),
+    },
+    "container engines (unitcontainers: ExecStart=, inspect answers)": {
+        "show: ExecStart= argv[] repeats": _exec_start("argv[]=x ", head="ExecStart={ "),
+        "show: docker run options": _exec_start(
+            "-e X=1 ", head="{ path=/usr/bin/docker ; argv[]=/usr/bin/docker run "
+        ),
+        "argv: value options": _run_argv("-e X=1 "),
+        "argv: short flag clusters": _run_argv("-itditdit "),
+        "inspect: deep nesting [": _inspect("["),
+        "inspect: many labels": _inspect(
+            '"k": "v", ', head='{"Id": "' + "a" * 64 + '", "State": {}, "Config": {"Labels": {'
+        ),
     },
     "provenance (environ INVOCATION_ID, journal invocations)": {
         "environ: many INVOCATION_ID=": _environ("INVOCATION_ID=0\0"),
