@@ -43,6 +43,7 @@ int main(int argc, char **argv) {
 }
 """
 IMAGE = "gpuguard-test-hold:1"
+_PLUGINS = Path("/run/docker/plugins")
 
 
 @dataclass
@@ -109,6 +110,7 @@ def dockerd() -> Iterator[Dockerd]:
         pytest.skip(why)
     root = Path(tempfile.mkdtemp(prefix="gpuguard-dockerd-"))
     cgroups_before = set(Path("/sys/fs/cgroup").glob("*/docker"))
+    plugins_made = not _PLUGINS.exists()  # dockerd makes it whatever --exec-root says
     with (root / "dockerd.log").open("wb") as daemon_log:
         process = subprocess.Popen(
             [
@@ -145,6 +147,10 @@ def dockerd() -> Iterator[Dockerd]:
         for cgroup in set(Path("/sys/fs/cgroup").glob("*/docker")) - cgroups_before:
             with contextlib.suppress(OSError):
                 cgroup.rmdir()
+        if plugins_made:
+            with contextlib.suppress(OSError):
+                _PLUGINS.rmdir()
+                _PLUGINS.parent.rmdir()
 
 
 def _wait_ready(daemon: Dockerd) -> None:
