@@ -32,7 +32,7 @@ from gpuguard.adapters.journal import KERNEL
 from gpuguard.core.detector import Detector, GpuEvidence, LoopSettings
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import parse_entry
-from gpuguard.core.gate import GateSettings, reap_targets, run_gate, set_blockers
+from gpuguard.core.gate import GateSettings, reap_targets, set_blockers
 from gpuguard.core.gpuset import resolve_gpu_set
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.policy import PlanRequest, Scope, plan
@@ -57,6 +57,7 @@ from gpuguard.core.runend import (
 from gpuguard.core.values import MIB, UnitProvenance
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, XidEvent, parse_kernel_entry
+from gpuguard.daemon import recover
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.events import UnitEvent
-    from gpuguard.core.gate import GateOutcome
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget
 
@@ -81,7 +81,6 @@ SNAPSHOT_EVERY_S = 60.0
 MAX_SLEEP_S = 60.0
 # How often a verdict is re-derived from the events alone, so "starting" becomes "up".
 REFRESH_EVERY_S = 30.0
-_STOP_WAIT_S = 300.0
 _RECENT = 10
 # Beyond a long step's own deadline (NVML's timeout, the reaper's grace, systemctl's 10 s): the
 # /proc walk, the reaper's SIGKILL wait, a busy host. Past it the watchdog goes hungry.
@@ -739,7 +738,7 @@ class Daemon:
                 active_state=None if state.error else state.active_state,
             ),
             dry_run=self._settings.daemon.dry_run,
-            within_s=_STOP_WAIT_S + self._settings.gate_timeout_s + _RESUME_SLACK_S,
+            within_s=recover.STOP_WAIT_S + self._settings.gate_timeout_s + _RESUME_SLACK_S,
         )
         if problem is not None:
             ports.log.warning(
@@ -766,73 +765,36 @@ class Daemon:
         ports = self._ports
         ports.notifier.status(f"recovering {watch.name}")
         ports.log.warning("recovery: stopping unit", unit=watch.name)
-        problem = self._control("stop", watch.name)
-        stopped = problem is None and self._wait_stopped(watch.name)
-        outcome: GateOutcome | None = None
-        if stopped:
-            inventory = self._gather()
-            state = self._show_unit(watch.name)
-            settings = self._gate_settings(self._request(watch.name, inventory, state, None))
-            pending = [inventory]
-
-            def gather() -> Inventory:
-                return pending.pop() if pending else self._gather()
-
-            outcome = run_gate(
-                settings,
-                gather,
-                self._reap,
-                ports.monotonic,
-                self._heartbeat_sleep,
-                containers=self._fed_containers(settings.request),
-            )
-            problem = None if outcome.passed else "; ".join(outcome.blockers)
-        elif problem is None:
-            problem = f"{watch.name} did not stop within {_STOP_WAIT_S:.0f} s"
-        # Forget the loop as of now, before the start: the new run's first entries can carry a
-        # timestamp a few ms before `systemctl start` returns, and must not be dropped.
-        restarted_at = ports.monotonic()
-        if self._show_unit(watch.name).active_state == "failed":
-            # Only a failed unit has anything to reset; a unit systemd unloaded after the stop
-            # (not enabled) answers "not loaded", which is no failure of the recovery.
-            problem = problem or self._control("reset-failed", watch.name)
-        problem = problem or self._control("start", watch.name)
-        record |= {
-            "finished_at": _iso(ports.wall()),
-            "result": "restarted" if problem is None else "failed",
-            "problem": problem,
-            "reaped": [
-                {
-                    "pid": r.target.identity.pid,
-                    "outcome": r.outcome.value,
-                    "signals": list(r.signals),
-                }
-                for r in (outcome.reaped if outcome else ())
-            ],
-            "waited_s": round(outcome.waited_s, 2) if outcome else None,
-        }
-        watch.detector.reset(restarted_at)
+        done = recover.carry_out(watch.name, self._recovery_steps())
+        record |= {"finished_at": _iso(ports.wall())} | done.record()
+        watch.detector.reset(done.restarted_at)
         watch.in_progress = None
         watch.recoveries.append(bound_record(record))
         self._save(watch)
-        log = ports.log.info if problem is None else ports.log.error
+        log = ports.log.info if done.problem is None else ports.log.error
         log(
             "recovery finished",
             unit=watch.name,
-            result=record["result"],
-            problem=problem,
+            result=done.result,
+            problem=done.problem,
             reaped=len(record["reaped"]),
         )
         ports.notifier.status(self._status_line())
 
-    def _wait_stopped(self, unit: str) -> bool:
-        deadline = self._ports.monotonic() + _STOP_WAIT_S
-        while self._ports.monotonic() < deadline:
-            state = self._show_unit(unit)
-            if state.error is None and not state.running:
-                return True
-            self._heartbeat_sleep(0.5)
-        return False
+    def _recovery_steps(self) -> recover.Steps:
+        def gate_settings(unit: str, inventory: Inventory, state: UnitState) -> GateSettings:
+            return self._gate_settings(self._request(unit, inventory, state, None))
+
+        return recover.Steps(
+            control=self._control,
+            show_unit=self._show_unit,
+            gather=self._gather,
+            gate_settings=gate_settings,
+            reap=self._reap,
+            containers=self._fed_containers,
+            monotonic=self._ports.monotonic,
+            sleep=self._heartbeat_sleep,
+        )
 
     def _fed(self, deadline_s: float, step: Callable[_P, _T]) -> Callable[_P, _T]:
         """``step`` run while a helper thread feeds the watchdog, for its deadline plus slack.

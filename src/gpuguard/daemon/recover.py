@@ -1,0 +1,120 @@
+"""The daemon's recovery procedure: stop the unit, free its GPUs the gate's way, start it again.
+
+Written against the steps the daemon hands in (``Steps``, each already feeding systemd's
+watchdog), so the procedure reads top to bottom without the loop around it. It returns a typed
+``Recovery``; the daemon keeps it as one JSON record among the unit's recoveries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gpuguard.core.gate import run_gate
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from gpuguard.adapters.systemd import UnitState
+    from gpuguard.core.gate import GateOutcome, GateSettings
+    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.policy import PlanRequest
+    from gpuguard.core.values import ReapResult, ReapTarget
+
+STOP_WAIT_S = 300.0
+"""How long a stopping unit may take before the recovery gives up on it."""
+_POLL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """What a recovery does to the world, each step bounded and feeding the watchdog."""
+
+    control: Callable[[str, str], str | None]
+    show_unit: Callable[[str], UnitState]
+    gather: Callable[[], Inventory]
+    gate_settings: Callable[[str, Inventory, UnitState], GateSettings]
+    reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None]
+    """The stopper of the unit's left-over containers for the gate's loop, if any."""
+    monotonic: Callable[[], float]
+    sleep: Callable[[float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """How one recovery ended: the problem that stopped it (None: restarted) and the gate's run."""
+
+    problem: str | None
+    outcome: GateOutcome | None
+    """The gate's outcome; None when the unit never stopped."""
+    restarted_at: float
+    """Monotonic time just before the start: the detector forgets the loop as of then."""
+
+    @property
+    def result(self) -> str:
+        """``restarted`` or ``failed``, as the record and the log say it."""
+        return "restarted" if self.problem is None else "failed"
+
+    def record(self) -> dict[str, Any]:
+        """The fields this recovery adds to the unit's JSON record (schema unchanged)."""
+        outcome = self.outcome
+        return {
+            "result": self.result,
+            "problem": self.problem,
+            "reaped": [
+                {
+                    "pid": r.target.identity.pid,
+                    "outcome": r.outcome.value,
+                    "signals": list(r.signals),
+                }
+                for r in (outcome.reaped if outcome else ())
+            ],
+            "waited_s": round(outcome.waited_s, 2) if outcome else None,
+        }
+
+
+def carry_out(unit: str, steps: Steps) -> Recovery:
+    """Stop ``unit``, reap its stale holders and wait for idle GPUs, reset-failed, start."""
+    problem = steps.control("stop", unit)
+    stopped = problem is None and _wait_stopped(unit, steps)
+    outcome: GateOutcome | None = None
+    if stopped:
+        inventory = steps.gather()
+        settings = steps.gate_settings(unit, inventory, steps.show_unit(unit))
+        pending = [inventory]
+
+        def gather() -> Inventory:
+            return pending.pop() if pending else steps.gather()
+
+        outcome = run_gate(
+            settings,
+            gather,
+            steps.reap,
+            steps.monotonic,
+            steps.sleep,
+            containers=steps.containers(settings.request),
+        )
+        problem = None if outcome.passed else "; ".join(outcome.blockers)
+    elif problem is None:
+        problem = f"{unit} did not stop within {STOP_WAIT_S:.0f} s"
+    # Forget the loop as of now, before the start: the new run's first entries can carry a
+    # timestamp a few ms before `systemctl start` returns, and must not be dropped.
+    restarted_at = steps.monotonic()
+    if steps.show_unit(unit).active_state == "failed":
+        # Only a failed unit has anything to reset; a unit systemd unloaded after the stop
+        # (not enabled) answers "not loaded", which is no failure of the recovery.
+        problem = problem or steps.control("reset-failed", unit)
+    problem = problem or steps.control("start", unit)
+    return Recovery(problem, outcome, restarted_at)
+
+
+def _wait_stopped(unit: str, steps: Steps) -> bool:
+    """Whether systemd says the unit is no longer running within STOP_WAIT_S."""
+    deadline = steps.monotonic() + STOP_WAIT_S
+    while steps.monotonic() < deadline:
+        state = steps.show_unit(unit)
+        if state.error is None and not state.running:
+            return True
+        steps.sleep(_POLL_S)
+    return False
