@@ -58,6 +58,7 @@ from gpuguard.core.values import MIB, UnitProvenance
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, XidEvent, parse_kernel_entry
 from gpuguard.daemon import recover
+from gpuguard.daemon.documents import Snapshot, UnitSnapshot, UnitStateDocument
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget
 
-SNAPSHOT_SCHEMA = 1
 XIDS_KEPT = 50
 """Kernel Xid events the snapshot keeps (the newest), so a storm of them costs nothing."""
 # The snapshot is rewritten when what it says changes, and at least this often (a sign of life
@@ -847,49 +847,30 @@ class Daemon:
     # -- state that outlives the process ------------------------------------------------------
 
     def _save(self, watch: _Watch) -> None:
-        self._ports.save_unit_state(
-            watch.name,
-            {
-                "boot_id": self._ports.boot_id,
-                "planner": watch.planner.export(),
-                "recoveries": list(watch.recoveries),
-                "in_progress": watch.in_progress,
-            },
+        document = UnitStateDocument(
+            boot_id=self._ports.boot_id,
+            planner=watch.planner.export(),
+            recoveries=tuple(watch.recoveries),
+            in_progress=watch.in_progress,
         )
+        self._ports.save_unit_state(watch.name, document.to_json())
 
     def _restore(self, watch: _Watch) -> None:
-        """Take back a unit's saved state, field by field: a wrong type is named and left out.
-
-        The file is root's, but a crash, an editor or an older version can leave anything valid
-        JSON in it; a field of the wrong type starts that part fresh, it never stops the daemon.
-        """
+        """Take back a unit's saved state; what is malformed is named and starts fresh."""
         saved = self._ports.load_unit_state(watch.name)
         if not saved:
             return
-        problems: list[str] = []
-        planner = saved.get("planner")
-        if isinstance(planner, dict):
-            same_boot = self._ports.boot_id is not None and saved.get("boot_id") == (
+        document, problems = UnitStateDocument.parse(saved)
+        if document.planner is not None:
+            same_boot = self._ports.boot_id is not None and document.boot_id == (
                 self._ports.boot_id
             )
             problems += [
-                f"planner: {p}" for p in watch.planner.restore(planner, same_boot=same_boot)
+                f"planner: {p}"
+                for p in watch.planner.restore(document.planner, same_boot=same_boot)
             ]
-        elif planner is not None:
-            problems.append("planner is not an object")
-        recoveries = saved.get("recoveries")
-        if isinstance(recoveries, list):
-            kept = [record for record in recoveries if isinstance(record, dict)]
-            watch.recoveries.extend(kept)
-            if len(kept) < len(recoveries):
-                problems.append(f"{len(recoveries) - len(kept)} recoveries are not objects")
-        elif recoveries is not None:
-            problems.append("recoveries is not a list")
-        in_progress = saved.get("in_progress")
-        if isinstance(in_progress, dict):
-            watch.in_progress = in_progress
-        elif in_progress is not None:
-            problems.append("in_progress is not an object")
+        watch.recoveries.extend(document.recoveries)
+        watch.in_progress = document.in_progress
         for problem in problems:
             self._ports.log.warning("saved state ignored in part", unit=watch.name, problem=problem)
 
@@ -913,21 +894,19 @@ class Daemon:
         """Write the snapshot and STATUS= when what they say changed (or the refresh is due)."""
         ports = self._ports
         health = self._follower.health()
-        document: dict[str, Any] = {
-            "schema_version": SNAPSHOT_SCHEMA,
-            "pid": os.getpid(),
-            "start_time": ports.identity.start_time if ports.identity else None,
-            "running": running,
-            "ready": self._ready,
-            "started_at": _iso(self._started_at),
-            "dry_run": self._settings.daemon.dry_run,
-            "journal": {"state": health.state, "reason": health.reason},
-            "units": {name: _unit_snapshot(watch) for name, watch in self._watches.items()},
-            "xid": {
-                "recent": [_xid_snapshot(event) for event in self._xids],
-                "malformed": self._xids_malformed,
-            },
-        }
+        document = Snapshot(
+            pid=os.getpid(),
+            start_time=ports.identity.start_time if ports.identity else None,
+            running=running,
+            ready=self._ready,
+            started_at=_iso(self._started_at),
+            dry_run=self._settings.daemon.dry_run,
+            journal_state=health.state,
+            journal_reason=health.reason,
+            units={name: _unit_snapshot(watch) for name, watch in self._watches.items()},
+            xids=tuple(_xid_snapshot(event) for event in self._xids),
+            xids_malformed=self._xids_malformed,
+        ).to_json()
         content = (json.dumps(document, sort_keys=True, default=str), self._status_line())
         refresh_due = ports.monotonic() >= self._published_at + SNAPSHOT_EVERY_S
         if content == self._published and not refresh_due:
@@ -938,26 +917,26 @@ class Daemon:
         self._published, self._published_at = content, ports.monotonic()
 
 
-def _unit_snapshot(watch: _Watch) -> dict[str, Any]:
+def _unit_snapshot(watch: _Watch) -> UnitSnapshot:
     diagnosis = watch.diagnosis
-    return {
-        "systemd_state": watch.systemd_state,
-        "unit_found": not watch.not_found,
-        "looping": bool(diagnosis and diagnosis.looping),
-        "verdict": diagnosis.reason if diagnosis else "no lifecycle events seen yet",
-        "cause": diagnosis.cause.value if diagnosis else None,
-        "cause_detail": diagnosis.cause_detail if diagnosis else None,
-        "starts_in_window": diagnosis.starts_in_window if diagnosis else 0,
-        "failures_in_window": diagnosis.failures_in_window if diagnosis else 0,
-        "n_restarts": diagnosis.n_restarts if diagnosis else None,
-        "evidence": list(diagnosis.evidence) if diagnosis else [],
-        "action": _action(watch.decision),
-        "action_reason": watch.decision.reason if watch.decision else None,
-        "needs_operator": _needs_operator(watch),
-        "recoveries": list(watch.recoveries),
-        "recovery_in_progress": watch.in_progress is not None,
-        "survivors": list(watch.sweeps),
-    }
+    return UnitSnapshot(
+        systemd_state=watch.systemd_state,
+        unit_found=not watch.not_found,
+        looping=bool(diagnosis and diagnosis.looping),
+        verdict=diagnosis.reason if diagnosis else "no lifecycle events seen yet",
+        cause=diagnosis.cause.value if diagnosis else None,
+        cause_detail=diagnosis.cause_detail if diagnosis else None,
+        starts_in_window=diagnosis.starts_in_window if diagnosis else 0,
+        failures_in_window=diagnosis.failures_in_window if diagnosis else 0,
+        n_restarts=diagnosis.n_restarts if diagnosis else None,
+        evidence=tuple(diagnosis.evidence) if diagnosis else (),
+        action=_action(watch.decision),
+        action_reason=watch.decision.reason if watch.decision else None,
+        needs_operator=_needs_operator(watch),
+        recoveries=tuple(watch.recoveries),
+        recovery_in_progress=watch.in_progress is not None,
+        survivors=tuple(watch.sweeps),
+    )
 
 
 def _sweep_record(sweep: Sweep, pids: list[int], at: str) -> dict[str, Any]:
