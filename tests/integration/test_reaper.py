@@ -294,25 +294,6 @@ def test_a_zombie_target_is_gone(spawn: Callable[[str], Child]) -> None:
     assert _signals(logs) == []
 
 
-def test_dry_run_sends_nothing(spawn: Callable[[str], Child]) -> None:
-    """A dry run logs one "would signal" line per target, signals nobody and returns at once."""
-    children = [spawn("record"), spawn("record")]
-    with capture_logs() as logs:
-        began = time.monotonic()
-        results = reap([child.target() for child in children], grace_s=30.0, dry_run=True)
-        elapsed = time.monotonic() - began
-    assert elapsed < 1.0
-    assert [result.outcome for result in results] == [ReapOutcome.DRY_RUN] * 2
-    assert all(result.signals == () for result in results)
-    assert _signals(logs) == []
-    would = [entry for entry in logs if entry["event"] == "would signal"]
-    assert [entry["pid"] for entry in would] == [child.pid for child in children]
-    assert all(entry["signal"] == "SIGTERM" for entry in would)
-    time.sleep(0.1)  # any signal would have been noted by now
-    assert all(_alive(child.pid) and child.received() == [] for child in children)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to user nobody")
 def test_eperm_is_reported_once_without_retrying(spawn: Callable[[str], Child]) -> None:
     """Reaping a root process as user nobody ends promptly in permission-denied, nothing sent."""
     sleeper = spawn("term")

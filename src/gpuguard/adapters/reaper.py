@@ -234,14 +234,6 @@ def _unkillable_detail(item: _Tracked, kill_wait_s: float, proc_root: Path) -> s
     )
 
 
-def _dry_run(order: Sequence[ReapTarget], grace_s: float, log: EventLogger) -> None:
-    """Log what a real run would send, in the order it would send it."""
-    for target in order:
-        log.info(
-            "would signal", signal="SIGTERM", then=f"SIGKILL after {grace_s:g} s", **_fields(target)
-        )
-
-
 def _terminate(
     tracked: list[_Tracked], grace_s: float, kill_wait_s: float, proc_root: Path, log: EventLogger
 ) -> None:
@@ -268,12 +260,11 @@ def _terminate(
             _settle(item, ReapOutcome.UNKILLABLE, detail, log)
 
 
-def reap(  # noqa: PLR0913 - the knobs are keyword-only and each has a safe default
+def reap(
     targets: Iterable[ReapTarget],
     *,
     grace_s: float = 10.0,
     kill_wait_s: float = 5.0,
-    dry_run: bool = False,
     proc_root: Path = procfs.PROC,
     logger: EventLogger | None = None,
 ) -> tuple[ReapResult, ...]:
@@ -281,10 +272,10 @@ def reap(  # noqa: PLR0913 - the knobs are keyword-only and each has a safe defa
 
     SIGTERM goes to every target (parents first), then one shared grace of ``grace_s``,
     SIGKILL to the survivors, a wait of at most ``kill_wait_s``: the whole call is bounded by
-    about ``grace_s + kill_wait_s`` even for processes stuck in state D. ``dry_run`` opens and
-    sends nothing and only logs what it would do. Raises ValueError, before anything is sent,
-    for PID 1/2, gpuguard itself or its ancestors, a kernel thread, or one PID with two start
-    times: the policy should have refused those. A process listed twice is reaped once.
+    about ``grace_s + kill_wait_s`` even for processes stuck in state D. Raises ValueError,
+    before anything is sent, for PID 1/2, gpuguard itself or its ancestors, a kernel thread, or
+    one PID with two start times: the policy should have refused those. A process listed twice
+    is reaped once. There is no dry run here: a command that only plans never calls the reaper.
     """
     given = tuple(targets)
     if grace_s < 0 or kill_wait_s < 0:
@@ -300,10 +291,6 @@ def reap(  # noqa: PLR0913 - the knobs are keyword-only and each has a safe defa
     # Parents first: a supervisor (SGLang's launcher, a torchrun) that is still alive when its
     # worker dies may start a new worker, which would hold the GPU and escape this plan.
     order = signal_order(tuple(unique.values()))
-    if dry_run:
-        _dry_run(order, grace_s, log)
-        return tuple(ReapResult(target, ReapOutcome.DRY_RUN) for target in given)
-
     tracked = [_Tracked(target) for target in order]
     try:
         _terminate(tracked, grace_s, kill_wait_s, proc_root, log)

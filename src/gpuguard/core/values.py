@@ -220,7 +220,6 @@ class ReapOutcome(StrEnum):
     UNKILLABLE = "unkillable"  # alive after SIGKILL and the wait (state D in the driver, …)
     PERMISSION_DENIED = "permission-denied"  # EPERM: reported once, never retried
     ERROR = "error"  # the kernel refused the pidfd or the signal for another reason
-    DRY_RUN = "dry-run"  # nothing was opened or sent
 
 
 @dataclass(frozen=True, slots=True)
