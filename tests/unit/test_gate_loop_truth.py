@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuguard.core.gate import GateSettings, run_gate
+from gpuguard.core.gate import GateSettings, run_gate, wait_until_idle
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.values import (
@@ -230,3 +230,33 @@ def test_a_quick_wait_says_nothing_extra() -> None:
     world = World([busy] * 4 + [idle])
     assert world.run().passed
     assert world.lines == []
+
+
+def test_waiting_until_idle_looks_again_until_the_set_is_free() -> None:
+    """Reap's wait: no reaping, one look per poll, the first idle inventory ends it."""
+    busy, idle = inventory(gpu(0, used_mib=4000, pid=77), gpu(1)), inventory(gpu(0), gpu(1))
+    world = World([busy, busy, idle])
+    settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
+    last, blockers = wait_until_idle(
+        settings, world.gather(), world.gather, world.clock, world.sleep, wait_s=60.0
+    )
+    assert blockers == ()
+    assert last is idle
+    assert world.sleeps == 2
+    assert world.now == 1.0
+
+
+def test_waiting_until_idle_gives_up_after_its_time_and_says_what_blocks() -> None:
+    """A set that stays busy: the blockers after ``wait_s``, and no look without a wait."""
+    busy = inventory(gpu(0, used_mib=4000, pid=77), gpu(1))
+    world = World([busy])
+    settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
+    _, blockers = wait_until_idle(
+        settings, world.gather(), world.gather, world.clock, world.sleep, wait_s=3.0
+    )
+    assert blockers
+    assert "GPU 0" in blockers[0]
+    assert world.now == 3.0
+    _, at_once = wait_until_idle(settings, busy, world.gather, world.clock, world.sleep, wait_s=0.0)
+    assert at_once == blockers
+    assert world.now == 3.0

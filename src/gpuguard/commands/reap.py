@@ -143,15 +143,16 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
 
     gate_settings = gate.GateSettings(
-        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, args.timeout
+        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, args.timeout, poll_s=0.2
     )
-    deadline = time.monotonic() + (args.timeout if waited else 0)
-    current = found if not waited else inventory.gather(settings)
-    blockers = gate.set_blockers(current, gate_settings)
-    while blockers and time.monotonic() < deadline:
-        time.sleep(0.2)
-        current = inventory.gather(settings)
-        blockers = gate.set_blockers(current, gate_settings)
+    current, blockers = gate.wait_until_idle(
+        gate_settings,
+        inventory.gather(settings) if waited else found,
+        lambda: inventory.gather(settings),
+        time.monotonic,
+        time.sleep,
+        wait_s=args.timeout if waited else 0.0,
+    )
     wanted = [
         g for g in current.gpus if gpu_set.indices is None or g.reading.index in gpu_set.indices
     ]

@@ -147,6 +147,29 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
     return tuple(blockers)
 
 
+def wait_until_idle(  # noqa: PLR0913 - the wait's whole world, injected
+    settings: GateSettings,
+    inventory: Inventory,
+    gather: Callable[[], Inventory],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    *,
+    wait_s: float,
+) -> tuple[Inventory, tuple[str, ...]]:
+    """Look again every ``poll_s`` until nothing blocks a start or ``wait_s`` has passed.
+
+    Reaps nothing (``run_gate`` reaps and waits); returns the last inventory and its blockers,
+    empty when the unit's GPUs are idle.
+    """
+    deadline = clock() + wait_s
+    blockers = set_blockers(inventory, settings)
+    while blockers and clock() < deadline:
+        sleep(settings.poll_s)
+        inventory = gather()
+        blockers = set_blockers(inventory, settings)
+    return inventory, blockers
+
+
 def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
     decision = plan([holder], request).decisions[0]
     why = (
