@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguard.adapters.procfs import read_identity, read_process, scan_device_holders, scan_pids
+from gpuguard.adapters.procfs import (
+    ancestor_pids,
+    lineage,
+    read_identity,
+    read_process,
+    scan_device_holders,
+    scan_pids,
+)
 from gpuguard.core.redaction import REDACTED
 
 if TYPE_CHECKING:
@@ -242,3 +249,17 @@ def test_unprivileged_scan_counts_what_it_cannot_read(
     unreadable, pids = json.loads(out.stdout)
     assert helper.pid not in pids
     assert unreadable >= 1
+
+
+def test_lineage_is_each_pid_with_all_its_ancestors() -> None:
+    """Gpuguard and whoever asked it are spared together with every ancestor (real /proc)."""
+    own = os.getpid()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        spared = lineage(own, child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert spared == frozenset({own, child.pid, *ancestor_pids(own)})
+    assert os.getppid() in spared
+    assert lineage() == frozenset()

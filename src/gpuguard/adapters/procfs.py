@@ -507,6 +507,11 @@ def ancestor_pids(pid: int, *, proc_root: Path = PROC) -> tuple[int, ...]:
     return tuple(chain)
 
 
+def lineage(*pids: int) -> frozenset[int]:
+    """Each of ``pids`` and all its ancestors: gpuguard itself, and who asked it, are spared."""
+    return frozenset(p for pid in pids for p in (pid, *ancestor_pids(pid)))
+
+
 def boot_time() -> float:
     """When this host booted (Unix time): turns a start time in clock ticks into a date."""
     import psutil  # noqa: PLC0415 - only status needs it; keep the gate's imports light

@@ -27,10 +27,7 @@ def untouchable(caller: Caller | None = None) -> frozenset[int]:
     """Our own PID and every ancestor's, and the caller's: the gate's client runs in the unit."""
     from gpuguard.adapters import procfs  # noqa: PLC0415 - see the package doc
 
-    pids = {os.getpid(), *procfs.ancestor_pids(os.getpid())}
-    if caller is not None:
-        pids |= {caller.pid, *procfs.ancestor_pids(caller.pid)}
-    return frozenset(pids)
+    return procfs.lineage(os.getpid(), *(() if caller is None else (caller.pid,)))
 
 
 def plan_request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from what each command learned

@@ -25,7 +25,6 @@ from gpuguard.adapters import (
     systemd,
     unitenv,
 )
-from gpuguard.commands.context import untouchable
 from gpuguard.core import events, xidevents
 from gpuguard.daemon import loop as daemon
 
@@ -79,7 +78,7 @@ def run(settings: Settings) -> int:
         write_snapshot=write_snapshot,
         load_unit_state=load_unit_state,
         save_unit_state=save_unit_state,
-        untouchable=untouchable(),
+        untouchable=procfs.lineage(os.getpid()),
         provenance=systemd.provenance,
         boot_id=boot_id(),
         identity=procfs.read_identity(os.getpid()),
