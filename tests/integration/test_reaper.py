@@ -394,9 +394,9 @@ def _target_for(pid: int, command: str) -> ReapTarget:
 @pytest.mark.parametrize(
     ("pid", "what"),
     [
-        pytest.param(1, "init and kthreadd", id="init"),
-        pytest.param(os.getpid(), "gpuguard itself or its ancestor", id="self"),
-        pytest.param(os.getppid(), "gpuguard itself or its ancestor", id="parent"),
+        pytest.param(1, "PID 1 is never signalled", id="init"),
+        pytest.param(os.getpid(), "gpuguard itself or one of its ancestors", id="self"),
+        pytest.param(os.getppid(), "gpuguard itself or one of its ancestors", id="parent"),
     ],
 )
 def test_init_ourselves_and_our_ancestors_are_refused(pid: int, what: str) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from gpuguard.adapters import procfs, signals
 from gpuguard.adapters.logs import get_logger
 from gpuguard.core.escaping import escape
+from gpuguard.core.protection import never_signal_pid
 from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapResult, ReapTarget
 
 if TYPE_CHECKING:
@@ -101,16 +102,13 @@ def _refuse(targets: Sequence[ReapTarget]) -> None:
     pidfd_open both speak this PID namespace. The gate runs inside the watched unit's cgroup,
     so its own parents are exactly the processes a careless plan would include.
     """
-    own = os.getpid()
-    ancestors = set(procfs.ancestor_pids(own, proc_root=procfs.PROC))
+    spared = procfs.lineage(os.getpid())
     seen: dict[int, int] = {}
     for target in targets:
         pid = target.identity.pid
         what = f"PID {pid} ({escape(target.command, 200)})"
-        if pid <= 2:
-            raise ValueError(f"refusing to signal {what}: init and kthreadd are never reaped")
-        if pid == own or pid in ancestors:
-            raise ValueError(f"refusing to signal {what}: it is gpuguard itself or its ancestor")
+        if reason := never_signal_pid(pid, spared):
+            raise ValueError(f"refusing to signal {what}: {reason}")
         if seen.setdefault(pid, target.identity.start_time) != target.identity.start_time:
             raise ValueError(f"refusing to reap {what}: it is listed with two start times")
 

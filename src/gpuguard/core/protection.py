@@ -34,12 +34,25 @@ def never_signal(
     PID 1 and 2, kernel threads, gpuguard itself and its ancestors (and the gate's caller),
     and the protected processes (``is_protected``).
     """
-    if holder.pid in (1, 2):
+    if holder.pid <= 2:
         return f"PID {holder.pid} is never signalled"
     if holder.kernel_thread:
         return "kernel thread"
-    if holder.pid in untouchable_pids:
-        return "gpuguard itself or one of its ancestors"
+    if reason := never_signal_pid(holder.pid, untouchable_pids):
+        return reason
     if is_protected(holder, protected_names):
         return f"protected process ({holder.comm})"
+    return None
+
+
+def never_signal_pid(pid: int, untouchable_pids: Collection[int]) -> str | None:
+    """Why ``pid`` is never signalled whatever process it is, or None.
+
+    The reaper asks this again of every target, with its own lineage, before the first signal:
+    a plan that reached it with such a PID is a bug, refused rather than carried out.
+    """
+    if pid <= 2:
+        return f"PID {pid} is never signalled"
+    if pid in untouchable_pids:
+        return "gpuguard itself or one of its ancestors"
     return None
