@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.commands.context import (
     asker,
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
-    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.inventory import GpuOccupancy, Inventory
     from gpuguard.core.policy import KillPlan
     from gpuguard.core.values import ReapResult
 
@@ -153,16 +154,49 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         time.sleep,
         wait_s=args.timeout if waited else 0.0,
     )
-    wanted = [
-        g for g in current.gpus if gpu_set.indices is None or g.reading.index in gpu_set.indices
-    ]
+    report = ReapReport(
+        kill_plan=kill_plan,
+        gpu_set=gpu_set,
+        results=results,
+        gpus=tuple(
+            g for g in current.gpus if gpu_set.indices is None or g.reading.index in gpu_set.indices
+        ),
+        blockers=blockers,
+        dry_run=bool(args.dry_run),
+    )
     if args.json:
-        document = {
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+    else:
+        sys.stdout.write(report.to_text())
+    return report.exit_status
+
+
+@dataclass(frozen=True, slots=True)
+class ReapReport:
+    """What ``reap`` did and found: the plan, each target's result, the unit's GPUs at the end."""
+
+    kill_plan: KillPlan
+    gpu_set: GpuSet
+    results: tuple[ReapResult, ...]
+    gpus: tuple[GpuOccupancy, ...]
+    blockers: tuple[str, ...]
+    """What still keeps the unit's GPUs from being idle; empty when they are."""
+    dry_run: bool
+
+    @property
+    def exit_status(self) -> int:
+        """0 idle; 1 still busy; a dry run's plan was the answer asked for, so 0."""
+        return 0 if self.dry_run or not self.blockers else 1
+
+    def to_json(self) -> dict[str, Any]:
+        """``reap --json`` (schema_version 1, docs/reap.md)."""
+        request = self.kill_plan.request
+        return {
             "schema_version": 1,
-            "unit": kill_plan.request.unit,
-            "scope": kill_plan.request.scope.value,
-            "gpu_set": gpu_set.describe(),
-            "dry_run": bool(args.dry_run),
+            "unit": request.unit,
+            "scope": request.scope.value,
+            "gpu_set": self.gpu_set.describe(),
+            "dry_run": self.dry_run,
             "plan": [
                 {
                     "pid": d.holder.pid,
@@ -170,9 +204,9 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
                     "verdict": d.verdict.value,
                     "reason": d.reason,
                 }
-                for d in kill_plan.decisions
+                for d in self.kill_plan.decisions
             ],
-            "results": [result_json(r) for r in results],
+            "results": [result_json(r) for r in self.results],
             "gpus": [
                 {
                     "index": g.reading.index,
@@ -180,25 +214,23 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
                     if g.reading.memory is None
                     else g.reading.memory.used_bytes >> 20,
                 }
-                for g in wanted
+                for g in self.gpus
             ],
-            "idle": not blockers,
-            "blockers": list(blockers),
+            "idle": not self.blockers,
+            "blockers": list(self.blockers),
         }
-        sys.stdout.write(json.dumps(document, indent=2) + "\n")
-    else:
+
+    def to_text(self) -> str:
+        """One line per result and per GPU, then what is still busy; every line escaped."""
         lines = [
             f"pid {r.target.identity.pid}: {r.outcome.value}"
             + (f" ({', '.join(r.signals)})" if r.signals else "")
             + (f" - {r.detail}" if r.detail else "")
-            for r in results
+            for r in self.results
         ]
-        for g in wanted:
+        for g in self.gpus:
             memory = g.reading.memory
             used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"
             lines.append(f"GPU {g.reading.index}: {used} used")
-        lines.extend(f"still busy: {b}" for b in blockers)
-        sys.stdout.write("".join(f"{escape(line)}\n" for line in lines))
-    if args.dry_run:
-        return 0  # a plan was asked for and shown; busy GPUs are its subject, not a failure
-    return 0 if not blockers else 1
+        lines.extend(f"still busy: {b}" for b in self.blockers)
+        return "".join(f"{escape(line)}\n" for line in lines)
