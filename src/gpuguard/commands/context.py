@@ -1,19 +1,22 @@
-"""What the gate and reap commands share: who asks, the unit's settings and environment."""
+"""What the gate and reap commands share: who asks, the unit's settings, the policy's request."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from pathlib import Path
 
+    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings, UnitSettings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.policy import PlanRequest
-    from gpuguard.core.values import ReapResult, UnitProvenance
+    from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
 
 
 def unit_settings(settings: Settings, unit: str) -> UnitSettings:
@@ -90,3 +93,43 @@ def result_json(result: ReapResult) -> dict[str, Any]:
         "signals": list(result.signals),
         "detail": result.detail,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlan:
+    """What a gate or reap knows of the unit before the policy decides."""
+
+    request: PlanRequest
+    gpu_set: GpuSet
+    unit_state: UnitState
+
+
+def unit_plan(
+    settings: Settings, unit: str, scope: str, caller: Caller | None, gpus: Sequence[GpuReading]
+) -> UnitPlan:
+    """The policy's request for ``unit`` as ``caller`` stands to it (the gate's and reap's rule).
+
+    The unit's own control process (its ExecStartPre=/ExecStopPost=) has its real environment,
+    EnvironmentFile= included, and for it the run is over even while systemd still says
+    "deactivating": everything else in the cgroup is left over. Anyone else: systemd's
+    Environment= only, and the running invocation's processes are kept. Either way systemd
+    names the unit's user and runs, the evidence for its left-overs.
+    """
+    from gpuguard.adapters import systemd  # noqa: PLC0415 - see the package doc
+    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+
+    who = asker(caller)
+    unit_state = systemd.show_unit(unit)
+    inside = who.runs_in(unit) and systemd.is_control_process(
+        unit_state, who.pid, trust_unknown=caller is None
+    )
+    environment = unit_environment(who, unit, settings.runtime_dir)
+    live = unit_state.invocation_id if unit_state.running and not inside else None
+    gpu_set = resolve_gpu_set(
+        unit_settings(settings, unit).gpus,
+        unit_state.environment if environment is None else environment,
+        gpus,
+    )
+    provenance = systemd.provenance(unit_state, inside=inside)
+    request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
+    return UnitPlan(request, gpu_set, unit_state)

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from gpuguard.commands.context import (
     asker,
-    plan_request,
     result_json,
     unit_environment,
+    unit_plan,
     unit_settings,
 )
 from gpuguard.core.escaping import escape
@@ -81,34 +81,11 @@ def run(
     caller: Caller | None,
 ) -> int:
     """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
-    from gpuguard.adapters import (  # noqa: PLC0415
-        containerstop,
-        inventory,
-        logs,
-        reaper,
-        systemd,
-    )
+    from gpuguard.adapters import containerstop, inventory, logs, reaper  # noqa: PLC0415
     from gpuguard.core import gate  # noqa: PLC0415
-    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
-    unit = unit_settings(settings, args.unit)
     first = inventory.gather(settings, reading)
-    who = asker(caller)
-    # The unit's own process (its ExecStartPre=) has its real environment, EnvironmentFile=
-    # included; anyone else: systemd's Environment= only, and the running invocation's
-    # processes are kept. Either way systemd names the unit's user and runs, the evidence for
-    # its left-overs.
-    unit_state = systemd.show_unit(args.unit)
-    inside = who.runs_in(args.unit) and systemd.is_control_process(
-        unit_state, who.pid, trust_unknown=caller is None
-    )
-    environment = unit_environment(who, args.unit, settings.runtime_dir)
-    if environment is None:
-        environment = unit_state.environment
-    live = unit_state.invocation_id if unit_state.running and not inside else None
-    gpu_set = resolve_gpu_set(unit.gpus, environment, first.nvml.gpus)
-    provenance = systemd.provenance(unit_state, inside=inside)
-    request = plan_request(settings, args.unit, args.scope, gpu_set, live, provenance, caller=who)
+    planned = unit_plan(settings, args.unit, args.scope, caller, first.nvml.gpus)
     timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     pending = [first]
@@ -127,17 +104,21 @@ def run(
         sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
 
     outcome = gate.run_gate(
-        gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
+        gate.GateSettings(planned.request, settings.idle_threshold_mib * 1024 * 1024, timeout),
         gather,
         reap,
         time.monotonic,
         time.sleep,
         report=report,
         containers=containerstop.for_unit(
-            request, unit.container, grace_s=grace, dry_run=False, logger=logger
+            planned.request,
+            unit_settings(settings, args.unit).container,
+            grace_s=grace,
+            dry_run=False,
+            logger=logger,
         ),
     )
-    return _finish_gate(settings.runtime_dir, outcome, gpu_set)
+    return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set)
 
 
 def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:

@@ -9,11 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.commands.context import (
-    asker,
-    plan_request,
     result_json,
-    unit_environment,
-    unit_settings,
+    unit_plan,
 )
 from gpuguard.commands.exits import EX_USAGE
 from gpuguard.core.escaping import escape
@@ -33,9 +30,8 @@ REAP_TIMEOUT_S = 60.0
 
 def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> int:
     """Plan, confirm, signal and report; the exit status says whether the GPUs are idle."""
-    from gpuguard.adapters import inventory, logs, reaper, systemd  # noqa: PLC0415
+    from gpuguard.adapters import inventory, logs, reaper  # noqa: PLC0415
     from gpuguard.core import policy  # noqa: PLC0415
-    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     unit_name = args.unit or _only_unit(settings)
     if unit_name is None:
@@ -44,25 +40,10 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
             f"({', '.join(settings.units)})\n"
         )
         return EX_USAGE
-    unit_state = systemd.show_unit(unit_name)
-    who = asker(caller)
-    # As the unit's ExecStopPost= the run is over even though systemd still says
-    # "deactivating": everything else in the cgroup is left over, as at the gate.
-    inside = who.runs_in(unit_name) and systemd.is_control_process(
-        unit_state, who.pid, trust_unknown=caller is None
-    )
-    environment = unit_environment(who, unit_name, settings.runtime_dir)
-    live = unit_state.invocation_id if unit_state.running and not inside else None
     found = inventory.gather(settings)
-    unit = unit_settings(settings, unit_name)
-    gpu_set = resolve_gpu_set(
-        unit.gpus,
-        unit_state.environment if environment is None else environment,
-        found.nvml.gpus,
-    )
-    provenance = systemd.provenance(unit_state, inside=inside)
-    request = plan_request(settings, unit_name, args.scope, gpu_set, live, provenance, caller=who)
-    kill_plan = policy.plan(found.holders, request)
+    planned = unit_plan(settings, unit_name, args.scope, caller, found.nvml.gpus)
+    unit_state, gpu_set = planned.unit_state, planned.gpu_set
+    kill_plan = policy.plan(found.holders, planned.request)
     notes = (
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
     )
