@@ -16,10 +16,12 @@ if TYPE_CHECKING:
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Point the cache at a private directory instead of /run/gpuguard."""
-    directory = tmp_path / "cache"
-    monkeypatch.setattr(configfile, "CACHE_DIR", directory)
-    return directory
+    """The default runtime_dir moved to a private directory (/run/gpuguard needs root).
+
+    Files that set runtime_dir themselves need no such help; the tests below that do so prove it.
+    """
+    monkeypatch.setattr(configfile, "DEFAULT_RUNTIME_DIR", tmp_path / "run")
+    return tmp_path / "run" / "config-cache"
 
 
 def test_full_load_fills_the_cache(tmp_path: Path) -> None:
@@ -33,6 +35,37 @@ def test_full_load_fills_the_cache(tmp_path: Path) -> None:
     assert cached["idle_threshold_mib"] == 7
     assert cached["units"]["a.service"]["gpus"] == [1, 2]
     assert cached["runtime_dir"] == "/run/gpuguard"
+
+
+def test_the_cache_follows_the_files_runtime_dir(tmp_path: Path, cache_dir: Path) -> None:
+    """A file that moves runtime_dir has its cache there, and nothing in the default place."""
+    path = tmp_path / "g.toml"
+    runtime_dir = tmp_path / "elsewhere"
+    path.write_text(f'runtime_dir = "{runtime_dir}"\nidle_threshold_mib = 7\n')
+    load_settings(path)
+    (entry,) = (runtime_dir / "config-cache").iterdir()
+    assert json.loads(entry.read_text())["settings"]["runtime_dir"] == str(runtime_dir)
+    assert not cache_dir.exists()
+    cached = configfile.load_validated(path)
+    assert cached is not None
+    assert cached["runtime_dir"] == str(runtime_dir)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['runtime_dir = "relative/run"\n', "runtime_dir = 5\n", "runtime_dir = \n", b"runtime_dir\xff"],
+)
+def test_a_runtime_dir_the_text_does_not_give_means_no_cache(
+    tmp_path: Path, text: str | bytes
+) -> None:
+    """A runtime_dir that is not an absolute path string (or text that is not TOML): no cache."""
+    path = tmp_path / "g.toml"
+    raw = text if isinstance(text, bytes) else text.encode()
+    path.write_bytes(raw)
+    assert configfile.cache_file(path, raw) is None
+    configfile.store_validated(path, raw, {"runtime_dir": "/x"})
+    assert configfile.load_validated(path) is None
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_changed_file_misses_the_cache(tmp_path: Path) -> None:
