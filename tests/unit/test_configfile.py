@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import pytest
 
 from gpuguard.adapters import configfile
 from gpuguard.config import load_settings
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 
 @pytest.fixture(autouse=True)
@@ -132,3 +129,30 @@ def test_an_unexpected_cache_is_a_miss(tmp_path: Path, cache_dir: Path, damage: 
     text = {"not JSON": "{", "deep": "[" * 100_000}.get(damage) or json.dumps(document)
     entry.write_text(text)  # "deep": json.loads raises RecursionError, not ValueError
     assert configfile.load_validated(path) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'runtime_dir = "/srv/run"\n',
+        'idle_threshold_mib = 7\nruntime_dir="/srv/run" # moved\n[units."a.service"]\n',
+        "runtime_dir = '/srv/literal'\n",
+        'runtime_dir = "/srv/with space"\n',
+        'runtime_dir = "/srv/esc\\u0041ped"\n',
+        '[daemon]\ndry_run = true\n[units."a.service"]\ngpus = [1]\nruntime_dir = "/not/top"\n',
+        'state_dir = """\nruntime_dir = "/in/a/string"\n"""\nruntime_dir = "/srv/real"\n',
+    ],
+)
+def test_the_cache_directory_is_the_runtime_dir_toml_reads(tmp_path: Path, text: str) -> None:
+    """The cheap line match and tomllib agree: the cache sits in the runtime_dir TOML gives."""
+    import tomllib  # noqa: PLC0415 - the reference reading
+
+    raw = text.encode()
+    cache = configfile.cache_file(tmp_path / "g.toml", raw)
+    expected = tomllib.loads(text).get("runtime_dir")
+    if expected is None:
+        assert cache is not None
+        assert cache.parent.parent == configfile.DEFAULT_RUNTIME_DIR
+    else:
+        assert cache is not None
+        assert cache.parent.parent == Path(expected)

@@ -9,8 +9,12 @@ and a format number, and checked key by key: a cache another gpuguard wrote is a
 
 The cache lives in ``runtime_dir/config-cache``, so a configuration that moves its runtime
 directory (every test does) keeps its cache there too. The directory must be known before the
-settings are, so it is read from the file's text: only a file that mentions ``runtime_dir`` is
-parsed for it (tomllib, ~8 ms); every other file uses the default without parsing anything.
+settings are, so it is read from the file's text: a file that does not mention ``runtime_dir``
+uses the default, one that sets it on a plain top-level line (``runtime_dir = "/path"``) is read
+by a line match, and only anything else is parsed with tomllib (importing it costs the fast path
+more than everything else it reads). Reading and writing find the cache the same way, and the
+cached text must equal the file's, so a line match that TOML would read differently can only
+move the cache, never make it wrong.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,8 @@ EX_CONFIG = 78
 # The default of the runtime_dir setting (config.Settings uses it too).
 DEFAULT_RUNTIME_DIR = Path("/run/gpuguard")
 CACHE_SUBDIR = "config-cache"
+# `runtime_dir = "/abs/path"` alone on a line (a comment may follow), before any [table].
+_RUNTIME_DIR_LINE = re.compile(rb'[ \t]*runtime_dir[ \t]*=[ \t]*"(/[^"\\\n]*)"[ \t]*(?:#[^\n]*)?')
 # Bumped whenever the cached settings change shape; with the version, any other stamp is a miss.
 CACHE_FORMAT = 2
 CONFIG_MAX = 1024 * 1024  # a configuration file is a few KiB; more is not one
@@ -75,10 +82,20 @@ def _runtime_dir(raw: bytes | None) -> Path | None:
     """The runtime_dir a configuration's text sets, the default when it does not mention it."""
     if raw is None or b"runtime_dir" not in raw:
         return DEFAULT_RUNTIME_DIR
-    import tomllib  # noqa: PLC0415 - only for the rare file that moves runtime_dir
+    if raw.count(b"runtime_dir") == 1 and b'"""' not in raw and b"'''" not in raw:
+        for line in raw.splitlines():
+            if line.lstrip().startswith(b"["):
+                break  # a table: its keys are not top-level
+            match = _RUNTIME_DIR_LINE.fullmatch(line)
+            if match:
+                try:
+                    return Path(match.group(1).decode())
+                except UnicodeDecodeError:
+                    return None
+    import tomllib  # noqa: PLC0415 - only for a file the line match cannot read
 
     try:
-        value = tomllib.loads(raw.decode()).get("runtime_dir")
+        value = tomllib.loads(raw.decode()).get("runtime_dir", str(DEFAULT_RUNTIME_DIR))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
         return None
     return Path(value) if isinstance(value, str) and value.startswith("/") else None
