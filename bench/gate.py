@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import resource
 import shlex
 import socket
 import statistics
@@ -31,6 +30,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS / "fakenvml"))
@@ -39,6 +39,9 @@ from fakeholder import HolderSpawner  # noqa: E402 - found through the path set 
 from fakestate import fake_library, nvml_environ, update_gpu, write_state  # noqa: E402
 
 import gpuguard  # noqa: E402 - its package directory is compiled before the runs
+
+if TYPE_CHECKING:
+    import resource
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 # The fake library is loaded by path first (a real host finds the driver's through ldconfig's
@@ -62,35 +65,43 @@ def in_cgroup(cgroup: Path, argv: list[str]) -> list[str]:
     return ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec {shlex.join(argv)}"]
 
 
+def _cpu(usage: resource.struct_rusage) -> float:
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall and CPU seconds (user + system, of every child reaped meanwhile) of one run."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    done = subprocess.run(argv, env=env, capture_output=True, check=False)
-    elapsed = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"{argv} failed: {done.stderr.decode(errors='replace')}")
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return elapsed, cpu
+    """Wall and CPU seconds of one run (CPU: the process and the children it waited for)."""
+    with tempfile.TemporaryFile() as errors:
+        started = time.perf_counter()
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(process.pid, 0)
+        elapsed = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            errors.seek(0)
+            raise SystemExit(f"{argv} failed: {errors.read().decode(errors='replace')}")
+    return elapsed, _cpu(usage)
 
 
 def medians(
-    runs: dict[str, list[str]], env: dict[str, str], repeats: int
+    runs: dict[str, list[str]], env: dict[str, str], repeats: int, server: GateServer
 ) -> dict[str, tuple[float, float]]:
-    """Median wall and mean CPU time of each named argv, the runs interleaved.
+    """Median wall and median CPU time of each named argv, the runs interleaved.
 
     Interleaving makes load drifts on a shared machine hit every variant alike; CPU time is
-    the steadier measure there (a server instance is reaped, and counted, a little later).
+    the steadier measure there. A run that went through the server waits for that server
+    instance to end and counts its CPU time too.
     """
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for attempt in range(repeats + 1):
         for name, argv in runs.items():
-            measured = run_once(argv, env)
+            served = len(server.cpu)
+            wall, cpu = run_once(argv, env)
+            cpu += server.wait_for(served + 1) if name == "client-server" else 0.0
             if attempt:  # the first round warms the page cache
-                samples[name].append(measured)
+                samples[name].append((wall, cpu))
     return {
-        name: (statistics.median(w for w, _ in got), statistics.fmean(c for _, c in got))
+        name: (statistics.median(w for w, _ in got), statistics.median(c for _, c in got))
         for name, got in samples.items()
     }
 
@@ -98,12 +109,14 @@ def medians(
 class GateServer:
     """A socket whose every connection is served by a fresh ``gpuguard serve-gate`` process.
 
-    Stands in for gpuguard-gate.socket (Accept=yes, StandardInput=socket).
+    Stands in for gpuguard-gate.socket (Accept=yes, StandardInput=socket); ``cpu`` holds each
+    instance's CPU seconds.
     """
 
     def __init__(self, path: Path, argv: list[str], env: dict[str, str]) -> None:
         """Listen on ``path``; serve each connection with ``argv serve-gate``."""
         self.path, self.argv, self.env = path, argv, env
+        self.cpu: list[float] = []
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(16)
@@ -117,12 +130,24 @@ class GateServer:
             except OSError:
                 return
             with conn:
-                subprocess.Popen(  # its one log line per request would go to the journal
+                instance = subprocess.Popen(  # its one log line per request: the journal's
                     [*self.argv, "serve-gate"],
                     stdin=conn.fileno(),
                     stderr=subprocess.DEVNULL,
                     env=self.env,
-                ).wait()
+                )
+            _, _, usage = os.wait4(instance.pid, 0)
+            instance.returncode = 0
+            self.cpu.append(_cpu(usage))
+
+    def wait_for(self, count: int) -> float:
+        """The CPU seconds of instance number ``count`` (1-based), once it has ended."""
+        deadline = time.monotonic() + 60
+        while len(self.cpu) < count:
+            if time.monotonic() > deadline:
+                raise SystemExit("the gate server instance did not end")
+            time.sleep(0.002)
+        return self.cpu[count - 1]
 
     def close(self) -> None:
         """Stop listening."""
@@ -191,6 +216,7 @@ def main() -> int:
                     },
                     env,
                     args.repeats,
+                    server,
                 )
             finally:
                 server.close()
