@@ -11,8 +11,8 @@ The cache lives in ``runtime_dir/config-cache``, so a configuration that moves i
 directory (every test does) keeps its cache there too. The directory must be known before the
 settings are, so it is read from the file's text: a file that does not mention ``runtime_dir``
 uses the default, one that sets it on a plain top-level line (``runtime_dir = "/path"``) is read
-by a line match, and only anything else is parsed with tomllib (importing it costs the fast path
-more than everything else it reads). Reading and writing find the cache the same way, and the
+by a line match, and only anything else is parsed with tomllib (importing it costs the gate's
+fast path about 8 ms). Reading and writing find the cache the same way, and the
 cached text must equal the file's, so a line match that TOML would read differently can only
 move the cache, never make it wrong.
 """
