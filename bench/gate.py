@@ -166,7 +166,7 @@ def report(times: dict[str, tuple[float, float]], repeats: int) -> None:
         "client-server": "gpuguard gate, client -> socket -> serve-gate -> verdict",
     }
     print(f"gate fast path on 4 idle GPUs: {repeats} runs of each, interleaved")
-    print(f"  {'':58s} {'wall (median)':>18s} {'CPU (mean)':>18s}")
+    print(f"  {'':58s} {'wall (median)':>18s} {'CPU (median)':>18s}")
     for name, (wall, cpu) in times.items():
         print(
             f"  {labels[name]:58s} {wall * 1e3:7.1f} ms {wall / floor_wall:5.2f}x"
