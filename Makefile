@@ -5,9 +5,24 @@ PY := $(VENV)/bin/python
 # `make bench IDLE_SECONDS=120`).
 IDLE_SECONDS ?= 600
 
-.PHONY: check lint test venv fakenvml bench clean
+.PHONY: check lint test venv fakenvml bench clean deps
 
 check: lint test
+
+# Everything the whole suite needs from apt, for a fresh Debian 12 or 13 (root): gcc/make/libc6-dev
+# build the fake libnvidia-ml, python3-venv makes the venv, psmisc and lsof are the benchmark's
+# baselines (fuser, lsof), debootstrap, systemd-container (systemd-nspawn), systemd-journal-remote,
+# util-linux and coreutils boot the end-to-end tests' containers and build the Debian package,
+# ca-certificates and git fetch its build inputs. Without them (or without root) those tests are
+# skipped, and `make check` says how many. .ci/run installs through this target too.
+DEPS := gcc make libc6-dev python3 python3-venv psmisc lsof debootstrap systemd-container \
+	systemd-journal-remote util-linux coreutils ca-certificates git
+
+deps:
+	@if [ "$$(id -u)" != 0 ]; then echo "make deps installs apt packages: run it as root (sudo make deps)" >&2; exit 1; fi
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEPS) >/dev/null
+	@echo "make deps: installed $(DEPS)"
 
 venv: $(VENV)/.installed
 
@@ -45,8 +60,8 @@ RELEASE ?= bookworm
 deb:
 	packaging/build-deb --release $(RELEASE)
 
-# `make demo` (as root, no GPU needed): the incident of DESIGN.md §1 on a real systemd in a
-# container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each
+# `make demo` (as root, no GPU needed): the incident README.md opens with, on a real systemd in
+# a container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each
 # timeline and the results table (docs/e2e.md). About two minutes once the caches are warm.
 .PHONY: demo
 demo: venv fakenvml

@@ -19,9 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from fakeholder import HolderSpawner
 from fakestate import NvmlEnv, build_fake_nvml, nvml_environ, write_state
+from skipsummary import report_skips
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from _pytest.terminal import TerminalReporter
+
+
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
+    """End a run that skipped tests loudly: how many, why, and ``sudo make deps``."""
+    report_skips(terminalreporter)
 
 
 # ---------------------------------------------------------------------------------------------

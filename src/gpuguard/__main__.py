@@ -2,6 +2,6 @@
 
 import sys
 
-from gpuguard.cli import main
+from gpuguard.entry import main
 
 sys.exit(main())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard import __version__
@@ -16,6 +15,7 @@ from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gpuguard.commands.exits import EX_USAGE
 from gpuguard.commands.reap import REAP_TIMEOUT_S
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
+from gpuguard.usage import UsageParser, add_global_options
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -49,7 +49,7 @@ the caller from the kernel and does the work. A process may ask only for its own
 (and only scope "unit"); root outside any service may ask for any. Without a socket at
 --socket, root runs the work in this process (a developer's install); anyone else, or a
 socket nobody answers, gets one line and exit 1 - for the gate, unless the configuration
-says gate_unreachable = "allow". See docs/security.md.
+says gate_unreachable = "allow". See /usr/share/doc/gpuguard/security.md.
 """
 
 _STATUS_HELP = """\
@@ -164,20 +164,17 @@ Exit status: 0 after SIGTERM; 78 invalid configuration.
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; every subcommand's --help stands alone."""
-    parser = argparse.ArgumentParser(
+    parser = UsageParser(
         prog="gpuguard",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"Configuration: --config, else ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} "
-        "(optional; every key has a default). Documentation: docs/ in the source tree.",
+        epilog=f"Configuration: --config FILE (before or after the command), else ${CONFIG_ENV},\n"
+        f"else {DEFAULT_CONFIG_PATH} (optional; every key has a default).\n"
+        "Exit status: 64 usage error, 78 invalid configuration; each command's --help says\n"
+        "the rest. Documentation: gpuguard(8) and /usr/share/doc/gpuguard/.",
     )
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
-    parser.add_argument(
-        "--config",
-        type=Path,
-        metavar="FILE",
-        help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})",
-    )
+    add_global_options(parser, after_command=False)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     raw = argparse.RawDescriptionHelpFormatter
 
@@ -243,13 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--fix", action="store_true", help="print a drop-in that fixes the findings"
     )
-    for name, text in (
-        ("install-gate", _INSTALL_GATE_HELP),
-        ("remove-gate", _REMOVE_GATE_HELP),
+    for name, text, summary in (
+        ("install-gate", _INSTALL_GATE_HELP, "install the gate drop-in for a unit"),
+        ("remove-gate", _REMOVE_GATE_HELP, "remove the gate drop-in of a unit"),
     ):
-        command = commands.add_parser(
-            name, help=text.splitlines()[0], description=text, formatter_class=raw
-        )
+        command = commands.add_parser(name, help=summary, description=text, formatter_class=raw)
         command.add_argument("--unit", required=True, help="the unit, e.g. sglang.service")
         if name == "install-gate":
             command.add_argument(
@@ -257,15 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="install even when systemd does not know the unit (or cannot be asked)",
             )
+    for command in commands.choices.values():
+        add_global_options(command, after_command=True)
     return parser
 
 
 _INSTALL_GATE_HELP = """\
 Install the gate drop-in for a unit (explicitly; gpuguard never does it by itself).
 Writes /etc/systemd/system/UNIT.d/gpuguard-gate.conf - ExecStartPre= gate, ExecStopPost=
-reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see `gpuguard` docs/gate.md)
-- and runs `systemctl daemon-reload`. It says that it replaces the unit's TimeoutStartSec=
-and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard doctor` proposes one).
+reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see gate.md in
+/usr/share/doc/gpuguard/) - and runs `systemctl daemon-reload`. It says that it replaces the
+unit's TimeoutStartSec= and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard
+doctor` proposes one).
 The drop-in calls this gpuguard's path, unprivileged; it asks the gate server over
 /run/gpuguard/gate.sock. A unit whose own sandbox would keep it from that socket
 (RestrictAddressFamilies= without AF_UNIX, a SystemCallFilter= without socket/connect,

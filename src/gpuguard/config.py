@@ -26,7 +26,13 @@ from pydantic import (
     model_validator,
 )
 
-from gpuguard.adapters.configfile import EX_CONFIG, config_path, read_config, store_validated
+from gpuguard.adapters.configfile import (
+    DEFAULT_RUNTIME_DIR,
+    EX_CONFIG,
+    config_path,
+    read_config,
+    store_validated,
+)
 from gpuguard.adapters.files import UnsafePathError
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
 
@@ -299,8 +305,8 @@ class Settings(_Strict):
         description="Persistent state (journal cursor, history).",
     )
     runtime_dir: Path = Field(
-        default=Path("/run/gpuguard"),
-        description="Volatile state (daemon snapshot, gate decisions).",
+        default=DEFAULT_RUNTIME_DIR,
+        description="Volatile state (daemon snapshot, gate decisions, the config cache).",
     )
 
     @field_validator("device_glob")

@@ -18,8 +18,6 @@ import pytest
 from clirunner import CGROUP2, Cli
 from fakestate import fake_library
 
-from gpuguard.adapters import configfile
-
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -37,13 +35,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def cli(fake_state: Path, nvml_env: NvmlEnv, tmp_path: Path) -> Iterator[Cli]:
-    """The CLI over four fake idle H200s; its entry in the validated-config cache is removed."""
+def cli(fake_state: Path, nvml_env: NvmlEnv, tmp_path: Path) -> Cli:
+    """The CLI over four fake idle H200s (its runtime_dir, config cache included, in tmp_path)."""
     runner = Cli(fake_state, tmp_path / "gpuguard.toml", nvml_env(fake_state), fake_library())
     runner.configure()
-    yield runner
-    with contextlib.suppress(OSError):
-        configfile._cache_file(runner.config).unlink()
+    return runner
 
 
 @pytest.fixture

@@ -198,8 +198,9 @@ def test_umask_0000_never_makes_a_writable_file(cli: Cli, tmp_path: Path) -> Non
     )
     assert result.returncode == 0, result.stderr
     modes = {path: stat.S_IMODE(path.lstat().st_mode) for path in [run_dir, *run_dir.rglob("*")]}
-    cache = configfile._cache_file(cli.config)
-    modes[cache] = stat.S_IMODE(cache.lstat().st_mode)
+    cache = configfile.cache_file(cli.config, cli.config.read_bytes())
+    assert cache is not None
+    assert cache.is_relative_to(run_dir)  # the cache follows runtime_dir, never /run/gpuguard
     assert modes[run_dir / "gate" / "sglang.service.json"] == 0o644
     assert modes[run_dir / "gate"] == 0o755
     assert modes[cache] == 0o600
@@ -215,7 +216,8 @@ def test_cache_from_an_older_gpuguard_means_a_full_load(
     del settings["nvml_timeout_s"]
     text = cli.config.read_bytes().decode()
     older = {"path": str(cli.config), "text": text, "settings": settings}
-    cache = configfile._cache_file(cli.config)
+    cache = configfile.cache_file(cli.config, cli.config.read_bytes())
+    assert cache is not None
     files.write_file(cache, json.dumps(older).encode(), mode=0o600)
     command = shlex.join(
         [sys.executable, "-m", "gpuguard", "--config", str(cli.config), "gate", "--unit", unit]

@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,12 +36,14 @@ from e2e.measure import SESSION_NOTES, SESSION_RESULTS, render_report
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
+    from _pytest.reports import TestReport
     from _pytest.terminal import TerminalReporter
 
 RELEASES_ENV = "GPUGUARD_E2E_RELEASES"
 MODE_ENV = "GPUGUARD_E2E_MODE"  # "overlay" (default) or "copy", for a kernel without overlayfs
 REQUIRED_TOOLS = ("debootstrap", "systemd-nspawn", "nsenter", "chroot")
 SUMMARY_ENV = "GPUGUARD_E2E_SUMMARY"  # "0": no scenario summary at the end (make demo prints it)
+_STARTED = time.monotonic()
 
 
 def selected_releases() -> list[str]:
@@ -85,10 +88,48 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("release", selected_releases(), scope="session")
 
 
+def _progress(config: pytest.Config, line: str) -> None:
+    """One progress line on the terminal, even from inside a fixture (capture off for it).
+
+    The e2e phase takes minutes (a cold debootstrap several): CI shows where it is.
+    """
+    capture = config.pluginmanager.getplugin("capturemanager")
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if capture is None or reporter is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(f"e2e +{time.monotonic() - _STARTED:.0f} s: {line}")
+
+
+@contextlib.contextmanager
+def _phase(config: pytest.Config, what: str) -> Iterator[None]:
+    """Say that a long preparation starts, then how long it took."""
+    began = time.monotonic()
+    _progress(config, f"{what} ...")
+    yield
+    _progress(config, f"{what}: done in {time.monotonic() - began:.1f} s")
+
+
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the config for the per-test progress lines (logreport hooks do not get it)."""
+    _CONFIG.append(config)
+
+
+def pytest_runtest_logreport(report: TestReport) -> None:
+    """One line per e2e test when it ends, with its outcome and duration."""
+    if _CONFIG and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        took = f"in {report.duration:.1f} s" if report.when == "call" else "at setup"
+        _progress(_CONFIG[0], f"{report.nodeid} {report.outcome} {took}")
+
+
 @pytest.fixture(scope="session")
-def rootfs(release: str) -> Path:
+def rootfs(release: str, request: pytest.FixtureRequest) -> Path:
     """The cached root file system of `release` (debootstrapped on first use)."""
-    return ensure_rootfs(release)
+    with _phase(request.config, f"{release} root file system (debootstrap when not cached)"):
+        return ensure_rootfs(release)
 
 
 class ContainerFactory(Protocol):
@@ -135,12 +176,13 @@ def booted(container: ContainerFactory) -> Container:
 
 
 @pytest.fixture(scope="session")
-def e2e_artifacts(release: str) -> Artifacts:
+def e2e_artifacts(release: str, request: pytest.FixtureRequest) -> Artifacts:
     """The checkout's wheel, its dependencies' wheels for `release` and the fake NVML (cached)."""
     reason = host_env_ok()
     if reason is not None:
         pytest.skip(reason)
-    artifacts = prepare_artifacts(release)
+    with _phase(request.config, f"{release} wheels and fake NVML"):
+        artifacts = prepare_artifacts(release)
     timings = ", ".join(f"{name} {seconds:.1f}" for name, seconds in artifacts.timings.items())
     SESSION_NOTES.append(f"host artifacts for {release} (s): {timings}")
     return artifacts

@@ -11,7 +11,7 @@
  * Built twice by the Makefile: the default library models a driver >= 515; with
  * -DFAKENVML_OLD_DRIVER it models a driver < 510 (no *_v3 process lists, no memory v2).
  *
- * Written from the contract in the gpuguard research notes (nvml-systemd-facts.md section 1),
+ * Written from the contract in docs/facts.md section 1 (pynvml's calls, nvml.h's layouts),
  * not from NVIDIA's header: only the ABI (symbol names, argument order, struct layouts, return
  * codes) has to match.
  */

@@ -107,7 +107,7 @@ def device_fds(pid: int) -> list[str]:
 def test_libraries_export_the_expected_symbols(
     fake_nvml_dir: Path, fake_nvml_old_dir: Path
 ) -> None:
-    """The new library exports every symbol of facts §1.9; the old one lacks the >= 510 ones."""
+    """The new library exports every symbol of docs/facts.md §1.8; the old one lacks >= 510's."""
     body = """
     lib = ctypes.CDLL(sys.argv[1] + "/libnvidia-ml.so.1")
     names = sys.argv[2:]

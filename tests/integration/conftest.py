@@ -13,8 +13,6 @@ from clirunner import CGROUP2, Cli, FakeSystemd, Openers, UnitCgroups
 from fakestate import fake_library
 from hostile import HostileProcesses
 
-from gpuguard.adapters import configfile
-
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
@@ -23,13 +21,11 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture
-def cli(fake_state: Path, nvml_env: NvmlEnv, tmp_path: Path) -> Iterator[Cli]:
-    """The CLI over four fake idle H200s; its entry in the validated-config cache is removed."""
+def cli(fake_state: Path, nvml_env: NvmlEnv, tmp_path: Path) -> Cli:
+    """The CLI over four fake idle H200s (its runtime_dir, config cache included, in tmp_path)."""
     runner = Cli(fake_state, tmp_path / "gpuguard.toml", nvml_env(fake_state), fake_library())
     runner.configure()
-    yield runner
-    with contextlib.suppress(OSError):
-        configfile._cache_file(runner.config).unlink()
+    return runner
 
 
 @pytest.fixture

@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from daemontwins import Recorder, ReplayFollower, UnitTwin, loop_entries
 from fakeholder import process_gone
 from fakestate import fake_library, update_gpu, update_state
 
 from gpuguard.adapters import inventory, reaper, systemd
-from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
-from gpuguard.adapters.systemd import UnitState
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
 from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
 from gpuguard.core.values import MIB
@@ -47,131 +46,6 @@ if TYPE_CHECKING:
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
 OLD_INVOCATION = "0" * 32
-
-
-def loop_entries(unit: str) -> list[dict[str, object]]:
-    """PID 1's messages of a real restart loop (systemd 252), renamed to ``unit``."""
-    lines = (SAMPLES / "restart-loop-start-limit.jsonl").read_text().splitlines()
-    entries = []
-    for line in lines:
-        entry = json.loads(line)
-        if entry.get("_PID") == "1" and entry.get("UNIT") == "sglang.service":
-            entry["UNIT"] = unit
-            entries.append(entry)
-    return entries
-
-
-@dataclass
-class ReplayFollower:
-    """Twin of JournalFollower: hands out recorded entries as live records, once."""
-
-    entries: list[dict[str, object]]
-    live: bool = True
-    committed: list[str] = field(default_factory=list)
-    started: bool = False
-
-    def start(self) -> None:
-        """Nothing to spawn."""
-        self.started = True
-
-    def fds(self) -> list[int]:
-        """No pipes: the daemon sleeps through the injected sleep instead."""
-        return []
-
-    def wake_in(self) -> float | None:
-        """Never needs waking."""
-        return None
-
-    def read_available(self) -> list[JournalRecord]:
-        """Everything at once, as journalctl would after a burst."""
-        records = [
-            JournalRecord(
-                entry,
-                KERNEL if entry.get("_TRANSPORT") == "kernel" else "lifecycle",
-                live=self.live,
-            )
-            for entry in self.entries
-        ]
-        self.entries = []
-        return records
-
-    def take_problems(self) -> list[str]:
-        """No malformed lines in recorded samples."""
-        return []
-
-    def commit(self, *records: JournalRecord) -> None:
-        """Remember what the daemon processed."""
-        self.committed.extend(record.cursor for record in records)
-
-    def health(self) -> JournalHealth:
-        """Always attached."""
-        return JournalHealth("attached", None, None, (), None)
-
-    def close(self) -> None:
-        """Nothing to stop."""
-
-
-@dataclass
-class UnitTwin:
-    """Twin of systemctl for one unit: looping (activating, auto-restart) until stopped."""
-
-    invocation: str
-    calls: list[str] = field(default_factory=list)
-    active: str = "activating"
-
-    def show(self, unit: str) -> UnitState:
-        """What `systemctl show` would say now."""
-        sub = "auto-restart" if self.active == "activating" else "dead"
-        return UnitState(unit, self.active, sub, None, self.invocation, {}, 3)
-
-    def control(self, verb: str, unit: str) -> str | None:
-        """Record the verb; stop makes the unit inactive, start makes it activate again."""
-        self.calls.append(f"{verb} {unit}")
-        # A unit stopped while it was failing stays "failed" until reset-failed.
-        self.active = {"stop": "failed", "reset-failed": "inactive", "start": "activating"}.get(
-            verb, self.active
-        )
-        return None
-
-
-@dataclass
-class Recorder:
-    """A structured logger and sd_notify twin that keep what they were told."""
-
-    lines: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def info(self, event: str, **fields: object) -> None:
-        """Keep an info line."""
-        self.lines.append(("info", event, fields))
-
-    def warning(self, event: str, **fields: object) -> None:
-        """Keep a warning line."""
-        self.lines.append(("warning", event, fields))
-
-    def error(self, event: str, **fields: object) -> None:
-        """Keep an error line."""
-        self.lines.append(("error", event, fields))
-
-    def ready(self, status: str) -> None:
-        """Keep READY."""
-        self.notes.append(f"READY {status}")
-
-    def status(self, status: str) -> None:
-        """Keep STATUS."""
-        self.notes.append(f"STATUS {status}")
-
-    def watchdog(self) -> None:
-        """Keep WATCHDOG."""
-        self.notes.append("WATCHDOG")
-
-    def stopping(self, status: str) -> None:
-        """Keep STOPPING."""
-        self.notes.append(f"STOPPING {status}")
-
-    def close(self) -> None:
-        """Keep CLOSE."""
-        self.notes.append("CLOSE")
 
 
 @pytest.fixture

@@ -231,6 +231,30 @@ def test_the_server_ends_when_systemd_kills_its_client(
     assert "the client has gone: stopping" in server.said()
 
 
+def test_the_installed_command_asks_without_the_full_parser(cli: Cli, server: GateServer) -> None:
+    """The command's entry point sends a drop-in's gate request with the socket client alone.
+
+    No argparse, no dataclasses, nothing of the CLI: the request before every start stays cheap
+    (bench/gate.py). The verdict is the server's, so the lane changes nothing else.
+    """
+    argv = ["--config", str(cli.config), "gate", "--unit", "sglang.service"]
+    code = (
+        "import sys\n"
+        f"sys.argv = ['gpuguard', *{[*argv, '--socket', str(server.path)]!r}]\n"
+        "from gpuguard.entry import main\n"
+        "code = main()\n"
+        "loaded = {'argparse', 'dataclasses', 'gpuguard.cli', 'gpuguard.adapters.configfile'}\n"
+        "print(sorted(loaded & set(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli.env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
+    assert "gate for sglang.service from PID" in server.journal()
+
+
 def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
     """The client runs before every start: no pydantic, structlog, NVML or psutil in it."""
     argv = ["--config", str(cli.config), "gate", "--unit", "sglang.service"]

@@ -102,6 +102,21 @@ def test_gpu_of_the_set_needing_a_reset_refuses_at_once(
     assert f"start of {unit} refused at once: GPU 0 needs a reset: a memory row remap" in line
 
 
+def test_the_fast_path_refuses_an_idle_gpu_that_needs_a_reset(
+    cli: Cli, unit_cgroups: UnitCgroups
+) -> None:
+    """With the configuration cached (the fast path), an idle GPU needing a reset still refuses."""
+    unit = unit_name()
+    cli.configure(f'[units."{unit}"]\ngpus = [0, 1]\n')
+    first, _ = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "30")
+    assert first.code == 0, first.err  # a full load: the cache for the fast path is written
+    update_gpu(cli.state, 0, remapped_rows_pending=1)
+    result, took = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "300")
+    assert result.code == 1, result.out + result.err
+    assert took < 30
+    assert f"start of {unit} refused at once: GPU 0 needs a reset" in result.err
+
+
 def test_waiting_gate_says_who_holds_what(
     cli: Cli, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
 ) -> None:

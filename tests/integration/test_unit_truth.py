@@ -15,14 +15,14 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from asnobody import public_dir, run_as_nobody
+from daemontwins import Recorder, ReplayFollower
 
 from gpuguard.adapters import dropin
-from gpuguard.adapters.journal import JournalHealth, JournalRecord
 from gpuguard.adapters.systemd import parse_show, provenance
 from gpuguard.config import Settings, UnitSettings
 from gpuguard.core.inventory import build_inventory
@@ -186,79 +186,6 @@ def test_status_says_a_watched_unit_does_not_exist(
     assert doc["units"][0]["found"] is False
 
 
-@dataclass
-class Quiet:
-    """Logger and sd_notify twin for the daemon: keeps what it is told."""
-
-    lines: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def info(self, event: str, **fields: object) -> None:
-        """Keep an info line."""
-        self.lines.append(("info", event, fields))
-
-    def warning(self, event: str, **fields: object) -> None:
-        """Keep a warning line."""
-        self.lines.append(("warning", event, fields))
-
-    def error(self, event: str, **fields: object) -> None:
-        """Keep an error line."""
-        self.lines.append(("error", event, fields))
-
-    def ready(self, status: str) -> None:
-        """Keep READY."""
-        self.notes.append(f"READY {status}")
-
-    def status(self, status: str) -> None:
-        """Keep STATUS."""
-        self.notes.append(f"STATUS {status}")
-
-    def watchdog(self) -> None:
-        """Ignore WATCHDOG."""
-
-    def stopping(self, status: str) -> None:
-        """Keep STOPPING."""
-        self.notes.append(f"STOPPING {status}")
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-@dataclass
-class NoJournal:
-    """Follower twin with no entries: the unit never logged anything (it does not exist)."""
-
-    def start(self) -> None:
-        """Nothing to spawn."""
-
-    def fds(self) -> list[int]:
-        """No pipes: the daemon sleeps through the injected sleep."""
-        return []
-
-    def wake_in(self) -> float | None:
-        """Never needs waking."""
-        return None
-
-    def read_available(self) -> list[JournalRecord]:
-        """Nothing ever arrives."""
-        return []
-
-    def take_problems(self) -> list[str]:
-        """No lines, no problems."""
-        return []
-
-    def commit(self, *records: JournalRecord) -> None:
-        """Nothing to commit."""
-        del records
-
-    def health(self) -> JournalHealth:
-        """Attached."""
-        return JournalHealth("attached", None, None, (), None)
-
-    def close(self) -> None:
-        """Nothing to stop."""
-
-
 def test_daemon_says_a_watched_unit_is_not_found(tmp_path: Path) -> None:
     """Not "watching U: ok": a warning once, "unit not found" in STATUS= and the snapshot.
 
@@ -270,7 +197,7 @@ def test_daemon_says_a_watched_unit_is_not_found(tmp_path: Path) -> None:
         units={unit: UnitSettings()}, runtime_dir=tmp_path / "run", state_dir=tmp_path / "lib"
     )
     empty = build_inventory(NvmlReading(NvmlHealth.OK), ProcScan(()), 0)
-    log = Quiet()
+    log = Recorder()
     snapshots: list[dict[str, Any]] = []
     turns: list[Daemon] = []
 
@@ -294,7 +221,7 @@ def test_daemon_says_a_watched_unit_is_not_found(tmp_path: Path) -> None:
         untouchable=frozenset({os.getpid()}),
         provenance=provenance,
     )
-    daemon = Daemon(settings, NoJournal(), ports)
+    daemon = Daemon(settings, ReplayFollower([]), ports)
     turns.append(daemon)
     assert daemon.run() == 0
     warnings = [f for level, event, f in log.lines if event == "watched unit not found"]

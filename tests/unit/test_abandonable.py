@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from gpuguard.adapters import nvml
 from gpuguard.core.values import NvmlHealth, NvmlReading
@@ -55,16 +56,28 @@ def test_a_child_that_dies_silently_is_an_error() -> None:
     assert got.health is NvmlHealth.ERROR
 
 
-def test_no_child_is_left_behind() -> None:
-    """After timeouts and answers, no zombie child of ours remains for long."""
+def test_no_child_is_left_behind(tmp_path: Path) -> None:
+    """An abandoned child, once dead, is collected by a later call: no zombie of ours remains."""
+    pid_file = tmp_path / "child.pid"
 
     def hang() -> NvmlReading:
+        pid_file.write_text(str(os.getpid()))
         time.sleep(3600)
         return NvmlReading(NvmlHealth.OK)
 
-    nvml.run_abandonable(hang, 0.1, _timed_out)
+    assert nvml.run_abandonable(hang, 0.5, _timed_out).health is NvmlHealth.TIMED_OUT
+    child = Path(f"/proc/{pid_file.read_text()}")
     deadline = time.monotonic() + 5
-    while nvml._abandoned and time.monotonic() < deadline:
+    while child.exists() and time.monotonic() < deadline:
         nvml.run_abandonable(lambda: NvmlReading(NvmlHealth.OK), 5, _timed_out)
         time.sleep(0.05)
-    assert not nvml._abandoned
+    assert not child.exists(), f"{child} is still there: {_state(child)}"
+
+
+def _state(process: Path) -> str:
+    """The State: line of a process (Z for a zombie nobody waited for)."""
+    try:
+        status = (process / "status").read_text()
+    except OSError:
+        return "gone"
+    return next((line for line in status.splitlines() if line.startswith("State:")), "?")

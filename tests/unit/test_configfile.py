@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import pytest
 
 from gpuguard.adapters import configfile
 from gpuguard.config import load_settings
 
-if TYPE_CHECKING:
-    from pathlib import Path
-
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Point the cache at a private directory instead of /run/gpuguard."""
-    directory = tmp_path / "cache"
-    monkeypatch.setattr(configfile, "CACHE_DIR", directory)
-    return directory
+    """The default runtime_dir moved to a private directory (/run/gpuguard needs root).
+
+    Files that set runtime_dir themselves need no such help; the tests below that do so prove it.
+    """
+    monkeypatch.setattr(configfile, "DEFAULT_RUNTIME_DIR", tmp_path / "run")
+    return tmp_path / "run" / "config-cache"
 
 
 def test_full_load_fills_the_cache(tmp_path: Path) -> None:
@@ -33,6 +32,37 @@ def test_full_load_fills_the_cache(tmp_path: Path) -> None:
     assert cached["idle_threshold_mib"] == 7
     assert cached["units"]["a.service"]["gpus"] == [1, 2]
     assert cached["runtime_dir"] == "/run/gpuguard"
+
+
+def test_the_cache_follows_the_files_runtime_dir(tmp_path: Path, cache_dir: Path) -> None:
+    """A file that moves runtime_dir has its cache there, and nothing in the default place."""
+    path = tmp_path / "g.toml"
+    runtime_dir = tmp_path / "elsewhere"
+    path.write_text(f'runtime_dir = "{runtime_dir}"\nidle_threshold_mib = 7\n')
+    load_settings(path)
+    (entry,) = (runtime_dir / "config-cache").iterdir()
+    assert json.loads(entry.read_text())["settings"]["runtime_dir"] == str(runtime_dir)
+    assert not cache_dir.exists()
+    cached = configfile.load_validated(path)
+    assert cached is not None
+    assert cached["runtime_dir"] == str(runtime_dir)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['runtime_dir = "relative/run"\n', "runtime_dir = 5\n", "runtime_dir = \n", b"runtime_dir\xff"],
+)
+def test_a_runtime_dir_the_text_does_not_give_means_no_cache(
+    tmp_path: Path, text: str | bytes
+) -> None:
+    """A runtime_dir that is not an absolute path string (or text that is not TOML): no cache."""
+    path = tmp_path / "g.toml"
+    raw = text if isinstance(text, bytes) else text.encode()
+    path.write_bytes(raw)
+    assert configfile.cache_file(path, raw) is None
+    configfile.store_validated(path, raw, {"runtime_dir": "/x"})
+    assert configfile.load_validated(path) is None
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_changed_file_misses_the_cache(tmp_path: Path) -> None:
@@ -99,3 +129,30 @@ def test_an_unexpected_cache_is_a_miss(tmp_path: Path, cache_dir: Path, damage: 
     text = {"not JSON": "{", "deep": "[" * 100_000}.get(damage) or json.dumps(document)
     entry.write_text(text)  # "deep": json.loads raises RecursionError, not ValueError
     assert configfile.load_validated(path) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'runtime_dir = "/srv/run"\n',
+        'idle_threshold_mib = 7\nruntime_dir="/srv/run" # moved\n[units."a.service"]\n',
+        "runtime_dir = '/srv/literal'\n",
+        'runtime_dir = "/srv/with space"\n',
+        'runtime_dir = "/srv/esc\\u0041ped"\n',
+        '[daemon]\ndry_run = true\n[units."a.service"]\ngpus = [1]\nruntime_dir = "/not/top"\n',
+        'state_dir = """\nruntime_dir = "/in/a/string"\n"""\nruntime_dir = "/srv/real"\n',
+    ],
+)
+def test_the_cache_directory_is_the_runtime_dir_toml_reads(tmp_path: Path, text: str) -> None:
+    """The cheap line match and tomllib agree: the cache sits in the runtime_dir TOML gives."""
+    import tomllib  # noqa: PLC0415 - the reference reading
+
+    raw = text.encode()
+    cache = configfile.cache_file(tmp_path / "g.toml", raw)
+    expected = tomllib.loads(text).get("runtime_dir")
+    if expected is None:
+        assert cache is not None
+        assert cache.parent.parent == configfile.DEFAULT_RUNTIME_DIR
+    else:
+        assert cache is not None
+        assert cache.parent.parent == Path(expected)

@@ -395,7 +395,7 @@ def test_stop_jobs_say_who_asked() -> None:
     ],
 )
 def test_gpu_oom_patterns_match_what_servers_print(line: str) -> None:
-    """Each message of facts §7 matches GPU_OOM_PATTERNS and gives a gpu-oom-output event."""
+    """Each message of docs/facts.md §7 matches GPU_OOM_PATTERNS: a gpu-oom-output event."""
     assert any(re.search(pattern, line) for pattern in GPU_OOM_PATTERNS)
     event = parse_entry(output_entry(line), UNIT)
     assert event is not None

@@ -95,8 +95,24 @@ def test_a_supervisor_listed_after_its_workers_is_signalled_first() -> None:
     assert order == (launcher, *workers, helper)
 
 
-def test_a_two_process_cycle_is_broken_deterministically() -> None:
-    """Two targets naming each other as parent come out once each, the same way every time."""
+def test_a_two_process_cycle_is_broken_where_the_walk_from_the_first_target_closes_it() -> None:
+    """Two targets naming each other as parent: the one listed first is signalled last.
+
+    The walk starts at the earliest target and follows ppid links until it comes back to it; the
+    last target reached is ranked first and the earliest last, so listing them the other way round
+    swaps them. Each comes out exactly once.
+    """
     first, second = _target(5, 6), _target(6, 5)
-    assert signal_order([first, second]) == signal_order([first, second])
-    assert set(signal_order([first, second])) == {first, second}
+    assert signal_order([first, second]) == (second, first)
+    assert signal_order([second, first]) == (first, second)
+
+
+def test_a_three_process_cycle_is_cut_before_the_earliest_target() -> None:
+    """A three-process ppid cycle is cut before the earliest target: walk order reversed.
+
+    The walk from ``a`` reaches its parent ``c``, then ``b`` (whose parent is ``a``): ``b`` is
+    ranked level with an unrelated root (input order between them), then ``c``, then ``a``.
+    """
+    root = _target(1000, 1)
+    a, b, c = _target(5, 7), _target(6, 5), _target(7, 6)
+    assert signal_order([a, b, c, root]) == (b, root, c, a)

@@ -6,6 +6,15 @@ with the file's exact text; ``gpuguard gate`` uses them instead when the file is
 falls back to a full load otherwise. Nothing here imports pydantic (or hashlib: comparing a few
 hundred bytes is cheaper than loading OpenSSL). The cache is stamped with gpuguard's version
 and a format number, and checked key by key: a cache another gpuguard wrote is a miss.
+
+The cache lives in ``runtime_dir/config-cache``, so a configuration that moves its runtime
+directory (every test does) keeps its cache there too. The directory must be known before the
+settings are, so it is read from the file's text: a file that does not mention ``runtime_dir``
+uses the default, one that sets it on a plain top-level line (``runtime_dir = "/path"``) is read
+by a line match, and only anything else is parsed with tomllib (importing it costs the gate's
+fast path about 8 ms). Reading and writing find the cache the same way, and the
+cached text must equal the file's, so a line match that TOML would read differently can only
+move the cache, never make it wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +32,11 @@ from gpuguard.adapters import files
 DEFAULT_CONFIG_PATH = Path("/etc/gpuguard/gpuguard.toml")
 CONFIG_ENV = "GPUGUARD_CONFIG"
 EX_CONFIG = 78
-# Fixed, not configurable: the cache must be found before the configuration is read.
-CACHE_DIR = Path("/run/gpuguard/config-cache")
+# The default of the runtime_dir setting (config.Settings uses it too).
+DEFAULT_RUNTIME_DIR = Path("/run/gpuguard")
+CACHE_SUBDIR = "config-cache"
+# `runtime_dir = "/abs/path"` alone on a line (a comment may follow), before any [table].
+_RUNTIME_DIR_LINE = re.compile(rb'[ \t]*runtime_dir[ \t]*=[ \t]*"(/[^"\\\n]*)"[ \t]*(?:#[^\n]*)?')
 # Bumped whenever the cached settings change shape; with the version, any other stamp is a miss.
 CACHE_FORMAT = 2
 CONFIG_MAX = 1024 * 1024  # a configuration file is a few KiB; more is not one
@@ -52,9 +65,40 @@ def read_config(path: Path) -> bytes:
     return files.read_file(path, max_bytes=CONFIG_MAX)
 
 
-def _cache_file(path: Path) -> Path:
+def cache_file(path: Path, raw: bytes | None) -> Path | None:
+    """Where the cache of the configuration file ``path`` with bytes ``raw`` lives.
+
+    None when the text names a runtime_dir that cannot be read from it (not TOML, not a
+    string): then there is no cache, and the full load says what is wrong.
+    """
+    runtime_dir = _runtime_dir(raw)
+    if runtime_dir is None:
+        return None
     key = str(path.absolute()).strip("/").replace("%", "%25").replace("/", "%2F")
-    return CACHE_DIR / f"{key}.json"
+    return runtime_dir / CACHE_SUBDIR / f"{key}.json"
+
+
+def _runtime_dir(raw: bytes | None) -> Path | None:
+    """The runtime_dir a configuration's text sets, the default when it does not mention it."""
+    if raw is None or b"runtime_dir" not in raw:
+        return DEFAULT_RUNTIME_DIR
+    if raw.count(b"runtime_dir") == 1 and b'"""' not in raw and b"'''" not in raw:
+        for line in raw.splitlines():
+            if line.lstrip().startswith(b"["):
+                break  # a table: its keys are not top-level
+            match = _RUNTIME_DIR_LINE.fullmatch(line)
+            if match:
+                try:
+                    return Path(match.group(1).decode())
+                except UnicodeDecodeError:
+                    return None
+    import tomllib  # noqa: PLC0415 - only for a file the line match cannot read
+
+    try:
+        value = tomllib.loads(raw.decode()).get("runtime_dir", str(DEFAULT_RUNTIME_DIR))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return None
+    return Path(value) if isinstance(value, str) and value.startswith("/") else None
 
 
 def _text(raw: bytes | None) -> str | None:
@@ -71,6 +115,9 @@ def store_validated(path: Path, raw: bytes | None, settings: dict[str, Any]) -> 
 
     Best effort: a host where /run/gpuguard is not writable (not root) simply has no cache.
     """
+    cache = cache_file(path, raw)
+    if cache is None:
+        return
     document = {
         **_stamp(),
         "path": str(path.absolute()),
@@ -78,7 +125,7 @@ def store_validated(path: Path, raw: bytes | None, settings: dict[str, Any]) -> 
         "settings": settings,
     }
     with contextlib.suppress(OSError):
-        files.write_file(_cache_file(path), json.dumps(document).encode(), mode=0o600)
+        files.write_file(cache, json.dumps(document).encode(), mode=0o600)
 
 
 def load_validated(cli_path: Path | None) -> dict[str, Any] | None:
@@ -96,8 +143,11 @@ def load_validated(cli_path: Path | None) -> dict[str, Any] | None:
         raw = None
     except OSError:
         return None  # the full load says why
+    cache = cache_file(path, raw)
+    if cache is None:
+        return None
     try:
-        document = json.loads(files.read_file(_cache_file(path), max_bytes=CONFIG_MAX * 4))
+        document = json.loads(files.read_file(cache, max_bytes=CONFIG_MAX * 4))
     except (OSError, ValueError, RecursionError):
         return None
     expected = {**_stamp(), "path": str(path.absolute()), "text": _text(raw)}

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 REQUEST_TIMEOUT_S = 10.0
 #: A client that reads nothing for this long is treated as gone (the work goes on).
 SEND_TIMEOUT_S = 30.0
-EX_USAGE = 64
 
 
 class _Frames(io.RawIOBase):

@@ -1,9 +1,9 @@
 """The NVML adapter: the only module that imports pynvml.
 
 Every snapshot runs in a forked child that the caller can abandon on a deadline: after an Xid 45
-class fault the driver can leave an NVML call blocked in the kernel forever (facts §2.4), and
-neither the gate nor the daemon may hang with it. Failures come back as an ``NvmlHealth`` with a
-reason an operator can act on, never as a traceback.
+class fault the driver can leave an NVML call blocked in the kernel forever (docs/facts.md
+§2.4), and neither the gate nor the daemon may hang with it. Failures come back as an
+``NvmlHealth`` with a reason an operator can act on, never as a traceback.
 """
 
 from __future__ import annotations

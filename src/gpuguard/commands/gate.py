@@ -39,12 +39,14 @@ def fast_path(
 
     Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
     (idle is a matter of memory, see idle.is_idle). Returns None whenever anything needs
-    the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle; the NVML
-    reading taken on the way is handed on so the full path does not read it again.
+    the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle or needing
+    a reset; the NVML reading taken on the way is handed on so the full path does not read it
+    again.
     """
     from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see the package doc
     from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.core.health import reset_reasons  # noqa: PLC0415
     from gpuguard.core.idle import is_idle  # noqa: PLC0415
     from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
 
@@ -68,7 +70,8 @@ def fast_path(
     threshold = int(cached["idle_threshold_mib"]) * MIB
     for gpu in reading.gpus:
         wanted = gpu_set.indices is None or gpu.index in gpu_set.indices
-        if wanted and not is_idle(gpu, threshold):
+        # Idle but needing a reset is no start either: the full path refuses it at once.
+        if wanted and (not is_idle(gpu, threshold) or reset_reasons(gpu)):
             return None, reading
     outcome = gate.outcome(args.unit, time.monotonic() - started, fast_path=True)
     return _finish_gate(runtime_dir, outcome, gpu_set), reading

@@ -12,7 +12,7 @@ when a line matches what servers print when GPU memory is already taken (``GPU_O
 evidence for a cause, never a trigger on its own (the detector uses it only to explain runs that
 PID 1 reported as failed).
 
-Facts: systemd.journal-fields(7) (trusted fields), systemd's catalog (MESSAGE_IDs), docs/daemon.md;
+Facts: docs/facts.md §4 (trusted fields, MESSAGE_IDs, restart sequences), docs/daemon.md;
 golden samples in tests/journal_samples (systemd 252 and 257).
 """
 
@@ -109,7 +109,7 @@ class UnitEvent:
     process saw its devices (after CUDA_VISIBLE_DEVICES), not NVML's index."""
 
 
-# MESSAGE_IDs from sd-messages.h (identical in systemd 249…257; facts §4.1).
+# MESSAGE_IDs from sd-messages.h (identical in systemd 252, 254 and 257; docs/facts.md §4.1).
 MESSAGE_IDS: Final[Mapping[str, EventKind]] = {
     "7d4958e842da4a758f6c1cdc7b36dcc5": EventKind.STARTING,
     "39f53479d3a045ac8e11786248231fbf": EventKind.STARTED,
@@ -186,7 +186,7 @@ START_FAILURE_SIGNATURES: Final[tuple[Signature, ...]] = (
         "the first line of the same message when wrapped right after the device name",
     ),
 )
-"""Start-failure signatures (facts §7): what servers print when the GPU memory they need is held.
+"""Start-failure signatures (docs/facts.md §7): what servers print when their GPUs are held.
 
 Each is a case-sensitive regex in the syntax Python ``re`` and PCRE2 share (``journalctl --grep``
 with ``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses
@@ -231,7 +231,7 @@ _GPU_OOM = re.compile(GPU_OOM_REGEX)
 # The CUDA device a start-failure line names: "cuda:1", "GPU 3 has a total capacity", "(GPU 0;".
 _DEVICE = re.compile(r"(?:\bcuda:|\bGPU )(\d{1,3})(?![\d.])")
 
-# Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; facts §4.1, §4.7).
+# Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; docs/facts.md §4.1, §4.7).
 _LEFT_OVER = re.compile(
     r"Found left-over process (?P<pid>\d{1,10}) \((?P<comm>.{0,64})\) "
     r"in control group while starting"

@@ -13,6 +13,10 @@ Request: one JSON object on one line, at most ``MAX_REQUEST_BYTES``::
 Response: JSON lines ``{"fd": 1|2, "text": "..."}`` (what the command printed, one line each,
 for the client's stdout or stderr), then ``{"exit": N}``. Framing as JSON keeps a holder's
 command line, whatever it contains, from ever forging a verdict.
+
+The gate client imports this module before every start of a watched unit, so it stays cheap:
+its records are NamedTuples, not dataclasses (importing dataclasses pulls in inspect and ast,
+about half of the client's import time).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 SOCKET_PATH = "/run/gpuguard/gate.sock"
 VERSION = 1
@@ -39,8 +43,7 @@ _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]{1,248}\.service")
 _KEYS = frozenset({"v", "command", "unit", "scope", "grace", "timeout", "json"})
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """What a caller asks for; ``grace``/``timeout`` None mean the configured values."""
 
     command: str
@@ -136,8 +139,7 @@ def frame_exit(code: int) -> bytes:
     return json.dumps({"exit": code}).encode() + b"\n"
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
     """One decoded response line: output (``fd``, ``text``) or the verdict (``exit``)."""
 
     fd: int = 0

@@ -1,0 +1,40 @@
+"""The argparse parser gpuguard's command line is built with, and the options every command takes.
+
+Usage errors exit 64 (sysexits.h EX_USAGE), not argparse's 2: gpuguard.service's
+``RestartPreventExitStatus=64 78`` keeps systemd from restarting a daemon whose command line is
+wrong, and the man page documents 64 for every command. Global options are also accepted after
+the command (``gpuguard status --config FILE``), as operators type them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
+from gpuguard.commands.exits import EX_USAGE
+
+
+class UsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors exit 64; subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print the usage and the error, then exit 64 instead of argparse's 2."""
+        self.print_usage(sys.stderr)
+        self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """Add the options every command accepts, before the command or (``after_command``) after.
+
+    After the command the default is SUPPRESS, so an option given before it is not reset.
+    """
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        default=argparse.SUPPRESS if after_command else None,
+        help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})",
+    )

@@ -1,0 +1,253 @@
+"""In-memory twins of the daemon's ports, for tests that cannot or need not touch the world.
+
+The daemon (gpuguard.daemon.loop) reaches the world only through its ``Follower`` and ``Ports``;
+these stand in for them without root, systemd or GPUs: ``ReplayFollower`` replays journal
+entries recorded from a real systemd, ``UnitTwin`` is a unit's systemctl as a small state
+machine, ``Recorder`` keeps the log lines and sd_notify messages, and ``GpuHost`` is NVML plus
+/proc plus the reaper over processes that exist only in memory (reaping one frees its memory).
+Integration tests combine the first three with the real inventory and reaper; unit tests use
+all four. Each is passed in, never patched in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
+from gpuguard.adapters.systemd import UnitState
+from gpuguard.core.inventory import build_inventory
+from gpuguard.core.values import (
+    MIB,
+    GpuMemory,
+    GpuReading,
+    MemoryApi,
+    NvmlHealth,
+    NvmlProcess,
+    NvmlReading,
+    ProcessFacts,
+    ProcessIdentity,
+    ProcessListKind,
+    ProcScan,
+    ReapOutcome,
+    ReapResult,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.values import ReapTarget
+
+TOTAL_MIB = 143771
+"""An H200's memory, as the fake NVML reports it."""
+SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
+
+
+def loop_entries(unit: str) -> list[dict[str, object]]:
+    """PID 1's messages of a real restart loop (systemd 252), renamed to ``unit``."""
+    lines = (SAMPLES / "restart-loop-start-limit.jsonl").read_text().splitlines()
+    entries = []
+    for line in lines:
+        entry = json.loads(line)
+        if entry.get("_PID") == "1" and entry.get("UNIT") == "sglang.service":
+            entry["UNIT"] = unit
+            entries.append(entry)
+    return entries
+
+
+@dataclass
+class ReplayFollower:
+    """Twin of JournalFollower: hands out recorded entries as live records, once."""
+
+    entries: list[dict[str, object]]
+    live: bool = True
+    committed: list[str] = field(default_factory=list)
+    started: bool = False
+
+    def start(self) -> None:
+        """Nothing to spawn."""
+        self.started = True
+
+    def fds(self) -> list[int]:
+        """No pipes: the daemon sleeps through the injected sleep instead."""
+        return []
+
+    def wake_in(self) -> float | None:
+        """Never needs waking."""
+        return None
+
+    def read_available(self) -> list[JournalRecord]:
+        """Everything at once, as journalctl would after a burst."""
+        records = [
+            JournalRecord(
+                entry,
+                KERNEL if entry.get("_TRANSPORT") == "kernel" else "lifecycle",
+                live=self.live,
+            )
+            for entry in self.entries
+        ]
+        self.entries = []
+        return records
+
+    def take_problems(self) -> list[str]:
+        """No malformed lines in recorded samples."""
+        return []
+
+    def commit(self, *records: JournalRecord) -> None:
+        """Remember what the daemon processed."""
+        self.committed.extend(record.cursor for record in records)
+
+    def health(self) -> JournalHealth:
+        """Always attached."""
+        return JournalHealth("attached", None, None, (), None)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+@dataclass
+class UnitTwin:
+    """Twin of systemctl for one unit: looping (activating, auto-restart) until stopped."""
+
+    invocation: str
+    calls: list[str] = field(default_factory=list)
+    active: str = "activating"
+
+    def show(self, unit: str) -> UnitState:
+        """What `systemctl show` would say now."""
+        sub = "auto-restart" if self.active == "activating" else "dead"
+        return UnitState(unit, self.active, sub, None, self.invocation, {}, 3)
+
+    def control(self, verb: str, unit: str) -> str | None:
+        """Record the verb; stop makes the unit inactive, start makes it activate again."""
+        self.calls.append(f"{verb} {unit}")
+        # A unit stopped while it was failing stays "failed" until reset-failed.
+        self.active = {"stop": "failed", "reset-failed": "inactive", "start": "activating"}.get(
+            verb, self.active
+        )
+        return None
+
+
+@dataclass
+class Recorder:
+    """A structured logger and sd_notify twin that keep what they were told."""
+
+    lines: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def info(self, event: str, **fields: object) -> None:
+        """Keep an info line."""
+        self.lines.append(("info", event, fields))
+
+    def warning(self, event: str, **fields: object) -> None:
+        """Keep a warning line."""
+        self.lines.append(("warning", event, fields))
+
+    def error(self, event: str, **fields: object) -> None:
+        """Keep an error line."""
+        self.lines.append(("error", event, fields))
+
+    def ready(self, status: str) -> None:
+        """Keep READY."""
+        self.notes.append(f"READY {status}")
+
+    def status(self, status: str) -> None:
+        """Keep STATUS."""
+        self.notes.append(f"STATUS {status}")
+
+    def watchdog(self) -> None:
+        """Keep WATCHDOG."""
+        self.notes.append("WATCHDOG")
+
+    def stopping(self, status: str) -> None:
+        """Keep STOPPING."""
+        self.notes.append(f"STOPPING {status}")
+
+    def close(self) -> None:
+        """Keep CLOSE."""
+        self.notes.append("CLOSE")
+
+
+@dataclass(frozen=True)
+class Process:
+    """A process of the in-memory host: who it is and how much of which GPUs it holds."""
+
+    pid: int
+    gpus: tuple[int, ...]
+    mib: int
+    cgroup: str
+    invocation_id: str | None = None
+    comm: str = "python3"
+    ppid: int = 1
+
+
+@dataclass
+class GpuHost:
+    """NVML, /proc and the reaper of a host that exists only in memory.
+
+    ``gather`` builds the same Inventory the real adapters would from these processes;
+    ``reap`` removes a target (exited after SIGTERM) unless it is in ``unkillable``, and records
+    every target it was handed.
+    """
+
+    gpus: int = 4
+    processes: dict[int, Process] = field(default_factory=dict)
+    unkillable: set[int] = field(default_factory=set)
+    reaped: list[ReapTarget] = field(default_factory=list)
+
+    def add(self, process: Process) -> Process:
+        """Start ``process`` on its GPUs."""
+        self.processes[process.pid] = process
+        return process
+
+    def gather(self) -> Inventory:
+        """What NVML and the /proc walk would say now, merged as gpuguard merges them."""
+        readings = tuple(self._reading(index) for index in range(self.gpus))
+        nvml = NvmlReading(NvmlHealth.OK, None, "550.54.15", readings)
+        return build_inventory(nvml, ProcScan(tuple(map(_facts, self.processes.values()))), 0)
+
+    def reap(self, targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        """Signal each target: it exits (its memory is freed) unless it is unkillable."""
+        results = []
+        for target in targets:
+            self.reaped.append(target)
+            pid = target.identity.pid
+            if pid in self.unkillable:
+                results.append(ReapResult(target, ReapOutcome.UNKILLABLE, ("SIGTERM", "SIGKILL")))
+            elif self.processes.pop(pid, None) is None:
+                results.append(ReapResult(target, ReapOutcome.GONE))
+            else:
+                results.append(ReapResult(target, ReapOutcome.EXITED, ("SIGTERM",)))
+        return tuple(results)
+
+    def _reading(self, index: int) -> GpuReading:
+        holders = [p for p in self.processes.values() if index in p.gpus]
+        used = sum(p.mib for p in holders)
+        return GpuReading(
+            index=index,
+            name="NVIDIA H200",
+            minor=index,
+            memory=GpuMemory(TOTAL_MIB * MIB, used * MIB, 0, MemoryApi.V2),
+            processes=tuple(
+                NvmlProcess(p.pid, p.mib * MIB, ProcessListKind.COMPUTE) for p in holders
+            ),
+        )
+
+
+def _facts(process: Process) -> ProcessFacts:
+    return ProcessFacts(
+        identity=ProcessIdentity(process.pid, 1000 + process.pid),
+        ppid=process.ppid,
+        state="S",
+        comm=process.comm,
+        cmdline=(process.comm, "-m", "sglang.launch_server"),
+        uid=0,
+        user="root",
+        cgroup=process.cgroup,
+        invocation_id=process.invocation_id,
+        uids=(0, 0, 0, 0),
+        device_files=frozenset(f"/dev/nvidia{gpu}" for gpu in process.gpus),
+    )

@@ -1,0 +1,183 @@
+"""The daemon's loop without root, systemd or GPUs: every port is an in-memory twin.
+
+tests/support/daemontwins.py holds the twins (a replayed journal, a unit's systemctl, a
+recorder, and a host whose GPUs are held by processes that exist only in memory). What the
+daemon decides is the real code throughout: detector, diagnosis, recovery planner, kill policy.
+tests/integration/test_daemon.py runs the same scenarios with real processes and the fake NVML.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from daemontwins import GpuHost, Process, Recorder, ReplayFollower, UnitTwin, loop_entries
+
+from gpuguard.adapters import systemd
+from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.daemon.loop import Daemon, Ports
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+UNIT = "sglang.service"
+OLD_INVOCATION = "0" * 32
+BOOT = "b" * 32
+
+
+@dataclass
+class Harness:
+    """One daemon over the twins, and what it produced."""
+
+    daemon: Daemon
+    host: GpuHost
+    unit: UnitTwin
+    log: Recorder
+    snapshots: list[dict[str, Any]]
+    saved: dict[str, dict[str, Any]]
+
+
+def build(
+    tmp_path: Path,
+    host: GpuHost,
+    *,
+    dry_run: bool = False,
+    gpus: tuple[int | str, ...] | None = None,
+) -> Harness:
+    """A daemon watching UNIT through a replayed restart loop; it stops after a few idle turns."""
+    entries: list[dict[str, object]] = [dict(e) for e in loop_entries(UNIT)]
+    settings = Settings(
+        units={UNIT: UnitSettings(gpus=gpus)},
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "lib",
+        reap_grace_s=1.0,
+        gate_timeout_s=5.0,
+        daemon=DaemonSettings(dry_run=dry_run),
+    )
+    newest = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
+    newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
+    shift = newest_mono + 1.0 - time.monotonic()  # the journal's clock, a second later
+    twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]))
+    recorder = Recorder()
+    snapshots: list[dict[str, Any]] = []
+    saved: dict[str, dict[str, Any]] = {}
+    daemons: list[Daemon] = []
+    turns = [0]
+
+    def sleep(seconds: float) -> None:
+        del seconds
+        turns[0] += 1
+        if turns[0] > 3:
+            daemons[0].request_stop()
+
+    ports = Ports(
+        gather=host.gather,
+        show_unit=twin.show,
+        control=twin.control,
+        reap=host.reap,
+        notifier=recorder,
+        log=recorder,
+        wall=lambda: newest + 1.0,
+        monotonic=lambda: time.monotonic() + shift,
+        sleep=sleep,
+        write_snapshot=snapshots.append,
+        load_unit_state=saved.get,
+        save_unit_state=saved.__setitem__,
+        untouchable=frozenset(),
+        provenance=systemd.provenance,
+        boot_id=BOOT,
+    )
+    daemon = Daemon(settings, ReplayFollower(entries), ports)
+    daemons.append(daemon)
+    return Harness(daemon, host, twin, recorder, snapshots, saved)
+
+
+def _events(harness: Harness, name: str) -> list[dict[str, object]]:
+    return [fields for _, event, fields in harness.log.lines if event == name]
+
+
+def test_a_loop_on_an_earlier_runs_workers_is_recovered(tmp_path: Path) -> None:
+    """Workers of an ended run hold the unit's GPUs: stop, reap exactly them, reset-failed, start.
+
+    A tenant's job on GPU 3, outside the unit's set, is neither signalled nor waited for.
+    """
+    host = GpuHost()
+    cgroup = f"/system.slice/{UNIT}"
+    stale = [host.add(Process(pid, (0, 1, 2), 30000, cgroup, OLD_INVOCATION)) for pid in (501, 502)]
+    tenant = host.add(Process(900, (3,), 2000, "/user.slice/user-1000.slice/session-3.scope"))
+    harness = build(tmp_path, host, gpus=(0, 1, 2))
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    assert sorted(t.identity.pid for t in host.reaped) == [p.pid for p in stale]
+    assert tenant.pid in host.processes
+    loop = _events(harness, "restart loop")[0]
+    assert (loop["cause"], loop["action"]) == ("stale-gpu-holders", "recover")
+    assert _events(harness, "recovery finished")[0]["result"] == "restarted"
+    assert harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]["result"] == "restarted"
+    assert harness.saved[UNIT]["in_progress"] is None
+    assert harness.log.notes[0].startswith("READY")
+
+
+def test_a_job_on_the_units_gpus_is_spared_and_the_recovery_says_why_it_failed(
+    tmp_path: Path,
+) -> None:
+    """The same workers plus a tenant's job on GPU 3 of the unit's set (all GPUs).
+
+    The workers are reaped, the job is not (no evidence it is the unit's), so the set never
+    becomes idle: the recovery ends "failed" and names the job and why it was not touched.
+    """
+    host = GpuHost()
+    cgroup = f"/system.slice/{UNIT}"
+    host.add(Process(501, (0, 1, 2, 3), 30000, cgroup, OLD_INVOCATION))
+    host.add(Process(900, (3,), 2000, "/user.slice/user-1000.slice/session-3.scope"))
+    harness = build(tmp_path, host)
+
+    assert harness.daemon.run() == 0
+
+    assert [t.identity.pid for t in host.reaped] == [501]
+    assert 900 in host.processes
+    finished = _events(harness, "recovery finished")[0]
+    assert finished["result"] == "failed"
+    assert "PID 900" in str(finished["problem"])
+    assert "not touched" in str(finished["problem"])
+
+
+def test_a_loop_on_idle_gpus_is_only_reported(tmp_path: Path) -> None:
+    """No holder: the loop has no GPU cause; nothing is stopped, started or signalled."""
+    harness = build(tmp_path, GpuHost())
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert harness.host.reaped == []
+    loop = _events(harness, "restart loop")[0]
+    assert (loop["cause"], loop["action"]) == ("not-gpu-related", "report")
+
+
+def test_a_dry_run_touches_nothing(tmp_path: Path) -> None:
+    """The same stale workers under dry_run: the daemon says what it would do, and does not."""
+    host = GpuHost()
+    host.add(Process(501, (0, 1), 30000, f"/system.slice/{UNIT}", OLD_INVOCATION))
+    harness = build(tmp_path, host, dry_run=True)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert host.reaped == []
+    assert 501 in host.processes
+    assert _events(harness, "restart loop")[0]["cause"] == "stale-gpu-holders"
+
+
+def test_the_gpu_host_twin_frees_memory_when_a_holder_is_reaped() -> None:
+    """A positive control of the twin itself: its inventory follows its processes."""
+    host = GpuHost(gpus=2)
+    host.add(Process(7, (1,), 1000, f"/system.slice/{UNIT}"))
+    before = host.gather()
+    assert [h.pid for h in before.holders] == [7]
+    assert before.gpus[1].reading.memory is not None
+    assert before.gpus[1].reading.memory.used_bytes == 1000 * 1024 * 1024
+    host.processes.clear()
+    assert host.gather().holders == ()

@@ -1,0 +1,60 @@
+"""The loud skip summary: counts per reason, and the one command that installs what is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from skipsummary import REMEDY, SHOWN_REASONS, summary_lines
+
+
+def test_nothing_skipped_says_nothing() -> None:
+    """A run that skipped nothing prints no summary."""
+    assert summary_lines([], 10) == []
+
+
+def test_reasons_are_counted_most_common_first_with_the_remedy() -> None:
+    """Each reason once with its count, the most common first; the last line is the remedy."""
+    reasons = ["needs root"] * 3 + ["needs debootstrap"]
+    lines = summary_lines(reasons, 542)
+    assert lines[0] == "4 of 542 tests were SKIPPED - they did not run:"
+    assert lines[1:3] == ["     3 x needs root", "     1 x needs debootstrap"]
+    assert lines[-1].endswith(REMEDY)
+
+
+def test_many_reasons_are_cut_and_the_rest_counted() -> None:
+    """More distinct reasons than shown: the rest are summed in one line."""
+    reasons = [f"reason {n}" for n in range(SHOWN_REASONS + 3)]
+    lines = summary_lines(reasons, 100)
+    assert len(lines) == 1 + SHOWN_REASONS + 2
+    assert lines[-2] == "     3 x for 3 other reasons (pytest -rs)"
+
+
+def test_a_real_pytest_run_ends_with_the_summary(tmp_path: Path) -> None:
+    """A real pytest run with this hook, one test of two skipped, ends with the banner."""
+    tests = Path(__file__).resolve().parents[1]
+    (tmp_path / "conftest.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(tests / 'support')!r})\n"
+        "from skipsummary import report_skips\n"
+        "def pytest_terminal_summary(terminalreporter):\n"
+        "    report_skips(terminalreporter)\n"
+    )
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_runs():\n    pass\n"
+        "def test_skips():\n    pytest.skip('needs a unicorn')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 of 2 tests were SKIPPED" in result.stdout
+    assert "1 x needs a unicorn" in result.stdout
+    assert REMEDY in result.stdout
