@@ -46,7 +46,7 @@ def test_gpuguard_sees_four_fake_gpus_through_the_system_nvml(gpubox: GpuBox) ->
     assert status["nvml"]["health"] == "ok"
     assert [gpu["name"] for gpu in status["gpus"]] == ["NVIDIA H200"] * 4
     assert all(gpu["idle"] for gpu in status["gpus"])
-    assert status["exit_code"] == 0
+    assert status["exit_code"] == 0, status["findings"]
     assert box.systemctl("is-active", "fakegpu-driver.service").stdout.strip() == "active"
 
 
@@ -78,7 +78,8 @@ def test_a_host_pid_equal_to_an_unrelated_process_here_touches_nothing(gpubox: G
     """Another container's process on GPU 2 has host PID P; P here is an unrelated service.
 
     Status names P foreign and the memory as used from outside (WARNING, not CRITICAL); a reap
-    of scope all plans nothing for P; the gate refuses the start, saying why; P lives on.
+    of scope all plans nothing for P; P lives on. (The gate's line on outside memory is proven
+    in tests/integration/test_pid_namespace.py: a refused gate here would mark the unit.)
     """
     box = gpubox.box
     box.run(["systemd-run", "--quiet", "--unit", "tenant-cron", "sleep", "600"])
@@ -93,11 +94,6 @@ def test_a_host_pid_equal_to_an_unrelated_process_here_touches_nothing(gpubox: G
         assert status["status"] == "WARNING", status["findings"]
         reap = json.loads(gpubox.gpuguard("reap", "--scope", "all", "--dry-run", "--json").stdout)
         assert pid not in [entry["pid"] for entry in reap["plan"]]
-        gate = gpubox.gpuguard(
-            "gate", "--unit", UNIT, "--scope", "all", "--timeout", "1", "--socket", "/nonexistent"
-        )
-        assert gate.returncode == 1
-        assert "GPU 2: 3000 MiB used from outside this container" in gate.stdout + gate.stderr
         assert gpubox.show("tenant-cron.service", "MainPID") == str(pid)
     finally:
         alloc.unlink()
@@ -118,4 +114,4 @@ def test_fake_sglang_serves_on_four_gpus_with_named_tp_workers(gpubox: GpuBox) -
     assert {h["comm"] for h in workers} == {"sglang::schedul"}
     assert {h["unit"] for h in status["holders"]} == {UNIT}
     assert {h["invocation_id"] for h in status["holders"]} == {invocation}
-    assert status["exit_code"] == 0
+    assert status["exit_code"] == 0, status["findings"]

@@ -46,6 +46,8 @@ report = {"holder": info["pid"], "unrelated": unrelated.pid,
           "text": run("status"), "json": run("status", "--json"),
           "reap": run("reap", "--scope", "all", "--yes", "--json", "--grace", "1",
                       "--timeout", "3")}
+report["gate"] = run("gate", "--unit", "sglang.service", "--scope", "all", "--timeout", "1",
+                     "--socket", "/nonexistent")
 report["unrelated_alive"] = unrelated.poll() is None
 report["holder_exited"] = holder.wait(timeout=10) is not None
 print(json.dumps(report))
@@ -110,5 +112,12 @@ def test_inside_a_pid_namespace_the_server_is_healthy_and_the_collision_untouche
     plan = json.loads(reap["out"])
     assert [r["pid"] for r in plan["results"]] == [holder]
     assert unrelated not in [p["pid"] for p in plan["plan"]]
+    gate = inside["gate"]
+    assert isinstance(gate, dict)
+    assert gate["code"] == 1
+    assert (
+        "GPU 1: 3000 MiB used from outside this container (another container or the host), "
+        "which gpuguard cannot reap" in gate["out"] + gate["err"]
+    )
     assert inside["unrelated_alive"] is True
     assert inside["holder_exited"] is True
