@@ -15,6 +15,7 @@ from fakestate import allocations
 
 from e2e.container import Container
 from e2e.gpubox import STATE, UNIT, GpuBox, install
+from e2e.measure import results_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -115,3 +116,9 @@ def test_fake_sglang_serves_on_four_gpus_with_named_tp_workers(gpubox: GpuBox) -
     assert {h["unit"] for h in status["holders"]} == {UNIT}
     assert {h["invocation_id"] for h in status["holders"]} == {invocation}
     assert status["exit_code"] == 0, status["findings"]
+    # NVML names only host PIDs here: the memory is the container's, and status says so.
+    assert status["containment"]["foreign_pids"] is True
+    assert [gpu["container_mib"] for gpu in status["gpus"]] == [WORKER_MIB + MAIN_MIB] * 4
+    text = gpubox.gpuguard("status").stdout
+    results_dir().mkdir(parents=True, exist_ok=True)
+    (results_dir() / "status-in-container.txt").write_text(text)  # kept for docs/e2e.md
