@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuguard.containment import INIT_PID_NAMESPACE_INODE, judge, manager_name
+from gpuguard.core.containment import INIT_PID_NAMESPACE_INODE, judge, manager_name
 
 OTHER_NS = 4026532512
 

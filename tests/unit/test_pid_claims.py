@@ -12,12 +12,12 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.containment import HOST, Containment
-from gpuguard.gate import GateSettings, set_blockers
-from gpuguard.holders import build_inventory
-from gpuguard.policy import PlanRequest, Scope, plan
-from gpuguard.status import Level, StatusContext, assess, render_text, to_json
-from gpuguard.values import (
+from gpuguard.core.containment import HOST, Containment
+from gpuguard.core.gate import GateSettings, set_blockers
+from gpuguard.core.inventory import build_inventory
+from gpuguard.core.policy import PlanRequest, Scope, plan
+from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
+from gpuguard.core.values import (
     MIB,
     GpuMemory,
     GpuReading,
@@ -135,6 +135,11 @@ def test_in_a_container_the_servers_memory_is_its_own_and_not_critical() -> None
         "available: the driver reports host PIDs)" in text
     )
     assert "no visible process explains" not in text
+    assert "Host PIDs: GPU 0: NVML lists 41234, 41240" in text
+    assert (
+        "OK: GPU 0: NVML lists host PIDs 41234 (69492 MiB), 41240 (512 MiB), of another PID "
+        "namespace (the driver reports host PIDs)" in text
+    )
     assert "Runs: inside a container (lxc), in its own PID namespace" in text
     document = to_json(report)
     assert document["containment"] == {

@@ -23,7 +23,7 @@ from gpuguard.core.xidevents import normalize_pci
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
 
-    from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory
+    from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory, VanishedProcess
     from gpuguard.core.values import GpuHealth, GpuReading
 
 SCHEMA_VERSION = 3
@@ -332,18 +332,25 @@ _OUTSIDE_NOTE = (
 def _claim_findings(inventory: Inventory) -> list[Finding]:
     """NVML PIDs /proc does not back: gone (on a host) or from another PID namespace."""
     in_namespace = inventory.containment.foreign_pids
-    findings = [
-        Finding(
-            Level.OK if in_namespace else Level.CRITICAL,
-            f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}{_size(gone.used_bytes)}"
-            + (
-                ", a PID from another PID namespace (the driver reports host PIDs)"
-                if in_namespace
-                else " but /proc has no such process"
-            ),
-        )
-        for gone in inventory.vanished
-    ]
+    if in_namespace:
+        findings = [
+            Finding(
+                Level.OK,
+                f"GPU {index}: NVML lists host PIDs "
+                + ", ".join(f"{g.pid}{_size(g.used_bytes)}" for g in gone)
+                + ", of another PID namespace (the driver reports host PIDs)",
+            )
+            for index, gone in _by_gpu(inventory.vanished).items()
+        ]
+    else:
+        findings = [
+            Finding(
+                Level.CRITICAL,
+                f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}{_size(gone.used_bytes)}"
+                " but /proc has no such process",
+            )
+            for gone in inventory.vanished
+        ]
     findings.extend(
         Finding(
             Level.OK if in_namespace else Level.CRITICAL,
@@ -355,6 +362,13 @@ def _claim_findings(inventory: Inventory) -> list[Finding]:
         for other in inventory.foreign
     )
     return findings
+
+
+def _by_gpu(vanished: Sequence[VanishedProcess]) -> dict[int, list[VanishedProcess]]:
+    grouped: dict[int, list[VanishedProcess]] = {}
+    for gone in vanished:
+        grouped.setdefault(gone.gpu_index, []).append(gone)
+    return grouped
 
 
 def _size(used_bytes: int | None) -> str:
@@ -567,15 +581,16 @@ def render_text(report: StatusReport) -> str:
         for gpu in inventory.gpus
         if gpu.outside_bytes
     )
-    vanished = (
-        "is a host PID (another PID namespace)"
-        if inventory.containment.foreign_pids
-        else "is not in /proc"
-    )
-    lines.extend(
-        f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} {vanished}"
-        for gone in inventory.vanished
-    )
+    if inventory.containment.foreign_pids:
+        lines.extend(
+            f"Host PIDs: GPU {index}: NVML lists " + ", ".join(str(g.pid) for g in gone)
+            for index, gone in _by_gpu(inventory.vanished).items()
+        )
+    else:
+        lines.extend(
+            f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
+            for gone in inventory.vanished
+        )
     lines.extend(
         f"Foreign: PID {other.pid} listed by NVML on GPU {other.gpu_index} is not this "
         f"namespace's PID {other.pid}, which holds no device file of GPU {other.gpu_index}"
