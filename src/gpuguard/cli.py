@@ -60,6 +60,7 @@ explains, NVML's health, and for each watched unit its GPU set and last gate dec
 Exit status (monitoring-plugin convention):
   0 OK        GPUs idle, or held only by live processes
   1 WARNING   something needs a look (a left-over of a watched unit, a zombie holder,
+              memory used from outside this container,
               a watched unit systemd does not know, NVML partly unusable but /proc
               shows holders, a GPU health warning, a recent kernel Xid after which
               no kill helps)
@@ -74,6 +75,12 @@ Runs without root; it then shows what it can see and says what it cannot: anothe
 user's job is "not inspectable without root", never reported as vanished. With the v1
 memory API (drivers older than 515) the driver's reserved memory is estimated
 (v1_reserved_mib, else learned as root from idle GPUs) and the figures say so.
+
+NVML's PID is a claim: a process is credited NVML's memory figure only when it holds
+that GPU's device file. Inside a container with its own PID namespace (the "Runs:"
+line says so) the driver names host PIDs: a GPU's memory is then "held by processes of
+this container" (OK) while a live process here holds it, else "used from outside this
+container" (WARNING, never reaped).
 """
 
 _REAP_HELP = """\

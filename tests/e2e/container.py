@@ -274,10 +274,11 @@ def _nspid(pid: int) -> list[int]:
     return []
 
 
-def _host_pids() -> Iterator[int]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            yield int(entry.name)
+def _host_pids() -> list[int]:
+    # A list, not a generator over the scandir: a caller that stops early (host_pid) would
+    # leave the directory open until the collector finds it (an unraisable warning).
+    with os.scandir("/proc") as entries:
+        return [int(entry.name) for entry in entries if entry.name.isdigit()]
 
 
 def _children(pid: int) -> list[int]:

@@ -61,6 +61,8 @@ _GLIBC_MINOR = {"bookworm": 36, "trixie": 41}
 WHEELS_FORMAT = 1
 
 STATE = "/var/lib/fakenvml"
+#: Where the host's procfs is bound in (see Artifacts.binds).
+HOST_PROC = "/e2e/host-proc"
 UNIT = "sglang.service"
 DAEMON = "gpuguard.service"
 ENV = {"FAKENVML_STATE": STATE}
@@ -123,6 +125,7 @@ cd /e2e/fakenvml
 python3 -c 'import sys; from pathlib import Path; from fakestate import FakeGpu, write_state
 write_state(Path(sys.argv[1]), [FakeGpu(release_delay_ms=int(sys.argv[2]))] * 4)' \\
     {STATE} "$1"
+ln -s {HOST_PROC} {STATE}/host-proc
 install -m 0644 /e2e/systemd/gpuguard-gate.socket /e2e/systemd/gpuguard-gate@.service \\
     /etc/systemd/system/
 systemctl daemon-reexec
@@ -148,13 +151,18 @@ class Artifacts:
     timings: dict[str, float] = field(default_factory=dict)
 
     def binds(self) -> list[Bind]:
-        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakesglang,systemd}."""
+        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakesglang,systemd}.
+
+        And the host's procfs at HOST_PROC, linked as ``STATE/host-proc``: through it the fake
+        driver reports a process's host PID, as NVIDIA's driver does (it ignores PID namespaces).
+        """
         return [
             Bind(self.deps, "/wheels"),
             Bind(self.gpuguard, "/wheels-gpuguard"),
             Bind(FAKENVML_DIR, "/e2e/fakenvml"),
             Bind(FAKESGLANG_DIR, "/e2e/fakesglang"),
             Bind(SYSTEMD_DIR, "/e2e/systemd"),
+            Bind(Path("/proc"), HOST_PROC),
         ]
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from e2e.gpubox import DAEMON, UNIT
+from e2e.gpubox import DAEMON, UNIT, daemon_events
 from e2e.measure import ScenarioResult, Timeline, measure, runs, save
 
 if TYPE_CHECKING:
@@ -117,6 +117,24 @@ def pid1_messages(gpubox: GpuBox, since_s: float, message_id: str | None = None)
     if message_id is not None:
         matches.append(f"MESSAGE_ID={message_id}")
     return [str(e.get("MESSAGE")) for e in gpubox.box.journal(matches)]
+
+
+def after_the_sweep(gpubox: GpuBox, t0: float, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The daemon's log since ``t0`` once its sweep or its recovery of the restart is in it.
+
+    A sweep that reaped TP3 but found the new run holding the GPUs before they were ever idle
+    (the new run's model load won the race by a poll) logs only after the daemon's release
+    wait of 5 s, later than the healthy start plus SETTLE_S: read until it is there.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        events = gpubox.daemon_log(t0)
+        done = daemon_events(events, "survivors of an ended run") or daemon_events(
+            events, "recovery finished"
+        )
+        if done or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
 
 
 def alive(gpubox: GpuBox, pid: int) -> bool:

@@ -39,6 +39,7 @@ from e2e.scenario import (
     STOPPING,
     WINDOW_S,
     WORKER_MIB,
+    after_the_sweep,
     alive,
     finish,
     incident,
@@ -151,7 +152,7 @@ def test_c_recovery_of_a_unit_that_is_not_enabled_is_restarted(gpubox: GpuBox) -
     gpubox.start_daemon()
     t0, _, tp3 = incident(gpubox, Timeline(time.time()), enable=False)
     gpubox.wait_fired_up(after_s=t0, timeout=90)
-    events = gpubox.daemon_log(t0)
+    events = after_the_sweep(gpubox, t0)
     finished = daemon_events(events, "recovery finished")
     swept = [e for e in daemon_events(events, "survivors of an ended run") if e.get("pids")]
     assert tp3 in {e.get("pid") for e in daemon_events(events, "signal")}

@@ -18,7 +18,15 @@ import pytest
 from e2e.container import Container
 from e2e.gpubox import UNIT, GpuBox, daemon_events, install
 from e2e.measure import Timeline
-from e2e.scenario import SERVING_MIB, SETTLE_S, alive, finish, incident, story_line
+from e2e.scenario import (
+    SERVING_MIB,
+    SETTLE_S,
+    after_the_sweep,
+    alive,
+    finish,
+    incident,
+    story_line,
+)
 
 if TYPE_CHECKING:
     import subprocess
@@ -57,7 +65,7 @@ def daemon_recovery(rootfs: Path, e2e_artifacts: Artifacts) -> Iterator[DaemonRe
         healthy = gpubox.wait_fired_up(after_s=t0, timeout=120)
         healthy_at = time.time()
         time.sleep(SETTLE_S)
-        events = gpubox.daemon_log(t0)
+        events = after_the_sweep(gpubox, t0)
         finished = daemon_events(events, "recovery finished")
         status = gpubox.gpuguard("status")
         m = finish(

@@ -175,6 +175,18 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def _nvml_pid(state: Path) -> int:
+    """The PID the driver knows us by: the host's, like NVIDIA's driver (no PID namespaces).
+
+    ``STATE/host-proc``, where present, is the host's procfs seen from inside a PID namespace
+    (bound in by the test harness): its ``self`` names us by our host PID.
+    """
+    host_proc = state / "host-proc"
+    if host_proc.is_dir():
+        return int((host_proc / "self").readlink().name)
+    return os.getpid()
+
+
 def _alloc_text(pid: int, minor: int, args: argparse.Namespace) -> str:
     lines = [f"pid={pid}", f"minor={minor}", f"mib={args.mib}", f"kind={args.kind}"]
     if args.no_usage:
@@ -308,7 +320,7 @@ def _run_parent(args: argparse.Namespace) -> None:
     watcher = _start_watcher(context_r, allocs)
     os.close(context_r)
     for minor, path in zip(args.gpus, allocs, strict=True):
-        _write_atomically(path, _alloc_text(pid, minor, args))
+        _write_atomically(path, _alloc_text(_nvml_pid(state), minor, args))
     children = _fork_children(args)
     report = {
         "pid": pid,

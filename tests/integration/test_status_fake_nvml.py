@@ -26,7 +26,7 @@ def test_idle_host_is_ok(cli: Cli) -> None:
     assert text.out.startswith("gpuguard status: OK - all 4 GPUs idle")
     assert sum(line.endswith(" idle") for line in text.out.splitlines()[1:]) == 4
     doc = cli("status", "--json").json()
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     assert doc["exit_code"] == 0
     assert [g["index"] for g in doc["gpus"]] == [0, 1, 2, 3]
     assert all(g["idle"] and g["memory"]["api"] == "v2" for g in doc["gpus"])

@@ -105,7 +105,7 @@ def test_idle_host_is_ok() -> None:
     level, text, doc = judge(reading(gpu(0, 2), gpu(1), gpu(2), gpu(3)))
     assert level is Level.OK
     assert text.startswith("gpuguard status: OK - all 4 GPUs idle\n")
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     assert all(g["idle"] for g in doc["gpus"])  # type: ignore[attr-defined]
 
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import nvml, procfs, state
+from gpuguard.adapters import containerprobe, nvml, procfs, state
 from gpuguard.core import baseline
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.values import MIB, MemoryApi
@@ -45,7 +45,7 @@ def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
     threshold = settings.idle_threshold_mib * MIB
     if any(g.memory is not None and g.memory.api is MemoryApi.V1 for g in reading.gpus):
         reading = _without_v1_reserve(settings, reading, scan)
-    return build_inventory(reading, scan, threshold)
+    return build_inventory(reading, scan, threshold, containerprobe.probe())
 
 
 def _without_v1_reserve(settings: Settings, reading: NvmlReading, scan: ProcScan) -> NvmlReading:
@@ -58,7 +58,9 @@ def _without_v1_reserve(settings: Settings, reading: NvmlReading, scan: ProcScan
     known = _load_learned(path)
     learned = known
     if os.geteuid() == 0:
-        raw = build_inventory(reading, scan, settings.idle_threshold_mib * MIB)
+        raw = build_inventory(
+            reading, scan, settings.idle_threshold_mib * MIB, containerprobe.probe()
+        )
         learned = baseline.learn(raw, known, settings.protected_processes)
     if learned != known:
         with contextlib.suppress(OSError):

@@ -450,7 +450,8 @@ def read_listed(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC
     Without root another user's fds cannot be read, so a live GPU job is missing from the walk.
     Such a process is returned with ``files_readable`` False; one whose /proc entry exists but
     cannot be read at all is listed in ``hidden``. A process whose fds we can read and that holds
-    no device file is left out: the PID NVML names was reused, or the process let go already.
+    no device file is returned too, so the merge can say NVML's PID names an unrelated process
+    here (another PID namespace's, or a reused one) rather than none.
     """
     matcher = _DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
@@ -460,8 +461,8 @@ def read_listed(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC
         if pid <= 0:
             continue
         facts, readable = _read_process(pid, root, matcher)
-        if facts is not None and not readable:
-            found.append(replace(facts, files_readable=False))
+        if facts is not None:
+            found.append(facts if readable else replace(facts, files_readable=False))
         elif facts is None and Path(f"{root}/{pid}").exists():
             hidden.add(pid)
     return ProcScan(processes=tuple(found), method="listed", hidden=frozenset(hidden))

@@ -133,11 +133,23 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
                 f"GPU {reading.index}: {gpu.unattributed_bytes // MIB} MiB that no visible "
                 "process explains"
             )
-    blockers.extend(
-        f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}, which /proc does not have"
-        for gone in inventory.vanished
-        if gpu_set is None or gone.gpu_index in gpu_set
-    )
+        if gpu.outside_bytes:
+            blockers.append(
+                f"GPU {reading.index}: {gpu.outside_bytes // MIB} MiB used from outside this "
+                "container (another container or the host), which gpuguard cannot reap"
+            )
+    if not inventory.containment.foreign_pids:
+        # Inside a PID namespace NVML's PIDs are host PIDs: the memory lines above say it all.
+        blockers.extend(
+            f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}, which /proc does not have"
+            for gone in inventory.vanished
+            if gpu_set is None or gone.gpu_index in gpu_set
+        )
+        blockers.extend(
+            f"GPU {other.gpu_index}: NVML lists PID {other.pid}, an unrelated process here"
+            for other in inventory.foreign
+            if gpu_set is None or other.gpu_index in gpu_set
+        )
     blockers.extend(
         f"GPU {hidden.gpu_index}: NVML lists PID {hidden.pid}, which /proc does not let "
         "gpuguard inspect"

@@ -5,6 +5,14 @@ only inherited the device fds; /proc knows every open device file but not how mu
 behind it. Neither is guessed from the other: memory that no visible process explains is reported
 as unattributed, a PID that NVML names but /proc lacks is reported as vanished, and one that /proc
 has but will not show this user (not root) as uninspectable - it exists, so it did not vanish.
+
+NVML's PID is a claim, /proc is the proof: the driver names processes by host PID whatever the
+PID namespace, so an NVML PID is credited to a process here only when that process holds the
+same GPU's device file (fd or mapping). A process of that number that does not is an unrelated
+one, and the PID is one from another PID namespace (``foreign``): never shown as this
+namespace's process, so never reaped on NVML's word. Inside a PID namespace (containment.py) the
+driver's per-process figures name nobody here, so a GPU's memory is credited to the processes
+here that hold its device files as a whole, or, when none does, reported as used from outside.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING
 
 from gpuguard.core.cgroup import Attribution, attribute
+from gpuguard.core.containment import HOST
 from gpuguard.core.escaping import escape
 from gpuguard.core.redaction import display_command
 from gpuguard.core.values import NvmlHealth
@@ -22,6 +31,7 @@ from gpuguard.core.values import NvmlHealth
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from gpuguard.core.containment import Containment
     from gpuguard.core.values import (
         GpuReading,
         NvmlReading,
@@ -103,6 +113,19 @@ class VanishedProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class ForeignProcess:
+    """A PID NVML lists on a GPU whose process here holds no device file of that GPU.
+
+    The number belongs to an unrelated process of this PID namespace; NVML's is one of another
+    namespace (the driver reports host PIDs), or the process it meant is gone and the PID reused.
+    """
+
+    pid: int
+    gpu_index: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class UninspectableProcess:
     """A PID that NVML lists and /proc has, but whose details this user may not read."""
 
@@ -118,6 +141,11 @@ class GpuOccupancy:
     reading: GpuReading
     holder_pids: tuple[int, ...]
     unattributed_bytes: int | None
+    container_bytes: int | None = None
+    """Inside a PID namespace: memory credited to the processes here that hold this GPU's
+    device files, as a whole (the driver's per-process figures name host PIDs)."""
+    outside_bytes: int | None = None
+    """Inside a PID namespace: memory used while no process here holds this GPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +158,8 @@ class Inventory:
     holders: tuple[Holder, ...]
     vanished: tuple[VanishedProcess, ...]
     uninspectable: tuple[UninspectableProcess, ...] = ()
+    foreign: tuple[ForeignProcess, ...] = ()
+    containment: Containment = HOST
 
     def holder(self, pid: int) -> Holder | None:
         """The holder with this PID, if any."""
@@ -142,17 +172,26 @@ def gpu_minor_of(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def build_inventory(nvml: NvmlReading, scan: ProcScan, idle_threshold_bytes: int) -> Inventory:
+def build_inventory(
+    nvml: NvmlReading,
+    scan: ProcScan,
+    idle_threshold_bytes: int,
+    containment: Containment = HOST,
+) -> Inventory:
     """Merge an NVML reading and a /proc scan into attributed holders and per-GPU evidence."""
     index_of_minor = {g.minor: g.index for g in nvml.gpus if g.minor is not None}
     facts_by_pid = {p.identity.pid: p for p in scan.processes}
     listed: dict[int, dict[int, int | None]] = {}
     vanished: list[VanishedProcess] = []
     hidden: list[UninspectableProcess] = []
+    foreign: list[ForeignProcess] = []
     for gpu in nvml.gpus:
         for process in gpu.processes:
-            if process.pid in facts_by_pid:
+            facts = facts_by_pid.get(process.pid)
+            if facts is not None and _backs_claim(facts, gpu, index_of_minor):
                 listed.setdefault(process.pid, {})[gpu.index] = process.used_bytes
+            elif facts is not None:
+                foreign.append(ForeignProcess(process.pid, gpu.index, process.used_bytes))
             elif process.pid in scan.hidden:
                 hidden.append(UninspectableProcess(process.pid, gpu.index, process.used_bytes))
             else:
@@ -164,9 +203,33 @@ def build_inventory(nvml: NvmlReading, scan: ProcScan, idle_threshold_bytes: int
     )
     lists_known = nvml.health is not NvmlHealth.DRIVER_TOO_OLD
     gpus = tuple(
-        _occupancy(gpu, holders, idle_threshold_bytes, lists_known=lists_known) for gpu in nvml.gpus
+        _occupancy(
+            gpu,
+            holders,
+            idle_threshold_bytes,
+            lists_known=lists_known,
+            in_namespace=containment.foreign_pids,
+        )
+        for gpu in nvml.gpus
     )
-    return Inventory(nvml, scan, gpus, holders, tuple(vanished), tuple(hidden))
+    return Inventory(
+        nvml, scan, gpus, holders, tuple(vanished), tuple(hidden), tuple(foreign), containment
+    )
+
+
+def _backs_claim(facts: ProcessFacts, gpu: GpuReading, index_of_minor: Mapping[int, int]) -> bool:
+    """Whether a process here is the one NVML lists on ``gpu``: it holds that GPU's device file.
+
+    Whose open files cannot be read (not root) cannot be checked and is taken at NVML's word:
+    only root reaps, and root reads every process's files. A GPU whose minor NVML did not give
+    is backed by any GPU device file that is not another known GPU's.
+    """
+    if not facts.files_readable:
+        return True
+    minors = {gpu_minor_of(path) for path in facts.device_files} - {None}
+    if gpu.minor is not None:
+        return gpu.minor in minors
+    return bool(minors - set(index_of_minor))
 
 
 def _holder(
@@ -209,9 +272,26 @@ def _holder(
 
 
 def _occupancy(
-    gpu: GpuReading, holders: tuple[Holder, ...], idle_threshold_bytes: int, *, lists_known: bool
+    gpu: GpuReading,
+    holders: tuple[Holder, ...],
+    idle_threshold_bytes: int,
+    *,
+    lists_known: bool,
+    in_namespace: bool,
 ) -> GpuOccupancy:
     pids = tuple(h.pid for h in holders if any(u.gpu_index == gpu.index for u in h.gpus))
+    if in_namespace:
+        rest = _beyond_backed(gpu, holders, idle_threshold_bytes)
+        held = any(
+            u.gpu_index == gpu.index and u.holds_device_file for h in holders for u in h.gpus
+        )
+        return GpuOccupancy(
+            reading=gpu,
+            holder_pids=pids,
+            unattributed_bytes=0,
+            container_bytes=rest if held else 0,
+            outside_bytes=0 if held else rest,
+        )
     return GpuOccupancy(
         reading=gpu,
         holder_pids=pids,
@@ -219,6 +299,29 @@ def _occupancy(
             gpu, idle_threshold_bytes, lists_known=lists_known, held=bool(pids)
         ),
     )
+
+
+def _beyond_backed(
+    gpu: GpuReading, holders: tuple[Holder, ...], idle_threshold_bytes: int
+) -> int | None:
+    """Used memory beyond what processes here are credited with, past the idle allowance.
+
+    None when it cannot be known: no memory reading, the v1 reserve not estimated, or a
+    credited process whose usage the driver does not report.
+    """
+    memory = gpu.memory
+    if memory is None or memory.reserved_bytes is None:
+        return None
+    sizes = [
+        u.used_bytes
+        for h in holders
+        for u in h.gpus
+        if u.gpu_index == gpu.index and u.listed_by_nvml
+    ]
+    if any(size is None for size in sizes):
+        return None
+    rest = memory.used_bytes - sum(size for size in sizes if size is not None)
+    return rest if rest > idle_threshold_bytes else 0
 
 
 def _unattributed(

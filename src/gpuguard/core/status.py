@@ -23,10 +23,10 @@ from gpuguard.core.xidevents import normalize_pci
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
 
-    from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory
+    from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory, VanishedProcess
     from gpuguard.core.values import GpuHealth, GpuReading
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _COMMAND_WIDTH = 100
 
 
@@ -286,15 +286,8 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
                     "still releasing it)",
                 )
             )
-    findings.extend(
-        Finding(
-            Level.CRITICAL,
-            f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}"
-            f"{'' if gone.used_bytes is None else f' ({_mib(gone.used_bytes)})'}"
-            " but /proc has no such process",
-        )
-        for gone in inventory.vanished
-    )
+        findings.extend(_namespace_findings(gpu))
+    findings.extend(_claim_findings(inventory))
     findings.extend(
         Finding(
             Level.OK,
@@ -305,6 +298,81 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
         for hidden in inventory.uninspectable
     )
     return findings
+
+
+def _namespace_findings(gpu: GpuOccupancy) -> list[Finding]:
+    """Inside a PID namespace: memory credited to this container's holders, or used outside."""
+    index = gpu.reading.index
+    findings = []
+    if gpu.container_bytes:
+        findings.append(
+            Finding(
+                Level.OK,
+                f"GPU {index}: {_mib(gpu.container_bytes)} held by processes of this container "
+                f"({_CONTAINER_NOTE})",
+            )
+        )
+    if gpu.outside_bytes:
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"GPU {index}: {_mib(gpu.outside_bytes)} {_OUTSIDE_NOTE}",
+            )
+        )
+    return findings
+
+
+_CONTAINER_NOTE = "per-process amounts not available: the driver reports host PIDs"
+_OUTSIDE_NOTE = (
+    "used from outside this container (another container or the host): no process here "
+    "holds the GPU; reported, never reaped, and a start gated on this GPU waits for it"
+)
+
+
+def _claim_findings(inventory: Inventory) -> list[Finding]:
+    """NVML PIDs /proc does not back: gone (on a host) or from another PID namespace."""
+    in_namespace = inventory.containment.foreign_pids
+    if in_namespace:
+        findings = [
+            Finding(
+                Level.OK,
+                f"GPU {index}: NVML lists host PIDs "
+                + ", ".join(f"{g.pid}{_size(g.used_bytes)}" for g in gone)
+                + ", of another PID namespace (the driver reports host PIDs)",
+            )
+            for index, gone in _by_gpu(inventory.vanished).items()
+        ]
+    else:
+        findings = [
+            Finding(
+                Level.CRITICAL,
+                f"GPU {gone.gpu_index}: NVML lists PID {gone.pid}{_size(gone.used_bytes)}"
+                " but /proc has no such process",
+            )
+            for gone in inventory.vanished
+        ]
+    findings.extend(
+        Finding(
+            Level.OK if in_namespace else Level.CRITICAL,
+            f"GPU {other.gpu_index}: NVML lists PID {other.pid}{_size(other.used_bytes)}, a PID "
+            f"from another PID namespace or a reused one: PID {other.pid} here is an unrelated "
+            f"process that holds no device file of GPU {other.gpu_index} (not credited, never "
+            "signalled)",
+        )
+        for other in inventory.foreign
+    )
+    return findings
+
+
+def _by_gpu(vanished: Sequence[VanishedProcess]) -> dict[int, list[VanishedProcess]]:
+    grouped: dict[int, list[VanishedProcess]] = {}
+    for gone in vanished:
+        grouped.setdefault(gone.gpu_index, []).append(gone)
+    return grouped
+
+
+def _size(used_bytes: int | None) -> str:
+    return "" if used_bytes is None else f" ({_mib(used_bytes)})"
 
 
 # Xid classes after which no kill helps (xid.py); an application fault is the reaper's business.
@@ -483,6 +551,7 @@ def render_text(report: StatusReport) -> str:
         )
     else:
         lines.append(f"NVML: {nvml.reason or nvml.health.value}")
+    lines.append(f"Runs: {inventory.containment.summary}")
     shown: set[int] = set()
     xids = xid_events(inventory, report.daemon)
     for gpu in inventory.gpus:
@@ -502,8 +571,30 @@ def render_text(report: StatusReport) -> str:
         if gpu.unattributed_bytes
     )
     lines.extend(
-        f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
-        for gone in inventory.vanished
+        f"In this container: GPU {gpu.reading.index}: {_mib(gpu.container_bytes)} "
+        f"({_CONTAINER_NOTE})"
+        for gpu in inventory.gpus
+        if gpu.container_bytes
+    )
+    lines.extend(
+        f"From outside: GPU {gpu.reading.index}: {_mib(gpu.outside_bytes)} {_OUTSIDE_NOTE}"
+        for gpu in inventory.gpus
+        if gpu.outside_bytes
+    )
+    if inventory.containment.foreign_pids:
+        lines.extend(
+            f"Host PIDs: GPU {index}: NVML lists " + ", ".join(str(g.pid) for g in gone)
+            for index, gone in _by_gpu(inventory.vanished).items()
+        )
+    else:
+        lines.extend(
+            f"Vanished: PID {gone.pid} listed by NVML on GPU {gone.gpu_index} is not in /proc"
+            for gone in inventory.vanished
+        )
+    lines.extend(
+        f"Foreign: PID {other.pid} listed by NVML on GPU {other.gpu_index} is not this "
+        f"namespace's PID {other.pid}, which holds no device file of GPU {other.gpu_index}"
+        for other in inventory.foreign
     )
     lines.extend(
         f"Not inspectable: PID {hidden.pid} listed by NVML on GPU {hidden.gpu_index} exists; "
@@ -665,6 +756,15 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             {"pid": u.pid, "gpu": u.gpu_index, "used_mib": _opt_mib(u.used_bytes)}
             for u in inventory.uninspectable
         ],
+        "foreign": [
+            {"pid": f.pid, "gpu": f.gpu_index, "used_mib": _opt_mib(f.used_bytes)}
+            for f in inventory.foreign
+        ],
+        "containment": {
+            "container": inventory.containment.container,
+            "foreign_pids": inventory.containment.foreign_pids,
+            "evidence": list(inventory.containment.evidence),
+        },
         "units": [
             {
                 "name": unit.name,
@@ -710,6 +810,8 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
         "health": _health_json(reading),
         "holder_pids": list(gpu.holder_pids),
         "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
+        "container_mib": _opt_mib(gpu.container_bytes),
+        "outside_mib": _opt_mib(gpu.outside_bytes),
     }
 
 

@@ -14,7 +14,9 @@ server's cgroup, as the kernel is):
 * It listens on a UNIX socket (``--socket``, default ``/run/fakegpu/driver.sock``).
 * A process *creates a context* by connecting and sending lines ``alloc MINOR MIB``; the driver
   writes one allocation file per line (``STATE/allocs/<pid>-gpu<minor>-<token>.alloc``, the pid
-  from ``SO_PEERCRED``: the kernel's word, not the client's) and answers ``ok PATH``.
+  from ``SO_PEERCRED``: the kernel's word, not the client's) and answers ``ok PATH``. Like
+  NVIDIA's driver, it reports the client's *host* PID (``host_pid``) when the harness has bound
+  the host's procfs in as ``STATE/host-proc``.
 * The connection *is* the context: the client keeps the socket open (children it forks inherit
   it). When every process holding it has exited, the driver reads EOF and appends
   ``released_at_ms=<now>`` to the context's files; the GPU's ``release_delay_ms`` in
@@ -55,6 +57,32 @@ def _peer_pid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, _uid, _gid = struct.unpack("3i", creds)
     return int(pid)
+
+
+def host_pid(state: Path, pid: int) -> int:
+    """The PID NVIDIA's driver would report for ``pid`` of our PID namespace: the host's.
+
+    ``STATE/host-proc``, where present, is the host's procfs (bound in by the test harness):
+    the host process whose ``NSpid:`` ends in ``pid`` and whose PID namespace is ours. Without
+    it (no container), or when none matches, ``pid`` itself.
+    """
+    host_proc = state / "host-proc"
+    if not host_proc.is_dir():
+        return pid
+    ours = Path("/proc/self/ns/pid").stat().st_ino
+    for entry in os.scandir(host_proc):
+        if not entry.name.isdecimal():
+            continue
+        with contextlib.suppress(OSError):
+            status = Path(entry.path, "status").read_text()
+            nspid = next((ln.split()[1:] for ln in status.splitlines() if ln[:6] == "NSpid:"), [])
+            if (
+                len(nspid) > 1
+                and nspid[-1] == str(pid)
+                and Path(entry.path, "ns", "pid").stat().st_ino == ours
+            ):
+                return int(entry.name)
+    return pid
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -134,9 +162,10 @@ class Driver:
         if not (self.state / "dev" / f"nvidia{minor}").exists():
             return f"error: no GPU with minor {minor}"
         path = self.state / "allocs" / f"{context.pid}-gpu{minor}-{secrets.token_hex(4)}.alloc"
-        _write_atomically(path, f"pid={context.pid}\nminor={minor}\nmib={mib}\nkind=compute\n")
+        reported = host_pid(self.state, context.pid)
+        _write_atomically(path, f"pid={reported}\nminor={minor}\nmib={mib}\nkind=compute\n")
         context.allocs.append(path)
-        _log(f"context of PID {context.pid}: {mib} MiB on GPU {minor}")
+        _log(f"context of PID {context.pid} (host PID {reported}): {mib} MiB on GPU {minor}")
         return f"ok {path}"
 
     def _release(self, conn: socket.socket, context: _Context) -> None:
