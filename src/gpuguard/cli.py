@@ -74,6 +74,9 @@ Runs without root; it then shows what it can see and says what it cannot: anothe
 user's job is "not inspectable without root", never reported as vanished. With the v1
 memory API (drivers older than 515) the driver's reserved memory is estimated
 (v1_reserved_mib, else learned as root from idle GPUs) and the figures say so.
+
+--prometheus prints the metrics the daemon exports (docs/metrics.md), drawn now from a
+fresh inventory, with the daemon's counters from its snapshot; exit status 0.
 """
 
 _REAP_HELP = """\
@@ -156,7 +159,9 @@ journal's monotonic clock, never the wall. A recovery interrupted by its death i
 only in the same boot, soon after, with the unit still stopped. It logs JSON lines to stdout
 (the journal), sends READY=1 after the first inventory and journal attach, WATCHDOG=1 from
 its main loop and through each long step, and writes a snapshot to runtime_dir/daemon.json that
-`gpuguard status` shows. SIGTERM stops it cleanly.
+`gpuguard status` shows. With it, Prometheus metrics (docs/metrics.md) to node_exporter's
+textfile directory ([metrics] textfile) and, when [metrics] listen is set, over HTTP.
+SIGTERM stops it cleanly.
 
 Exit status: 0 after SIGTERM; 78 invalid configuration.
 """
@@ -185,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="show GPUs and their holders", description=_STATUS_HELP, formatter_class=raw
     )
     status.add_argument("--json", action="store_true", help="print a versioned JSON document")
+    status.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="print the daemon's metrics in Prometheus' text format, drawn now (docs/metrics.md)",
+    )
 
     reap = commands.add_parser(
         "reap", help="kill stale GPU holders of a unit", description=_REAP_HELP, formatter_class=raw
@@ -366,6 +376,8 @@ def _dispatch(  # noqa: PLR0911 - one return per command
         case "status":
             from gpuguard.commands import status  # noqa: PLC0415
 
+            if args.prometheus:
+                return status.prometheus(settings)
             return status.run(settings, as_json=args.json)
         case "gate":
             from gpuguard.commands import gate  # noqa: PLC0415
