@@ -1107,7 +1107,7 @@ def test_a_recovery_is_counted_in_the_textfile(
         dry_run=False,
         wrap=with_metrics(textfile, exporters),
     )
-    # While the daemon is down, the gate refused a start: a new entry, counted at the next look.
+    # The daemon has taken its baseline (its Exporter exists): a refusal now is counted.
     state.record_gate_decision(
         runtime,
         unit,
