@@ -290,14 +290,20 @@ def mb(kib: int) -> str:
 
 
 def write_config(root: Path, nvml_state: Path) -> Path:
-    """A configuration for the daemon: the fake devices, state in ``root``, one watched unit."""
+    """A configuration for the daemon: the fake devices, state in ``root``, one watched unit.
+
+    Metrics on: the textfile goes to a directory of ``root`` (as node_exporter's would).
+    """
     config = root / "gpuguard.toml"
+    (root / "node-exporter").mkdir(mode=0o755)
     config.write_text(
         "allow_plain_device_files = true\n"
         f'nvml_library = "{fake_library()}"\n'
         f'device_glob = "{nvml_state}/dev/nvidia*"\n'
         f'state_dir = "{root}/state"\n'
         f'runtime_dir = "{root}/run"\n'
+        "[metrics]\n"
+        f'textfile = "{root}/node-exporter/gpuguard.prom"\n'
         f'[units."{UNIT}"]\n'
     )
     return config
@@ -330,13 +336,19 @@ def following(pid: int) -> int:
 
 
 def wait_ready(snapshot: Path, daemon: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Until the daemon has said ready and both its journal streams follow live."""
+    """Until the daemon has said ready and all its journal streams follow live.
+
+    The snapshot's journal state is the worst of its streams' (lifecycle, output, kernel):
+    "attached" once every one follows; and at least two journalctl follow.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if daemon.poll() is not None:
             raise SystemExit(f"the daemon exited with status {daemon.returncode} before ready")
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(snapshot.read_text()).get("ready") and following(daemon.pid) == 2:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            document = json.loads(snapshot.read_text())
+            attached = document["journal"]["state"] == "attached"
+            if document.get("ready") and attached and following(daemon.pid) >= 2:
                 return
         time.sleep(0.05)
     raise SystemExit(f"the daemon was not ready with its journal attached within {timeout_s} s")
@@ -505,6 +517,7 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
                         next_append += args.append_every
                     time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
                 snapshot = json.loads((root / "run" / "daemon.json").read_text())
+                metrics = (root / "node-exporter" / "gpuguard.prom").read_text()
             finally:
                 status = stop(daemon)
                 stop(baseline)
@@ -522,6 +535,10 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
     print(
         f"  daemon: journal {snapshot['journal']['state']} at the end, exit status {status} on "
         f"SIGTERM, {lines} log lines, warnings/errors: {worse or 'none'}"
+    )
+    print(
+        f"  metrics on: textfile of {len(metrics.splitlines())} lines, "
+        f"{sum(line.startswith('gpuguard_') for line in metrics.splitlines())} samples"
     )
     return 0
 

@@ -81,6 +81,8 @@ that GPU's device file. Inside a container with its own PID namespace (the "Runs
 line says so) the driver names host PIDs: a GPU's memory is then "held by processes of
 this container" (OK) while a live process here holds it, else "used from outside this
 container" (WARNING, never reaped).
+--prometheus prints the metrics the daemon exports (docs/metrics.md), drawn now from a
+fresh inventory, with the daemon's counters from its snapshot; exit status 0.
 """
 
 _REAP_HELP = """\
@@ -163,7 +165,9 @@ journal's monotonic clock, never the wall. A recovery interrupted by its death i
 only in the same boot, soon after, with the unit still stopped. It logs JSON lines to stdout
 (the journal), sends READY=1 after the first inventory and journal attach, WATCHDOG=1 from
 its main loop and through each long step, and writes a snapshot to runtime_dir/daemon.json that
-`gpuguard status` shows. SIGTERM stops it cleanly.
+`gpuguard status` shows. With it, Prometheus metrics (docs/metrics.md) to node_exporter's
+textfile directory ([metrics] textfile) and, when [metrics] listen is set, over HTTP.
+SIGTERM stops it cleanly.
 
 Exit status: 0 after SIGTERM; 78 invalid configuration.
 """
@@ -189,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="show GPUs and their holders", description=_STATUS_HELP, formatter_class=raw
     )
     status.add_argument("--json", action="store_true", help="print a versioned JSON document")
+    status.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="print the daemon's metrics in Prometheus' text format, drawn now (docs/metrics.md)",
+    )
 
     reap = commands.add_parser(
         "reap", help="kill stale GPU holders of a unit", description=_REAP_HELP, formatter_class=raw
@@ -371,6 +380,8 @@ def _dispatch(  # noqa: PLR0911 - one return per command
         case "status":
             from gpuguard.commands import status  # noqa: PLC0415
 
+            if args.prometheus:
+                return status.prometheus(settings)
             return status.run(settings, as_json=args.json)
         case "gate":
             from gpuguard.commands import gate  # noqa: PLC0415

@@ -10,6 +10,7 @@ devices, and the protected list can only grow unless the file says otherwise in 
 from __future__ import annotations
 
 import glob
+import ipaddress
 import re
 import stat
 import tomllib
@@ -222,6 +223,55 @@ class DaemonSettings(_Strict):
     )
 
 
+class MetricsSettings(_Strict):
+    """Prometheus metrics of the daemon (docs/metrics.md)."""
+
+    textfile: str = Field(
+        default="/var/lib/prometheus/node-exporter/gpuguard.prom",
+        max_length=4096,
+        description="The file the daemon writes for node_exporter's textfile collector (an "
+        'absolute path ending in .prom, in an existing directory); "" writes none.',
+    )
+    listen: str = Field(
+        default="",
+        max_length=64,
+        description='Serve the metrics over HTTP on this "IP:PORT" (e.g. "127.0.0.1:9835"); '
+        '"" (the default) serves none. gpuguard.service needs a drop-in to open the network.',
+    )
+
+    @field_validator("textfile")
+    @classmethod
+    def _textfile(cls, value: str) -> str:
+        if not value:
+            return value
+        parts = Path(value).parts
+        if not value.startswith("/") or not value.endswith(".prom") or len(parts) < 3:
+            raise ValueError("must be an absolute path in a directory, ending in .prom")
+        if "\0" in value or ".." in parts or "." in value.split("/"):
+            raise ValueError("must be a plain absolute path (no NUL, '.' or '..')")
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            listen_address(value)
+        return value
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """``"IP:PORT"`` (IPv6 in brackets) as (IP, port); ValueError names what is wrong."""
+    host, colon, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{value!r} is not IP:PORT with an IP address such as 127.0.0.1") from None
+    if not colon or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} has no port between 1 and 65535")
+    return host, int(port)
+
+
 def _default_units() -> dict[str, UnitSettings]:
     return {"sglang.service": UnitSettings()}
 
@@ -299,6 +349,10 @@ class Settings(_Strict):
     daemon: DaemonSettings = Field(
         default_factory=DaemonSettings,
         description="The watchdog daemon (`gpuguard run`).",
+    )
+    metrics: MetricsSettings = Field(
+        default_factory=MetricsSettings,
+        description="Prometheus metrics of the daemon.",
     )
     state_dir: Path = Field(
         default=Path("/var/lib/gpuguard"),

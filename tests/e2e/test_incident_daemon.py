@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.container import Container
 from e2e.gpubox import UNIT, GpuBox, daemon_events, install
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
+TEXTFILE = "/var/lib/prometheus/node-exporter/gpuguard.prom"
+"""Where the daemon writes its metrics by default ([metrics] textfile)."""
+
 
 @dataclass
 class DaemonRecovery:
@@ -59,6 +63,10 @@ def daemon_recovery(rootfs: Path, e2e_artifacts: Artifacts) -> Iterator[DaemonRe
     with Container(rootfs, binds=e2e_artifacts.binds()) as booted:
         gpubox = GpuBox(booted, install_s=install(booted))
         timeline = Timeline(time.time())
+        # node_exporter's textfile directory as Debian's package leaves it: root's, inside the
+        # prometheus user's /var/lib/prometheus (nobody stands in for that user here).
+        booted.run(["install", "-d", "-m", "0755", TEXTFILE.rsplit("/", 1)[0]])
+        booted.run(["chown", "nobody", "/var/lib/prometheus"])
         unit_file = gpubox.start_daemon()
         timeline.mark(f"gpuguard.service started ({unit_file})")
         t0, serving, tp3 = incident(gpubox, timeline)
@@ -102,6 +110,14 @@ def test_c_daemon_alone_detects_and_recovers(daemon_recovery: DaemonRecovery) ->
     """
     run = daemon_recovery
     events, m, status = run.events, run.measurement, run.status
+    # A sweep that won the race logs its line once the set is released and _RELEASE_S (5 s)
+    # passed with the new run holding the GPUs: that can be after healthy + SETTLE_S.
+    deadline = time.monotonic() + 10
+    while not m.failed_starts and time.monotonic() < deadline:
+        if daemon_events(events, "survivors of an ended run"):
+            break
+        time.sleep(0.5)
+        events = run.gpubox.daemon_log(run.t0)
     swept = [
         e
         for e in daemon_events(events, "survivors of an ended run")
@@ -137,3 +153,38 @@ def test_c_after_the_recovery_status_says_the_unit_is_up(daemon_recovery: Daemon
     assert not snapshot["looping"], snapshot["verdict"]
     assert "without failing" in snapshot["verdict"], snapshot["verdict"]
     assert status.returncode == 0, status.stdout
+
+
+def test_c_the_metrics_count_what_the_daemon_did(daemon_recovery: DaemonRecovery) -> None:
+    """The textfile in node_exporter's directory counts the reap (and the recovery, if any)."""
+    run = daemon_recovery
+    # A sweep that won the race ends (and is written) once the new run holds the GPUs for 5 s.
+    deadline = time.monotonic() + 10
+    while True:
+        text = run.gpubox.box.run(["cat", TEXTFILE], check=False).stdout
+        found = _samples(text)
+        reaped = sum(
+            v for k, v in found.items() if k.startswith("gpuguard_reaped_processes_total,")
+        )
+        if reaped >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert reaped >= 1, text
+    recoveries = found[f"gpuguard_recoveries_total,result=restarted,unit={UNIT}"]
+    assert recoveries == (1 if run.measurement.failed_starts else 0), text
+    assert found[f"gpuguard_recoveries_total,result=failed,unit={UNIT}"] == 0
+    assert found["gpuguard_daemon_up"] == 1
+    assert found["gpuguard_journal_attached"] == 1
+    assert found[f"gpuguard_unit_needs_operator,unit={UNIT}"] == 0
+    owner = run.gpubox.box.run(["stat", "-c", "%U %a", TEXTFILE]).stdout.split()
+    assert owner == ["root", "644"]
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Every sample of an exposition as NAME,label=value,... (prometheus_client's parser)."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items()))
+            found[key] = sample.value
+    return found

@@ -13,9 +13,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 import time
+import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,9 +26,15 @@ import pytest
 from daemontwins import Recorder, ReplayFollower, UnitTwin, loop_entries
 from fakeholder import process_gone
 from fakestate import fake_library, update_gpu, update_state
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.adapters import inventory, reaper, systemd
-from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.adapters import inventory, reaper, state, systemd
+from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
+from gpuguard.adapters.metricsio import Exporter, serve
+from gpuguard.adapters.systemd import UnitState
+from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
+from gpuguard.core.metrics import Latest
 from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
 from gpuguard.core.values import MIB
 from gpuguard.daemon.loop import Daemon, Ports
@@ -102,6 +110,7 @@ def build(
     gate_environment: dict[str, str] | None = None,
     reap_stopped_survivors: bool = False,
     containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None] = lambda _r: None,
+    wrap: Callable[[Settings, Ports], Ports] | None = None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -156,7 +165,7 @@ def build(
         containers=containers,
     )
     follower = ReplayFollower(entries, live=live)
-    daemon = Daemon(settings, follower, ports)
+    daemon = Daemon(settings, follower, wrap(settings, ports) if wrap else ports)
     holder.append(daemon)
     return Harness(daemon, twin, recorder, snapshots, saved)
 
@@ -901,3 +910,162 @@ def test_replayed_history_sweeps_nothing(
 
     assert not process_gone(worker.pid)
     assert not sweep_lines(harness)
+
+
+# -- metrics (adapters.metricsio.Exporter on the daemon's ports, as `gpuguard run` wires it) --
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, keyed by name and sorted labels (the official parser)."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def with_metrics(textfile: Path, exporters: list[Exporter]) -> Callable[[Settings, Ports], Ports]:
+    """A ``build(wrap=...)`` that puts an Exporter on the ports, as `gpuguard run` does."""
+
+    def wrap(settings: Settings, ports: Ports) -> Ports:
+        settings = settings.model_copy(
+            update={"metrics": settings.metrics.model_copy(update={"textfile": str(textfile)})}
+        )
+        exporter = Exporter(
+            settings,
+            gather=ports.gather,
+            show_unit=ports.show_unit,
+            ping=ports.notifier.watchdog,
+            log=ports.log,
+            monotonic=ports.monotonic,
+            wall=ports.wall,
+        )
+        exporters.append(exporter)
+        write = ports.write_snapshot
+        return replace(
+            ports,
+            gather=exporter.gather,
+            reap=exporter.reaped(ports.reap),
+            load_unit_state=exporter.loaded(ports.load_unit_state),
+            write_snapshot=lambda document: write(
+                document | {"metrics": exporter.publish(document)}
+            ),
+        )
+
+    return wrap
+
+
+def test_a_recovery_is_counted_in_the_textfile(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stale workers recovered: one restart, three processes killed, GPUs idle again."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
+    stale = spawn_holder(in_process_nvml, gpus=(0, 1), mib=30000, children=2, ignore_sigterm=True)
+    monkeypatch.delenv("INVOCATION_ID")
+    for pid in (stale.pid, *stale.children):
+        unit_cgroups.move(pid, unit)
+    # A gate decision recorded before the daemon starts is history: never counted.
+    runtime = tmp_path / "run"
+    state.record_gate_decision(runtime, unit, {"time": "t0", "result": "passed", "reaped": []})
+    textfile = tmp_path / "node-exporter" / "gpuguard.prom"
+    textfile.parent.mkdir(mode=0o755)
+    exporters: list[Exporter] = []
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        loop_entries(unit),
+        dry_run=False,
+        wrap=with_metrics(textfile, exporters),
+    )
+    # The daemon has taken its baseline (its Exporter exists): a refusal now is counted.
+    state.record_gate_decision(
+        runtime,
+        unit,
+        {"time": "t1", "result": "refused", "reaped": [{"pid": 1, "outcome": "unkillable"}]},
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert all(process_gone(pid) for pid in (stale.pid, *stale.children))
+    found = samples(textfile.read_text())
+    assert found["gpuguard_recoveries_total", (("result", "restarted"), ("unit", unit))] == 1
+    assert found["gpuguard_recoveries_total", (("result", "failed"), ("unit", unit))] == 0
+    assert (
+        found["gpuguard_reaped_processes_total", (("outcome", "killed"), ("reaper", "daemon"))] == 3
+    )
+    assert found["gpuguard_gate_decisions_total", (("result", "refused"), ("unit", unit))] == 1
+    assert found["gpuguard_gate_decisions_total", (("result", "passed"), ("unit", unit))] == 0
+    assert (
+        found["gpuguard_reaped_processes_total", (("outcome", "unkillable"), ("reaper", "gate"))]
+        == 1
+    )
+    assert found["gpuguard_gate_last_decision_refused", (("unit", unit),)] == 1
+    assert found["gpuguard_gpu_idle", (("gpu", "0"),)] == 1
+    assert found["gpuguard_gpu_stale_holders", (("gpu", "0"),)] == 0
+    # The last snapshot is the daemon's clean stop: down, and says so.
+    assert found["gpuguard_daemon_up", ()] == 0
+    assert textfile.stat().st_mode & 0o777 == 0o644
+    assert harness.snapshots[-1]["metrics"]["recoveries"] == [[unit, "restarted", 1]]
+    assert not [f for _, event, f in harness.log.lines if "metrics" in event]
+    assert [p.name for p in textfile.parent.iterdir()] == [
+        "gpuguard.prom"
+    ]  # no temporary file left behind
+
+
+def test_the_http_listener_serves_the_latest_metrics() -> None:
+    """[metrics] listen: what the exporter published last, over HTTP on loopback."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    latest = Latest()
+    serve(f"127.0.0.1:{port}", latest)
+    up = GaugeMetricFamily("gpuguard_daemon_up", "1 while the daemon runs.")
+    up.add_metric([], 1)
+    latest.publish([up])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    assert "gpuguard_daemon_up 1.0" in text
+    assert "process_cpu_seconds_total" not in text  # our registry only, not the global one
+
+
+def test_a_textfile_that_cannot_be_written_is_said_once_and_then_recovered(
+    tmp_path: Path,
+    in_process_nvml: Path,
+) -> None:
+    """No directory yet: one warning however often; once it exists, written and said so."""
+    textfile = tmp_path / "node-exporter" / "gpuguard.prom"
+    settings = Settings(
+        units={"sglang.service": UnitSettings()},
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        device_glob=f"{in_process_nvml}/dev/nvidia*",
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "lib",
+        metrics=MetricsSettings(textfile=str(textfile)),
+    )
+    recorder = Recorder()
+    twin = UnitTwin(invocation="a" * 32, active="active")
+    exporter = Exporter(
+        settings,
+        gather=lambda: inventory.gather(settings),
+        show_unit=twin.show,
+        ping=recorder.watchdog,
+        log=recorder,
+    )
+    snapshot: dict[str, Any] = {"running": True, "units": {}}
+    for _ in range(3):
+        exporter.publish(snapshot)
+    assert [event for _, event, _ in recorder.lines] == ["cannot write the metrics textfile"]
+    textfile.parent.mkdir()
+    exporter.publish(snapshot)
+    assert [event for _, event, _ in recorder.lines][-1] == "metrics textfile written again"
+    found = text_string_to_metric_families(textfile.read_text())
+    gpus = {s.labels["gpu"] for f in found if f.name == "gpuguard_gpu_idle" for s in f.samples}
+    assert gpus == {"0", "1", "2", "3"}  # the first publish took an inventory of its own
+    assert "WATCHDOG" in recorder.notes

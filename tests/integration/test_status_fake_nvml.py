@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from fakestate import FakeGpu, fake_library, update_gpu, update_state, write_state
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -265,3 +266,22 @@ def _run(cli: Cli, env: dict[str, str], *extra: str) -> subprocess.CompletedProc
         timeout=60,
         check=False,
     )
+
+
+def test_prometheus_output_is_the_daemons_metrics_drawn_now(
+    cli: Cli, spawn_holder: HolderSpawner
+) -> None:
+    """`status --prometheus`: every GPU with its memory, parsed by prometheus_client's parser."""
+    spawn_holder(cli.state, gpus=(2,), mib=3000)
+    result = cli("status", "--prometheus")
+    assert result.code == 0, result.err
+    found = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(result.out)
+        for sample in family.samples
+    }
+    assert found["gpuguard_gpu_memory_used_bytes", (("gpu", "2"),)] == 3000 * 1024 * 1024
+    assert found["gpuguard_gpu_idle", (("gpu", "2"),)] == 0
+    assert found["gpuguard_gpu_idle", (("gpu", "0"),)] == 1
+    assert found["gpuguard_daemon_up", ()] == 0  # no daemon snapshot here
+    assert found["gpuguard_nvml_up", ()] == 1

@@ -16,6 +16,7 @@ from gpuguard.config import (
     DEFAULT_PROTECTED,
     ConfigError,
     Settings,
+    listen_address,
     load_settings,
     parse_settings,
     warnings,
@@ -129,6 +130,17 @@ patterns = ["my-engine"]
         (b"protected_processes = [' ']", "protected_processes: a protected process name is empty"),
         (b'[daemon]\nreap_stopped_survivors = "yes"', "daemon.reap_stopped_survivors: Input"),
         (b"[daemon]\nreap_stopped_survivors = 1", "daemon.reap_stopped_survivors: Input"),
+        (b'[metrics]\ntextfile = "gpuguard.prom"', "metrics.textfile: must be an absolute path"),
+        (b'[metrics]\ntextfile = "/var/lib/x.txt"', "metrics.textfile: must be an absolute path"),
+        (b'[metrics]\ntextfile = "/x.prom"', "metrics.textfile: must be an absolute path"),
+        (b'[metrics]\ntextfile = "/var/../etc/x.prom"', "metrics.textfile: must be a plain"),
+        (
+            b'[metrics]\nlisten = "localhost:9835"',
+            "metrics.listen: 'localhost:9835' is not IP:PORT",
+        ),
+        (b'[metrics]\nlisten = "127.0.0.1"', "metrics.listen: '127.0.0.1' is not IP:PORT"),
+        (b'[metrics]\nlisten = "127.0.0.1:0"', "has no port between 1 and 65535"),
+        (b'[metrics]\nlisten = "127.0.0.1:99999"', "has no port between 1 and 65535"),
         (b"[[broken", "invalid TOML"),
         (b"\xff\xfe", "not UTF-8 text"),
     ],
@@ -247,3 +259,16 @@ def test_cli_warns_in_one_line_and_runs(tmp_path: Path) -> None:
     assert result.returncode != 78
     warned = [line for line in result.stderr.splitlines() if "warning" in line]
     assert warned == [f"gpuguard: warning: {path}: units: a.service and b.service both list GPU 0"]
+
+
+@pytest.mark.parametrize(
+    ("listen", "address"),
+    [("127.0.0.1:9835", ("127.0.0.1", 9835)), ("[::1]:9835", ("::1", 9835))],
+)
+def test_metrics_listen_takes_ipv4_and_bracketed_ipv6(
+    listen: str, address: tuple[str, int]
+) -> None:
+    """An IP literal and a port; no host names (no resolver in a root daemon's config)."""
+    settings = parse_settings(f'[metrics]\nlisten = "{listen}"\ntextfile = ""'.encode(), HERE)
+    assert listen_address(settings.metrics.listen) == address
+    assert settings.metrics.textfile == ""

@@ -153,3 +153,59 @@ def test_state_documents_nested_too_deep_read_as_absent(tmp_path: Path) -> None:
     path = tmp_path / "daemon.json"
     path.write_text("[" * 100_000)
     assert state.read_json(path) is None
+
+
+def debian_textfile_directory(tmp_path: Path) -> Path:
+    """/var/lib/prometheus as Debian leaves it: the prometheus user's, node-exporter/ root's."""
+    theirs = tmp_path / "prometheus"
+    (theirs / "node-exporter").mkdir(parents=True, mode=0o755)
+    theirs.chmod(0o755)
+    os.chown(theirs, 65534, 65534)
+    return theirs / "node-exporter"
+
+
+@needs_root
+def test_the_textfile_is_written_under_another_users_directory(tmp_path: Path) -> None:
+    """A planted symlink at the target name is replaced; its target and the mode are kept."""
+    textfile = debian_textfile_directory(tmp_path) / "gpuguard.prom"
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    textfile.symlink_to(victim)
+    files.write_shared_file(textfile, b"gpuguard_daemon_up 1\n", mode=0o644)
+    written = textfile.lstat()
+    assert stat.S_ISREG(written.st_mode)
+    assert stat.S_IMODE(written.st_mode) == 0o644
+    assert textfile.read_text() == "gpuguard_daemon_up 1\n"
+    assert victim.read_text() == "keep"
+    assert [p.name for p in textfile.parent.iterdir()] == ["gpuguard.prom"]
+
+
+@needs_root
+def test_the_parents_owner_cannot_steer_the_textfile(tmp_path: Path) -> None:
+    """Swapped for their own directory, or a symlink to a root one: refused, nothing written."""
+    shared = debian_textfile_directory(tmp_path)
+    shared.rename(shared.with_name("moved"))
+    shared.mkdir(mode=0o755)
+    os.chown(shared, 65534, 65534)
+    with pytest.raises(files.UnsafePathError, match="not root"):
+        files.write_shared_file(shared / "gpuguard.prom", b"", mode=0o644)
+    shared.rmdir()
+    roots = tmp_path / "roots"
+    roots.mkdir(mode=0o755)
+    shared.symlink_to(roots)
+    os.lchown(shared, 65534, 65534)
+    with pytest.raises(files.UnsafePathError, match="node-exporter: not a directory"):
+        files.write_shared_file(shared / "gpuguard.prom", b"", mode=0o644)
+    assert not list(roots.iterdir())
+
+
+@needs_root
+def test_a_textfile_directory_others_can_write_or_missing_is_refused(tmp_path: Path) -> None:
+    """Group-writable: refused; missing: FileNotFoundError, and it is not created."""
+    shared = debian_textfile_directory(tmp_path)
+    shared.chmod(0o775)
+    with pytest.raises(files.UnsafePathError, match="writable by group or others"):
+        files.write_shared_file(shared / "gpuguard.prom", b"", mode=0o644)
+    with pytest.raises(FileNotFoundError):
+        files.write_shared_file(tmp_path / "missing" / "gpuguard.prom", b"", mode=0o644)
+    assert not (tmp_path / "missing").exists()

@@ -264,3 +264,43 @@ def remove_file(path: Path) -> None:
         os.unlink(path.name, dir_fd=directory)
     finally:
         os.close(directory)
+
+
+def write_shared_file(path: Path, data: bytes, *, mode: int) -> None:
+    """Replace ``path`` atomically in a root directory under another user's (node_exporter's).
+
+    Debian gives /var/lib/prometheus to the prometheus user; its textfile directory inside is
+    root's. So the directories above may be anyone's, but none may be a symlink (each is
+    opened with ``O_NOFOLLOW`` relative to the one before) and the directory itself must pass
+    ``check_directory``: whatever its parent's owner renames or swaps in there, root only ever
+    writes into a directory that nobody else can write. It is never created. The write is
+    ``write_file``'s: an unpredictable ``O_EXCL|O_NOFOLLOW`` temporary name, ``fchmod``, a
+    rename that replaces a name rather than following it.
+    """
+    parts = [part for part in path.parent.absolute().parts if part != "/"]
+    if ".." in parts:
+        raise UnsafePathError(path, "'..' in the path")
+    directory = os.open("/", _WALK_FLAGS)
+    try:
+        for part in parts:
+            try:
+                child = os.open(part, _WALK_FLAGS, dir_fd=directory)
+            except OSError as err:
+                if err.errno in {errno.ELOOP, errno.ENOTDIR}:
+                    raise UnsafePathError(path.parent, f"{part}: not a directory") from None
+                raise
+            os.close(directory)
+            directory = child
+        check_directory(os.fstat(directory), str(path.parent))
+        temp, fd = _create_temp(directory, path.name)
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as out:
+                os.fchmod(out.fileno(), mode)
+                out.write(data)
+            os.rename(temp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)

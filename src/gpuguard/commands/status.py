@@ -58,6 +58,23 @@ def run(settings: Settings, *, as_json: bool) -> int:
     return int(report.level)
 
 
+def prometheus(settings: Settings) -> int:
+    """`status --prometheus`: the daemon's metrics drawn now, for a one-off scrape; exit 0."""
+    from gpuguard.adapters import inventory, metricsio, systemd  # noqa: PLC0415
+
+    view = _daemon_view(settings)
+    sys.stdout.write(
+        metricsio.scrape(
+            settings,
+            inventory.gather(settings),
+            systemd.show_unit,
+            dict(view.snapshot),
+            daemon_running=view.state == "running",
+        ).decode()
+    )
+    return 0
+
+
 def _unit_state_text(unit_state: UnitState) -> str:
     """The unit's state in words; a unit systemd does not know is "not found", not "inactive"."""
     if unit_state.error:

@@ -18,6 +18,7 @@ from gpuguard.adapters import (
     inventory,
     journal,
     logs,
+    metricsio,
     notify,
     procfs,
     reaper,
@@ -65,18 +66,35 @@ def run(settings: Settings) -> int:
         replay_s=settings.daemon.loop_window_s,
         fields=events.FIELDS_READ,
     )
-    ports = daemon.Ports(
+    notifier = notify.Notifier()
+    exporter = metricsio.Exporter(
+        settings,
         gather=lambda: inventory.gather(settings),
         show_unit=systemd.show_unit,
+        ping=notifier.watchdog,
+        log=log,
+    )
+    if settings.metrics.listen:
+        try:  # the watchdog matters more than its metrics: it runs without the listener
+            metricsio.serve(settings.metrics.listen, exporter.latest)
+        except OSError as err:
+            log.warning("cannot serve metrics", listen=settings.metrics.listen, error=str(err))
+    ports = daemon.Ports(
+        gather=exporter.gather,
+        show_unit=systemd.show_unit,
         control=systemd.control,
-        reap=lambda targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log),
-        notifier=notify.Notifier(),
+        reap=exporter.reaped(
+            lambda targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log)
+        ),
+        notifier=notifier,
         log=log,
         wall=time.time,
         monotonic=time.monotonic,
         sleep=time.sleep,
-        write_snapshot=write_snapshot,
-        load_unit_state=load_unit_state,
+        write_snapshot=lambda document: write_snapshot(
+            document | {"metrics": exporter.publish(document)}
+        ),
+        load_unit_state=exporter.loaded(load_unit_state),
         save_unit_state=save_unit_state,
         untouchable=procfs.lineage(os.getpid()),
         provenance=systemd.provenance,

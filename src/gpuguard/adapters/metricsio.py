@@ -1,0 +1,234 @@
+"""Metrics out of the process (adapter): node_exporter's textfile, an HTTP listener, one scrape.
+
+The daemon's ``Exporter`` sits on its ports: it sees every inventory and reap the daemon makes
+and every snapshot it writes, counts what happened (``metrics.Tally``), and draws the metrics
+each time the snapshot is written - after every change and at least every 60 s. The textfile is
+written with ``files.write_shared_file``, not ``prometheus_client.write_to_textfile``: that opens
+a predictable temporary name (``PATH.PID.TID``) with ``open(..., "wb")``, following a symlink
+the directory's owner (the prometheus user on Debian) may plant there, as root.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuguard.adapters import files, state
+from gpuguard.config import listen_address
+from gpuguard.core import metrics
+from gpuguard.core.values import MIB
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from gpuguard.adapters.reaper import EventLogger
+    from gpuguard.adapters.systemd import UnitState
+    from gpuguard.config import Settings
+    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.values import ReapResult, ReapTarget
+
+INVENTORY_EVERY_S = 300.0
+"""Without events the daemon takes no inventory; the metrics take one when theirs is older.
+
+One inventory (NVML's worker, the /proc walk) and a `systemctl show` per unit cost about
+60 ms of CPU on a small host: every 5 minutes that is ~0.7 s an hour, inside the idle budget
+(< 1 s/hour, bench/daemon_idle.py); every minute it would be 3-4 s."""
+
+
+def live_invocations(
+    units: Sequence[str], show_unit: Callable[[str], UnitState]
+) -> dict[str, str | None]:
+    """Each unit systemd answered for, with the invocation running now (None: not running)."""
+    found: dict[str, str | None] = {}
+    for unit in units:
+        unit_state = show_unit(unit)
+        if unit_state.error is None:
+            found[unit] = unit_state.invocation_id if unit_state.running else None
+    return found
+
+
+def gate_histories(settings: Settings) -> dict[str, list[dict[str, Any]]]:
+    """Each watched unit's recorded gate decisions (root's files in runtime_dir), oldest first."""
+    return {unit: state.gate_decisions(settings.runtime_dir, unit) for unit in settings.units}
+
+
+def _last_refused(histories: dict[str, list[dict[str, Any]]]) -> dict[str, bool]:
+    return {
+        unit: bool(entries) and entries[-1].get("result") == "refused"
+        for unit, entries in histories.items()
+    }
+
+
+class Exporter:
+    """The daemon's metrics: counters, the newest inventory, the textfile and the listener."""
+
+    def __init__(  # noqa: PLR0913 - the ports it wraps, passed once
+        self,
+        settings: Settings,
+        *,
+        gather: Callable[[], Inventory],
+        show_unit: Callable[[str], UnitState],
+        ping: Callable[[], None],
+        log: EventLogger,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        """Nothing is read or written until the daemon gathers or publishes."""
+        self._settings = settings
+        self._gather = gather
+        self._show_unit = show_unit
+        self._ping = ping
+        self._log = log
+        self._monotonic = monotonic
+        self._wall = wall
+        self.tally = metrics.Tally()
+        self.latest = metrics.Latest()
+        self._inventory: Inventory | None = None
+        self._inventory_at = float("-inf")
+        self._live: dict[str, str | None] = {}
+        self._live_for = float("-inf")
+        """The inventory time ``_live`` was asked after: asked again only for a newer one."""
+        self._write_failed: str | None = None
+        for unit, entries in gate_histories(settings).items():
+            self.tally.baseline(f"gate/{unit}", entries)
+
+    def loaded(
+        self, load: Callable[[str], dict[str, Any] | None]
+    ) -> Callable[[str], dict[str, Any] | None]:
+        """The daemon's load of a unit's saved state: its recoveries are the baseline."""
+
+        def baseline(unit: str) -> dict[str, Any] | None:
+            saved = load(unit)
+            records = saved.get("recoveries") if saved else None
+            self.tally.baseline(f"recoveries/{unit}", records if isinstance(records, list) else [])
+            return saved
+
+        return baseline
+
+    def gather(self) -> Inventory:
+        """The daemon's gather, remembered (and its NVML health counted)."""
+        inventory = self._gather()
+        self._inventory, self._inventory_at = inventory, self._monotonic()
+        self.tally.count_nvml(inventory.nvml.health)
+        return inventory
+
+    def reaped(
+        self, reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    ) -> Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]:
+        """The daemon's reap, with each process's outcome counted."""
+
+        def counted(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+            results = reap(targets)
+            for result in results:
+                self.tally.count_reaped("daemon", result.outcome.value)
+            return results
+
+        return counted
+
+    def publish(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """Draw the metrics for this snapshot, write and serve them; the counters for the snapshot.
+
+        Called where the daemon writes its snapshot, from its main loop: a stale inventory is
+        renewed here (after a watchdog ping, as the daemon's own long steps do).
+        """
+        settings = self._settings
+        units = snapshot.get("units")
+        for unit in settings.units:
+            seen = units.get(unit) if isinstance(units, dict) else None
+            records = seen.get("recoveries") if isinstance(seen, dict) else None
+            self.tally.count_recoveries(unit, records if isinstance(records, list) else [])
+        histories = gate_histories(settings)
+        for unit, entries in histories.items():
+            self.tally.count_gate(unit, entries)
+        running = snapshot.get("running") is True
+        if running and self._monotonic() - self._inventory_at >= INVENTORY_EVERY_S:
+            self._ping()
+            self.gather()
+        if running and self._live_for < self._inventory_at:
+            # After the inventory, never before: a run that started in between must not make
+            # its own processes look stale.
+            self._ping()  # systemctl has 10 s per unit
+            self._live = live_invocations(list(settings.units), self._show_unit)
+            self._live_for = self._inventory_at
+        live = self._live if running else {}
+        observed = metrics.Observed(
+            inventory=self._inventory,
+            inventory_age_s=None
+            if self._inventory is None
+            else self._monotonic() - self._inventory_at,
+            watched_units=list(settings.units),
+            live_invocations=live,
+            protected_names=settings.protected_processes,
+            idle_threshold_bytes=settings.idle_threshold_mib * MIB,
+            snapshot=snapshot,
+            daemon_running=running,
+            gate_refused=_last_refused(histories),
+            tally=self.tally,
+            now_wall=self._wall(),
+        )
+        drawn = metrics.families(observed)
+        self.latest.publish(drawn)
+        self._write(metrics.exposition(drawn))
+        return self.tally.to_json()
+
+    def _write(self, data: bytes) -> None:
+        """Write the textfile; say once when that fails, and once when it works again."""
+        path = self._settings.metrics.textfile
+        if not path:
+            return
+        try:
+            write_textfile(Path(path), data)
+        except OSError as err:
+            # The same failure again is not news (its message names a random temporary file).
+            kind = f"{type(err).__name__} {err.errno} {getattr(err, 'reason', '')}"
+            if self._write_failed != kind:
+                self._log.warning("cannot write the metrics textfile", path=path, error=str(err))
+            self._write_failed = kind
+            return
+        if self._write_failed is not None:
+            self._log.info("metrics textfile written again", path=path)
+        self._write_failed = None
+
+
+def write_textfile(path: Path, data: bytes) -> None:
+    """Replace the textfile atomically (node_exporter never reads half of it), mode 0644."""
+    files.write_shared_file(path, data, mode=0o644)
+
+
+def serve(listen: str, latest: metrics.Latest) -> None:
+    """Serve ``latest`` over HTTP on ``listen`` ("IP:PORT") from a daemon thread.
+
+    Raises OSError when the address cannot be bound (in use, no network in the sandbox).
+    """
+    from prometheus_client import start_http_server  # noqa: PLC0415 - only when configured
+
+    host, port = listen_address(listen)
+    start_http_server(port, addr=host, registry=metrics.registry_of(latest))
+
+
+def scrape(
+    settings: Settings,
+    inventory: Inventory,
+    show_unit: Callable[[str], UnitState],
+    snapshot: dict[str, Any],
+    *,
+    daemon_running: bool,
+) -> bytes:
+    """One set of metrics drawn now (``status --prometheus``), with the daemon's counters."""
+    histories = gate_histories(settings)
+    units = list(settings.units)
+    observed = metrics.Observed(
+        inventory=inventory,
+        inventory_age_s=0.0,
+        watched_units=units,
+        live_invocations=live_invocations(units, show_unit),
+        protected_names=settings.protected_processes,
+        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
+        snapshot=snapshot,
+        daemon_running=daemon_running,
+        gate_refused=_last_refused(histories),
+        tally=metrics.Tally.from_json(snapshot.get("metrics")),
+        now_wall=time.time(),
+    )
+    return metrics.exposition(metrics.families(observed))

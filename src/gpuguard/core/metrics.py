@@ -1,0 +1,404 @@
+"""Prometheus metrics from what gpuguard already knows (pure: no I/O, time passed in).
+
+One function, ``families``, turns an inventory, the daemon's snapshot and a ``Tally`` of
+counters into metric families of the official ``prometheus_client``; ``exposition`` renders them
+through a registry of our own (never the library's global one, which would add process metrics
+of whichever command imports it). The daemon writes the result to node_exporter's textfile
+directory and may serve it over HTTP; ``gpuguard status --prometheus`` prints the same.
+
+Labels are bounded by configuration or by enums: a GPU index, a watched unit, a result. Never a
+PID, a command line or any other foreign text: a tenant must not be able to mint series.
+Counters live in the daemon's memory and start at 0 with each daemon process (Prometheus'
+``rate``/``increase`` read that as a counter reset); history found at start is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
+from gpuguard.core.idle import is_idle
+from gpuguard.core.protection import is_protected
+from gpuguard.core.values import NvmlHealth, ReapOutcome
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+
+    from gpuguard.core.inventory import Holder, Inventory
+    from gpuguard.core.values import GpuReading
+
+HEALTH_STATES = ("ok", "warning", "needs-reset", "needs-reboot")
+"""A GPU's health, worst first from the right: what an operator must do about it."""
+RECOVERY_RESULTS = ("restarted", "failed", "dry-run", "abandoned")
+GATE_RESULTS = ("passed", "refused")
+REAPERS = ("daemon", "gate")
+REAP_OUTCOMES = tuple(outcome.value for outcome in ReapOutcome)
+_NVML_ERRORS = tuple(h.value for h in NvmlHealth if h is not NvmlHealth.OK)
+_HISTORY_KEPT = 64
+"""Entries remembered per history (gate log, recoveries): more than either keeps (20, 10)."""
+
+
+class Tally:
+    """The counters: what happened while this daemon process ran.
+
+    Gate decisions and recoveries are learned from histories that keep only their newest
+    entries (the gate's log, the snapshot's recoveries): ``news`` says which entries of a
+    history appeared since the last look. What was there when the daemon started is its
+    ``baseline``, never counted.
+    """
+
+    def __init__(self) -> None:
+        """All counters at 0; no history seen yet."""
+        self.recoveries: Counter[tuple[str, str]] = Counter()
+        self.gate_decisions: Counter[tuple[str, str]] = Counter()
+        self.reaped: Counter[tuple[str, str]] = Counter()
+        self.nvml_errors: Counter[str] = Counter()
+        self._seen: dict[str, list[str]] = {}
+
+    def baseline(self, history: str, entries: Sequence[Mapping[str, Any]]) -> None:
+        """What ``history`` held before this process: the first look that counts nothing."""
+        self.news(history, entries)
+
+    def news(self, history: str, entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The entries appended to ``history`` since the last look (all, without one).
+
+        The newest remembered entries are matched against the oldest given ones (the longest
+        overlap wins); without any overlap every entry is new (the history moved on by more
+        than it keeps). Two identical entries in a row (same second, same everything) can
+        hide one decision when the history is full: an undercount, never a double count.
+        """
+        current = [json.dumps(entry, sort_keys=True, default=str) for entry in entries]
+        previous = self._seen.get(history, [])
+        self._seen[history] = current[-_HISTORY_KEPT:]
+        for overlap in range(min(len(previous), len(current)), 0, -1):
+            if previous[-overlap:] == current[:overlap]:
+                return list(entries[overlap:])
+        return list(entries)
+
+    def count_recoveries(self, unit: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Count the unit's recoveries that finished since the last look."""
+        for record in self.news(f"recoveries/{unit}", records):
+            result = record.get("result") if isinstance(record, dict) else None
+            if isinstance(result, str) and result in RECOVERY_RESULTS:
+                self.recoveries[unit, result] += 1
+
+    def count_gate(self, unit: str, decisions: Sequence[Mapping[str, Any]]) -> None:
+        """Count the gate's decisions for ``unit`` recorded since the last look, and its reaps."""
+        for decision in self.news(f"gate/{unit}", decisions):
+            result = decision.get("result")
+            if isinstance(result, str) and result in GATE_RESULTS:
+                self.gate_decisions[unit, result] += 1
+            reaped = decision.get("reaped")
+            for entry in reaped if isinstance(reaped, list) else ():
+                self.count_reaped("gate", entry.get("outcome") if isinstance(entry, dict) else None)
+
+    def count_reaped(self, reaper: str, outcome: object) -> None:
+        """One process the daemon or the gate reaped, by how it ended."""
+        if isinstance(outcome, str) and outcome in REAP_OUTCOMES:
+            self.reaped[reaper, outcome] += 1
+
+    def count_nvml(self, health: NvmlHealth) -> None:
+        """One NVML reading; anything but OK is an error of that kind."""
+        if health is not NvmlHealth.OK:
+            self.nvml_errors[health.value] += 1
+
+    def to_json(self) -> dict[str, Any]:
+        """The counters as plain JSON (the snapshot carries them to ``status --prometheus``)."""
+        return {
+            "recoveries": [[*key, n] for key, n in sorted(self.recoveries.items())],
+            "gate_decisions": [[*key, n] for key, n in sorted(self.gate_decisions.items())],
+            "reaped": [[*key, n] for key, n in sorted(self.reaped.items())],
+            "nvml_errors": [[key, n] for key, n in sorted(self.nvml_errors.items())],
+        }
+
+    @classmethod
+    def from_json(cls, document: object) -> Tally:
+        """Counters back from ``to_json``; anything malformed is left at 0."""
+        tally = cls()
+        if not isinstance(document, dict):
+            return tally
+        for name, width in (("recoveries", 2), ("gate_decisions", 2), ("reaped", 2)):
+            target: Counter[tuple[str, str]] = getattr(tally, name)
+            for row in _rows(document.get(name), width):
+                target[row[0], row[1]] = row[-1]
+        for row in _rows(document.get("nvml_errors"), 1):
+            tally.nvml_errors[row[0]] = row[-1]
+        return tally
+
+
+def _rows(value: object, width: int) -> Iterator[list[Any]]:
+    """Rows of ``width`` strings and a count >= 0; others are skipped."""
+    for row in value if isinstance(value, list) else ():
+        if (
+            isinstance(row, list)
+            and len(row) == width + 1
+            and all(isinstance(cell, str) for cell in row[:width])
+            and type(row[width]) is int
+            and row[width] >= 0
+        ):
+            yield row
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Everything one set of metrics is drawn from.
+
+    ``live_invocations``: each watched unit systemd could be asked about, with the invocation
+    that runs now (None: not running). A unit missing there has no stale holders (no evidence).
+    ``snapshot``: the daemon's snapshot document (daemon.json), ``{}`` when there is none.
+    ``gate_refused``: per unit, whether the last recorded gate decision refused the start.
+    """
+
+    inventory: Inventory | None
+    inventory_age_s: float | None
+    watched_units: Sequence[str]
+    live_invocations: Mapping[str, str | None]
+    protected_names: Collection[str]
+    idle_threshold_bytes: int
+    snapshot: Mapping[str, Any]
+    daemon_running: bool
+    gate_refused: Mapping[str, bool]
+    tally: Tally
+    now_wall: float
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def families(observed: Observed) -> list[Metric]:
+    """Every metric gpuguard exports (docs/metrics.md lists them with their meaning)."""
+    return [
+        *_gpu_families(observed),
+        *_unit_families(observed),
+        *_counter_families(observed.tally, observed.watched_units),
+        *_daemon_families(observed),
+    ]
+
+
+def _gpu_families(observed: Observed) -> list[Metric]:
+    used = _gauge("gpuguard_gpu_memory_used_bytes", "GPU memory in use (NVML).", ["gpu"])
+    total = _gauge("gpuguard_gpu_memory_total_bytes", "GPU memory in all (NVML).", ["gpu"])
+    idle = _gauge(
+        "gpuguard_gpu_idle",
+        "1 when no process has memory on the GPU and its use is within idle_threshold_mib.",
+        ["gpu"],
+    )
+    stale = _gauge(
+        "gpuguard_gpu_stale_holders",
+        "Processes of an ended run of a watched unit holding the GPU.",
+        ["gpu"],
+    )
+    stale_bytes = _gauge(
+        "gpuguard_gpu_stale_holder_memory_bytes",
+        "GPU memory NVML attributes to those stale holders.",
+        ["gpu"],
+    )
+    unattributed = _gauge(
+        "gpuguard_gpu_unattributed_memory_bytes",
+        "Used GPU memory no listed process explains, beyond the idle allowance.",
+        ["gpu"],
+    )
+    health = _gauge(
+        "gpuguard_gpu_health",
+        "1 for the GPU's health state: ok, warning, needs-reset or needs-reboot.",
+        ["gpu", "state"],
+    )
+    inventory = observed.inventory
+    stale_holders = _stale(observed)
+    for gpu in inventory.gpus if inventory else ():
+        reading = gpu.reading
+        label = [str(reading.index)]
+        if reading.memory is not None:
+            used.add_metric(label, reading.memory.used_bytes)
+            total.add_metric(label, reading.memory.total_bytes)
+        idle.add_metric(label, int(is_idle(reading, observed.idle_threshold_bytes)))
+        holders = [h for h in stale_holders if any(u.gpu_index == reading.index for u in h.gpus)]
+        stale.add_metric(label, len(holders))
+        stale_bytes.add_metric(
+            label,
+            sum(u.used_bytes or 0 for h in holders for u in h.gpus if u.gpu_index == reading.index),
+        )
+        if gpu.unattributed_bytes is not None:
+            unattributed.add_metric(label, gpu.unattributed_bytes)
+        state = _health_state(reading)
+        for name in HEALTH_STATES:
+            health.add_metric([*label, name], int(name == state))
+    return [used, total, idle, stale, stale_bytes, unattributed, health]
+
+
+def _stale(observed: Observed) -> list[Holder]:
+    """Holders in a watched unit's cgroup whose run is not the unit's current one.
+
+    Positive evidence only, as the gate reaps: the process's INVOCATION_ID is known and differs
+    from the running invocation (or the unit is not running), and it is not protected.
+    """
+    inventory = observed.inventory
+    stale: list[Holder] = []
+    for holder in inventory.holders if inventory else ():
+        unit = holder.attribution.unit
+        if unit is None or holder.attribution.user_unit or unit not in observed.live_invocations:
+            continue
+        if holder.invocation_id is None or is_protected(holder, observed.protected_names):
+            continue
+        if holder.invocation_id != observed.live_invocations[unit]:
+            stale.append(holder)
+    return stale
+
+
+def _health_state(reading: GpuReading) -> str:
+    if reset_reasons(reading):
+        return "needs-reboot" if needs_reboot(reading) else "needs-reset"
+    return "warning" if health_warnings(reading) else "ok"
+
+
+def _unit_families(observed: Observed) -> list[Metric]:
+    labels = ["unit"]
+    looping = _gauge("gpuguard_unit_restart_loop", "1 while the unit is in a restart loop.", labels)
+    gpu_cause = _gauge(
+        "gpuguard_unit_restart_loop_gpu_cause",
+        "1 while the unit loops and the cause is its GPUs (stale holders, a GPU needing reset).",
+        labels,
+    )
+    failed = _gauge(
+        "gpuguard_unit_failed_runs_in_window",
+        "Failed runs inside the daemon's loop_window_s.",
+        labels,
+    )
+    operator = _gauge(
+        "gpuguard_unit_needs_operator",
+        "1 when recoveries gave up or only an operator can help (a GPU reset).",
+        labels,
+    )
+    recovering = _gauge(
+        "gpuguard_unit_recovery_in_progress", "1 while the daemon recovers the unit.", labels
+    )
+    refused = _gauge(
+        "gpuguard_gate_last_decision_refused",
+        "1 when the gate refused the unit's last start (recorded in /run/gpuguard/gate).",
+        labels,
+    )
+    units = observed.snapshot.get("units")
+    for name in observed.watched_units:
+        seen = units.get(name) if isinstance(units, dict) else None
+        unit = seen if isinstance(seen, dict) else {}
+        cause = unit.get("cause")
+        loops = unit.get("looping") is True
+        looping.add_metric([name], int(loops))
+        gpu_cause.add_metric(
+            [name], int(loops and cause in ("stale-gpu-holders", "gpu-needs-reset"))
+        )
+        failures = unit.get("failures_in_window")
+        failed.add_metric([name], failures if type(failures) is int else 0)
+        operator.add_metric([name], int(unit.get("needs_operator") is True))
+        recovering.add_metric([name], int(unit.get("recovery_in_progress") is True))
+        refused.add_metric([name], int(observed.gate_refused.get(name, False)))
+    return [looping, gpu_cause, failed, operator, recovering, refused]
+
+
+def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
+    """Every label combination is present from the start, at 0: ``increase()`` needs a base."""
+    recoveries = CounterMetricFamily(
+        "gpuguard_recoveries",
+        "Recoveries of a restart loop the daemon finished, by result.",
+        labels=["unit", "result"],
+    )
+    gate = CounterMetricFamily(
+        "gpuguard_gate_decisions",
+        "Start decisions of the gate, by result (learned from its records).",
+        labels=["unit", "result"],
+    )
+    reaped = CounterMetricFamily(
+        "gpuguard_reaped_processes",
+        "Processes reaped by the daemon or the gate, by how they ended.",
+        labels=["reaper", "outcome"],
+    )
+    nvml = CounterMetricFamily(
+        "gpuguard_nvml_errors",
+        "NVML readings of the daemon that failed, by kind.",
+        labels=["error"],
+    )
+    for unit in units:
+        for result in RECOVERY_RESULTS:
+            recoveries.add_metric([unit, result], tally.recoveries[unit, result])
+        for result in GATE_RESULTS:
+            gate.add_metric([unit, result], tally.gate_decisions[unit, result])
+    for reaper in REAPERS:
+        for outcome in REAP_OUTCOMES:
+            reaped.add_metric([reaper, outcome], tally.reaped[reaper, outcome])
+    for error in _NVML_ERRORS:
+        nvml.add_metric([error], tally.nvml_errors[error])
+    return [recoveries, gate, reaped, nvml]
+
+
+def _daemon_families(observed: Observed) -> list[Metric]:
+    snapshot = observed.snapshot
+    up = _gauge("gpuguard_daemon_up", "1 while the watchdog daemon (gpuguard run) runs.")
+    up.add_metric([], int(observed.daemon_running))
+    journal = snapshot.get("journal")
+    attached = _gauge("gpuguard_journal_attached", "1 while the daemon follows the journal live.")
+    state = journal.get("state") if isinstance(journal, dict) else None
+    attached.add_metric([], int(observed.daemon_running and state == "attached"))
+    dry_run = _gauge("gpuguard_daemon_dry_run", "1 when the daemon only says what it would do.")
+    dry_run.add_metric([], int(snapshot.get("dry_run") is True))
+    nvml = _gauge("gpuguard_nvml_up", "1 when the last inventory could read NVML.")
+    inventory = observed.inventory
+    healthy = (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD)
+    nvml.add_metric([], int(inventory is not None and inventory.nvml.health in healthy))
+    result: list[Metric] = [up, attached, dry_run, nvml]
+    if observed.inventory_age_s is not None:
+        age = _gauge("gpuguard_inventory_age_seconds", "Seconds since the GPU inventory was taken.")
+        age.add_metric([], round(observed.inventory_age_s, 3))
+        result.append(age)
+    updated = _gauge(
+        "gpuguard_metrics_updated_timestamp_seconds",
+        "When these metrics were drawn (Unix time): stale metrics mean a stuck daemon.",
+    )
+    updated.add_metric([], round(observed.now_wall, 3))
+    result.append(updated)
+    return result
+
+
+class _Fixed(Collector):
+    """A collector that yields given families (one registry of our own, no global state)."""
+
+    def __init__(self, metrics: Iterable[Metric]) -> None:
+        self.metrics = list(metrics)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.metrics
+
+
+class Latest(Collector):
+    """The newest families, for an HTTP listener's thread: replaced whole, never mutated."""
+
+    def __init__(self) -> None:
+        """Nothing to serve until the first ``publish``."""
+        self._metrics: tuple[Metric, ...] = ()
+
+    def publish(self, metrics: Iterable[Metric]) -> None:
+        """Serve these from now on."""
+        self._metrics = tuple(metrics)
+
+    def collect(self) -> Iterator[Metric]:
+        """What a scrape gets."""
+        yield from self._metrics
+
+
+def registry_of(collector: Collector) -> CollectorRegistry:
+    """A registry of our own holding only ``collector`` (no process or platform metrics)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def exposition(metrics: Iterable[Metric]) -> bytes:
+    """The Prometheus text format of ``metrics``, as node_exporter's textfile collector reads."""
+    return bytes(generate_latest(registry_of(_Fixed(metrics))))
