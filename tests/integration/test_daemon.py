@@ -30,9 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters import inventory, reaper, state, systemd
-from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
 from gpuguard.adapters.metricsio import Exporter, serve
-from gpuguard.adapters.systemd import UnitState
 from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
