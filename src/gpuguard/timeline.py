@@ -266,8 +266,8 @@ def _row(event: UnitEvent, source: str, kind: str, text: str) -> Row:
 def _signature(message: str) -> str:
     """Which server's start-failure signature a line matched (for people)."""
     for signature in START_FAILURE_SIGNATURES:
-        if re.search(signature.pattern, message):
-            return f"{signature.server}: {signature.pattern.replace(chr(92), '')}"
+        if match := re.search(signature.pattern, message):
+            return f"{signature.server}: {match.group(0)}"
     return "start-failure signature"
 
 
@@ -291,7 +291,7 @@ def _systemd_text_row(
         return
 
 
-def _gpuguard_row(
+def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gpuguard's
     entry: Mapping[str, object],
     unit: str,
     where: tuple[float, float | None, str | None],
@@ -312,13 +312,14 @@ def _gpuguard_row(
         line = json.loads(text)
     except (ValueError, RecursionError):
         return
-    if not isinstance(line, dict) or line.get("event") not in _DAEMON_EVENTS:
+    if not isinstance(line, dict):
         return
-    about = line.get("unit") == unit or unit in str(line.get("reason", ""))[:_SCAN]
-    if not about:
+    event, reason = line.get("event"), line.get("reason")
+    if not isinstance(event, str) or event not in _DAEMON_EVENTS:
+        return
+    if line.get("unit") != unit and not (isinstance(reason, str) and unit in reason[:_SCAN]):
         return
     parts = [f"{key}={_shown(line[key])}" for key in _DAEMON_FIELDS if line.get(key) is not None]
-    event = str(line["event"])
     kind = event.replace(": ", "-").replace(" ", "-")
     acc.rows.append(Row(*where, GPUGUARD, kind, escape(f"{event}: {' '.join(parts)}", _TEXT_LIMIT)))
 
