@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 ENTER: Final = "\x1b[?1049h\x1b[?25l"
 """Alternate screen on, cursor hidden."""
-LEAVE: Final = "\x1b[?25h\x1b[?1049l"
-"""Cursor shown, alternate screen off (the normal screen comes back as it was)."""
+LEAVE: Final = "\x1b[?1049l\x1b[?25h"
+"""Alternate screen off (the normal screen comes back as it was), then the cursor shown: a
+terminal that keeps the cursor's visibility per screen (tmux) shows it on the normal one."""
 _HOME: Final = "\x1b[H"
 _CLEAR_LINE: Final = "\x1b[K"
 _CLEAR_BELOW: Final = "\x1b[J"
