@@ -106,13 +106,11 @@ _DAEMON_FIELDS: Final = (
     "problem",
     "reaped",
     "summary",
-    "signal",
-    "pid",
-    "command",
-    "outcome",
-    "signals",
-    "detail",
 )
+# The reaper's lines: what was signalled first (the reason is long: it comes last).
+_REAP_FIELDS: Final = ("signal", "pid", "outcome", "signals", "detail", "command", "reason")
+_REAP_EVENTS: Final = frozenset({"signal", "reap outcome"})
+_FIELD_CHARS: Final = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +317,8 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
         return
     if line.get("unit") != unit and not (isinstance(reason, str) and unit in reason[:_SCAN]):
         return
-    parts = [f"{key}={_shown(line[key])}" for key in _DAEMON_FIELDS if line.get(key) is not None]
+    keys = _REAP_FIELDS if event in _REAP_EVENTS else _DAEMON_FIELDS
+    parts = [f"{key}={_shown(line[key])}" for key in keys if line.get(key) is not None]
     kind = event.replace(": ", "-").replace(" ", "-")
     acc.rows.append(Row(*where, GPUGUARD, kind, escape(f"{event}: {' '.join(parts)}", _TEXT_LIMIT)))
 
@@ -411,7 +410,7 @@ def _story(rows: list[Row], events: list[UnitEvent], would: tuple[str, ...]) -> 
         failed_starts=tuple(failed),
         gpuguard=tuple(ours),
         would=would,
-        healthy=_healthy(events),
+        healthy=_healthy(events, rows),
     )
 
 
@@ -438,7 +437,7 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
     return lines
 
 
-def _healthy(events: list[UnitEvent]) -> str | None:
+def _healthy(events: list[UnitEvent], rows: list[Row]) -> str | None:
     """The newest run that started and did not fail afterwards, as far as the journal goes."""
     ended: set[str | None] = {
         e.invocation_id
@@ -449,7 +448,7 @@ def _healthy(events: list[UnitEvent]) -> str | None:
     if not started or started[-1].invocation_id in ended:
         return None
     run = started[-1]
-    last = events[-1].monotonic_s if events[-1].boot_id == run.boot_id else run.monotonic_s
+    last = max((r.monotonic_s for r in rows if r.boot_id == run.boot_id), default=0.0)
     return (
         f"run {_short(run.invocation_id)} started and has not failed since "
         f"({last - run.monotonic_s:.1f} s of journal after its start)"
@@ -463,7 +462,7 @@ def _short(run: str | None) -> str:
 def _shown(value: object) -> str:
     if isinstance(value, list):
         return "[" + ",".join(_shown(item) for item in value[:20]) + "]"
-    return escape(str(value)[:_SCAN], 200)
+    return escape(str(value)[:_SCAN], _FIELD_CHARS)
 
 
 def _string(entry: Mapping[str, object], key: str) -> str | None:

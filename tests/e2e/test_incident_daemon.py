@@ -139,11 +139,16 @@ def test_c_explain_tells_the_incident_from_the_journal(daemon_recovery: DaemonRe
     --json agree. The text is kept in the results directory for docs/explain.md.
     """
     run = daemon_recovery
+    began = time.monotonic()
     text = run.gpubox.gpuguard("explain", "--unit", UNIT)
     done = run.gpubox.gpuguard("explain", "--unit", UNIT, "--json")
+    took = time.monotonic() - began
     saved = results_dir() / "explain-c.txt"
     saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text(f"$ gpuguard explain --unit {UNIT}\n{text.stdout}{text.stderr}")
+    saved.write_text(
+        f"$ gpuguard explain --unit {UNIT}\n{text.stdout}{text.stderr}"
+        f"(text and --json together: {took:.1f} s)\n"
+    )
     assert text.returncode == 0, text.stdout + text.stderr
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
