@@ -301,7 +301,8 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
     if text is None:
         return
     if owner.startswith(GATE_SERVER_PREFIX):
-        if text.startswith(f"gate for {unit} from PID ") and len(text) < _TEXT_LIMIT:
+        asked = text.startswith((f"gate for {unit} from PID ", f"reap for {unit} from PID "))
+        if asked and len(text) < _TEXT_LIMIT:
             acc.rows.append(Row(*where, GPUGUARD, "gate-server", escape(text, _TEXT_LIMIT)))
         return
     if owner != DAEMON_UNIT or not text.startswith("{"):
@@ -315,7 +316,9 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
     event, reason = line.get("event"), line.get("reason")
     if not isinstance(event, str) or event not in _DAEMON_EVENTS:
         return
-    if line.get("unit") != unit and not (isinstance(reason, str) and unit in reason[:_SCAN]):
+    # The reaper's lines name the holder's own unit; its reason names the run it came from.
+    named = isinstance(reason, str) and f" {unit} " in f" {reason[:_SCAN]} "
+    if line.get("unit") != unit and not named:
         return
     keys = _REAP_FIELDS if event in _REAP_EVENTS else _DAEMON_FIELDS
     parts = [f"{key}={_shown(line[key])}" for key in keys if line.get(key) is not None]

@@ -393,3 +393,25 @@ def test_queries_filter_each_source_and_the_greps_are_regexes() -> None:
             )
     assert re.compile(commands[1][-3].removeprefix("--grep=")).search("gpuguard gate: passed")
     assert all("--boot" in c for c in explain.queries(UNIT, None))
+
+
+def test_gate_server_acceptance_and_a_neighbours_reap_lines() -> None:
+    """The gate server's 'accepted' for this unit is gpuguard's; a reap for aa.service is not."""
+    base = sample("bookworm", "stop-sigterm-timeout")[0]
+    server = {"_SYSTEMD_UNIT": "gpuguard-gate@3-120-0.service", "_UID": "0", "_PID": "77"}
+    accepted = f"gate for {UNIT} from PID 300 (uid 1000, {UNIT}): accepted"
+    entries = [
+        entry_like(base, 10, MESSAGE=accepted, **server),
+        entry_like(base, 20, MESSAGE=f"gate for x{UNIT} from PID 3: accepted", **server),
+        entry_like(base, 30, MESSAGE=accepted, **{**server, "_UID": "1000"}),
+        daemon_line(base, 40, event="signal", signal="SIGTERM", pid=5, unit="x.scope",
+                    reason=f"left over from an earlier run of x{UNIT} (invocation 1)"),
+        daemon_line(base, 50, event="signal", signal="SIGTERM", pid=6, unit="x.scope",
+                    reason=f"left over from an earlier run of {UNIT} (invocation 1)"),
+    ]  # fmt: skip
+    found = timeline.build(entries, UNIT)
+    assert [(row.kind, row.text[:20]) for row in found.rows] == [
+        ("gate-server", accepted[:20]),
+        ("signal", "signal: signal=SIGTE"),
+    ]
+    assert "pid=6 " in found.rows[1].text
