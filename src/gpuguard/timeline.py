@@ -13,8 +13,8 @@ what it may say (docs/security.md):
   (``gpuguard gate: …``, which the gate prints into the unit's output). The unit chooses that
   text: it is shown as the unit's word, never as systemd's or gpuguard's.
 * **gpuguard**: the daemon's structured JSON lines, only from ``gpuguard.service`` running as
-  root (``_SYSTEMD_UNIT``, ``_UID``: journald's fields), and the gate server's "accepted" line
-  from ``gpuguard-gate@….service``.
+  root (``_SYSTEMD_UNIT``, ``_UID``: journald's fields), and the gate server's "accepted" lines
+  for gate and reap requests from ``gpuguard-gate@….service``.
 * **kernel**: Xids (``xidevents``), only with ``_TRANSPORT=kernel``.
 
 Every text shown is escaped (``gpuguard.escaping``) and cut; every parser is bounded and never
