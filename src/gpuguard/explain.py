@@ -111,7 +111,7 @@ def main(settings: Settings, unit: str | None, since: str | None, *, as_json: bo
     if since is not None and not _SINCE.fullmatch(since):
         sys.stderr.write(
             f"gpuguard explain: --since {escape(since, 80)}: use journalctl's forms "
-            "('2026-12-01 05:00', 'today', '-2h', '@1764567000')\n"
+            "('2026-12-01 05:00', 'today', --since=-2h, '@1764567000')\n"
         )
         return EX_USAGE
     entries, problems = read(unit, since)

@@ -173,7 +173,13 @@ def build(
     have done when it left no line itself.
     """
     acc = _Acc()
+    cursors: set[str] = set()
     for entry in entries:
+        cursor = entry.get("__CURSOR") if isinstance(entry, dict) else None
+        if isinstance(cursor, str):
+            if cursor in cursors:
+                continue  # two queries that both match an entry print it twice
+            cursors.add(cursor)
         _read(entry, unit, acc)
     rows = sorted(acc.rows, key=_order(acc.rows))
     events = sorted(acc.events, key=_order(acc.events))

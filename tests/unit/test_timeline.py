@@ -356,7 +356,25 @@ def test_boots_are_told_one_after_the_other() -> None:
 
 def test_text_and_json_agree_and_a_long_loop_is_elided() -> None:
     """Text: the table and the story, long middles elided; JSON: every row, the same story."""
-    found = timeline.build(sample("bookworm", "restart-loop-start-limit") * 3, UNIT)
+    loop = sample("bookworm", "restart-loop-start-limit")
+    shift = 20_000_000  # each copy 20 s after the one before, with cursors of its own
+    copies = [
+        {
+            **entry,
+            "__CURSOR": f"{entry['__CURSOR']};copy={n}",
+            "__MONOTONIC_TIMESTAMP": str(int(entry["__MONOTONIC_TIMESTAMP"]) + n * shift),
+            "__REALTIME_TIMESTAMP": str(int(entry["__REALTIME_TIMESTAMP"]) + n * shift),
+            **{
+                key: f"{entry[key][:-1]}{n}"
+                for key in ("INVOCATION_ID", "_SYSTEMD_INVOCATION_ID")
+                if key in entry
+            },
+        }
+        for n in range(3)
+        for entry in loop
+    ]
+    found = timeline.build([*copies, *copies], UNIT)  # every entry twice: told once
+    assert len(found.rows) == 3 * 33 + 1  # 33 rows a loop, one "would"
     text = timeline.render_text(found, since="-1h")
     doc = json.loads(json.dumps(timeline.to_json(found, since="-1h")))
     assert doc["format"] == 1
@@ -364,7 +382,9 @@ def test_text_and_json_agree_and_a_long_loop_is_elided() -> None:
     assert len(doc["rows"]) == len(found.rows)
     assert doc["story"]["would"] == list(found.story.would)
     assert "What happened:" in text
-    assert "failed starts: 5" in text
+    assert "failed starts: 15" in text
+    assert "… 20 more rows (see --json) …" in text
+    assert "… 5 more (see --json)" in text  # the story's list of failed starts
     assert "gpuguard: left no line in this journal" in text
     assert timeline.render_text(timeline.build([], UNIT), since=None).endswith(
         "nothing in the journal (this boot)\n"
