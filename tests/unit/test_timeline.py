@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from gpuguard import explain, timeline
-from gpuguard.detector import LoopSettings
+from gpuguard.adapters import journalquery
+from gpuguard.core import timeline
+from gpuguard.core.detector import LoopSettings
 
 UNIT = "sglang.service"
 SAMPLES = Path(__file__).resolve().parents[1] / "journal_samples"
@@ -393,7 +394,7 @@ def test_text_and_json_agree_and_a_long_loop_is_elided() -> None:
 
 def test_queries_filter_each_source_and_the_greps_are_regexes() -> None:
     """Four journalctl runs: PID 1 about the unit, its matching output, gpuguard, kernel Xids."""
-    commands = explain.queries(UNIT, "2026-12-01 05:00")
+    commands = journalquery.queries(UNIT, "2026-12-01 05:00")
     assert len(commands) == 4
     assert all(c[0] == "journalctl" and "--since=2026-12-01 05:00" in c for c in commands)
     assert commands[0][-5:] == [
@@ -412,7 +413,7 @@ def test_queries_filter_each_source_and_the_greps_are_regexes() -> None:
                 "NVRM: Xid (PCI:0000:3b:00): 79"
             )
     assert re.compile(commands[1][-3].removeprefix("--grep=")).search("gpuguard gate: passed")
-    assert all("--boot" in c for c in explain.queries(UNIT, None))
+    assert all("--boot" in c for c in journalquery.queries(UNIT, None))
 
 
 def test_gate_server_acceptance_and_a_neighbours_reap_lines() -> None:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.detector import Cause, Detector, LoopSettings
-from gpuguard.escaping import escape
-from gpuguard.events import (
+from gpuguard.core.detector import Cause, Detector, LoopSettings
+from gpuguard.core.escaping import escape
+from gpuguard.core.events import (
     START_FAILURE_SIGNATURES,
     EventKind,
     UnitEvent,
@@ -42,8 +42,8 @@ from gpuguard.events import (
     is_trusted,
     parse_entry,
 )
-from gpuguard.recovery import Action, RecoveryLimits, RecoveryPlanner
-from gpuguard.xidevents import MalformedXid, parse_kernel_entry
+from gpuguard.core.recovery import Action, RecoveryLimits, RecoveryPlanner
+from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping, Sequence
