@@ -9,6 +9,7 @@ e2e suite runs explain against a real systemd (scenario (c)).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ def journal(cli: Cli, tmp_path: Path) -> Iterator[Path]:
     script.write_text(
         f'#!/bin/sh\necho "$*" >> {tmp_path}/journalctl.args\n'
         f'[ -e {tmp_path}/fail ] && {{ echo "Failed to open journal: EIO" >&2; exit 3; }}\n'
+        f"[ -e {tmp_path}/flood ] && while :; do cat {tmp_path}/flood; done\n"
         f"cat {printed}\n"
     )
     script.chmod(0o755)
@@ -113,3 +115,14 @@ def test_several_watched_units_need_unit(cli: Cli, journal: Path) -> None:
     result = cli("explain")
     assert result.code == 64
     assert "name the unit with --unit" in result.err
+
+
+def test_a_flood_is_cut_at_the_byte_limit(cli: Cli, journal: Path) -> None:
+    """Entries of 1 MiB (a unit's native-protocol MESSAGE) without end: cut at 64 MiB a source."""
+    entry = {"__CURSOR": "s=1", "_SYSTEMD_UNIT": UNIT, "MESSAGE": "CUDA out of memory" * 58_000}
+    (journal.parent / "flood").write_text(json.dumps(entry) + "\n")
+    result = cli("explain", "--unit", UNIT, timeout=120)
+    assert result.code == 1  # nothing about the unit in what was read
+    assert (
+        result.err.count("journalctl: output over 64 MiB; the rest of this source is left out") == 4
+    )

@@ -5,15 +5,18 @@ filtered by journalctl so that Python parses only what can become a row: PID 1 a
 the unit's output matching a start-failure signature or the gate's verdict (``--grep``, so a
 chatty server's request log never reaches Python); gpuguard's own units; kernel Xid lines. Trust
 is judged by ``core.timeline`` from journald's fields, never from these filters. Each run is
-bounded in time and in entries (the newest ``MAX_ENTRIES``). The follower the daemon uses is
-``adapters.journal``; this one reads history only.
+bounded in time, in entries (the newest ``MAX_ENTRIES``) and in bytes (``MAX_BYTES``). The
+follower the daemon uses is ``adapters.journal``; this one reads history only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import selectors
 import subprocess
+import time
 from typing import Final
 
 from gpuguard.adapters import programs
@@ -24,7 +27,10 @@ from gpuguard.core.xidevents import MARKER
 
 MAX_ENTRIES: Final = 20_000
 """Entries read per journalctl run: the newest ones when there are more."""
+MAX_BYTES: Final = 64 << 20
+"""Output read per journalctl run; past it the run is stopped and its rest left out."""
 _TIMEOUT_S: Final = 60.0
+_CHUNK: Final = 1 << 16
 _FIELDS: Final = ",".join(FIELDS_READ)
 
 
@@ -69,16 +75,54 @@ def read(unit: str, since: str | None) -> tuple[list[dict[str, object]], list[st
     problems: list[str] = []
     for command in queries(unit, since):
         try:
-            done = programs.run(command, capture_output=True, timeout=_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as err:
+            out, code, said = _capped(command)
+        except OSError as err:
             problems.append(f"journalctl: {escape(str(err), 300)}")
             continue
         grep = any(arg.startswith("--grep=") for arg in command)
         # With --grep, journalctl exits 1 when nothing matched, as grep does.
-        if done.returncode != 0 and not (grep and done.returncode == 1 and not done.stdout):
-            last = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
-            problems.append(
-                f"journalctl exited {done.returncode}: {escape(last[0], 300) if last else ''}"
-            )
-        entries += parse_lines(done.stdout)
+        if code is None:
+            problems.append(f"journalctl: {said}; the rest of this source is left out")
+        elif code != 0 and not (grep and code == 1 and not out):
+            problems.append(f"journalctl exited {code}: {said}")
+        entries += parse_lines(out)
     return entries, problems
+
+
+def _capped(command: list[str]) -> tuple[bytes, int | None, str]:
+    """Run ``command``: its output up to ``MAX_BYTES``, its exit status, its last words.
+
+    The status is None when it was stopped: past ``MAX_BYTES`` (a unit can send huge lines
+    through the native protocol, and they match a --grep) or past ``_TIMEOUT_S``.
+    """
+    with programs.popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None  # noqa: S101 - stdout=PIPE
+        assert proc.stderr is not None  # noqa: S101 - stderr=PIPE
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + _TIMEOUT_S
+        stopped = ""
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ, out)
+            selector.register(proc.stderr, selectors.EVENT_READ, err)
+            while selector.get_map() and not stopped:
+                left = deadline - time.monotonic()
+                for key, _ in selector.select(max(left, 0)):
+                    chunk = os.read(key.fd, _CHUNK)
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                    elif key.data is err:
+                        err[:] = (err + chunk)[-_CHUNK:]  # only its last words matter
+                    else:
+                        out += chunk
+                if len(out) > MAX_BYTES:
+                    stopped = f"output over {MAX_BYTES >> 20} MiB"
+                elif time.monotonic() >= deadline:
+                    stopped = f"no end after {_TIMEOUT_S:g} s"
+        if stopped:
+            proc.kill()
+        code = proc.wait()
+    last = err.decode("utf-8", "replace").strip().splitlines()[-1:]
+    said = stopped or (escape(last[0], 300) if last else "")
+    return bytes(out[:MAX_BYTES]), None if stopped else code, said
