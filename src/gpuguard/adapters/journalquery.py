@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Final
 
-from gpuguard.adapters import programs
+from gpuguard.adapters import programs, signals
 from gpuguard.core import timeline
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX
@@ -121,7 +121,7 @@ def _capped(command: list[str]) -> tuple[bytes, int | None, str]:
                 elif time.monotonic() >= deadline:
                     stopped = f"no end after {_TIMEOUT_S:g} s"
         if stopped:
-            proc.kill()
+            signals.kill_own_child(proc.pid)  # not reaped yet: the PID is still ours
         code = proc.wait()
     last = err.decode("utf-8", "replace").strip().splitlines()[-1:]
     said = stopped or (escape(last[0], 300) if last else "")
