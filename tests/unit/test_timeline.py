@@ -259,6 +259,7 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
         daemon_line(base, 600, event="reap outcome", outcome="killed", pid=191,
                     signals=["SIGTERM", "SIGKILL"], unit="op.scope",
                     reason=f"left over from an earlier run of {UNIT}"),
+        daemon_line(base, 650, event="recovery: stopping unit", unit=UNIT),
         daemon_line(base, 700, event="recovery finished", unit=UNIT, result="restarted", reaped=1),
         entry_like(base, 800, MESSAGE="Started sglang.service.", INVOCATION_ID=newer_run,
                    MESSAGE_ID="39f53479d3a045ac8e11786248231fbf", **pid1),
@@ -278,11 +279,12 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
         line.startswith("restart loop: reason=stop timed out") for line in found.story.gpuguard
     )
     assert "recovery finished: result=restarted reaped=1" in found.story.gpuguard
+    assert "recovery: stopping unit" in found.story.gpuguard  # no fields: no dangling ": "
     assert any("pid=191 outcome=killed" in line for line in found.story.survivors)
     assert found.story.healthy is not None
     assert found.story.healthy.startswith("run bbbbcccc started and has not failed since (60.0 s")
     text = timeline.render_text(found, since=None)
-    assert "what gpuguard decided and did: 2" in text
+    assert "what gpuguard decided and did: 3" in text
     assert "healthy: run bbbbcccc" in text
 
 

@@ -329,7 +329,8 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
     keys = _REAP_FIELDS if event in _REAP_EVENTS else _DAEMON_FIELDS
     parts = [f"{key}={_shown(line[key])}" for key in keys if line.get(key) is not None]
     kind = event.replace(": ", "-").replace(" ", "-")
-    acc.rows.append(Row(*where, GPUGUARD, kind, escape(f"{event}: {' '.join(parts)}", _TEXT_LIMIT)))
+    said = f"{event}: {' '.join(parts)}" if parts else event
+    acc.rows.append(Row(*where, GPUGUARD, kind, escape(said, _TEXT_LIMIT)))
 
 
 def _kernel_row(
