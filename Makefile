@@ -14,9 +14,10 @@ check: lint test
 # baselines (fuser, lsof), debootstrap, systemd-container (systemd-nspawn), systemd-journal-remote,
 # util-linux and coreutils boot the end-to-end tests' containers and build the Debian package,
 # ca-certificates and git fetch its build inputs, prometheus gives promtool (the alert rules'
-# tests). Without them (or without root) those tests are skipped, and `make check` says how many. .ci/run installs through this target too.
+# tests), tmux is the terminal `status --watch` is tested on. Without them (or without root)
+# those tests are skipped, and `make check` says how many. .ci/run installs through this target too.
 DEPS := gcc make libc6-dev python3 python3-venv psmisc lsof debootstrap systemd-container \
-	systemd-journal-remote util-linux coreutils ca-certificates git prometheus
+	systemd-journal-remote util-linux coreutils ca-certificates git prometheus tmux
 
 deps:
 	@if [ "$$(id -u)" != 0 ]; then echo "make deps installs apt packages: run it as root (sudo make deps)" >&2; exit 1; fi

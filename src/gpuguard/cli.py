@@ -31,11 +31,12 @@ GPU (NVML plus a scan of /dev/nvidia* file descriptors in /proc), attributes eve
 to its systemd unit or container, reaps only the stale ones, and explains what it sees.
 
 commands:
-  status   show GPUs, who holds them and whether that is healthy
+  status   show GPUs, who holds them and whether that is healthy (--watch: live)
   reap     the surgical replacement for `kill -9 <every python>; fuser -k /dev/nvidia*`
   gate     ExecStartPre= of a watched unit: wait until its GPUs are idle before it starts
   run      the watchdog daemon: detect restart loops in the journal and recover them
   doctor   audit a unit's settings against its journal; print the drop-in that fixes them
+  explain  tell a unit's incident from the journal: stops, kills, failed starts, recovery
   install-gate / remove-gate
            add or remove the gate drop-in of a unit (never done without being asked)
   serve-gate
@@ -71,6 +72,10 @@ Exit status (monitoring-plugin convention):
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
 
+--watch [SECONDS] redraws the screen in place every SECONDS (default 2) in the
+terminal's alternate screen, until Ctrl-C, SIGTERM or a hangup, which leave the terminal
+as it was (exit 0). It needs a terminal: on a pipe or a file it exits 64.
+
 Runs without root; it then shows what it can see and says what it cannot: another
 user's job is "not inspectable without root", never reported as vanished. With the v1
 memory API (drivers older than 515) the driver's reserved memory is estimated
@@ -83,6 +88,20 @@ this container" (OK) while a live process here holds it, else "used from outside
 container" (WARNING, never reaped).
 --prometheus prints the metrics the daemon exports (docs/metrics.md), drawn now from a
 fresh inventory, with the daemon's counters from its snapshot; exit status 0.
+"""
+
+_EXPLAIN_HELP = """\
+Tell one unit's incident from the journal alone, as a timeline: the stop that timed out,
+what systemd SIGKILLed, who survived or was left over, each failed start and the
+start-failure signature it printed, what gpuguard decided and did, and when the unit
+came up again. Only journald's trusted fields decide who said what: systemd's rows are
+PID 1's own entries; the unit's output is shown as its word; gpuguard's rows come from
+gpuguard.service as root. With no gpuguard line in the journal (an incident before it
+was installed), gpuguard's detector is replayed over systemd's entries to say what it
+would have done.
+
+Exit status: 0 a timeline was printed; 1 the journal had nothing about the unit;
+64 a bad argument; 69 journalctl could not be run; 78 the configuration file is invalid.
 """
 
 _REAP_HELP = """\
@@ -198,6 +217,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the daemon's metrics in Prometheus' text format, drawn now (docs/metrics.md)",
     )
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=_watch_interval,
+        metavar="SECONDS",
+        help="redraw in place every SECONDS (default 2) until Ctrl-C; needs a terminal",
+    )
+    explain = commands.add_parser(
+        "explain",
+        help="tell a unit's incident from the journal",
+        description=_EXPLAIN_HELP,
+        formatter_class=raw,
+    )
+    explain.add_argument("--unit", help="the unit (default: the one watched unit)")
+    explain.add_argument(
+        "--since",
+        help="where to start, in journalctl's forms: 'today', '2026-12-01 05:00', "
+        "--since=-2h (default: this boot)",
+    )
+    explain.add_argument("--json", action="store_true", help="print a versioned JSON document")
 
     reap = commands.add_parser(
         "reap", help="kill stale GPU holders of a unit", description=_REAP_HELP, formatter_class=raw
@@ -319,6 +358,12 @@ Exit status: 0 removed or not there; 1 kept or daemon-reload failed; 77 not root
 """
 
 
+def _watch_interval(text: str) -> float:
+    from gpuguard.commands.status import watch_interval  # noqa: PLC0415 - only with --watch
+
+    return watch_interval(text)
+
+
 def _scope_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scope",
@@ -382,7 +427,11 @@ def _dispatch(  # noqa: PLR0911 - one return per command
 
             if args.prometheus:
                 return status.prometheus(settings)
-            return status.run(settings, as_json=args.json)
+            return status.run(settings, as_json=args.json, watch=args.watch)
+        case "explain":
+            from gpuguard.commands import explain  # noqa: PLC0415
+
+            return explain.run(settings, args.unit, args.since, as_json=args.json)
         case "gate":
             from gpuguard.commands import gate  # noqa: PLC0415
 

@@ -9,6 +9,7 @@ that its container is gone before other scenarios boot theirs (scenario.py has t
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.container import Container
 from e2e.gpubox import UNIT, GpuBox, daemon_events, install
-from e2e.measure import Timeline
+from e2e.measure import Timeline, results_dir
 from e2e.scenario import (
     SERVING_MIB,
     SETTLE_S,
@@ -188,3 +189,45 @@ def _samples(text: str) -> dict[str, float]:
             key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items()))
             found[key] = sample.value
     return found
+def test_c_explain_tells_the_incident_from_the_journal(daemon_recovery: DaemonRecovery) -> None:
+    """`gpuguard explain` tells the incident after the fact, from the container's journal alone.
+
+    The stop timeout, the SIGKILLs, what gpuguard did to TP3 and the healthy run; text and
+    --json agree. The text is kept in the results directory for docs/explain.md.
+    """
+    run = daemon_recovery
+    began = time.monotonic()
+    text = run.gpubox.gpuguard("explain", "--unit", UNIT)
+    done = run.gpubox.gpuguard("explain", "--unit", UNIT, "--json")
+    took = time.monotonic() - began
+    saved = results_dir() / "explain-c.txt"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(
+        f"$ gpuguard explain --unit {UNIT}\n{text.stdout}{text.stderr}"
+        f"(text and --json together: {took:.1f} s)\n"
+    )
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    story = doc["story"]
+    rows = doc["rows"]
+    kinds = [(row["source"], row["kind"]) for row in rows]
+    assert ("systemd", "stop-timed-out") in kinds
+    assert any("State 'stop-sigterm' timed out" in line for line in story["stop_timeouts"])
+    assert any("(python) with signal SIGKILL" in line for line in story["sigkilled"])
+    assert doc["gpuguard_seen"]
+    assert story["would"] == []
+    tp3 = f"pid={run.tp3} "
+    assert any(tp3 in line and "outcome=" in line for line in story["survivors"]), story
+    recovered = daemon_events(run.events, "recovery finished")
+    if recovered:  # the race of test_c_daemon_alone_detects_and_recovers, lost: a recovery
+        assert any(
+            line.startswith("recovery finished: result=restarted") for line in story["gpuguard"]
+        )
+        assert len(story["failed_starts"]) == 1
+    else:  # won: the sweep of the ended run's survivors, nothing failed
+        assert any(line.startswith("survivors of an ended run:") for line in story["gpuguard"])
+        assert story["failed_starts"] == []
+    assert story["healthy"].startswith(f"run {run.healthy[:8]} started and has not failed since")
+    assert "What happened:" in text.stdout
+    assert f"healthy: run {run.healthy[:8]}" in text.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -11,11 +12,40 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
-    from gpuguard.core.status import DaemonView
+    from gpuguard.core.status import DaemonView, StatusReport
 
 
-def run(settings: Settings, *, as_json: bool) -> int:
-    """Print the status report; exit with its level (the monitoring-plugin convention)."""
+def run(settings: Settings, *, as_json: bool, watch: float | None = None) -> int:
+    """Print the status report; exit with its level (the monitoring-plugin convention).
+
+    With ``watch`` (seconds), redraw it in place on the terminal until stopped; exit 0 then.
+    """
+    from gpuguard.core import status  # noqa: PLC0415
+
+    if watch is not None:
+        from gpuguard.adapters import terminal  # noqa: PLC0415
+
+        return terminal.run(lambda: status.render_text(_report(settings)), watch, sys.stdout)
+    report = _report(settings)
+    if as_json:
+        sys.stdout.write(json.dumps(status.to_json(report), indent=2) + "\n")
+    else:
+        sys.stdout.write(status.render_text(report))
+    return int(report.level)
+
+
+def watch_interval(text: str) -> float:
+    """``--watch``'s SECONDS for argparse: 0.1 to 86400, else a usage error."""
+    from gpuguard.core.watchframe import interval  # noqa: PLC0415
+
+    try:
+        return interval(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _report(settings: Settings) -> StatusReport:
+    """Gather the inventory, the units and the daemon, and judge them."""
     from gpuguard.adapters import inventory, procfs, state, systemd, unitenv  # noqa: PLC0415
     from gpuguard.core import status  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
@@ -37,7 +67,7 @@ def run(settings: Settings, *, as_json: bool) -> int:
                 gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
             )
         )
-    report = status.assess(
+    return status.assess(
         found,
         status.StatusContext(
             watched_units={name: unit.patterns for name, unit in settings.units.items()},
@@ -51,11 +81,6 @@ def run(settings: Settings, *, as_json: bool) -> int:
         ),
         datetime.now(UTC),
     )
-    if as_json:
-        sys.stdout.write(json.dumps(status.to_json(report), indent=2) + "\n")
-    else:
-        sys.stdout.write(status.render_text(report))
-    return int(report.level)
 
 
 def prometheus(settings: Settings) -> int:
