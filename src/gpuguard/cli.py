@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the daemon's metrics in Prometheus' text format, drawn now (docs/metrics.md)",
     )
+    status.add_argument(
         "--watch",
         nargs="?",
         const=2.0,

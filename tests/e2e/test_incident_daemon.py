@@ -189,6 +189,8 @@ def _samples(text: str) -> dict[str, float]:
             key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items()))
             found[key] = sample.value
     return found
+
+
 def test_c_explain_tells_the_incident_from_the_journal(daemon_recovery: DaemonRecovery) -> None:
     """`gpuguard explain` tells the incident after the fact, from the container's journal alone.
 
