@@ -86,8 +86,9 @@ that GPU's device file. Inside a container with its own PID namespace (the "Runs
 line says so) the driver names host PIDs: a GPU's memory is then "held by processes of
 this container" (OK) while a live process here holds it, else "used from outside this
 container" (WARNING, never reaped).
---prometheus prints the metrics the daemon exports (docs/metrics.md), drawn now from a
-fresh inventory, with the daemon's counters from its snapshot; exit status 0.
+--prometheus prints the metrics the daemon exports (metrics.md in /usr/share/doc/gpuguard),
+drawn now from a fresh inventory, with the daemon's counters from its snapshot; exit
+status 0.
 """
 
 _EXPLAIN_HELP = """\
@@ -184,8 +185,9 @@ journal's monotonic clock, never the wall. A recovery interrupted by its death i
 only in the same boot, soon after, with the unit still stopped. It logs JSON lines to stdout
 (the journal), sends READY=1 after the first inventory and journal attach, WATCHDOG=1 from
 its main loop and through each long step, and writes a snapshot to runtime_dir/daemon.json that
-`gpuguard status` shows. With it, Prometheus metrics (docs/metrics.md) to node_exporter's
-textfile directory ([metrics] textfile) and, when [metrics] listen is set, over HTTP.
+`gpuguard status` shows. With it, Prometheus metrics (metrics.md in /usr/share/doc/gpuguard)
+to node_exporter's textfile directory ([metrics] textfile) and, when [metrics] listen is set,
+over HTTP.
 SIGTERM stops it cleanly.
 
 Exit status: 0 after SIGTERM; 78 invalid configuration.
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--prometheus",
         action="store_true",
-        help="print the daemon's metrics in Prometheus' text format, drawn now (docs/metrics.md)",
+        help="print the daemon's metrics in Prometheus' text format, drawn now",
     )
     status.add_argument(
         "--watch",
