@@ -13,11 +13,12 @@ check: lint test
 # build the fake libnvidia-ml, python3-venv makes the venv, psmisc and lsof are the benchmark's
 # baselines (fuser, lsof), debootstrap, systemd-container (systemd-nspawn), systemd-journal-remote,
 # util-linux and coreutils boot the end-to-end tests' containers and build the Debian package,
-# ca-certificates and git fetch its build inputs, prometheus gives promtool (the alert rules'
-# tests), tmux is the terminal `status --watch` is tested on. Without them (or without root)
-# those tests are skipped, and `make check` says how many. .ci/run installs through this target too.
+# ca-certificates and git fetch its build inputs, reprepro and gnupg make its apt repository,
+# prometheus gives promtool (the alert rules' tests), tmux is the terminal `status --watch` is
+# tested on. Without them (or without root) those tests are skipped, and `make check` says how
+# many. .ci/run installs through this target too.
 DEPS := gcc make libc6-dev python3 python3-venv psmisc lsof debootstrap systemd-container \
-	systemd-journal-remote util-linux coreutils ca-certificates git prometheus tmux
+	systemd-journal-remote util-linux coreutils ca-certificates git reprepro gnupg prometheus tmux
 
 deps:
 	@if [ "$$(id -u)" != 0 ]; then echo "make deps installs apt packages: run it as root (sudo make deps)" >&2; exit 1; fi
@@ -54,12 +55,17 @@ bench: venv fakenvml
 clean:
 	rm -rf $(VENV) tests/fakenvml/build .pytest_cache .mypy_cache .ruff_cache
 
-# The Debian package, built in a clean tree of the release (root, debootstrap, systemd-nspawn;
-# docs/packaging.md): `make deb`, or `make deb RELEASE=trixie`. Output in dist/RELEASE/.
-RELEASE ?= bookworm
-.PHONY: deb
+# The Debian package, one for Debian 12/13 and Ubuntu 22.04/24.04, built in a clean Debian 12
+# tree (root, debootstrap, systemd-nspawn; docs/packaging.md). Output in dist/.
+# `make repo`: a signed apt repository of it in dist/repo (reprepro, gnupg; docs/install.md),
+# under a throw-away key unless GPUGUARD_REPO_KEY names the operator's.
+.PHONY: deb repo
 deb:
-	packaging/build-deb --release $(RELEASE)
+	packaging/build-deb
+
+repo:
+	@test -n "$(wildcard dist/gpuguard_*_amd64.deb)" || packaging/build-deb
+	packaging/build-repo
 
 # `make demo` (as root, no GPU needed): the incident README.md opens with, on a real systemd in
 # a container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each

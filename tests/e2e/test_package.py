@@ -1,13 +1,17 @@
-"""The Debian package on a real systemd: install, READY, status, sandbox, gate drop-ins, purge.
+"""The Debian package on a real systemd: install, READY, status, sandbox, upgrade, repo, purge.
 
-Each test boots a clean container of the release (tests/e2e/container.py) and installs the .deb
-that `make deb` / `packaging/build-deb --release RELEASE` left in dist/RELEASE (or
-`$GPUGUARD_DEB_DIR/RELEASE`) with `apt install ./gpuguard_*.deb`, as an operator would. Without a
-built package the tests skip, saying how to build one; `GPUGUARD_REQUIRE_DEB=1` (CI) makes that a
-failure instead. What is at risk: a package that installs but does not start, a sandbox that
-takes away what gpuguard needs (other users' /proc/PID/fd, signals, NVML, journalctl,
-systemctl), a gate drop-in that is installed silently or outlives the binary it calls, and a
-purge that leaves state behind.
+Each test boots a clean container and installs the .deb that `make deb` / `packaging/build-deb`
+left in dist (or `$GPUGUARD_DEB_DIR`) with `apt install ./gpuguard_*.deb`, as an operator would,
+offline (the containers have no network). Most run on the release(s) under test; the life-cycle
+test runs on Debian 12 and 13 whatever is selected: one package, two Pythons (3.11, 3.13), and
+the upgrade from each release's 0.1.0-1 package (`packaging/build-previous`); the repository
+test installs from `make repo`'s signed repository. Without a built package the tests skip,
+saying how to build one; `GPUGUARD_REQUIRE_DEB=1` (CI) makes that a failure instead. What is at
+risk: a package that installs but does not start, or only on one release; an upgrade that leaves
+the old environment or a stopped daemon; a sandbox that takes away what gpuguard needs (other
+users' /proc/PID/fd, signals, NVML, journalctl, systemctl); a gate drop-in that is installed
+silently or outlives the binary it calls; a purge that leaves state behind; a repository whose
+signature apt does not check.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from typing import TYPE_CHECKING
 import pytest
 from fakestate import build_fake_nvml, write_state
 
-from e2e.container import RELEASES, Bind, Container
+from e2e.container import RELEASES, Bind, Container, ensure_rootfs
+from e2e.measure import SESSION_NOTES
 
 if TYPE_CHECKING:
     from e2e.conftest import ContainerFactory
 
 ROOT = Path(__file__).resolve().parents[2]
 DEB_DIR_ENV = "GPUGUARD_DEB_DIR"
+PREVIOUS_ENV = "GPUGUARD_PREVIOUS_DEB_DIR"  # packaging/build-previous prints it
 REQUIRE_ENV = "GPUGUARD_REQUIRE_DEB"
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
@@ -39,23 +45,20 @@ UPSTREAM = re.search(
 )
 
 
-def built_package(release: str) -> Path | None:
-    """The newest gpuguard .deb built for `release`, if any."""
-    base = Path(os.environ.get(DEB_DIR_ENV) or ROOT / "dist") / release
-    found = sorted(base.glob("gpuguard_*.deb"))
-    return found[-1] if found else None
+def missing(message: str) -> None:
+    """Skip for want of a built artifact, or fail where CI requires it."""
+    if os.environ.get(REQUIRE_ENV):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @pytest.fixture
-def deb(release: str) -> Path:
-    """The built package for the release under test; skip (or fail in CI) without one."""
-    path = built_package(release)
-    if path is None:
-        message = f"no gpuguard .deb for {release}: run `packaging/build-deb --release {release}`"
-        if os.environ.get(REQUIRE_ENV):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+def deb() -> Path:
+    """The built package (one for every release); skip (or fail in CI) without one."""
+    found = sorted(Path(os.environ.get(DEB_DIR_ENV) or ROOT / "dist").glob("gpuguard_*.deb"))
+    if not found:
+        missing("no gpuguard .deb in dist: run `packaging/build-deb` (make deb)")
+    return found[-1]
 
 
 def apt(box: Container, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -164,10 +167,12 @@ def test_package_contents_follow_policy(installed: Container) -> None:
     for directory in ("/run/gpuguard", "/var/lib/gpuguard"):
         mode = installed.run(["stat", "-c", "%U %a", directory]).stdout.split()
         assert mode == ["root", "755"]
+    link = installed.run(["readlink", "/usr/lib/gpuguard/venv"]).stdout.strip()
+    assert re.fullmatch(r"envs/py3\.\d+-[0-9a-f]{12}", link), link
     compiled = installed.run(
-        ["find", "/usr/lib/gpuguard/venv", "-name", "*.pyc", "-path", "*/gpuguard/*"]
+        ["find", "/usr/lib/gpuguard/venv/", "-name", "*.pyc", "-path", "*/gpuguard/*"]
     ).stdout
-    assert compiled, "py3compile compiled the environment on install"
+    assert compiled, "the environment is compiled when it is made"
 
 
 def _files(box: Container) -> set[str]:
@@ -179,31 +184,110 @@ def _files(box: Container) -> set[str]:
     return set(out.splitlines())
 
 
-def test_remove_stops_the_daemon_and_purge_leaves_nothing(
-    container: ContainerFactory, deb: Path
-) -> None:
-    """`apt remove` stops the daemon and keeps the conffile; `apt purge` leaves no trace."""
-    box = booted_with(container, deb)
-    before = _files(box)
-    install(box, deb)
-    wait_active(box, "gpuguard.service")
-    box.run(["gpuguard", "status"], check=False)  # writes /run/gpuguard/config-cache
+def python_minor(box: Container) -> str:
+    """The container's python3 as X.Y."""
+    return box.run(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).stdout
 
-    apt(box, "remove", "gpuguard")
-    active = box.systemctl("is-active", "gpuguard.service", check=False).stdout.strip()
-    assert active in {"inactive", "unknown"}
-    assert box.run(["pgrep", "-x", "gpuguard"], check=False).stdout == ""
-    assert box.run(["test", "-e", "/usr/bin/gpuguard"], check=False).returncode == 1
-    assert box.run(["test", "-e", "/usr/lib/gpuguard"], check=False).returncode == 1, (
-        "byte code written at run time would keep /usr/lib/gpuguard after removal"
+
+def timed_apt(box: Container, *args: str) -> float:
+    """Seconds `apt ARGS` took."""
+    started = time.monotonic()
+    apt(box, *args)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("target", sorted(RELEASES))
+def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) -> None:
+    """One package on Debian 12 (3.11) and 13 (3.13): install, purge, upgrade from 0.1.0-1, purge.
+
+    Offline. The environment is made for the container's python3 from the package's wheels; the
+    upgrade stops 0.1.0-1's daemon (whose environment dpkg deletes), the new one runs from the
+    new environment; `apt remove` stops it and takes the environment too; purge leaves nothing.
+    """
+    previous_dir = os.environ.get(PREVIOUS_ENV)
+    previous = sorted(Path(previous_dir or "/nonexistent").glob(f"{target}/gpuguard_*.deb"))
+    if not previous:
+        missing(
+            f"no 0.1.0-1 package for {target}: export {PREVIOUS_ENV}=$(packaging/build-previous)"
+        )
+    binds = [Bind(deb.parent, "/debs"), Bind(previous[-1].parent, "/previous")]
+    copy = os.environ.get("GPUGUARD_E2E_MODE") == "copy"
+    with Container(ensure_rootfs(target), binds=binds, mode="copy" if copy else "overlay") as box:
+        before = _files(box)
+        seconds = timed_apt(box, "install", f"./{deb.name}")
+        wait_active(box, "gpuguard.service")
+        link = box.run(["readlink", "/usr/lib/gpuguard/venv"]).stdout
+        assert link.startswith(f"envs/py{python_minor(box).strip()}-"), link
+        apt(box, "purge", "gpuguard")
+        assert sorted(_files(box) - before) == []
+
+        apt(box, "install", f"/previous/{previous[-1].name}")
+        wait_active(box, "gpuguard.service")
+        old_pid = box.systemctl("show", "-p", "MainPID", "--value", "gpuguard.service").stdout
+        upgrade = timed_apt(box, "install", f"./{deb.name}")
+        wait_active(box, "gpuguard.service")
+        pid = box.systemctl("show", "-p", "MainPID", "--value", "gpuguard.service").stdout.strip()
+        assert pid != old_pid.strip()
+        version = box.run(["dpkg-query", "-W", "-f=${Version}", "gpuguard"]).stdout
+        assert deb.name == f"gpuguard_{version}_amd64.deb"
+        maps = box.run(["cat", f"/proc/{pid}/maps"]).stdout
+        assert f"/usr/lib/gpuguard/{link}/" in maps, "the daemon runs from the new environment"
+        box.run(["test", "-L", "/usr/lib/gpuguard/venv"])
+
+        apt(box, "remove", "gpuguard")
+        active = box.systemctl("is-active", "gpuguard.service", check=False).stdout.strip()
+        assert active in {"inactive", "unknown"}
+        assert box.run(["pgrep", "-x", "gpuguard"], check=False).stdout == ""
+        for path in ("/usr/bin/gpuguard", "/usr/lib/gpuguard"):
+            assert box.run(["test", "-e", path], check=False).returncode == 1, path
+        box.run(["test", "-f", "/etc/gpuguard/gpuguard.toml"])  # remove keeps conffiles
+        apt(box, "purge", "gpuguard")
+        assert sorted(_files(box) - before) == []
+    note = f"package on {target}: install {seconds:.1f} s, upgrade from 0.1.0-1 {upgrade:.1f} s"
+    SESSION_NOTES.append(note)
+    print(note)  # noqa: T201
+
+
+def test_install_from_the_signed_repository(container: ContainerFactory, deb: Path) -> None:
+    """`apt-get install gpuguard` from `make repo`'s repository, and only under its key.
+
+    Added with signed-by= as docs/install.md says: under another key apt refuses it; under its
+    own, a preferences pin names the version apt takes.
+    """
+    repo = Path(os.environ.get(DEB_DIR_ENV) or ROOT / "dist") / "repo"
+    if not (repo / "gpuguard-archive-keyring.gpg").exists():
+        missing("no repository in dist/repo: run `packaging/build-repo` (make repo)")
+    box = container(binds=[Bind(repo, "/srv/repo")])
+    # A host whose only source is gpuguard's repository (the container has no network anyway).
+    box.run(["sh", "-c", "rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*"])
+    sources = (
+        "Types: deb\nURIs: file:/srv/repo\nSuites: stable\nComponents: main\n"
+        "Signed-By: /etc/apt/keyrings/gpuguard-archive-keyring.gpg\n"
     )
-    box.run(["test", "-f", "/etc/gpuguard/gpuguard.toml"])  # remove keeps conffiles
+    box.write_file("/etc/apt/sources.list.d/gpuguard.sources", sources)
+    box.run(["mkdir", "-p", "/etc/apt/keyrings"])
+    box.run(
+        ["cp", "/usr/share/keyrings/debian-archive-keyring.gpg",
+         "/etc/apt/keyrings/gpuguard-archive-keyring.gpg"]
+    )  # fmt: skip
+    refused = box.run(["apt-get", "update"], env=APT_ENV, check=False)
+    assert "NO_PUBKEY" in refused.stdout + refused.stderr
+    assert box.run(["apt-get", "install", "-y", "gpuguard"], env=APT_ENV, check=False).returncode
 
-    apt(box, "purge", "gpuguard")
-    for path in ("/etc/gpuguard", "/var/lib/gpuguard", "/run/gpuguard"):
-        assert box.run(["test", "-e", path], check=False).returncode == 1, path
-    after = _files(box)
-    assert sorted(after - before) == []
+    box.run(["cp", "/srv/repo/gpuguard-archive-keyring.gpg", "/etc/apt/keyrings/"])
+    box.run(["apt-get", "update"], env=APT_ENV)
+    version = deb.name.split("_")[1]
+    box.write_file(
+        "/etc/apt/preferences.d/gpuguard",
+        f"Package: gpuguard\nPin: version {version}\nPin-Priority: 1001\n",
+    )
+    policy = box.run(["apt-cache", "policy", "gpuguard"]).stdout
+    assert f"Candidate: {version}" in policy
+    assert "file:/srv/repo stable/main amd64" in policy
+    box.run(["apt-get", "install", "-y", "gpuguard"], env=APT_ENV, timeout=300)
+    installed = box.run(["dpkg-query", "-W", "-f=${Version}", "gpuguard"]).stdout
+    assert installed == version
+    wait_active(box, "gpuguard.service")
 
 
 _FAKE_SGLANG = """\
