@@ -3,12 +3,13 @@
 
     python3 packaging/lock.py
 
-For every ``name==version`` in packaging/requirements/*.in, writes the matching *.txt with the
-sha256 of each file PyPI has for that version that a supported build can pick: the sdist,
-pure-Python wheels and CPython 3.10-3.14 wheels for glibc Linux on x86_64 and aarch64 (Debian 12
-and 13, Ubuntu 22.04 and 24.04). pip's ``--require-hashes`` then refuses any other file, so two
-builds of one lock use the same bytes. What is at risk: a hash missing for a release's Python
-makes that release's build fail at download (never silently fetch something unchecked).
+For every ``name==version`` (and its environment marker, if any) in packaging/requirements/*.in,
+writes the matching *.txt with the sha256 of each file PyPI has for that version that a
+supported build can pick: the sdist, pure-Python wheels and CPython 3.10-3.14 wheels for glibc
+Linux on x86_64 and aarch64 (Debian 12 and 13, Ubuntu 22.04 and 24.04). pip's
+``--require-hashes`` then refuses any other file, so two builds of one lock use the same bytes.
+What is at risk: a hash missing for a release's Python makes that release's build fail at
+download (never silently fetch something unchecked).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 INDEX = "https://pypi.org/simple"
 HERE = Path(__file__).resolve().parent / "requirements"
-_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*$")
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*(;[^#]*)?$")
 _WHEEL = re.compile(
     r"^(?P<dist>.+?)-(?P<ver>[^-]+)(?:-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$"
 )
@@ -79,10 +80,10 @@ def lock(source: Path) -> str:
             continue
         match = _PIN.match(line)
         if match is None:
-            raise SystemExit(f"lock.py: {source}: {line!r} is not name==version")
-        name, version = match.groups()
+            raise SystemExit(f"lock.py: {source}: {line!r} is not name==version [; marker]")
+        name, version, marker = match.groups()
         digests = hashes(name, version)
-        lines.append(f"{name}=={version} \\")
+        lines.append(f"{name}=={version}" + (f" {marker.strip()}" if marker else "") + " \\")
         lines.extend(
             f"    --hash=sha256:{digest}" + (" \\" if i < len(digests) - 1 else "")
             for i, digest in enumerate(digests)
