@@ -15,9 +15,13 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-import tomllib
 import typing
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 from typing import Any
 
 from pydantic import BaseModel

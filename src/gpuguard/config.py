@@ -13,9 +13,14 @@ import glob
 import ipaddress
 import re
 import stat
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (Ubuntu 22.04): the same parser, before it joined the standard library
+    import tomli as tomllib
 
 from pydantic import (
     BaseModel,

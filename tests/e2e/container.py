@@ -26,7 +26,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Self
+from typing import TYPE_CHECKING, Literal
+
+from typing_extensions import Self
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence

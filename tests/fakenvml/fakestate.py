@@ -17,7 +17,9 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
+
+from typing_extensions import Unpack
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

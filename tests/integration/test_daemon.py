@@ -18,7 +18,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -370,7 +370,7 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
         as_root=os.geteuid() == 0,
         daemon=DaemonView("running", snapshot),
     )
-    report = assess(inventory.gather(settings), context, datetime.now(UTC))
+    report = assess(inventory.gather(settings), context, datetime.now(timezone.utc))
     text = render_text(report)
     assert report.level is Level.CRITICAL
     assert "GPU 1 needs a reboot (GPU is lost (fallen off the bus))" in text

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from fakestate import FakeGpu, fake_library, update_gpu, update_state, write_state
@@ -58,7 +58,7 @@ def test_one_holder_per_gpu_with_units(
         ]
         assert doc["gpus"][gpu]["holder_pids"] == [holder.pid]
         started = datetime.fromisoformat(entry["started_at"])
-        assert abs((datetime.now(UTC) - started).total_seconds()) < 120
+        assert abs((datetime.now(timezone.utc) - started).total_seconds()) < 120
         assert doc["gpus"][gpu]["memory"]["used_mib"] == 1000 * (gpu + 1)
     text = cli("status").out
     assert f"gg-test-{os.getpid()}-3.service" in text

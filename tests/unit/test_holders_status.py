@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from gpuguard.core.inventory import build_inventory, gpu_minor_of
 from gpuguard.core.status import (
@@ -30,7 +30,7 @@ from gpuguard.core.values import (
     ProcScan,
 )
 
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 CONTEXT = StatusContext(
     watched_units={"sglang.service": ("sglang",)},
     protected_names=("nvidia-persistenced",),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
@@ -24,7 +24,7 @@ from gpuguard.core.values import (
     UnitProvenance,
 )
 
-NOW = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
+NOW = datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc)
 CONTEXT = StatusContext(
     watched_units={"sglang.service": ("sglang",)},
     protected_names=("nvidia-persistenced",),

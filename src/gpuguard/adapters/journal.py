@@ -69,7 +69,9 @@ import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Self, cast
+from typing import TYPE_CHECKING, Literal, cast
+
+from typing_extensions import Self
 
 from gpuguard.adapters import programs, signals
 from gpuguard.adapters.state import read_json, write_json

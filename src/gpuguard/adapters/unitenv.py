@@ -11,7 +11,7 @@ record only when root wrote it and nobody else can change it.
 from __future__ import annotations
 
 import stat
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from gpuguard.adapters import state
@@ -34,7 +34,7 @@ def record(runtime_dir: Path, unit: str, environment: dict[str, str], pid: int) 
         "unit": unit,
         "environment": {k: environment[k] for k in GPU_VARIABLES if k in environment},
         "pid": pid,
-        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     state.write_json(record_path(runtime_dir, unit), document)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,7 +129,7 @@ def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> in
     from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
 
     record = {
-        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "unit": outcome.unit,
         "gpu_set": gpu_set.describe(),
         "result": "passed" if outcome.passed else "refused",

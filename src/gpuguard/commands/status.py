@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def _report(settings: Settings) -> StatusReport:
             clock_ticks=procfs.clock_ticks_per_second(),
             daemon=_daemon_view(settings),
         ),
-        datetime.now(UTC),
+        datetime.now(timezone.utc),
     )
 
 

@@ -59,11 +59,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, tzinfo
-from enum import StrEnum
+from datetime import datetime, timezone, tzinfo
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.events import EventKind, UnitEvent
+from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -336,7 +336,7 @@ class Detector:
     """
 
     def __init__(
-        self, unit: str, settings: LoopSettings | None = None, *, tz: tzinfo = UTC
+        self, unit: str, settings: LoopSettings | None = None, *, tz: tzinfo = timezone.utc
     ) -> None:
         """Watch ``unit``; evidence lines show times in ``tz`` (UTC unless the caller says)."""
         self.unit: Final = unit

@@ -22,10 +22,10 @@ import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, Final
 
 from gpuguard.core.escaping import escape
+from gpuguard.core.values import StrEnum
 
 
 class EventKind(StrEnum):

@@ -18,10 +18,10 @@ unit scope. Command-line patterns reach further only with the explicit ``pattern
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from gpuguard.core.protection import never_signal
+from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

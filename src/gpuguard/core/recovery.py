@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, TypeGuard
 
 from gpuguard.core.detector import Cause
+from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

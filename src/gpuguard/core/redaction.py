@@ -133,15 +133,18 @@ _WHITESPACE = re.compile(r"(\s+)")
 _TRIGGERS = ("key", "token", "secret", "pass", "pwd", "cred", "cookie", "auth", "bearer", "://")
 _SHORT_P = re.compile(r"(?:^|\s)-p(?:\s|$)")
 _ANY_WHITESPACE = re.compile(r"\s")
+# No possessive quantifiers (Python 3.10's re has none, so Ubuntu 22.04 would fail at import):
+# each repeated class below excludes the character that must follow it, or ends the pattern, so
+# a plain greedy repeat can give nothing back that would match: the same matches, the same cost.
 # "://", user, ":", password, "@". Neither part can hold "/", so the spans that two "://" in
 # one argument scan never overlap: linear, unlike a pattern that also matched the scheme.
-_URL_PASSWORD = re.compile(r"://[^/:@\s]*+:(?P<password>[^/@\s]++)@")
+_URL_PASSWORD = re.compile(r"://[^/:@\s]*:(?P<password>[^/@\s]+)@")
 # Query parameters: the name is bounded and cannot hold the separators that start another.
 _QUERY_KEY = re.compile(r"[?&](?P<name>[A-Za-z0-9_.\[\]-]{1,128})=")
-_QUERY_VALUE = re.compile(r"[^&#\s]*+")
+_QUERY_VALUE = re.compile(r"[^&#\s]*")
 # A JSON or dict key (possibly inside an escaped string: \"hf_token\") and its colon.
-_JSON_KEY = re.compile(r"""(?P<quote>["'])(?P<name>[A-Za-z0-9_.-]{1,128})\\*(?P=quote)\s*+:\s*+""")
-_JSON_BARE_VALUE = re.compile(r"""[^\s,}\]"'\\]*+""")
+_JSON_KEY = re.compile(r"""(?P<quote>["'])(?P<name>[A-Za-z0-9_.-]{1,128})\\*(?P=quote)\s*:\s*""")
+_JSON_BARE_VALUE = re.compile(r"""[^\s,}\]"'\\]*""")
 # A header word: an optional "--flag=" or shell quote in front, the name, a colon, the rest.
 # A word starting with "-" can only be read with the flag, any other only without: one reading.
 _HEADER = re.compile(

@@ -7,7 +7,7 @@ The exit status follows the monitoring-plugin convention (0 OK, 1 WARNING, 2 CRI
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -838,7 +838,7 @@ def _holder_json(holder: Holder, report: StatusReport) -> dict[str, Any]:
     started_at = None
     if report.boot_time is not None:
         started = report.boot_time + holder.identity.start_time / report.clock_ticks
-        started_at = datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds")
+        started_at = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")
     return {
         "pid": holder.pid,
         "start_time": holder.identity.start_time,

@@ -6,8 +6,25 @@ tested with hand-made values instead of a GPU, a /proc tree or a journal.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        """Python 3.11's enum.StrEnum for 3.10 (Ubuntu 22.04): a member is its value, as text too.
+
+        Every enumeration of gpuguard derives from this one, from here, so str(), format() and
+        JSON give the value on every supported Python.
+        """
+
+        def __str__(self) -> str:
+            """The value, as 3.11's StrEnum gives it (a mixed-in Enum gives 'Class.NAME')."""
+            return str.__str__(self)
+
 
 MIB = 1024 * 1024
 

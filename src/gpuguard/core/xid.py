@@ -11,8 +11,9 @@ the codes where gpuguard reads more than the bucket says, is docs/xid.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Final
+
+from gpuguard.core.values import StrEnum
 
 
 class XidClass(StrEnum):

@@ -25,7 +25,7 @@ import select
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from gpuguard.adapters.journal import KERNEL
@@ -1000,7 +1000,7 @@ def _describe_state(state: UnitState) -> str:
 
 
 def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
 
 
 def unit_state_path(state_dir: Path, unit: str) -> Path:

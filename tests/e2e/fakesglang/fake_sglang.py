@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 MIB = 1 << 20
@@ -51,7 +51,7 @@ _UNBALANCED = 0.9  # SGLang: min free memory of all ranks below 90 % of a rank's
 
 
 def _stamp(rank: int | None = None) -> str:
-    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
     return f"[{now} TP{rank}]" if rank is not None else f"[{now}]"
 
 
