@@ -92,13 +92,15 @@ def ship(lib: Path, pip_wheel: Path, version: str) -> None:
 
 def make_env(lib: Path) -> subprocess.CompletedProcess[str]:
     """Run packaging/make-env LIB /usr/bin/python3, as postinst does."""
-    return subprocess.run(
+    done = subprocess.run(
         ["sh", str(MAKE_ENV), str(lib), PYTHON],
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
         timeout=300,
     )
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 def environments(lib: Path) -> set[str]:
