@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Final
+
+from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
