@@ -216,7 +216,7 @@ def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) ->
         before = _files(box)
         seconds = timed_apt(box, "install", f"./{deb.name}")
         wait_active(box, "gpuguard.service")
-        link = box.run(["readlink", "/usr/lib/gpuguard/venv"]).stdout
+        link = box.run(["readlink", "/usr/lib/gpuguard/venv"]).stdout.strip()
         assert link.startswith(f"envs/py{python_minor(box).strip()}-"), link
         apt(box, "purge", "gpuguard")
         assert sorted(_files(box) - before) == []
