@@ -202,7 +202,8 @@ def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) ->
 
     Offline. The environment is made for the container's python3 from the package's wheels; the
     upgrade stops 0.1.0-1's daemon (whose environment dpkg deletes), the new one runs from the
-    new environment; `apt remove` stops it and takes the environment too; purge leaves nothing.
+    new environment; python3's trigger keeps it; `apt remove` stops the daemon and takes the
+    environment too; purge leaves nothing.
     """
     previous_dir = os.environ.get(PREVIOUS_ENV)
     previous = sorted(Path(previous_dir or "/nonexistent").glob(f"{target}/gpuguard_*.deb"))
@@ -233,6 +234,16 @@ def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) ->
         maps = box.run(["cat", f"/proc/{pid}/maps"]).stdout
         assert f"/usr/lib/gpuguard/{link}/" in maps, "the daemon runs from the new environment"
         box.run(["test", "-L", "/usr/lib/gpuguard/venv"])
+        # What a python3 upgrade fires (the file trigger): the same Python keeps its environment
+        # and its daemon; the package stays configured.
+        box.run(["dpkg-trigger", "--no-await", "/usr/bin/python3"])
+        fired = box.run(["dpkg", "--triggers-only", "--pending"]).stdout
+        assert "Processing triggers for gpuguard" in fired, fired
+        assert box.run(["readlink", "/usr/lib/gpuguard/venv"]).stdout.strip() == link
+        shown = box.systemctl("show", "-p", "MainPID", "--value", "gpuguard.service").stdout
+        assert shown.strip() == pid
+        status = box.run(["dpkg-query", "-W", "-f=${Status}", "gpuguard"]).stdout
+        assert status == "install ok installed"
 
         apt(box, "remove", "gpuguard")
         active = box.systemctl("is-active", "gpuguard.service", check=False).stdout.strip()
