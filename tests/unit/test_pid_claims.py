@@ -7,7 +7,7 @@ blockers and the reap plan.
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +32,7 @@ from gpuguard.core.values import (
     UnitProvenance,
 )
 
-NOW = datetime(2026, 12, 1, 6, 0, tzinfo=UTC)
+NOW = datetime(2026, 12, 1, 6, 0, tzinfo=timezone.utc)
 CONTEXT = StatusContext(
     watched_units={"sglang.service": ("sglang",)},
     protected_names=(),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 import pytest
 
@@ -30,7 +30,9 @@ def test_frame_is_cut_to_the_terminal() -> None:
 
 def test_header_escapes_the_host_name() -> None:
     """A host name is foreign text on a root terminal: escaped like everything else."""
-    line = watchframe.header(2.0, datetime(2026, 12, 1, 5, 27, 35, tzinfo=UTC), "evil\x1b]0;x\x07")
+    line = watchframe.header(
+        2.0, datetime(2026, 12, 1, 5, 27, 35, tzinfo=timezone.utc), "evil\x1b]0;x\x07"
+    )
     assert "\x1b" not in line
     assert "\x07" not in line
     assert line.startswith("Every 2s: gpuguard status   evil\\x1b]0;x\\x07: 2026-12-01 05:27:35")

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,11 @@ def _runtime_dir(raw: bytes | None) -> Path | None:
                     return Path(match.group(1).decode())
                 except UnicodeDecodeError:
                     return None
-    import tomllib  # noqa: PLC0415 - only for a file the line match cannot read
+    # Only for a file the line match cannot read; Python 3.10 (Ubuntu 22.04) has it as tomli.
+    if sys.version_info >= (3, 11):
+        import tomllib  # noqa: PLC0415
+    else:
+        import tomli as tomllib  # noqa: PLC0415
 
     try:
         value = tomllib.loads(raw.decode()).get("runtime_dir", str(DEFAULT_RUNTIME_DIR))

@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Final, TextIO
 
 from gpuguard.core.watchframe import ENTER, LEAVE, compose, header
@@ -53,7 +53,7 @@ def run(frame: Callable[[], str], interval_s: float, out: TextIO) -> int:
             while True:
                 size = os.get_terminal_size(out.fileno())
                 text = frame()
-                top = header(interval_s, datetime.now(UTC), host)
+                top = header(interval_s, datetime.now(timezone.utc), host)
                 out.write(compose(text, top, size.columns, size.lines))
                 out.flush()
                 waiting[0] = True

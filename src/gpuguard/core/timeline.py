@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.detector import Cause, Detector, LoopSettings
@@ -602,6 +602,6 @@ def _clock(realtime_s: float | None) -> str:
     if realtime_s is None:
         return "?"
     try:
-        return datetime.fromtimestamp(realtime_s, UTC).strftime("%H:%M:%S.%f")[:12]
+        return datetime.fromtimestamp(realtime_s, timezone.utc).strftime("%H:%M:%S.%f")[:12]
     except (OverflowError, OSError, ValueError):
         return "?"
