@@ -23,7 +23,7 @@ MAKE_ENV = ROOT / "packaging/make-env"
 WRAPPER = ROOT / "packaging/gpuguard"
 PYTHON = "/usr/bin/python3"
 
-# The fake gpuguard: main() waits for a line, then imports a module of its environment late.
+# The fake gpuguard.entry: main() waits for a line, then imports a module of its environment late.
 _CLI = """\
 import sys
 
@@ -42,7 +42,7 @@ def _wheel(directory: Path, version: str) -> Path:
     """A pure-Python wheel of `gpuguard` VERSION whose late-imported module names its version."""
     files = {
         "gpuguard/__init__.py": "",
-        "gpuguard/cli.py": _CLI,
+        "gpuguard/entry.py": _CLI,
         "gpuguard/late.py": f"VERSION = {version!r}\n",
         "gpuguard/blob.bin": "x" * 4096,
         f"gpuguard-{version}.dist-info/METADATA": (
