@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
+    from gpuguard.core.since import Since
     from gpuguard.core.values import NvmlReading
 
 _DESCRIPTION = """\
@@ -66,9 +67,16 @@ Exit status (monitoring-plugin convention):
   2 CRITICAL  a lost GPU, a GPU that needs a reset or reboot (NVML health: a pending
               row remap or page retirement, the driver asks for it), memory no
               visible process explains, a holder stuck in state D in the NVIDIA
-              driver, NVML not answering
+              driver or stuck after an Xid (SIGKILL left it alive), NVML not
+              answering
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
+
+--since WHEN limits the history shown - kernel Xid events, gate decisions, the daemon's
+recoveries and sweeps - to what was logged from WHEN on: 90s, 30m, 1h, 2d (that long
+ago) or an ISO time (2026-12-01T06:00, local time without an offset). History is what
+the daemon keeps in its snapshot (the newest 50 Xid events, 10 recoveries and sweeps
+per unit). A GPU's current state and health are shown whatever the window.
 
 Runs without root; it then shows what it can see and says what it cannot: another
 user's job is "not inspectable without root", never reported as vanished. With the v1
@@ -111,8 +119,10 @@ per blocker every 10 s (who holds what). On timeout it exits 1 with one message 
 still holds what and why gpuguard would not touch it; Restart= then tries again until the
 unit's start limit ends the tries (`gpuguard doctor` says whether it ever does). When
 waiting cannot help - NVML unavailable or not answering, a GPU of the set lost, absent or
-needing a reset (NVML health) - it refuses at once, in one line with the reason. Each
-decision is recorded and shown by `gpuguard status`.
+needing a reset (NVML health), or, for an automatic restart (NRestarts > 0), a reset-class
+kernel Xid on a GPU of the set that the running daemon counts since the unit last came up
+- it refuses at once, in one line with the reason. Each decision is recorded and shown by
+`gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
 real environment (read by root from the calling process: EnvironmentFile= values count),
@@ -147,7 +157,11 @@ next start; survivors of a run stopped on purpose are only reported unless
 cause is recovered: stop the unit, reap its stale holders (the same policy and reaper as the
 gate), wait until its GPUs are idle, reset-failed, start. Recoveries back off; after
 recovery_max_attempts that did not help the unit is marked "needs operator" (CRITICAL in
-`gpuguard status`). Loops without a GPU cause are reported, never acted on. A unit stopped
+`gpuguard status`). A loop on a GPU that needs a reset - NVML health, a reset-class kernel
+Xid (_TRANSPORT=kernel only) since the unit last came up, or a holder that an application
+Xid named and SIGKILL left alive - goes straight to "needs operator". An out-of-memory
+line's device (cuda:1) is named as the GPU the unit sees by that number and its holders.
+Loops without a GPU cause are reported, never acted on. A unit stopped
 by a stop job (an operator's `systemctl stop`) or inactive is never started. With
 `[daemon] dry_run = true` it logs what it would do and does nothing.
 
@@ -185,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="show GPUs and their holders", description=_STATUS_HELP, formatter_class=raw
     )
     status.add_argument("--json", action="store_true", help="print a versioned JSON document")
+    status.add_argument(
+        "--since",
+        type=_since_argument,
+        metavar="WHEN",
+        help="history from WHEN on: 30m, 1h, 2d (ago), or an ISO time (default: all kept)",
+    )
 
     reap = commands.add_parser(
         "reap", help="kill stale GPU holders of a unit", description=_REAP_HELP, formatter_class=raw
@@ -305,6 +325,16 @@ Exit status: 0 removed or not there; 1 kept or daemon-reload failed; 77 not root
 """
 
 
+def _since_argument(text: str) -> Since:
+    """The --since type: since.parse_since, where a bad window is a usage error naming the forms."""
+    from gpuguard.core.since import parse_since  # noqa: PLC0415 - only when --since is given
+
+    try:
+        return parse_since(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _scope_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scope",
@@ -366,7 +396,7 @@ def _dispatch(  # noqa: PLR0911 - one return per command
         case "status":
             from gpuguard.commands import status  # noqa: PLC0415
 
-            return status.run(settings, as_json=args.json)
+            return status.run(settings, as_json=args.json, since=args.since)
         case "gate":
             from gpuguard.commands import gate  # noqa: PLC0415
 

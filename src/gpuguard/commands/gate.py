@@ -42,7 +42,7 @@ def fast_path(
     the full path: no cache, run outside the unit, NVML not healthy, a GPU not idle; the NVML
     reading taken on the way is handed on so the full path does not read it again.
     """
-    from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see the package doc
+    from gpuguard.adapters import configfile, daemonsnapshot, nvml  # noqa: PLC0415
     from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
     from gpuguard.core.idle import is_idle  # noqa: PLC0415
@@ -63,7 +63,10 @@ def fast_path(
         return None, reading
     gpu_set = resolve_gpu_set(unit.get("gpus"), environment, reading.gpus)
     present = {gpu.index for gpu in reading.gpus}
-    if gpu_set.indices is not None and not gpu_set.indices <= present:
+    missing = gpu_set.indices is not None and not gpu_set.indices <= present
+    if missing or daemonsnapshot.lists_reset_xids(
+        runtime_dir, args.unit
+    ):  # the full path weighs them
         return None, reading
     threshold = int(cached["idle_threshold_mib"]) * MIB
     for gpu in reading.gpus:
@@ -83,8 +86,10 @@ def run(
     """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
     from gpuguard.adapters import (  # noqa: PLC0415
         containerstop,
+        daemonsnapshot,
         inventory,
         logs,
+        procfs,
         reaper,
         systemd,
     )
@@ -126,8 +131,22 @@ def run(
     def report(line: str) -> None:
         sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
 
+    # An operator's start sets NRestarts back to 0: only an automatic restart meets the Xids
+    # and the previous run's out-of-memory device.
+    automatic = bool(unit_state.n_restarts)
+    runtime_dir = settings.runtime_dir
     outcome = gate.run_gate(
-        gate.GateSettings(request, settings.idle_threshold_mib * 1024 * 1024, timeout),
+        gate.GateSettings(
+            request,
+            settings.idle_threshold_mib * 1024 * 1024,
+            timeout,
+            xid_faults=daemonsnapshot.reset_xids(runtime_dir, args.unit) if automatic else (),
+            xid_claims=daemonsnapshot.xid_claims(runtime_dir),
+            clock_ticks=procfs.clock_ticks_per_second(),
+            oom=oom_gpu(daemonsnapshot.oom_device(runtime_dir, args.unit), environment, first)
+            if automatic
+            else None,
+        ),
         gather,
         reap,
         time.monotonic,
@@ -138,6 +157,24 @@ def run(
         ),
     )
     return _finish_gate(settings.runtime_dir, outcome, gpu_set)
+
+
+def oom_gpu(
+    device: int | None, environment: dict[str, str], found: Inventory
+) -> tuple[int, int] | None:
+    """The GPU the unit's last failed run ran out of memory on: (CUDA device, NVML index).
+
+    The device comes from the unit's output (the running daemon read it); the unit's own
+    CUDA_VISIBLE_DEVICES maps it, and a number past the unit's GPUs maps to nothing.
+    """
+    from gpuguard.core.gpuset import cuda_view  # noqa: PLC0415 - see the package doc
+
+    if device is None:
+        return None
+    indices = cuda_view(environment, found.nvml.gpus).indices
+    if indices is None or device >= len(indices):
+        return None
+    return device, indices[device]
 
 
 def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:

@@ -11,15 +11,28 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
-    from gpuguard.core.status import DaemonView
+    from gpuguard.core.since import Since
 
 
-def run(settings: Settings, *, as_json: bool) -> int:
-    """Print the status report; exit with its level (the monitoring-plugin convention)."""
-    from gpuguard.adapters import inventory, procfs, state, systemd, unitenv  # noqa: PLC0415
+def run(settings: Settings, *, as_json: bool, since: Since | None = None) -> int:
+    """Print the status report; exit with its level (the monitoring-plugin convention).
+
+    ``since``: the start of the history shown (``--since``); None: all that is kept.
+    """
+    from gpuguard.adapters import (  # noqa: PLC0415
+        daemonsnapshot,
+        inventory,
+        procfs,
+        state,
+        systemd,
+        unitenv,
+    )
     from gpuguard.core import status  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.core.since import within  # noqa: PLC0415
 
+    now = datetime.now(UTC)
+    start = None if since is None else since.start(now)
     found = inventory.gather(settings)
     units = []
     for name, unit in settings.units.items():
@@ -34,7 +47,13 @@ def run(settings: Settings, *, as_json: bool) -> int:
                 state=_unit_state_text(unit_state),
                 not_found=unit_state.not_found,
                 gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
-                gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
+                gate_decisions=tuple(
+                    [
+                        decision
+                        for decision in state.gate_decisions(settings.runtime_dir, name)
+                        if within(start, decision.get("time"))
+                    ][-3:]
+                ),
             )
         )
     report = status.assess(
@@ -47,9 +66,10 @@ def run(settings: Settings, *, as_json: bool) -> int:
             units=tuple(units),
             boot_time=procfs.boot_time(),
             clock_ticks=procfs.clock_ticks_per_second(),
-            daemon=_daemon_view(settings),
+            daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
+            since=start,
         ),
-        datetime.now(UTC),
+        now,
     )
     if as_json:
         sys.stdout.write(json.dumps(status.to_json(report), indent=2) + "\n")
@@ -65,23 +85,3 @@ def _unit_state_text(unit_state: UnitState) -> str:
     if unit_state.not_found:
         return "not found (LoadState=not-found: systemd has no such unit)"
     return f"{unit_state.active_state} ({unit_state.sub_state})"
-
-
-def _daemon_view(settings: Settings) -> DaemonView:
-    """The daemon's snapshot and whether the process that wrote it still lives."""
-    from gpuguard.adapters import procfs, state  # noqa: PLC0415 - see the package doc
-    from gpuguard.core.status import DaemonView  # noqa: PLC0415
-    from gpuguard.core.values import ProcessIdentity  # noqa: PLC0415
-
-    snapshot = state.read_json(settings.runtime_dir / "daemon.json")
-    if not isinstance(snapshot, dict):
-        return DaemonView("absent", {})
-    if not snapshot.get("running"):
-        return DaemonView("stopped", snapshot)
-    pid, start = snapshot.get("pid"), snapshot.get("start_time")
-    alive = (
-        isinstance(pid, int)
-        and isinstance(start, int)
-        and procfs.read_identity(pid) == ProcessIdentity(pid, start)
-    )
-    return DaemonView("running" if alive else "dead", snapshot)
