@@ -192,7 +192,7 @@ def test_not_a_terminal_is_refused(cli: Cli) -> None:
 
 @pytest.mark.parametrize("bad", ["0", "-1", "abc", "100000"])
 def test_bad_interval_is_a_usage_error(cli: Cli, bad: str) -> None:
-    """--watch SECONDS outside 0.1-86400: argparse's usage error (exit 2)."""
+    """--watch SECONDS outside 0.1-86400: a usage error (exit 64, as every usage error)."""
     result = cli("status", f"--watch={bad}")
-    assert result.code == 2
+    assert result.code == 64
     assert "--watch" in result.err
