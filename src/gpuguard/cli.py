@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
+    from gpuguard.core.since import Since
     from gpuguard.core.values import NvmlReading
 
 _DESCRIPTION = """\
@@ -68,13 +69,20 @@ Exit status (monitoring-plugin convention):
   2 CRITICAL  a lost GPU, a GPU that needs a reset or reboot (NVML health: a pending
               row remap or page retirement, the driver asks for it), memory no
               visible process explains, a holder stuck in state D in the NVIDIA
-              driver, NVML not answering
+              driver or stuck after an Xid (SIGKILL left it alive), NVML not
+              answering
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
 
 --watch [SECONDS] redraws the screen in place every SECONDS (default 2) in the
 terminal's alternate screen, until Ctrl-C, SIGTERM or a hangup, which leave the terminal
 as it was (exit 0). It needs a terminal: on a pipe or a file it exits 64.
+
+--since WHEN limits the history shown - kernel Xid events, gate decisions, the daemon's
+recoveries and sweeps - to what was logged from WHEN on: 90s, 30m, 1h, 2d (that long
+ago) or an ISO time (2026-12-01T06:00, local time without an offset). History is what
+the daemon keeps in its snapshot (the newest 50 Xid events, 10 recoveries and sweeps
+per unit). A GPU's current state and health are shown whatever the window.
 
 Runs without root; it then shows what it can see and says what it cannot: another
 user's job is "not inspectable without root", never reported as vanished. With the v1
@@ -86,7 +94,7 @@ that GPU's device file. Inside a container with its own PID namespace (the "Runs
 line says so) the driver names host PIDs: a GPU's memory is then "held by processes of
 this container" (OK) while a live process here holds it, else "used from outside this
 container" (WARNING, never reaped).
---prometheus prints the metrics the daemon exports (metrics.md in /usr/share/doc/gpuguard),
+--prometheus prints the metrics the daemon exports (/usr/share/doc/gpuguard/metrics.md),
 drawn now from a fresh inventory, with the daemon's counters from its snapshot; exit
 status 0.
 """
@@ -140,8 +148,10 @@ per blocker every 10 s (who holds what). On timeout it exits 1 with one message 
 still holds what and why gpuguard would not touch it; Restart= then tries again until the
 unit's start limit ends the tries (`gpuguard doctor` says whether it ever does). When
 waiting cannot help - NVML unavailable or not answering, a GPU of the set lost, absent or
-needing a reset (NVML health) - it refuses at once, in one line with the reason. Each
-decision is recorded and shown by `gpuguard status`.
+needing a reset (NVML health), or, for an automatic restart (NRestarts > 0), a reset-class
+kernel Xid on a GPU of the set that the running daemon counts since the unit last came up
+- it refuses at once, in one line with the reason. Each decision is recorded and shown by
+`gpuguard status`.
 
 The unit's GPU set is its `gpus` in the config, else CUDA_VISIBLE_DEVICES from the unit's
 real environment (read by root from the calling process: EnvironmentFile= values count),
@@ -176,7 +186,11 @@ next start; survivors of a run stopped on purpose are only reported unless
 cause is recovered: stop the unit, reap its stale holders (the same policy and reaper as the
 gate), wait until its GPUs are idle, reset-failed, start. Recoveries back off; after
 recovery_max_attempts that did not help the unit is marked "needs operator" (CRITICAL in
-`gpuguard status`). Loops without a GPU cause are reported, never acted on. A unit stopped
+`gpuguard status`). A loop on a GPU that needs a reset - NVML health, a reset-class kernel
+Xid (_TRANSPORT=kernel only) since the unit last came up, or a holder that an application
+Xid named and SIGKILL left alive - goes straight to "needs operator". An out-of-memory
+line's device (cuda:1) is named as the GPU the unit sees by that number and its holders.
+Loops without a GPU cause are reported, never acted on. A unit stopped
 by a stop job (an operator's `systemctl stop`) or inactive is never started. With
 `[daemon] dry_run = true` it logs what it would do and does nothing.
 
@@ -185,10 +199,9 @@ journal's monotonic clock, never the wall. A recovery interrupted by its death i
 only in the same boot, soon after, with the unit still stopped. It logs JSON lines to stdout
 (the journal), sends READY=1 after the first inventory and journal attach, WATCHDOG=1 from
 its main loop and through each long step, and writes a snapshot to runtime_dir/daemon.json that
-`gpuguard status` shows. With it, Prometheus metrics (metrics.md in /usr/share/doc/gpuguard)
-to node_exporter's textfile directory ([metrics] textfile) and, when [metrics] listen is set,
-over HTTP.
-SIGTERM stops it cleanly.
+`gpuguard status` shows. With it, Prometheus metrics (/usr/share/doc/gpuguard/metrics.md)
+to node_exporter's textfile directory ([metrics] textfile) and, when [metrics] listen is
+set, over HTTP. SIGTERM stops it cleanly.
 
 Exit status: 0 after SIGTERM; 78 invalid configuration.
 """
@@ -217,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--prometheus",
         action="store_true",
-        help="print the daemon's metrics in Prometheus' text format, drawn now",
+        help="print the daemon's metrics in Prometheus' text format, drawn now (gpuguard(8))",
     )
     status.add_argument(
         "--watch",
@@ -226,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_watch_interval,
         metavar="SECONDS",
         help="redraw in place every SECONDS (default 2) until Ctrl-C; needs a terminal",
+    )
+    status.add_argument(
+        "--since",
+        type=_since_argument,
+        metavar="WHEN",
+        help="history from WHEN on: 30m, 1h, 2d (ago), or an ISO time (default: all kept)",
     )
     explain = commands.add_parser(
         "explain",
@@ -367,6 +386,16 @@ def _watch_interval(text: str) -> float:
     return watch_interval(text)
 
 
+def _since_argument(text: str) -> Since:
+    """The --since type: since.parse_since, where a bad window is a usage error naming the forms."""
+    from gpuguard.core.since import parse_since  # noqa: PLC0415 - only when --since is given
+
+    try:
+        return parse_since(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _scope_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scope",
@@ -430,7 +459,7 @@ def _dispatch(  # noqa: PLR0911 - one return per command
 
             if args.prometheus:
                 return status.prometheus(settings)
-            return status.run(settings, as_json=args.json, watch=args.watch)
+            return status.run(settings, as_json=args.json, watch=args.watch, since=args.since)
         case "explain":
             from gpuguard.commands import explain  # noqa: PLC0415
 

@@ -5,13 +5,18 @@ journal with ``_TRANSPORT=kernel`` (written on the host by systemd-journal-remot
 container's journal directory: journald itself sets that field only for /dev/kmsg, which a
 container's journald does not read). Expected: the gate refuses every start at once naming
 GPU 1, nothing is reaped, the daemon stops at *needs operator* with cause gpu-needs-reset, and
-``gpuguard status`` says GPU 1 needs a reboot and shows the Xid.
+``gpuguard status`` says GPU 1 needs a reboot and shows the Xid (``--since`` windows it). Then,
+in the same container: the operator resets GPU 1 and starts the unit by hand (the old Xid no
+longer counts), an Xid 119 follows that NVML does not see, the server crashes, and systemd's
+automatic restart is refused at once naming the Xid.
 """
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,9 +32,11 @@ pytestmark = pytest.mark.slow
 
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+# NVML still calls the GPU healthy after this one: only the kernel's line says it needs a reset.
+XID_GSP = "NVRM: Xid (PCI:0000:3b:00): 119, pid=4242, name=python3, Timeout after 6s of waiting."
 
 
-def _inject_kernel_xid(gpubox: GpuBox) -> None:
+def _inject_kernel_xid(gpubox: GpuBox, message: str = XID) -> None:
     """One kernel-transport Xid entry, stamped now, in the container's journal directory."""
     if not JOURNAL_REMOTE.exists():
         pytest.skip("needs systemd-journal-remote on the host")
@@ -47,9 +54,10 @@ def _inject_kernel_xid(gpubox: GpuBox) -> None:
         f"__REALTIME_TIMESTAMP={time.time_ns() // 1000}\n"
         f"__MONOTONIC_TIMESTAMP={int(uptime_s * 1e6)}\n"
         f"_BOOT_ID={boot}\n_MACHINE_ID={machine}\n_TRANSPORT=kernel\nPRIORITY=3\n"
-        f"SYSLOG_IDENTIFIER=kernel\nMESSAGE={XID}\n\n"
+        f"SYSLOG_IDENTIFIER=kernel\nMESSAGE={message}\n\n"
     )
-    target = Path(f"/proc/{box.init_pid}/root{where}/xid-injected.journal")
+    name = hashlib.sha256(message.encode()).hexdigest()[:8]
+    target = Path(f"/proc/{box.init_pid}/root{where}/xid-{name}.journal")
     subprocess.run(
         [str(JOURNAL_REMOTE), f"--output={target}", "-"],
         input=entry.encode(),
@@ -93,7 +101,63 @@ def test_x_xid_79_gate_refuses_at_once_and_daemon_needs_operator(gpubox: GpuBox)
     assert status.returncode == 2, status.stdout + status.stderr
     assert "GPU 1 needs a reboot" in status.stdout, status.stdout
     assert "Xid 79 (reboot)" in status.stdout, status.stdout
+    added = time.time()  # what issue 11's second part adds to the scenario, for docs/e2e.md
+    _status_since_windows_the_xid(gpubox)
     print(  # noqa: T201 - the scenario's row for the closing note
         f"scenario x: failed starts {len(refusals)}, first refusal {first_at:.1f} s, "
         f"needs operator after {took:.1f} s; daemon {DAEMON}"
     )
+    refused_after = _xid_119_after_the_reset_refuses_the_restart(gpubox)
+    print(  # noqa: T201 - the scenario's second row
+        f"scenario x, Xid 119 on a GPU NVML calls healthy: restart refused "
+        f"{refused_after:.1f} s after the crash; --since and this part took "
+        f"{time.time() - added:.1f} s"
+    )
+
+
+def _status_since_windows_the_xid(gpubox: GpuBox) -> None:
+    """`status --since 1h` shows the Xid, `--since now` does not, a bad window is exit 64."""
+    recent = gpubox.gpuguard("status", "--since", "1h")
+    assert "Xid 79 (reboot)" in recent.stdout, recent.stdout
+    later = gpubox.gpuguard("status", "--since", datetime.now(timezone.utc).isoformat())
+    assert "History since" in later.stdout, later.stdout
+    assert "Xid 79" not in later.stdout, later.stdout
+    bad = gpubox.gpuguard("status", "--since", "last tuesday")
+    assert bad.returncode == 64, bad.stdout + bad.stderr
+    assert "is not a window like" in bad.stderr, bad.stderr
+
+
+def _xid_119_after_the_reset_refuses_the_restart(gpubox: GpuBox) -> float:
+    """The operator resets GPU 1 and starts by hand; then Xid 119, which NVML does not see.
+
+    The Xid 79 from before that start no longer counts (the server comes up); after the Xid 119
+    the server crashes and systemd's automatic restart is refused at once, naming the Xid.
+    Returns the seconds from the crash to the refusal.
+    """
+    gpubox.systemctl("stop", UNIT, check=False)
+    gpubox.systemctl("reset-failed", UNIT, check=False)
+    update_gpu(gpubox.state_on_host, 1, lost=False)
+    gpubox.start_server()
+    t1 = time.time()
+    _inject_kernel_xid(gpubox, XID_GSP)
+
+    def xid_seen() -> bool:
+        events = daemon_events(gpubox.daemon_log(t1 - 1), "kernel xid")
+        return any(e.get("code") == 119 for e in events)
+
+    gpubox.box.wait_for("the daemon reads the Xid 119", xid_seen, timeout=30)
+    crash = time.time()
+    gpubox.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
+
+    def refused() -> list[str]:
+        return [
+            str(entry["MESSAGE"])
+            for entry in gpubox.box.journal([f"_SYSTEMD_UNIT={UNIT}", f"--since=@{int(crash)}"])
+            if "refused at once" in str(entry.get("MESSAGE"))
+        ]
+
+    gpubox.box.wait_for("the restart is refused for the Xid", lambda: bool(refused()), timeout=30)
+    took = time.time() - crash
+    assert "refused at once: GPU 1 had Xid 119 (GSP RPC timeout)" in refused()[0], refused()
+    gpubox.systemctl("stop", UNIT, check=False)
+    return took

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from daemontwins import Recorder, ReplayFollower, UnitTwin, loop_entries
 from fakeholder import process_gone
-from fakestate import fake_library, update_gpu, update_state
+from fakestate import fake_library, fake_pci_bus_id, update_gpu, update_state
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters import inventory, reaper, state, systemd
 from gpuguard.adapters.metricsio import Exporter, serve
 from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
+from gpuguard.core import values
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
 from gpuguard.core.values import MIB
@@ -109,6 +110,9 @@ def build(
     reap_stopped_survivors: bool = False,
     containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None] = lambda _r: None,
     wrap: Callable[[Settings, Ports], Ports] | None = None,
+    gate_timeout_s: float = 20.0,
+    saved: dict[str, dict[str, Any]] | None = None,
+    reaper_twin: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]] | None = None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -119,7 +123,7 @@ def build(
         runtime_dir=tmp_path / "run",
         state_dir=tmp_path / "lib",
         reap_grace_s=reap_grace_s,
-        gate_timeout_s=20.0,
+        gate_timeout_s=gate_timeout_s,
         daemon=DaemonSettings(dry_run=dry_run, reap_stopped_survivors=reap_stopped_survivors),
     )
     newest = max((int(str(e["__REALTIME_TIMESTAMP"])) for e in entries), default=0) / 1e6
@@ -129,7 +133,7 @@ def build(
     twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]) if entries else "a" * 32)
     recorder = recorder or Recorder()
     snapshots: list[dict[str, Any]] = []
-    saved: dict[str, dict[str, Any]] = {}
+    saved = {} if saved is None else saved
     turns = [0]
     holder: list[Daemon] = []
 
@@ -146,7 +150,7 @@ def build(
         gather=lambda: inventory.gather(settings),
         show_unit=twin.show,
         control=twin.control,
-        reap=reap,
+        reap=reap if reaper_twin is None else reaper_twin,
         notifier=recorder,
         log=recorder,
         wall=lambda: newest + 1.0,
@@ -379,6 +383,193 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
         "kernel Xid for PCI 0000:3b:00, which NVML does not know (NVML cannot tell the address "
         "of GPU 1: it may be that one): Xid 79 (reboot)"
     ) in text
+
+
+def _kernel_xid(code: int, pci_bus: int, beside: dict[str, object], offset_us: int) -> Entry:
+    """A kernel-transport Xid line ``offset_us`` after (or before) the entry ``beside``."""
+    return {
+        "_TRANSPORT": "kernel",
+        "MESSAGE": f"NVRM: Xid (PCI:0000:{pci_bus:02x}:00): {code}, pid=4242, name=python3, GSP",
+        "_BOOT_ID": beside["_BOOT_ID"],
+        "__CURSOR": f"{beside['__CURSOR']}-xid{code}",
+        "__REALTIME_TIMESTAMP": str(int(str(beside["__REALTIME_TIMESTAMP"])) + offset_us),
+        "__MONOTONIC_TIMESTAMP": str(int(str(beside["__MONOTONIC_TIMESTAMP"])) + offset_us),
+    }
+
+
+def test_reset_class_xid_on_a_gpu_nvml_calls_healthy_stops_at_needs_operator(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """Xid 119 (GSP timeout) on GPU 1 after the unit was started: the Xid alone decides.
+
+    NVML reports every GPU healthy; the kernel's Xid for GPU 1's address, logged after the
+    operator's start and before the loop, makes the cause gpu-needs-reset: nothing is stopped
+    or reaped, and the snapshot hands the fault to the gate.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = loop_entries(unit)
+    bus = int(fake_pci_bus_id(1).split(":")[1], 16)
+    xid = _kernel_xid(119, bus, entries[0], 1)  # just after the first (operator's) start
+    harness = build(
+        tmp_path, in_process_nvml, unit, [*entries[:1], xid, *entries[1:]], dry_run=False
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    operator = next(f for _, event, f in harness.log.lines if event == "needs operator")
+    assert operator["cause"] == "gpu-needs-reset"
+    assert "GPU 1 had Xid 119 (GSP RPC timeout)" in str(operator["cause_detail"])
+    assert "it needs a GPU reset" in str(operator["cause_detail"])
+    (fault,) = harness.snapshots[-1]["units"][unit]["reset_xids"]
+    assert fault["code"] == 119
+    assert fault["pci_bus_id"] == f"0000:{bus:02x}:00"
+
+
+def test_reset_class_xid_before_a_start_by_hand_no_longer_counts(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """The operator reset the GPU and started the unit: an Xid from before that start is past.
+
+    The same Xid 119 logged just before the first start (not scheduled by PID 1 as a restart)
+    neither causes gpu-needs-reset nor reaches the gate through the snapshot.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = loop_entries(unit)
+    bus = int(fake_pci_bus_id(1).split(":")[1], 16)
+    xid = _kernel_xid(119, bus, entries[0], -1)
+    harness = build(tmp_path, in_process_nvml, unit, [xid, *entries], dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    verdicts = [f for _, event, f in harness.log.lines if "cause" in f]
+    assert verdicts
+    assert all(f["cause"] != "gpu-needs-reset" for f in verdicts)
+    assert harness.snapshots[-1]["units"][unit]["reset_xids"] == []
+    assert harness.snapshots[-1]["xid"]["recent"][0]["code"] == 119  # still shown by status
+
+
+def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
+    tmp_path: Path, in_process_nvml: Path, spawn_holder: HolderSpawner
+) -> None:
+    """An OOM line naming GPU 1, from a unit with CUDA_VISIBLE_DEVICES=2,3, means GPU 3.
+
+    Another job holds GPU 3 (not the unit's, so not stale): the diagnosis names it as what
+    GPU 3 is held by; nothing is reaped (dry run).
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    other = spawn_holder(in_process_nvml, gpus=(3,), mib=20000, name="trainer")
+    entries = loop_entries(unit)
+    last = entries[-5]  # the last run's main process exit
+    oom = {
+        "_TRANSPORT": "stdout",
+        "_PID": "4242",
+        "_UID": "0",
+        "_SYSTEMD_UNIT": unit,
+        "_SYSTEMD_CGROUP": f"/system.slice/{unit}",
+        "_SYSTEMD_INVOCATION_ID": last["INVOCATION_ID"],
+        "MESSAGE": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+        "GPU 1 has a total capacity of 79.15 GiB of which 3.19 MiB is free.",
+        "_BOOT_ID": last["_BOOT_ID"],
+        "__CURSOR": f"{last['__CURSOR']}-oom",
+        "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) - 1),
+        "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) - 1),
+    }
+    entries.insert(len(entries) - 5, oom)
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        entries,
+        dry_run=True,
+        gate_environment={"CUDA_VISIBLE_DEVICES": "2,3"},
+    )
+
+    assert harness.daemon.run() == 0
+
+    loop = next(f for _, event, f in harness.log.lines if event == "restart loop")
+    detail = str(loop["cause_detail"])
+    assert loop["cause"] == "stale-gpu-holders"
+    assert "GPU 1 has a total capacity" in detail
+    assert f"; cuda:1 = GPU 3 (20000 MiB used), held by PID {other.pid} (trainer, " in detail
+    assert "(no stale holder found now)" in detail
+    assert not process_gone(other.pid)
+
+
+def test_a_holder_sigkill_leaves_after_an_xid_naming_it_stops_the_loop_at_needs_operator(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Xid 31 named an earlier run's worker; SIGKILL does not end it; the next loop stops.
+
+    A process that survives SIGKILL needs a driver fault no test can cause, so here alone the
+    reaper is a twin that reports ``unkillable`` and signals nothing (everything else is real).
+    The first daemon recovers once and records the worker as stuck after Xid 31; a second one,
+    from that saved state, sees the same worker still holding GPU 1 and stops at needs
+    operator instead of reaping it again.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stuck = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 1, monkeypatch)
+    # The recorded loop moved to now on this boot's clock: after the worker started.
+    uptime_us = int(float(Path("/proc/uptime").read_text().split()[0]) * 1e6)
+    entries = loop_entries(unit)
+    shift_us = uptime_us - int(str(entries[0]["__MONOTONIC_TIMESTAMP"]))
+    for entry in entries:
+        entry["__MONOTONIC_TIMESTAMP"] = str(int(str(entry["__MONOTONIC_TIMESTAMP"])) + shift_us)
+    xid = {
+        **_kernel_xid(31, 0x3B, entries[0], 1),
+        "MESSAGE": f"NVRM: Xid (PCI:0000:3b:00): 31, pid={stuck.pid}, name=python3, MMU Fault",
+    }
+    tried: list[int] = []
+
+    def unkillable(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        tried.extend(t.identity.pid for t in targets)
+        return tuple(
+            values.ReapResult(t, values.ReapOutcome.UNKILLABLE, ("SIGTERM", "SIGKILL"), "R")
+            for t in targets
+        )
+
+    saved: dict[str, dict[str, Any]] = {}
+    first = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        [xid, *entries],
+        dry_run=False,
+        gate_timeout_s=0.5,
+        saved=saved,
+        reaper_twin=unkillable,
+    )
+    assert first.daemon.run() == 0
+    (recovery,) = saved[unit]["recoveries"]
+    (reaped,) = recovery["reaped"]
+    assert reaped["pid"] == stuck.pid
+    assert reaped["stuck_after_xid"] == 31
+    assert reaped["detail"].startswith("stuck in the driver after Xid 31 (GPU memory page fault)")
+
+    tried.clear()
+    second = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        [xid, *entries],
+        dry_run=False,
+        gate_timeout_s=0.5,
+        saved=saved,
+        reaper_twin=unkillable,
+    )
+    assert second.daemon.run() == 0
+    assert tried == []
+    assert second.unit.calls == []
+    operator = next(f for _, event, f in second.log.lines if event == "needs operator")
+    assert operator["cause"] == "gpu-needs-reset"
+    detail = str(operator["cause_detail"])
+    assert f"GPU 1: PID {stuck.pid} (sglang::schedul" in detail
+    assert "is stuck in the driver after Xid 31" in detail
+    assert not process_gone(stuck.pid)
 
 
 def test_kernel_xids_are_kept_for_status_and_malformed_ones_counted(

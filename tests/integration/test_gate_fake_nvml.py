@@ -357,3 +357,25 @@ def test_gate_timeout_holds_against_hostile_command_lines(
     assert "Traceback" not in result.err
     assert result.code == 1
     assert result.err.splitlines()[-1].startswith(f"gpuguard gate: GPUs of {unit} still busy")
+
+
+def test_the_fast_path_hands_over_when_the_daemon_lists_xids_for_the_unit(
+    cli: Cli, unit_cgroups: UnitCgroups
+) -> None:
+    """Idle GPUs, but the daemon's snapshot lists a reset-class Xid for the unit: full path.
+
+    The full path weighs it (only for an automatic restart, which this is not: no systemd
+    here says NRestarts), so the start is still allowed; it just is not the light path.
+    """
+    unit = unit_name()
+    assert gate_in_unit(cli, unit_cgroups, unit).code == 0  # full load fills the cache
+    snapshot = {"units": {unit: {"reset_xids": [{"pci_bus_id": "0000:3b:00", "code": 79}]}}}
+    (cli.config.parent / "run" / "daemon.json").write_text(json.dumps(snapshot))
+    cli.env["PYTHONPROFILEIMPORTTIME"] = "1"
+    try:
+        result = gate_in_unit(cli, unit_cgroups, unit)
+    finally:
+        del cli.env["PYTHONPROFILEIMPORTTIME"]
+    assert result.code == 0, result.err
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.err.splitlines() if "|" in line}
+    assert "pydantic" in imported

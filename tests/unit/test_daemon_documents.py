@@ -27,6 +27,7 @@ def unit_snapshot() -> UnitSnapshot:
         starts_in_window=3,
         failures_in_window=3,
         n_restarts=7,
+        oom_device=None,
         evidence=("GPU 0: PID 4242 holds 4000 MiB",),
         action="recover",
         action_reason="GPU cause",
@@ -34,6 +35,7 @@ def unit_snapshot() -> UnitSnapshot:
         recoveries=(RECORD,),
         recovery_in_progress=False,
         survivors=(),
+        reset_xids=({"code": 79},),
     )
 
 
@@ -67,6 +69,7 @@ def test_the_snapshot_writes_the_documented_fields() -> None:
         "starts_in_window",
         "failures_in_window",
         "n_restarts",
+        "oom_device",
         "evidence",
         "action",
         "action_reason",
@@ -74,7 +77,9 @@ def test_the_snapshot_writes_the_documented_fields() -> None:
         "recoveries",
         "recovery_in_progress",
         "survivors",
+        "reset_xids",
     }
+    assert unit["reset_xids"] == [{"code": 79}]
     assert unit["evidence"] == ["GPU 0: PID 4242 holds 4000 MiB"]
     assert unit["recoveries"] == [RECORD]
 

@@ -569,6 +569,25 @@ def test_gpu_oom_output_of_a_failed_run_points_at_stale_holders() -> None:
     assert any("printed: torch.OutOfMemoryError" in line for line in diagnosis.evidence)
 
 
+def test_the_device_a_failure_names_is_the_gpu_the_unit_sees_as_that_number() -> None:
+    """cuda:1 is the unit's second GPU; a number past its GPUs is said and ignored."""
+    journal = Journal()
+    run = journal.failed_run(9, T0 + 60, oom=True)
+    run[1] = replace(run[1], device=1)
+    seen = GpuEvidence(cuda_devices=("GPU 2, held by no process now", "GPU 3, held by PID 77"))
+    diagnosis = fed(failures(2) + run).diagnose(T0 + 70, seen)
+    assert diagnosis.cause is Cause.STALE_GPU_HOLDERS
+    assert "; cuda:1 = GPU 3, held by PID 77 (no stale holder found now)" in diagnosis.cause_detail
+    run[1] = replace(run[1], device=7, cursor="s=test;i=device7")
+    far = fed(failures(2) + run).diagnose(T0 + 70, seen).cause_detail
+    assert "cuda:7 names no GPU the unit sees (2 visible to it): ignored" in far
+    assert fed(failures(2) + run).diagnose(T0 + 70, None).oom_device == 7  # for the gate
+    assert fed(failures(3)).diagnose(T0 + 70, None).oom_device is None
+    unknown = GpuEvidence(cuda_note="mixed GPU models and CUDA_DEVICE_ORDER is not PCI_BUS_ID")
+    mixed = fed(failures(2) + run).diagnose(T0 + 70, unknown).cause_detail
+    assert "cuda:7 cannot be placed: mixed GPU models" in mixed
+
+
 def test_gpu_oom_output_alone_is_no_loop_and_no_cause() -> None:
     """OOM text from a run PID 1 never reported as failed triggers nothing (it is free text)."""
     journal = Journal()

@@ -434,6 +434,8 @@ def test_gpu_oom_patterns_match_what_servers_print(line: str) -> None:
             None,
         ),
         ("ValueError: Free memory on device (6.92/8.0 GiB) on startup is less than desired", None),
+        ("torch.OutOfMemoryError: CUDA out of memory on device 2 (79.15 GiB total)", 2),
+        ("torch.OutOfMemoryError: CUDA out of memory on device 2.5 of 8", None),
     ],
 )
 def test_start_failure_signatures_and_their_device(line: str, device: int | None) -> None:

@@ -6,7 +6,7 @@ tests run the same loop through the CLI over the fake NVML).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpuguard.core.gate import GateSettings, run_gate, wait_until_idle
@@ -25,16 +25,20 @@ from gpuguard.core.values import (
     ProcessIdentity,
     ProcessListKind,
     ProcScan,
+    ReapOutcome,
+    ReapResult,
     RecoveryAction,
     UnitProvenance,
 )
+from gpuguard.core.xidfaults import XidFault
+from gpuguard.core.xidstuck import XidClaim
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.core.gate import GateOutcome
     from gpuguard.core.inventory import Inventory
-    from gpuguard.core.values import ReapResult, ReapTarget
+    from gpuguard.core.values import ReapTarget
 
 UNIT = "sglang.service"
 REQUEST = PlanRequest(
@@ -112,13 +116,13 @@ class World:
         """The in-memory monotonic clock."""
         return self.now
 
-    def run(self, timeout_s: float = 300.0) -> GateOutcome:
+    def run(self, timeout_s: float = 300.0, faults: tuple[XidFault, ...] = ()) -> GateOutcome:
         """Run the gate over this world."""
 
         def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
             raise AssertionError(f"nothing here is stale: {targets}")
 
-        settings = GateSettings(REQUEST, 16 * MIB, timeout_s, poll_s=0.5)
+        settings = GateSettings(REQUEST, 16 * MIB, timeout_s, poll_s=0.5, xid_faults=faults)
         return run_gate(
             settings, self.gather, reap, self.clock, self.sleep, report=self.lines.append
         )
@@ -260,3 +264,101 @@ def test_waiting_until_idle_gives_up_after_its_time_and_says_what_blocks() -> No
     _, at_once = wait_until_idle(settings, busy, world.gather, world.clock, world.sleep, wait_s=0.0)
     assert at_once == blockers
     assert world.now == 3.0
+
+
+def addressed(index: int, *, used_mib: int = 0, pid: int | None = None) -> GpuReading:
+    """``gpu(index)`` with the PCI address NVML gives it (bus 0x19 + index)."""
+    reading = gpu(index, used_mib=used_mib, pid=pid)
+    return replace(reading, pci_bus_id=f"00000000:{0x19 + index:02X}:00.0")
+
+
+def test_a_reset_class_xid_on_a_gpu_of_the_set_refuses_at_once_naming_it() -> None:
+    """The daemon's Xid 79 on GPU 1's address, NVML healthy and GPU 0 busy: refused now."""
+    fault = XidFault("0000:1a:00", 79, "2026-12-01T06:00:00+00:00")
+    world = World([inventory(addressed(0, used_mib=8000, pid=77), addressed(1))])
+    outcome = world.run(faults=(fault,))
+    assert outcome.hopeless
+    assert outcome.blockers == (
+        (
+            "GPU 1 had Xid 79 (GPU has fallen off the bus) at 2026-12-01T06:00:00+00:00 since "
+            "the unit last came up: it needs a reboot (docs/xid.md)"
+        ),
+    )
+    assert world.sleeps == 0
+
+
+def test_xid_faults_outside_the_set_or_at_unknown_addresses_never_refuse() -> None:
+    """GPU 3's Xid (outside {0, 1}) and one for an address NVML does not know: started."""
+    faults = (
+        XidFault("0000:1c:00", 119, None),
+        XidFault("0000:99:00", 79, None),
+        XidFault("ffff:ff:ff", 48, "\x1b[2J"),
+    )
+    world = World([inventory(addressed(0), addressed(1), addressed(2), addressed(3))])
+    assert world.run(faults=faults).passed
+
+
+def test_a_reaped_process_sigkill_leaves_after_an_xid_naming_it_refuses_at_once() -> None:
+    """Xid 31 named PID 88 (started 10 s after boot, the Xid at 50 s); SIGKILL leaves it alive.
+
+    The reaper here is a twin: no process outside a driver fault survives SIGKILL. The gate
+    refuses at once instead of waiting out its 300 s; without the Xid it would wait.
+    """
+    left_over = ProcessFacts(
+        identity=ProcessIdentity(88, 1000),
+        ppid=1,
+        state="R",
+        comm="sglang::schedul",
+        cmdline=("sglang::scheduler_TP0",),
+        uid=0,
+        user="root",
+        cgroup=f"/system.slice/{UNIT}",
+        device_files=frozenset({"/dev/nvidia0"}),
+    )
+    busy = build_inventory(
+        NvmlReading(NvmlHealth.OK, None, "550.54.15", (gpu(0, used_mib=8000, pid=88), gpu(1))),
+        ProcScan((left_over,)),
+        16 * MIB,
+    )
+    calls: list[int] = []
+
+    def unkillable(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        calls.extend(t.identity.pid for t in targets)
+        return tuple(ReapResult(t, ReapOutcome.UNKILLABLE, ("SIGTERM", "SIGKILL")) for t in targets)
+
+    def run(claims: tuple[XidClaim, ...]) -> tuple[GateOutcome, World]:
+        world = World([busy])
+        settings = GateSettings(REQUEST, 16 * MIB, 300.0, poll_s=0.5, xid_claims=claims)
+        return run_gate(settings, world.gather, unkillable, world.clock, world.sleep), world
+
+    outcome, world = run((XidClaim(31, 88, 50.0, "T"),))
+    assert calls == [88]
+    assert outcome.hopeless
+    assert outcome.blockers == (
+        (
+            "PID 88 is stuck in the driver after Xid 31 (GPU memory page fault) at T: SIGKILL "
+            "did not end it; its GPU needs a reset or a reboot"
+        ),
+    )
+    assert world.now == 0
+    younger, world = run((XidClaim(31, 88, 5.0, "T"),))  # the Xid was about an older PID 88
+    assert not younger.hopeless
+    assert world.now >= 300
+
+
+def test_the_gpu_the_last_run_ran_out_of_memory_on_is_named_first() -> None:
+    """GPU 0 and GPU 1 busy; the last run's cuda:1 is GPU 1: its blocker leads and says so."""
+    busy = inventory(gpu(0, used_mib=8000, pid=77), gpu(1, used_mib=4000, pid=77))
+    world = World([busy])
+    settings = GateSettings(REQUEST, 16 * MIB, 1.0, poll_s=0.5, oom=(1, 1))
+
+    def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        raise AssertionError(f"nothing here is stale: {targets}")
+
+    outcome = run_gate(settings, world.gather, reap, world.clock, world.sleep)
+    assert not outcome.passed
+    assert outcome.blockers[0].startswith("GPU 1: 4000 MiB used")
+    assert outcome.blockers[0].endswith(
+        "(cuda:1 of the unit: its last run ran out of memory there)"
+    )
+    assert outcome.blockers[1].startswith("GPU 0: 8000 MiB used")

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.adapters.systemd import is_control_process, parse_environment, parse_show
-from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.unitconfig import shell_words
 from gpuguard.core.values import GpuReading
 
@@ -128,3 +128,39 @@ def test_only_the_units_control_process_speaks_for_its_run() -> None:
     unknown = parse_show("s.service", "")
     assert is_control_process(unknown, 9, trust_unknown=True)
     assert not is_control_process(unknown, 9, trust_unknown=False)
+
+
+def test_cuda_view_numbers_the_visible_gpus_in_the_order_given() -> None:
+    """CUDA_VISIBLE_DEVICES=6,2: cuda:0 is GPU 6, cuda:1 GPU 2; a UUID names its GPU."""
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": "6,2"}, EIGHT).indices == (6, 2)
+    uuid = EIGHT[5].uuid or ""
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": f"3,{uuid}"}, EIGHT).indices == (3, 5)
+    assert cuda_view({}, EIGHT).indices == tuple(range(8))
+    assert cuda_view(None, EIGHT).indices == tuple(range(8))
+
+
+def test_cuda_view_stops_where_cuda_stops() -> None:
+    """CUDA hides everything from the first entry that names no device; garbage too."""
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": "1,9,2"}, EIGHT).indices == (1,)
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": "1,GPU-nope,2"}, EIGHT).indices == (1,)
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": "1,x,2"}, EIGHT).indices == (1,)
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": "\u0661,2"}, EIGHT).indices == ()
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": "9" * 5000}, EIGHT).indices == ()
+    assert cuda_view({"CUDA_VISIBLE_DEVICES": ""}, EIGHT).indices == ()
+
+
+def test_cuda_view_of_mixed_models_needs_pci_order() -> None:
+    """FASTEST_FIRST over mixed models cannot be told; PCI_BUS_ID can."""
+    mixed = gpus("NVIDIA H200", "NVIDIA A100")
+    unknown = cuda_view({"CUDA_VISIBLE_DEVICES": "1"}, mixed)
+    assert unknown.indices is None
+    assert unknown.note is not None
+    assert "CUDA_DEVICE_ORDER" in unknown.note
+    ordered = {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert cuda_view(ordered, mixed).indices == (1, 0)
+
+
+def test_a_huge_ordinal_is_no_crash_for_the_gpu_set_either() -> None:
+    """5000 digits used to reach int() (ValueError past 4300 digits): now an invalid entry."""
+    result = resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": "1," + "9" * 5000}, EIGHT)
+    assert result.indices == frozenset({1})

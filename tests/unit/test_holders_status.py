@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from gpuguard.core.inventory import build_inventory, gpu_minor_of
 from gpuguard.core.status import (
@@ -368,3 +368,94 @@ def test_daemon_needs_operator_for_a_gpu_reset_says_so() -> None:
     assert level is Level.CRITICAL
     assert "a GPU of its set needs a reset" in text
     assert "GPU 1: a memory row remap is pending" in text
+
+
+def test_since_limits_the_history_shown_not_the_current_state() -> None:
+    """--since 1h: an older Xid, recovery and sweep are left out; GPU health is still judged."""
+
+    def xid(code: int, when: str) -> dict[str, object]:
+        return {"code": code, "xid_class": "reboot", "pci_bus_id": "0000:1a:00", "time": when}
+
+    watch = {
+        "verdict": "ok",
+        "recoveries": [
+            {"started_at": "2026-11-29T09:00:00+00:00", "result": "old-recovery"},
+            {"started_at": "2026-11-29T11:30:00+00:00", "result": "new-recovery"},
+        ],
+        "survivors": [
+            {"at": "2026-11-29T09:00:00+00:00", "summary": "old-sweep"},
+            {"at": "2026-11-29T11:59:00+00:00", "summary": "new-sweep"},
+        ],
+    }
+    snapshot: dict[str, object] = {
+        "xid": {"recent": [xid(79, "2026-11-29T10:00:00+00:00"), xid(48, "2026-11-29T11:10:00")]},
+        "units": {"sglang.service": watch},
+    }
+    inventory = build_inventory(reading(gpu(0), gpu(1)), ProcScan(()), 16 * MIB)
+    unit = UnitView("sglang.service", "active (running)", "GPUs 0,1 (from config)")
+    context = replace(
+        CONTEXT,
+        daemon=DaemonView("running", snapshot),
+        units=(unit,),
+        since=NOW - timedelta(hours=1),
+    )
+    report = assess(inventory, context, NOW)
+    text, doc = render_text(report), to_json(report)
+    assert "History since 2026-11-29T11:00:00+00:00" in text
+    assert "Xid 48" in text
+    assert "Xid 79" not in text
+    assert "new-recovery" in text
+    assert "old-recovery" not in text
+    assert "new-sweep" in text
+    assert "old-sweep" not in text
+    assert [e["code"] for e in doc["xid_events"]] == [48]
+    assert doc["since"] == "2026-11-29T11:00:00+00:00"
+    everything = to_json(assess(inventory, replace(context, since=None), NOW))
+    assert [e["code"] for e in everything["xid_events"]] == [79, 48]
+    assert everything["since"] is None
+
+
+def _stuck_report(xid_pid: int, xid_at_s: float, *, unkillable: bool) -> tuple[Level, str]:
+    """Judge PID 4242 holding GPU 0 in state R, after an Xid 31 naming ``xid_pid``.
+
+    4242 started at tick 5242 (52.42 s after boot); the Xid came at ``xid_at_s``; the gate's
+    last reap left it alive or not.
+    """
+    holder = proc(4242, "/dev/nvidia0", state="R")
+    inventory = build_inventory(reading(gpu(0, 8000, (4242, 8000))), ProcScan((holder,)), 16 * MIB)
+    xid = {
+        "code": 31,
+        "xid_class": "application",
+        "pci_bus_id": "0000:19:00",
+        "pid": xid_pid,
+        "time": "2026-11-29T11:59:00+00:00",
+        "monotonic_s": xid_at_s,
+    }
+    decision = {
+        "time": "2026-11-29T11:59:30+00:00",
+        "result": "refused",
+        "reaped": [{"pid": 4242, "outcome": "unkillable" if unkillable else "killed"}],
+    }
+    unit = UnitView("sglang.service", "activating", "all GPUs", gate_decisions=(decision,))
+    context = replace(
+        CONTEXT, daemon=DaemonView("running", {"xid": {"recent": [xid]}}), units=(unit,)
+    )
+    report = assess(inventory, context, NOW)
+    return report.level, render_text(report)
+
+
+def test_a_holder_sigkill_left_alive_after_an_xid_naming_it_is_stuck_in_the_driver() -> None:
+    """Xid 31 named PID 4242 after it started; the gate's SIGKILL left it running: CRITICAL."""
+    level, text = _stuck_report(4242, 60.0, unkillable=True)
+    assert level is Level.CRITICAL
+    assert (
+        "PID 4242 (python3) holding GPU 0 is stuck in the driver after Xid 31 (GPU memory page "
+        "fault) at 2026-11-29T11:59:00+00:00: SIGKILL did not end it"
+    ) in text
+
+
+def test_the_xid_pid_is_only_a_claim() -> None:
+    """Another PID, a process younger than the Xid (PID reused), or no SIGKILL: not stuck."""
+    for xid_pid, at_s, unkillable in ((4243, 60.0, True), (4242, 50.0, True), (4242, 60.0, False)):
+        _, text = _stuck_report(xid_pid, at_s, unkillable=unkillable)
+        assert "stuck in the driver" not in text

@@ -148,7 +148,7 @@ def test_a_recovery_stops_waits_for_idle_resets_and_starts() -> None:
     assert done.outcome.passed
     assert done.outcome.waited_s >= 2.0
     assert done.restarted_at == world.now
-    record = done.record()
+    record = done.record(())
     assert record == {
         "result": "restarted",
         "problem": None,
@@ -174,7 +174,7 @@ def test_a_unit_that_never_stops_is_named_and_never_started() -> None:
     assert done.problem == f"{UNIT} did not stop within {STOP_WAIT_S:.0f} s"
     assert done.outcome is None
     assert unit.verbs == ["stop"]
-    assert done.record()["waited_s"] is None
+    assert done.record(())["waited_s"] is None
     assert world.now >= STOP_WAIT_S
 
 

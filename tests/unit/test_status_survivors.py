@@ -17,7 +17,7 @@ def test_the_last_three_sweeps_are_shown_escaped() -> None:
     records = [sweep(f"T{n}", f"reaped {n} survivors of run 577f5c37") for n in range(5)]
     records[-1]["summary"] = "reaped 1 survivor\x1b[2J of run 577f5c37\nforged line"
     view = DaemonView("running", {"units": {UNIT: {"verdict": "ok", "survivors": records}}})
-    lines = [line for line in _watch_lines(view, UNIT) if line.startswith("survivors ")]
+    lines = [line for line in _watch_lines(view, UNIT, None) if line.startswith("survivors ")]
     assert lines[:2] == [
         "survivors T2: reaped 2 survivors of run 577f5c37",
         "survivors T3: reaped 3 survivors of run 577f5c37",
@@ -31,5 +31,5 @@ def test_a_snapshot_of_the_wrong_shape_shows_no_sweep() -> None:
     """Written by an older daemon or damaged: no survivors line, no exception."""
     for value in (None, "text", [1, "x"], {"a": 1}):
         view = DaemonView("running", {"units": {UNIT: {"verdict": "ok", "survivors": value}}})
-        lines = _watch_lines(view, UNIT)
+        lines = _watch_lines(view, UNIT, None)
         assert not [line for line in lines if line.startswith("survivors ")]

@@ -102,6 +102,16 @@ class UnitPlan:
     request: PlanRequest
     gpu_set: GpuSet
     unit_state: UnitState
+    environment: dict[str, str]
+    """The unit's environment the GPU set was resolved from (its own, else systemd's)."""
+
+    @property
+    def automatic(self) -> bool:
+        """Whether systemd restarted the unit itself: an operator's start sets NRestarts to 0.
+
+        Only an automatic restart meets the Xids and the out-of-memory device of the run before.
+        """
+        return bool(self.unit_state.n_restarts)
 
 
 def unit_plan(
@@ -123,13 +133,10 @@ def unit_plan(
     inside = who.runs_in(unit) and systemd.is_control_process(
         unit_state, who.pid, trust_unknown=caller is None
     )
-    environment = unit_environment(who, unit, settings.runtime_dir)
+    own = unit_environment(who, unit, settings.runtime_dir)
+    environment = unit_state.environment if own is None else own
     live = unit_state.invocation_id if unit_state.running and not inside else None
-    gpu_set = resolve_gpu_set(
-        unit_settings(settings, unit).gpus,
-        unit_state.environment if environment is None else environment,
-        gpus,
-    )
+    gpu_set = resolve_gpu_set(unit_settings(settings, unit).gpus, environment, gpus)
     provenance = systemd.provenance(unit_state, inside=inside)
     request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
-    return UnitPlan(request, gpu_set, unit_state)
+    return UnitPlan(request, gpu_set, unit_state, environment)

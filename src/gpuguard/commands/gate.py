@@ -43,7 +43,7 @@ def fast_path(
     a reset; the NVML reading taken on the way is handed on so the full path does not read it
     again.
     """
-    from gpuguard.adapters import configfile, nvml  # noqa: PLC0415 - see the package doc
+    from gpuguard.adapters import configfile, daemonsnapshot, nvml  # noqa: PLC0415
     from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
     from gpuguard.core.health import reset_reasons  # noqa: PLC0415
@@ -65,7 +65,10 @@ def fast_path(
         return None, reading
     gpu_set = resolve_gpu_set(unit.get("gpus"), environment, reading.gpus)
     present = {gpu.index for gpu in reading.gpus}
-    if gpu_set.indices is not None and not gpu_set.indices <= present:
+    missing = gpu_set.indices is not None and not gpu_set.indices <= present
+    if missing or daemonsnapshot.lists_reset_xids(
+        runtime_dir, args.unit
+    ):  # the full path weighs them
         return None, reading
     threshold = int(cached["idle_threshold_mib"]) * MIB
     for gpu in reading.gpus:
@@ -84,7 +87,14 @@ def run(
     caller: Caller | None,
 ) -> int:
     """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
-    from gpuguard.adapters import containerstop, inventory, logs, reaper  # noqa: PLC0415
+    from gpuguard.adapters import (  # noqa: PLC0415
+        containerstop,
+        daemonsnapshot,
+        inventory,
+        logs,
+        procfs,
+        reaper,
+    )
     from gpuguard.core import gate  # noqa: PLC0415
 
     first = inventory.gather(settings, reading)
@@ -106,8 +116,23 @@ def run(
     def report(line: str) -> None:
         sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
 
+    runtime_dir = settings.runtime_dir
     outcome = gate.run_gate(
-        gate.GateSettings(planned.request, settings.idle_threshold_mib * 1024 * 1024, timeout),
+        gate.GateSettings(
+            planned.request,
+            settings.idle_threshold_mib * 1024 * 1024,
+            timeout,
+            xid_faults=daemonsnapshot.reset_xids(runtime_dir, args.unit)
+            if planned.automatic
+            else (),
+            xid_claims=daemonsnapshot.xid_claims(runtime_dir),
+            clock_ticks=procfs.clock_ticks_per_second(),
+            oom=oom_gpu(
+                daemonsnapshot.oom_device(runtime_dir, args.unit), planned.environment, first
+            )
+            if planned.automatic
+            else None,
+        ),
         gather,
         reap,
         time.monotonic,
@@ -122,6 +147,24 @@ def run(
         ),
     )
     return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set)
+
+
+def oom_gpu(
+    device: int | None, environment: dict[str, str], found: Inventory
+) -> tuple[int, int] | None:
+    """The GPU the unit's last failed run ran out of memory on: (CUDA device, NVML index).
+
+    The device comes from the unit's output (the running daemon read it); the unit's own
+    CUDA_VISIBLE_DEVICES maps it, and a number past the unit's GPUs maps to nothing.
+    """
+    from gpuguard.core.gpuset import cuda_view  # noqa: PLC0415 - see the package doc
+
+    if device is None:
+        return None
+    indices = cuda_view(environment, found.nvml.gpus).indices
+    if indices is None or device >= len(indices):
+        return None
+    return device, indices[device]
 
 
 def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:

@@ -12,21 +12,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
-    from gpuguard.core.status import DaemonView, StatusReport
+    from gpuguard.core.since import Since
+    from gpuguard.core.status import StatusReport
 
 
-def run(settings: Settings, *, as_json: bool, watch: float | None = None) -> int:
+def run(
+    settings: Settings, *, as_json: bool, watch: float | None = None, since: Since | None = None
+) -> int:
     """Print the status report; exit with its level (the monitoring-plugin convention).
 
     With ``watch`` (seconds), redraw it in place on the terminal until stopped; exit 0 then.
+    ``since``: the start of the history shown (``--since``); None: all that is kept.
     """
     from gpuguard.core import status  # noqa: PLC0415
 
     if watch is not None:
         from gpuguard.adapters import terminal  # noqa: PLC0415
 
-        return terminal.run(lambda: status.render_text(_report(settings)), watch, sys.stdout)
-    report = _report(settings)
+        return terminal.run(lambda: status.render_text(_report(settings, since)), watch, sys.stdout)
+    report = _report(settings, since)
     if as_json:
         sys.stdout.write(json.dumps(status.to_json(report), indent=2) + "\n")
     else:
@@ -44,12 +48,22 @@ def watch_interval(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _report(settings: Settings) -> StatusReport:
+def _report(settings: Settings, since: Since | None) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
-    from gpuguard.adapters import inventory, procfs, state, systemd, unitenv  # noqa: PLC0415
+    from gpuguard.adapters import (  # noqa: PLC0415
+        daemonsnapshot,
+        inventory,
+        procfs,
+        state,
+        systemd,
+        unitenv,
+    )
     from gpuguard.core import status  # noqa: PLC0415
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
+    from gpuguard.core.since import within  # noqa: PLC0415
 
+    now = datetime.now(timezone.utc)
+    start = None if since is None else since.start(now)
     found = inventory.gather(settings)
     units = []
     for name, unit in settings.units.items():
@@ -64,7 +78,13 @@ def _report(settings: Settings) -> StatusReport:
                 state=_unit_state_text(unit_state),
                 not_found=unit_state.not_found,
                 gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
-                gate_decisions=tuple(state.gate_decisions(settings.runtime_dir, name)[-3:]),
+                gate_decisions=tuple(
+                    [
+                        decision
+                        for decision in state.gate_decisions(settings.runtime_dir, name)
+                        if within(start, decision.get("time"))
+                    ][-3:]
+                ),
             )
         )
     return status.assess(
@@ -77,17 +97,18 @@ def _report(settings: Settings) -> StatusReport:
             units=tuple(units),
             boot_time=procfs.boot_time(),
             clock_ticks=procfs.clock_ticks_per_second(),
-            daemon=_daemon_view(settings),
+            daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
+            since=start,
         ),
-        datetime.now(timezone.utc),
+        now,
     )
 
 
 def prometheus(settings: Settings) -> int:
     """`status --prometheus`: the daemon's metrics drawn now, for a one-off scrape; exit 0."""
-    from gpuguard.adapters import inventory, metricsio, systemd  # noqa: PLC0415
+    from gpuguard.adapters import daemonsnapshot, inventory, metricsio, systemd  # noqa: PLC0415
 
-    view = _daemon_view(settings)
+    view = daemonsnapshot.daemon_view(settings.runtime_dir)
     sys.stdout.write(
         metricsio.scrape(
             settings,
@@ -107,23 +128,3 @@ def _unit_state_text(unit_state: UnitState) -> str:
     if unit_state.not_found:
         return "not found (LoadState=not-found: systemd has no such unit)"
     return f"{unit_state.active_state} ({unit_state.sub_state})"
-
-
-def _daemon_view(settings: Settings) -> DaemonView:
-    """The daemon's snapshot and whether the process that wrote it still lives."""
-    from gpuguard.adapters import procfs, state  # noqa: PLC0415 - see the package doc
-    from gpuguard.core.status import DaemonView  # noqa: PLC0415
-    from gpuguard.core.values import ProcessIdentity  # noqa: PLC0415
-
-    snapshot = state.read_json(settings.runtime_dir / "daemon.json")
-    if not isinstance(snapshot, dict):
-        return DaemonView("absent", {})
-    if not snapshot.get("running"):
-        return DaemonView("stopped", snapshot)
-    pid, start = snapshot.get("pid"), snapshot.get("start_time")
-    alive = (
-        isinstance(pid, int)
-        and isinstance(start, int)
-        and procfs.read_identity(pid) == ProcessIdentity(pid, start)
-    )
-    return DaemonView("running" if alive else "dead", snapshot)

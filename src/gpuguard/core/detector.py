@@ -63,6 +63,7 @@ from datetime import datetime, timezone, tzinfo
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.events import EventKind, UnitEvent
+from gpuguard.core.oomdevice import describe_device
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
@@ -125,6 +126,10 @@ class GpuEvidence:
     stale_holders: tuple[str, ...] = ()
     gpus_busy: bool = False
     needs_reset: tuple[str, ...] = ()
+    cuda_devices: tuple[str, ...] | None = None
+    """What each CUDA device the unit sees is (oomdevice.device_phrases): device k is entry k;
+    None when the numbering cannot be told, with the reason in ``cuda_note``."""
+    cuda_note: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,12 @@ class Diagnosis:
     immediate: bool
     """A sign that the next start will fail too (left-over process at start, stop timeout
     followed by a failed start): act without waiting for more failures."""
+    good_start_s: float | None = None
+    """When the newest run of the window that stayed up (or ended cleanly) started: a fault
+    before it did not keep the unit down (xidfaults)."""
+    oom_device: int | None = None
+    """The CUDA device the newest out-of-memory line of the current failures names, as the
+    server numbers its GPUs (foreign text: only ever mapped onto the unit's own GPUs)."""
 
 
 class _Outcome(StrEnum):
@@ -404,6 +415,11 @@ class Detector:
         verdict = self._verdict(view)
         cause, cause_detail = _cause(view.failed, gpu)
         failures = [run.failure_s for run in view.failed if run.failure_s is not None]
+        good = [
+            run.started_s
+            for run, out in view.known
+            if out is _Outcome.OK and run.started_s is not None
+        ]
         return Diagnosis(
             unit=self.unit,
             looping=verdict.looping,
@@ -416,6 +432,8 @@ class Detector:
             cause_detail=cause_detail,
             first_failure_s=min(failures, default=None),
             immediate=verdict.immediate,
+            good_start_s=max(good, default=None),
+            oom_device=next((run.oom[0].device for run in reversed(view.failed) if run.oom), None),
         )
 
     def _view(self, now: float) -> _View:
@@ -670,8 +688,11 @@ def _gpu_cause(failed: Sequence[_Run], gpu: GpuEvidence | None) -> tuple[Cause, 
         return None
     run = oom_runs[-1]
     detail = f"run {_abbrev(run)} printed: {_cut(run.oom[0].message)}"
-    if run.oom[0].device is not None:
-        detail += f" (CUDA device {run.oom[0].device} as the server numbers its GPUs)"
+    device = run.oom[0].device
+    if device is not None and gpu is None:
+        detail += f" (CUDA device {device} as the server numbers its GPUs)"
+    elif device is not None and gpu is not None:
+        detail += f"; {describe_device(device, gpu.cuda_devices, gpu.cuda_note)}"
     if gpu is not None:
         detail += " (no stale holder found now)"
     return Cause.STALE_GPU_HOLDERS, detail

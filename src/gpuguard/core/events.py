@@ -228,8 +228,9 @@ __MONOTONIC_TIMESTAMP itself): the
 follower asks journalctl for these only, which halves what Python has to json.loads."""
 
 _GPU_OOM = re.compile(GPU_OOM_REGEX)
-# The CUDA device a start-failure line names: "cuda:1", "GPU 3 has a total capacity", "(GPU 0;".
-_DEVICE = re.compile(r"(?:\bcuda:|\bGPU )(\d{1,3})(?![\d.])")
+# The CUDA device a start-failure line names: "cuda:1", "GPU 3 has a total capacity", "(GPU 0;",
+# "device 2".
+_DEVICE = re.compile(r"(?:\bcuda:|\bGPU |\bdevice )(\d{1,3})(?![\d.])")
 
 # Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; docs/facts.md §4.1, §4.7).
 _LEFT_OVER = re.compile(

@@ -17,13 +17,17 @@ from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
-from gpuguard.core.values import MIB, NvmlHealth, ReapTarget
+from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget
+from gpuguard.core.xidfaults import blockers as xid_blockers
+from gpuguard.core.xidstuck import named_by, stuck_phrase
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.core.inventory import Holder, Inventory
     from gpuguard.core.values import ProcessIdentity, ReapResult
+    from gpuguard.core.xidfaults import XidFault
+    from gpuguard.core.xidstuck import XidClaim
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +79,26 @@ class GateSettings:
     timeout_s: float
     poll_s: float = 0.1
     report_every_s: float = 10.0
+    xid_faults: tuple[XidFault, ...] = ()
+    """Reset-class kernel Xids since the unit last came up (the daemon's, for an automatic
+    restart only: see xidfaults); each on a GPU of the set refuses the start."""
+    xid_claims: tuple[XidClaim, ...] = ()
+    """Application Xids naming a process (the daemon's): one SIGKILL leaves alive is stuck in
+    the driver (xidstuck), and the start is refused at once rather than waited out."""
+    clock_ticks: int = 100
+    """The unit of process start times (USER_HZ), to compare them with the Xids' seconds."""
+    oom: tuple[int, int] | None = None
+    """(CUDA device, NVML index): the GPU the unit's last failed run ran out of memory on, as
+    the daemon read it from its output and the unit's CUDA_VISIBLE_DEVICES maps it; its
+    blocker comes first and says so."""
 
 
 def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
     """Why waiting cannot make the set idle: NVML cannot answer, a GPU of the set is gone.
 
-    Gone includes needing a reset: lost, a pending row remap or page retirement, or the driver
-    asking for it. Empty when waiting may help. Such a GPU keeps its memory until a reset or
+    Gone includes needing a reset: lost, a pending row remap or page retirement, the driver
+    asking for it, or a reset-class kernel Xid since the unit last came up. Empty when waiting
+    may help. Such a GPU keeps its memory until a reset or
     reboot, and without NVML idleness cannot be known at all: a 300 s wait would only delay the
     same refusal.
     """
@@ -104,6 +121,7 @@ def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
             and (gpu_set is None or gpu.reading.index in gpu_set)
             and (reasons := reset_reasons(gpu.reading))
         ),
+        *xid_blockers(settings.xid_faults, [g.reading for g in inventory.gpus], gpu_set),
     )
 
 
@@ -127,7 +145,16 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
         )
         holders = [inventory.holder(pid) for pid in gpu.holder_pids]
         named = "; ".join(_holder_phrase(h, settings.request) for h in holders if h is not None)
-        blockers.append(f"GPU {reading.index}: {used}" + (f", held by {named}" if named else ""))
+        phrase = f"GPU {reading.index}: {used}" + (f", held by {named}" if named else "")
+        if settings.oom is not None and settings.oom[1] == reading.index:
+            # The GPU the last run failed on: first, so the one-line verdict names it.
+            blockers.insert(
+                0,
+                f"{phrase} (cuda:{settings.oom[0]} of the unit: its last run "
+                "ran out of memory there)",
+            )
+        else:
+            blockers.append(phrase)
         if gpu.unattributed_bytes:
             blockers.append(
                 f"GPU {reading.index}: {gpu.unattributed_bytes // MIB} MiB that no visible "
@@ -224,8 +251,18 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
         spared.update({d.holder.pid: d for d in current.spared})
         fresh = [d for d in current.to_reap if d.holder.identity not in signalled]
         if fresh:
-            reaped.extend(reap(reap_targets(fresh)))
+            results = reap(reap_targets(fresh))
+            reaped.extend(results)
             signalled.update(d.holder.identity for d in fresh)
+            if stuck := stuck_blockers(results, settings):
+                return outcome(
+                    unit,
+                    clock() - started,
+                    reaped=reaped,
+                    spared=list(spared.values()),
+                    blockers=stuck,
+                    hopeless=True,
+                )
             inventory = gather()
         waited = clock() - started
         if at_once := hopeless(inventory, settings):
@@ -245,6 +282,26 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
         progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
         inventory = gather()
+
+
+def stuck_blockers(results: Sequence[ReapResult], settings: GateSettings) -> tuple[str, ...]:
+    """Reaped processes SIGKILL left alive that an application Xid named: stuck in the driver.
+
+    Waiting for their GPUs to free would only wait out the timeout: no reap will end them.
+    """
+    found = []
+    for result in results:
+        if result.outcome is not ReapOutcome.UNKILLABLE:
+            continue
+        identity = result.target.identity
+        started_s = identity.start_time / max(settings.clock_ticks, 1)
+        claim = named_by(identity.pid, started_s, settings.xid_claims)
+        if claim is not None:
+            found.append(
+                f"PID {identity.pid} is {stuck_phrase(claim)}: SIGKILL did not end it; its GPU "
+                "needs a reset or a reboot"
+            )
+    return tuple(found)
 
 
 @dataclass(slots=True)

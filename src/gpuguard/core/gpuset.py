@@ -56,17 +56,7 @@ def _from_cuda_visible(visible: str, order: str, gpus: Sequence[GpuReading]) -> 
     and we fall back to all GPUs rather than guess.
     """
     by_pci = sorted(gpus, key=lambda g: (g.pci_bus_id or "", g.index))
-    entries: list[int | str] = []
-    for raw in visible.split(","):
-        word = raw.strip()
-        if not word:
-            continue
-        if word.isdecimal():
-            entries.append(int(word))
-        elif word.startswith(("GPU-", "MIG-")):
-            entries.append(word)
-        else:
-            break  # CUDA ignores everything from the first invalid entry on
+    entries = _entries(visible)
     source = f"CUDA_VISIBLE_DEVICES={visible}"
     ordinals = [e for e in entries if isinstance(e, int)]
     models = {g.name for g in gpus}
@@ -92,6 +82,62 @@ def _from_cuda_visible(visible: str, order: str, gpus: Sequence[GpuReading]) -> 
             unknown.extend(missing)
     note = f"not present: {', '.join(unknown)}" if unknown else None
     return GpuSet(frozenset(indices), source, note)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaView:
+    """The GPUs a process sees as CUDA numbers them: device k is NVML's ``indices[k]``.
+
+    ``indices`` is None when that cannot be told (mixed GPU models without
+    CUDA_DEVICE_ORDER=PCI_BUS_ID), with the reason in ``note``.
+    """
+
+    indices: tuple[int, ...] | None
+    note: str | None = None
+
+
+def cuda_view(environment: dict[str, str] | None, gpus: Sequence[GpuReading]) -> CudaView:
+    """How a process with ``environment`` numbers its CUDA devices, in NVML's indices.
+
+    CUDA_VISIBLE_DEVICES picks and orders them (ordinals in CUDA's order, or UUIDs); CUDA
+    stops at the first entry that names no device. Without it every GPU is visible.
+    """
+    env = environment or {}
+    order = env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    if order != "PCI_BUS_ID" and len({g.name for g in gpus}) > 1:
+        return CudaView(None, "mixed GPU models and CUDA_DEVICE_ORDER is not PCI_BUS_ID")
+    ordered = [g.index for g in sorted(gpus, key=lambda g: (g.pci_bus_id or "", g.index))]
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return CudaView(tuple(ordered))
+    indices: list[int] = []
+    for entry in _entries(visible):
+        if isinstance(entry, int):
+            if entry >= len(ordered):
+                break
+            indices.append(ordered[entry])
+            continue
+        found, _ = _match([entry], list(gpus))
+        if not found:
+            break
+        indices.extend(found)
+    return CudaView(tuple(indices))
+
+
+def _entries(visible: str) -> list[int | str]:
+    """CUDA_VISIBLE_DEVICES as ordinals and UUIDs, up to its first invalid entry."""
+    entries: list[int | str] = []
+    for raw in visible.split(","):
+        word = raw.strip()
+        if not word:
+            continue
+        if word.isdecimal() and word.isascii() and len(word) <= 6:
+            entries.append(int(word))
+        elif word.startswith(("GPU-", "MIG-")):
+            entries.append(word)
+        else:
+            break  # CUDA ignores everything from the first invalid entry on
+    return entries
 
 
 def _match(wanted: Sequence[int | str], gpus: list[GpuReading]) -> tuple[set[int], list[str]]:

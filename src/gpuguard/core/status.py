@@ -16,15 +16,18 @@ from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.policy import matching_pattern
 from gpuguard.core.protection import is_protected
+from gpuguard.core.since import within
 from gpuguard.core.values import MIB, MemoryApi, NvmlHealth
 from gpuguard.core.xid import XidClass
 from gpuguard.core.xidevents import normalize_pci
+from gpuguard.core.xidstuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Mapping, Sequence
+    from collections.abc import Callable, Collection, Mapping, Sequence
 
     from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory, VanishedProcess
     from gpuguard.core.values import GpuHealth, GpuReading
+    from gpuguard.core.xidstuck import XidClaim
 
 SCHEMA_VERSION = 3
 _COMMAND_WIDTH = 100
@@ -82,6 +85,9 @@ class StatusContext:
     boot_time: float | None = None
     clock_ticks: int = 100
     daemon: DaemonView | None = None
+    since: datetime | None = None
+    """The start of the history shown (``--since``): Xid events, recoveries, sweeps; None: all
+    the daemon keeps. The caller leaves older gate decisions out of ``units`` itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +104,7 @@ class StatusReport:
     boot_time: float | None = None
     clock_ticks: int = 100
     daemon: DaemonView | None = None
+    since: datetime | None = None
 
 
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
@@ -107,7 +114,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *_daemon_findings(context.daemon),
         *_nvml_findings(inventory),
         *_gpu_findings(inventory),
-        *_xid_findings(inventory, context.daemon),
+        *_xid_findings(inventory, context.daemon, context.since),
         *_holder_findings(inventory, context),
     ]
     if inventory.scan.unreadable and not context.as_root:
@@ -139,6 +146,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.boot_time,
         context.clock_ticks,
         context.daemon,
+        context.since,
     )
 
 
@@ -379,10 +387,13 @@ def _size(used_bytes: int | None) -> str:
 _SERIOUS_XIDS = frozenset({XidClass.RESET_GPU, XidClass.REBOOT, XidClass.OPERATOR})
 
 
-def xid_events(inventory: Inventory, daemon: DaemonView | None) -> list[dict[str, Any]]:
+def xid_events(
+    inventory: Inventory, daemon: DaemonView | None, since: datetime | None = None
+) -> list[dict[str, Any]]:
     """The daemon's recent kernel Xid events, each with the GPU index NVML gives its PCI id.
 
-    ``gpu`` is None when NVML knows no GPU at that address (reported, not dropped).
+    ``gpu`` is None when NVML knows no GPU at that address (reported, not dropped). With
+    ``since``, only the events logged from then on.
     """
     if daemon is None:
         return []
@@ -397,15 +408,19 @@ def xid_events(inventory: Inventory, daemon: DaemonView | None) -> list[dict[str
         pci = event.get("pci_bus_id")
         if not isinstance(pci, str) or not isinstance(event.get("code"), int):
             continue
+        if not within(since, event.get("time")):
+            continue
         events.append({**event, "gpu": by_pci.get(normalize_pci(pci))})
     return events
 
 
-def _xid_findings(inventory: Inventory, daemon: DaemonView | None) -> list[Finding]:
+def _xid_findings(
+    inventory: Inventory, daemon: DaemonView | None, since: datetime | None
+) -> list[Finding]:
     """Xids after which no kill helps, per GPU; Xids for an address NVML does not know."""
     findings: list[Finding] = []
     seen: set[tuple[object, object]] = set()
-    for event in reversed(xid_events(inventory, daemon)):
+    for event in reversed(xid_events(inventory, daemon, since)):
         key = (event["gpu"] if event["gpu"] is not None else event["pci_bus_id"], event["code"])
         if key in seen:
             continue
@@ -473,9 +488,19 @@ def _reset_advice(reading: GpuReading, reasons: Sequence[str]) -> str:
 
 def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
     findings: list[Finding] = []
+    stuck = _stuck_claims(context)
     for holder in inventory.holders:
         who = f"PID {holder.pid} ({escape(holder.comm)}) holding {_gpu_list(holder)}"
-        if holder.state == "D":
+        claim = stuck(holder)
+        if claim is not None:
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{who} is {escape(stuck_phrase(claim))}: SIGKILL did not end it and no "
+                    "reap will; reset the GPU or reboot (docs/runbook.md, GPU needs a reset)",
+                )
+            )
+        elif holder.state == "D":
             findings.append(_sleep_finding(who, holder.kernel_wait))
         elif holder.state == "Z":
             findings.append(
@@ -496,6 +521,40 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                     )
                 )
     return findings
+
+
+def _stuck_claims(context: StatusContext) -> Callable[[Holder], XidClaim | None]:
+    """The test for "stuck in the driver after an Xid".
+
+    Named by an application Xid (and started before it), alive in R or D, and a reaper's
+    SIGKILL (the gate's or the daemon's) left it alive.
+    """
+    daemon = _dict(context.daemon.snapshot) if context.daemon else {}
+    xid_claims = claims_from_snapshot(_dict(daemon.get("xid")).get("recent"))
+    records = [r for unit in context.units for r in _list_of_dicts(list(unit.gate_decisions))]
+    records += [
+        r
+        for watch in _dict(daemon.get("units")).values()
+        for r in _list_of_dicts(_dict(watch).get("recoveries"))
+    ]
+    unkillable = {
+        reaped.get("pid")
+        for record in records
+        for reaped in _list_of_dicts(record.get("reaped"))
+        if reaped.get("outcome") == "unkillable"
+    }
+
+    def stuck(holder: Holder) -> XidClaim | None:
+        if holder.pid not in unkillable or holder.state not in STUCK_STATES:
+            return None
+        started_s = holder.identity.start_time / max(context.clock_ticks, 1)
+        return named_by(holder.pid, started_s, xid_claims)
+
+    return stuck
+
+
+def _list_of_dicts(value: object) -> list[dict[str, Any]]:
+    return [item for item in _list(value) if isinstance(item, dict)]
 
 
 # Module and symbol names of the NVIDIA kernel driver (nvidia, nvidia_uvm, nvidia_modeset).
@@ -553,7 +612,7 @@ def render_text(report: StatusReport) -> str:
         lines.append(f"NVML: {nvml.reason or nvml.health.value}")
     lines.append(f"Runs: {inventory.containment.summary}")
     shown: set[int] = set()
-    xids = xid_events(inventory, report.daemon)
+    xids = xid_events(inventory, report.daemon, report.since)
     for gpu in inventory.gpus:
         lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
         lines.extend(
@@ -602,9 +661,11 @@ def render_text(report: StatusReport) -> str:
         for hidden in inventory.uninspectable
     )
     lines.extend(_daemon_lines(report.daemon))
+    if report.since is not None:
+        lines.append(f"History since {report.since.isoformat(timespec='seconds')}")
     for unit in report.units:
         lines.append(f"Unit {unit.name}: {unit.state}; {unit.gpu_set}")
-        lines.extend(f"    {line}" for line in _watch_lines(report.daemon, unit.name))
+        lines.extend(f"    {line}" for line in _watch_lines(report.daemon, unit.name, report.since))
         lines.extend(f"    gate {_gate_line(entry)}" for entry in unit.gate_decisions)
     scan = inventory.scan
     lines.append(
@@ -633,7 +694,7 @@ def _daemon_lines(daemon: DaemonView | None) -> list[str]:
     ]
 
 
-def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
+def _watch_lines(daemon: DaemonView | None, unit: str, since: datetime | None) -> list[str]:
     """What the daemon says about one unit: verdict, evidence, recent recoveries and sweeps."""
     watch = _dict(_dict(daemon.snapshot.get("units")).get(unit)) if daemon else {}
     if not watch:
@@ -653,16 +714,21 @@ def _watch_lines(daemon: DaemonView | None, unit: str) -> list[str]:
         f"recovery {record.get('started_at')}: {record.get('result')}"
         f", reaped {len(_list(record.get('reaped')))}"
         + (f": {escape(str(record['problem']))}" if record.get("problem") else "")
-        for record in map(_dict, _list(watch.get("recoveries"))[-3:])
+        for record in _recent(watch.get("recoveries"), "started_at", since)
     )
     lines.extend(
         f"survivors {escape(str(record.get('at')))}: {escape(str(record.get('summary')))}"
-        for record in map(_dict, _list(watch.get("survivors"))[-3:])
+        for record in _recent(watch.get("survivors"), "at", since)
         if record.get("summary")
     )
     if watch.get("needs_operator"):
         lines.append("NEEDS OPERATOR: recoveries stopped; see docs/runbook.md")
     return lines
+
+
+def _recent(records: object, key: str, since: datetime | None) -> list[dict[str, Any]]:
+    """The last three records of a snapshot list whose ``key`` time is in the window."""
+    return [r for r in map(_dict, _list(records)) if within(since, r.get(key))][-3:]
 
 
 def _dict(value: object) -> dict[str, Any]:
@@ -775,7 +841,8 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             }
             for unit in report.units
         ],
-        "xid_events": xid_events(inventory, report.daemon),
+        "since": None if report.since is None else report.since.isoformat(timespec="seconds"),
+        "xid_events": xid_events(inventory, report.daemon, report.since),
         "daemon": None
         if report.daemon is None
         else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},

@@ -34,6 +34,8 @@ class UnitSnapshot:
     starts_in_window: int
     failures_in_window: int
     n_restarts: int | None
+    oom_device: int | None
+    """The last OOM line's CUDA device (the unit's view; core.oomdevice maps it to a GPU)."""
     evidence: tuple[str, ...]
     action: str | None
     action_reason: str | None
@@ -41,6 +43,8 @@ class UnitSnapshot:
     recoveries: tuple[dict[str, Any], ...]
     recovery_in_progress: bool
     survivors: tuple[dict[str, Any], ...]
+    reset_xids: tuple[dict[str, Any], ...]
+    """Reset-class Xids since the unit last came up: its gate refuses (core.xidfaults)."""
 
     def to_json(self) -> dict[str, Any]:
         """The unit's object in the snapshot."""
@@ -54,6 +58,7 @@ class UnitSnapshot:
             "starts_in_window": self.starts_in_window,
             "failures_in_window": self.failures_in_window,
             "n_restarts": self.n_restarts,
+            "oom_device": self.oom_device,
             "evidence": list(self.evidence),
             "action": self.action,
             "action_reason": self.action_reason,
@@ -61,6 +66,7 @@ class UnitSnapshot:
             "recoveries": list(self.recoveries),
             "recovery_in_progress": self.recovery_in_progress,
             "survivors": list(self.survivors),
+            "reset_xids": list(self.reset_xids),
         }
 
 

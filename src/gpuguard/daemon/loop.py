@@ -33,8 +33,9 @@ from gpuguard.core.detector import Detector, GpuEvidence, LoopSettings
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import parse_entry
 from gpuguard.core.gate import GateSettings, reap_targets, set_blockers
-from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.health import reset_reasons
+from gpuguard.core.oomdevice import device_phrases
 from gpuguard.core.policy import PlanRequest, Scope, plan
 from gpuguard.core.records import bound_record
 from gpuguard.core.recovery import (
@@ -57,6 +58,8 @@ from gpuguard.core.runend import (
 from gpuguard.core.values import MIB, UnitProvenance
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, XidEvent, parse_kernel_entry
+from gpuguard.core.xidfaults import FaultLog, LastUp, XidFault, blockers, to_record
+from gpuguard.core.xidstuck import claims, named_by, stuck_phrase
 from gpuguard.daemon import recover
 from gpuguard.daemon.documents import Snapshot, UnitSnapshot, UnitStateDocument
 
@@ -94,6 +97,8 @@ _RESUME_SLACK_S = 60.0
 # A sweep of an ended run's survivors waits this long for the GPUs to be released once none of
 # that run's processes holds them any more; past it, others hold the set and the gate decides.
 _RELEASE_S = 5.0
+# The unit of /proc's process start times (USER_HZ): compared with the journal's seconds.
+_TICKS = os.sysconf("SC_CLK_TCK")
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
@@ -217,6 +222,8 @@ class _Watch:
     sweeps: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_RECENT))
     last_sweep: Sweep | None = None
     """The newest sweep still waiting for the next run's start, to say whether it was in time."""
+    up: LastUp = field(default_factory=LastUp)
+    """When the unit last came up: reset-class Xids before it no longer count (xidfaults)."""
 
 
 class Daemon:
@@ -257,6 +264,7 @@ class Daemon:
         self._published_at = float("-inf")
         self._xids: deque[XidEvent] = deque(maxlen=XIDS_KEPT)
         self._xids_malformed = 0
+        self._faults = FaultLog()
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
@@ -369,6 +377,7 @@ class Daemon:
                 if event is None:
                     continue
                 end = watch.ends.observe(event)  # history too: a replayed end is not swept again
+                watch.up.observe(event)
                 if watch.detector.observe(event, live=record.live):
                     touched.add(watch.name)
                 if record.live:
@@ -391,6 +400,7 @@ class Daemon:
             self._ports.log.warning("kernel xid line not understood", reason=parsed.reason)
         elif parsed is not None:
             self._xids.append(parsed)
+            self._faults.add(parsed)
             if record.live:
                 info = lookup(parsed.code)
                 self._ports.log.warning(
@@ -415,6 +425,7 @@ class Daemon:
                 continue
             watch.refresh_at = now + self._refresh_every_s
             quick = watch.detector.diagnose(now, None)
+            watch.up.stayed_up(quick.good_start_s)
             if not quick.looping:
                 watch.planner.healthy(now)
                 self._say(watch, quick, None)
@@ -435,6 +446,7 @@ class Daemon:
         if watch.not_found:  # events about it: it may exist now
             self._note_state(watch, self._show_unit(watch.name))
         quick = watch.detector.diagnose(now, None)
+        watch.up.stayed_up(quick.good_start_s)
         if not quick.looping:
             watch.planner.healthy(now)
             self._say(watch, quick, None)
@@ -442,7 +454,7 @@ class Daemon:
         inventory = self._gather()
         state = self._show_unit(watch.name)
         self._note_state(watch, state)
-        evidence = self._gpu_evidence(watch.name, inventory, state)
+        evidence = self._gpu_evidence(watch, inventory, state)
         diagnosis = watch.detector.diagnose(now, evidence)
         decision = watch.planner.decide(diagnosis, now)
         if decision.action is Action.RECOVER and state.active_state == "inactive":
@@ -496,9 +508,7 @@ class Daemon:
     ) -> PlanRequest:
         settings = self._settings
         unit_settings = settings.units[unit]
-        # The gate's record includes EnvironmentFile= values; systemctl show does not.
-        recorded = self._ports.gate_environment(unit)
-        environment = state.environment if recorded is None else recorded
+        environment = self._environment(unit, state)
         gpu_set = resolve_gpu_set(unit_settings.gpus, environment, inventory.nvml.gpus)
         return PlanRequest(
             unit=unit,
@@ -510,6 +520,11 @@ class Daemon:
             provenance=self._provenance(state),
             live_invocation=live,
         )
+
+    def _environment(self, unit: str, state: UnitState) -> dict[str, str]:
+        """The unit's GPU variables: the gate's record includes EnvironmentFile= values."""
+        recorded = self._ports.gate_environment(unit)
+        return state.environment if recorded is None else recorded
 
     # -- survivors of a run that just ended -----------------------------------------------------
 
@@ -653,10 +668,14 @@ class Daemon:
             }
         self._ports.log.info("next run started", unit=watch.name, summary=describe(done))
 
-    def _gpu_evidence(self, unit: str, inventory: Inventory, state: UnitState) -> GpuEvidence:
-        """Stale holders of the unit's GPUs: what a reap would take while the unit runs."""
+    def _gpu_evidence(self, watch: _Watch, inventory: Inventory, state: UnitState) -> GpuEvidence:
+        """Stale holders of the unit's GPUs: what a reap would take while the unit runs.
+
+        A GPU of the set needs a reset when NVML says so, or after a reset-class kernel Xid
+        since the unit last came up (xidfaults).
+        """
         live = state.invocation_id if state.running else None
-        request = self._request(unit, inventory, state, live)
+        request = self._request(watch.name, inventory, state, live)
         stale = tuple(
             f"PID {d.holder.pid} ({escape(d.holder.comm)}) holds GPU "
             + ",".join(str(u.gpu_index) for u in d.holder.gpus)
@@ -671,11 +690,49 @@ class Daemon:
             if (wanted is None or gpu.reading.index in wanted)
             and (reasons := reset_reasons(gpu.reading))
         )
+        needs_reset += self._stuck(watch, inventory, wanted)
+        faults = [
+            XidFault(e.pci_bus_id, e.code, _iso_or_none(e.realtime_s))
+            for e in self._faults.since(watch.up.since_s)
+        ]
+        needs_reset += blockers(faults, inventory.nvml.gpus, wanted)
+        view = cuda_view(self._environment(watch.name, state), inventory.nvml.gpus)
         return GpuEvidence(
             stale_holders=stale,
             gpus_busy=bool(set_blockers(inventory, settings)),
             needs_reset=needs_reset,
+            cuda_devices=device_phrases(view, inventory),
+            cuda_note=view.note,
         )
+
+    def _stuck(
+        self, watch: _Watch, inventory: Inventory, wanted: frozenset[int] | None
+    ) -> tuple[str, ...]:
+        """Holders of the set the last recovery's SIGKILL left alive after an Xid naming them.
+
+        Alive after SIGKILL, a process is in R or D inside the kernel by necessity; the same
+        process still holding a GPU (it started before the Xid) is stuck. Reaping it again
+        cannot help: the unit needs a GPU reset (needs operator).
+        """
+        last = watch.recoveries[-1] if watch.recoveries else {}
+        stuck_pids = {
+            r.get("pid")
+            for r in last.get("reaped") or ()
+            if isinstance(r, dict) and r.get("stuck_after_xid") is not None
+        }
+        xid_claims = claims(self._xids)
+        found = []
+        for holder in inventory.holders:
+            gpus = [u.gpu_index for u in holder.gpus if wanted is None or u.gpu_index in wanted]
+            if holder.pid not in stuck_pids or not gpus:
+                continue
+            claim = named_by(holder.pid, holder.identity.start_time / _TICKS, xid_claims)
+            if claim is not None:
+                found.append(
+                    f"GPU {','.join(map(str, gpus))}: PID {holder.pid} ({escape(holder.comm)}) "
+                    f"is {stuck_phrase(claim)}; SIGKILL did not end it"
+                )
+        return tuple(found)
 
     def _gate_settings(self, request: PlanRequest) -> GateSettings:
         settings = self._settings
@@ -766,7 +823,7 @@ class Daemon:
         ports.notifier.status(f"recovering {watch.name}")
         ports.log.warning("recovery: stopping unit", unit=watch.name)
         done = recover.carry_out(watch.name, self._recovery_steps())
-        record |= {"finished_at": _iso(ports.wall())} | done.record()
+        record |= {"finished_at": _iso(ports.wall())} | done.record(claims(self._xids))
         watch.detector.reset(done.restarted_at)
         watch.in_progress = None
         watch.recoveries.append(bound_record(record))
@@ -903,7 +960,10 @@ class Daemon:
             dry_run=self._settings.daemon.dry_run,
             journal_state=health.state,
             journal_reason=health.reason,
-            units={name: _unit_snapshot(watch) for name, watch in self._watches.items()},
+            units={
+                name: _unit_snapshot(watch, self._reset_xids(watch))
+                for name, watch in self._watches.items()
+            },
             xids=tuple(_xid_snapshot(event) for event in self._xids),
             xids_malformed=self._xids_malformed,
         ).to_json()
@@ -916,8 +976,15 @@ class Daemon:
             ports.notifier.status(content[1])
         self._published, self._published_at = content, ports.monotonic()
 
+    def _reset_xids(self, watch: _Watch) -> list[dict[str, Any]]:
+        """The reset-class Xids since the unit last came up, for its gate (xidfaults)."""
+        return [
+            to_record(event, _iso_or_none(event.realtime_s))
+            for event in self._faults.since(watch.up.since_s)
+        ]
 
-def _unit_snapshot(watch: _Watch) -> UnitSnapshot:
+
+def _unit_snapshot(watch: _Watch, reset_xids: list[dict[str, Any]]) -> UnitSnapshot:
     diagnosis = watch.diagnosis
     return UnitSnapshot(
         systemd_state=watch.systemd_state,
@@ -929,6 +996,7 @@ def _unit_snapshot(watch: _Watch) -> UnitSnapshot:
         starts_in_window=diagnosis.starts_in_window if diagnosis else 0,
         failures_in_window=diagnosis.failures_in_window if diagnosis else 0,
         n_restarts=diagnosis.n_restarts if diagnosis else None,
+        oom_device=diagnosis.oom_device if diagnosis else None,
         evidence=tuple(diagnosis.evidence) if diagnosis else (),
         action=_action(watch.decision),
         action_reason=watch.decision.reason if watch.decision else None,
@@ -936,6 +1004,7 @@ def _unit_snapshot(watch: _Watch) -> UnitSnapshot:
         recoveries=tuple(watch.recoveries),
         recovery_in_progress=watch.in_progress is not None,
         survivors=tuple(watch.sweeps),
+        reset_xids=tuple(reset_xids),
     )
 
 
@@ -974,7 +1043,8 @@ def _xid_snapshot(event: XidEvent) -> dict[str, object]:
         "pid": event.pid,
         "name": event.name,
         "detail": event.detail,
-        "time": None if event.realtime_s is None else _iso(event.realtime_s),
+        "time": _iso_or_none(event.realtime_s),
+        "monotonic_s": event.monotonic_s,
         "boot_id": event.boot_id,
     }
 
@@ -997,6 +1067,10 @@ def _describe_state(state: UnitState) -> str:
     if state.not_found:
         return "not found (LoadState=not-found: systemd has no such unit)"
     return f"{state.active_state} ({state.sub_state})"
+
+
+def _iso_or_none(seconds: float | None) -> str | None:
+    return None if seconds is None else _iso(seconds)
 
 
 def _iso(seconds: float) -> str:

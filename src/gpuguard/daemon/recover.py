@@ -7,10 +7,13 @@ watchdog), so the procedure reads top to bottom without the loop around it. It r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.gate import run_gate
+from gpuguard.core.values import ReapOutcome
+from gpuguard.core.xidstuck import named_by, stuck_phrase
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -20,10 +23,12 @@ if TYPE_CHECKING:
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import ReapResult, ReapTarget
+    from gpuguard.core.xidstuck import XidClaim
 
 STOP_WAIT_S = 300.0
 """How long a stopping unit may take before the recovery gives up on it."""
 _POLL_S = 0.5
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,22 +61,36 @@ class Recovery:
         """``restarted`` or ``failed``, as the record and the log say it."""
         return "restarted" if self.problem is None else "failed"
 
-    def record(self) -> dict[str, Any]:
-        """The fields this recovery adds to the unit's JSON record (schema unchanged)."""
+    def record(self, xid_claims: Sequence[XidClaim]) -> dict[str, Any]:
+        """The fields this recovery adds to the unit's JSON record (schema unchanged).
+
+        ``xid_claims``: the application Xids seen, to tell a reaped process stuck in the driver.
+        """
         outcome = self.outcome
         return {
             "result": self.result,
             "problem": self.problem,
-            "reaped": [
-                {
-                    "pid": r.target.identity.pid,
-                    "outcome": r.outcome.value,
-                    "signals": list(r.signals),
-                }
-                for r in (outcome.reaped if outcome else ())
-            ],
+            "reaped": [_reaped_record(r, xid_claims) for r in (outcome.reaped if outcome else ())],
             "waited_s": round(outcome.waited_s, 2) if outcome else None,
         }
+
+
+def _reaped_record(result: ReapResult, xid_claims: Sequence[XidClaim]) -> dict[str, Any]:
+    """One reaped process for the recovery's record.
+
+    One that SIGKILL left alive after an application Xid naming it is stuck in the driver.
+    """
+    record: dict[str, Any] = {
+        "pid": result.target.identity.pid,
+        "outcome": result.outcome.value,
+        "signals": list(result.signals),
+    }
+    if result.outcome is ReapOutcome.UNKILLABLE:
+        identity = result.target.identity
+        claim = named_by(identity.pid, identity.start_time / _TICKS, xid_claims)
+        if claim is not None:
+            record |= {"stuck_after_xid": claim.code, "detail": stuck_phrase(claim)}
+    return record
 
 
 def carry_out(unit: str, steps: Steps) -> Recovery:

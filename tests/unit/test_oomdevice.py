@@ -1,0 +1,128 @@
+"""cuda:N of a failure line → the GPU the unit sees as N, with who holds it; the gate's view."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters import daemonsnapshot
+from gpuguard.adapters.procfs import read_identity
+from gpuguard.adapters.state import write_json
+from gpuguard.core.gpuset import CudaView
+from gpuguard.core.inventory import build_inventory
+from gpuguard.core.oomdevice import describe_device, device_phrases
+from gpuguard.core.values import (
+    MIB,
+    GpuMemory,
+    GpuReading,
+    MemoryApi,
+    NvmlHealth,
+    NvmlProcess,
+    NvmlReading,
+    ProcessFacts,
+    ProcessIdentity,
+    ProcessListKind,
+    ProcScan,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def job(pid: int, comm: str) -> ProcessFacts:
+    """Another unit's live job holding GPU 3."""
+    return ProcessFacts(
+        identity=ProcessIdentity(pid, 500),
+        ppid=1,
+        state="R",
+        comm=comm,
+        cmdline=("python3", "train.py"),
+        uid=1000,
+        user="alice",
+        cgroup="/system.slice/training.service",
+        device_files=frozenset({"/dev/nvidia3"}),
+    )
+
+
+def reading(index: int, pid: int | None = None) -> GpuReading:
+    """A v2 GPU; ``pid`` holds 20 GiB of it."""
+    procs = () if pid is None else (NvmlProcess(pid, 20480 * MIB, ProcessListKind.COMPUTE),)
+    used = 0 if pid is None else 20480
+    return GpuReading(
+        index=index,
+        minor=index,
+        memory=GpuMemory(143771 * MIB, used * MIB, 0, MemoryApi.V2),
+        processes=procs,
+    )
+
+
+INVENTORY = build_inventory(
+    NvmlReading(NvmlHealth.OK, None, "550.54.15", (reading(2), reading(3, pid=77))),
+    ProcScan((job(77, "py\x1b[2Jthon3"),)),
+    16 * MIB,
+)
+
+
+def test_each_visible_device_names_its_gpu_and_holders_escaped() -> None:
+    """CUDA_VISIBLE_DEVICES=2,3,5: cuda:1 is GPU 3 held by another unit's job; 5 is absent."""
+    phrases = device_phrases(CudaView((2, 3, 5)), INVENTORY)
+    assert phrases == (
+        "GPU 2 (0 MiB used), held by no process now",
+        "GPU 3 (20480 MiB used), held by PID 77 (py\\x1b[2Jthon3, training.service)",
+        "GPU 5, which NVML does not list now",
+    )
+    assert describe_device(1, phrases) == f"cuda:1 = {phrases[1]}"
+
+
+def test_a_number_past_the_visible_gpus_or_an_unknown_numbering_is_said_not_used() -> None:
+    """The unit's output never reaches another GPU: out of range is ignored, with a note."""
+    phrases = device_phrases(CudaView((2,)), INVENTORY)
+    assert describe_device(1, phrases) == (
+        "cuda:1 names no GPU the unit sees (1 visible to it): ignored, the unit's output is "
+        "not evidence for other GPUs"
+    )
+    assert device_phrases(CudaView(None, "mixed"), INVENTORY) is None
+    assert describe_device(0, None, "mixed") == "cuda:0 cannot be placed: mixed"
+
+
+def test_the_gate_maps_the_daemons_oom_device_through_the_units_own_environment(
+    tmp_path: Path,
+) -> None:
+    """cuda:1 with CUDA_VISIBLE_DEVICES=2,3 is GPU 3; past the unit's GPUs, or no daemon: none.
+
+    The snapshot is a real file read through the adapter, written as this (live) process, so
+    the daemon counts as running.
+    """
+    from gpuguard.commands.gate import oom_gpu  # noqa: PLC0415 - the gate's mapping under test
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o755)
+    found = build_inventory(
+        NvmlReading(NvmlHealth.OK, None, "550.54.15", tuple(reading(i) for i in range(4))),
+        ProcScan(()),
+        16 * MIB,
+    )
+    environment = {"CUDA_VISIBLE_DEVICES": "2,3"}
+
+    def snapshot(device: object, *, running: bool = True) -> None:
+        identity = read_identity(os.getpid())
+        document = {
+            "running": running,
+            "pid": os.getpid(),
+            "start_time": identity.start_time if identity else None,
+            "units": {"sglang.service": {"oom_device": device}},
+        }
+        write_json(runtime / "daemon.json", document)
+
+    def gpu_of(unit: str = "sglang.service") -> tuple[int, int] | None:
+        return oom_gpu(daemonsnapshot.oom_device(runtime, unit), environment, found)
+
+    assert gpu_of() is None  # no daemon
+    snapshot(1)
+    assert gpu_of() == (1, 3)
+    assert gpu_of("other.service") is None
+    snapshot(1, running=False)
+    assert gpu_of() is None  # a stopped daemon's opinion is history
+    for device in (2, -1, True, "1", None, 10**30):
+        snapshot(device)
+        assert gpu_of() is None
