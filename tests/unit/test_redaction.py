@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpuguard.core.redaction import REDACTED, display_command, redact_cmdline
@@ -433,8 +433,21 @@ def test_secrets_never_appear_whatever_surrounds_them(
     assert secret not in display_command(argv)
 
 
+# The smallest hostile argument whose redaction cost more budget than itself (rule 11): the
+# first pass spent 4 pieces, the second one per "=" of "-p <redacted> -a=-a=…" and ran out.
+_COSTLIER_AFTER_REDACTION = ["-p =x " + "-a=" * 9998]
+
+
+def test_redaction_never_costs_more_budget_than_its_input() -> None:
+    """A second pass over a redacted argument spends no more budget, so it hides nothing more."""
+    once = redact_cmdline(_COSTLIER_AFTER_REDACTION)
+    assert once == ("-p <redacted> " + "-a=" * 9998,)
+    assert redact_cmdline(once) == once
+
+
 @settings(max_examples=60, deadline=None)
 @given(_HOSTILE_ARGV)
+@example(_COSTLIER_AFTER_REDACTION)
 def test_hostile_argv_is_total_idempotent_and_keeps_its_length(argv: list[str]) -> None:
     """Hostile arguments up to 128 KiB: no exception, same count, a second pass changes nothing."""
     once = redact_cmdline(argv)

@@ -226,11 +226,14 @@ def _redact_assignment(arg: str, budget: _Budget) -> str | None:
 
     ``-e=HF_TOKEN=x`` nests: while the name is a flag that is not secret, its value is looked
     at as an assignment of its own. A loop over positions, so ``-a=-a=…`` costs its length.
+    A name with whitespace in it is no name (rule 10 looks at the words): without this stop,
+    ``-p =x -a=-a=…`` would cost 2 pieces but its redaction ``-p <redacted> -a=-a=…`` one per
+    ``=``, and a second pass could run out of budget where the first did not (not idempotent).
     """
     pos = 0
     while True:
         equals = arg.find("=", pos)
-        if equals < 0:
+        if equals < 0 or _ANY_WHITESPACE.search(arg, pos, equals) is not None:
             return None
         budget.spend()
         start = equals + 1
