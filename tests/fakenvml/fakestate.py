@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
-from typing_extensions import Unpack
-
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+
+    # Annotations only: this file also runs under a container's bare python3 (tests/e2e).
+    from typing_extensions import Unpack
 
 FAKENVML_DIR = Path(__file__).resolve().parent
 """``tests/fakenvml``: the C source, the Makefile and these helpers."""
