@@ -19,11 +19,15 @@ from gpuguard.adapters.procfs import (
     ancestor_pids,
     lineage,
     read_identity,
+    read_listed,
     read_process,
+    read_stat,
     scan_device_holders,
     scan_pids,
 )
+from gpuguard.adapters.reaper import reap
 from gpuguard.core.redaction import REDACTED
+from gpuguard.core.values import ReapOutcome, ReapTarget
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -33,10 +37,12 @@ INVOCATION = "fedcba9876543210fedcba9876543210"
 # The helper process: opens the files named in argv[2] (comma-separated), then by mode
 #   hold: keeps them open;  mmap: maps them and closes the fds;
 #   fork: forks a child that keeps them and forks a grandchild that keeps them too, plus a
-#         child that closes them;  exit: exits when a line arrives on stdin.
+#         child that closes them;  exit: exits when a line arrives on stdin;
+#   leader-exit: its main thread exits (pthread_exit) while a second thread keeps running, so
+#         the process is a zombie under its PID while it still holds the files.
 # It prints "ready <pid> <pid>..." (itself first, then its descendants) and waits.
 HELPER = r"""
-import ctypes, os, sys, time
+import ctypes, os, sys, threading, time
 mode, paths = sys.argv[1], sys.argv[2].split(",")
 files = [open(p, "r+b") for p in paths]
 if mode == "mmap":
@@ -68,6 +74,9 @@ if mode == "fork":
         got += os.read(r, 100)
     pids += [int(x) for x in got.split()]
 print("ready", *pids, flush=True)
+if mode == "leader-exit":
+    threading.Thread(target=time.sleep, args=(3600,)).start()
+    ctypes.CDLL(None).pthread_exit(None)
 if mode == "exit":
     sys.stdin.readline()
     sys.exit(0)
@@ -263,3 +272,64 @@ def test_lineage_is_each_pid_with_all_its_ancestors() -> None:
     assert spared == frozenset({own, child.pid, *ancestor_pids(own)})
     assert os.getppid() in spared
     assert lineage() == frozenset()
+
+
+def wait_for_state(pid: int, state: str) -> None:
+    """Wait until /proc shows ``pid`` in ``state`` (a thread's exit is asynchronous)."""
+    deadline = time.monotonic() + 10
+    while (stat := read_stat(pid)) is None or stat.state != state:
+        assert time.monotonic() < deadline, f"PID {pid} never reached state {state}"
+        time.sleep(0.01)
+
+
+def test_a_zombie_is_read_as_a_zombie_not_as_gone_or_hidden(
+    devices: list[Path], glob: str, helpers: list[Helper]
+) -> None:
+    """An exited child its parent has not reaped is read with state Z, until it is reaped.
+
+    The kernel answers ESRCH for the environment of a process without an address space; that
+    is not vanishing (the process still exists), so NVML naming it gives a zombie, not "hidden".
+    """
+    helper = Helper("exit", devices)
+    helpers.append(helper)
+    assert helper.popen.stdin is not None
+    helper.popen.stdin.write("bye\n")
+    helper.popen.stdin.flush()
+    wait_for_state(helper.pid, "Z")
+    facts = read_process(helper.pid, glob)
+    assert facts is not None
+    assert (facts.state, facts.cmdline, facts.device_files) == ("Z", (), frozenset())
+    assert facts.invocation_id is None
+    assert facts.identity == read_identity(helper.pid)
+    listed = read_listed([helper.pid], glob)
+    assert [p.identity.pid for p in listed.processes] == [helper.pid]
+    assert listed.hidden == frozenset()
+    assert [p.identity.pid for p in scan_pids([helper.pid], glob).processes] == [helper.pid]
+    helper.popen.wait(timeout=10)
+    assert read_process(helper.pid, glob) is None
+    assert read_listed([helper.pid], glob) == read_listed([], glob)
+
+
+def test_a_process_whose_main_thread_exited_still_holds_its_files(
+    devices: list[Path], glob: str, helpers: list[Helper]
+) -> None:
+    """Its PID shows state Z and no fds, but a live thread holds them: it is found and reaped.
+
+    Both walks see its device files (through the thread), with the command line and
+    environment its address space still has; the reaper ends it through its pidfd.
+    """
+    helper = Helper("leader-exit", devices, "--api-key", "sk-do-not-leak")
+    helpers.append(helper)
+    wait_for_state(helper.pid, "Z")
+    assert not list(Path(f"/proc/{helper.pid}/fd").iterdir())
+    [facts] = [p for p in scan_device_holders(glob).processes if p.identity.pid == helper.pid]
+    assert facts.state == "Z"
+    assert facts.device_files == frozenset(map(str, devices))
+    assert facts.cmdline == (*helper.argv[:-1], REDACTED)
+    assert facts.invocation_id == INVOCATION
+    assert scan_pids([helper.pid], glob).processes == (facts,)
+    target = ReapTarget(facts.identity, facts.ppid, "leader-exit helper", None, "test: stale")
+    (result,) = reap([target], grace_s=5.0, kill_wait_s=5.0)
+    assert result.outcome is ReapOutcome.EXITED
+    assert result.signals == ("SIGTERM",)
+    assert helper.popen.wait(timeout=10) == -signal.SIGTERM

@@ -171,19 +171,23 @@ def _fd_devices(base: str, matcher: _DeviceMatcher) -> list[str] | None:
     return found
 
 
-def _mapped_devices(base: str, matcher: _DeviceMatcher) -> list[str] | None:
-    """Return the device files a process has mmapped; None when its maps cannot be read."""
+def _read_maps(base: str) -> bytes | None:
+    """Read ``base/maps``; None when we may not, empty when it vanished or has no address space."""
     try:
-        data = _read(base + "/maps")
+        return _read(base + "/maps")
     except _VANISHED:
-        return []
+        return b""
     except OSError:
         return None
+
+
+def _mapped_devices(maps: bytes, matcher: _DeviceMatcher) -> list[str]:
+    """Return the device files named in a process's ``maps``."""
     prefix = matcher.prefix_bytes
-    if prefix not in data:
+    if prefix not in maps:
         return []
     found: list[str] = []
-    for line in data.split(b"\n"):
+    for line in maps.split(b"\n"):
         if prefix not in line:
             continue
         # address perms offset dev inode pathname: the path is the 6th column, may hold spaces.
@@ -193,6 +197,43 @@ def _mapped_devices(base: str, matcher: _DeviceMatcher) -> list[str] | None:
             if matcher.matches(path):
                 found.append(path)
     return found
+
+
+def _live_thread(base: str) -> str | None:
+    """The ``task/TID`` directory of a live thread of a process whose main thread has exited.
+
+    Such a process shows state Z under its PID, and no fds and no mappings there (the leader
+    gave up its own references), while its other threads still hold the shared fd table and
+    address space: the GPU is held all the same. None for a kernel thread, a process that is
+    not a zombie, or a zombie with no live thread left (one that merely awaits its parent).
+    """
+    stat = _read_stat(base)
+    if stat is None or stat.state != "Z" or stat.kernel_thread:
+        return None
+    try:
+        tids = os.listdir(base + "/task")
+    except OSError:
+        return None
+    for tid in tids:
+        thread = f"{base}/task/{tid}"
+        if tid != str(stat.pid) and (seen := _read_stat(thread)) and seen.state not in {"Z", "X"}:
+            return thread
+    return None
+
+
+def _device_files(base: str, matcher: _DeviceMatcher) -> tuple[list[str], bool]:
+    """Return the device files a process holds (fds, then mappings), and whether both could be read.
+
+    A process without an address space (empty ``maps``) is a kernel thread, a zombie, or a
+    process whose main thread exited before the others: for the last its files are read through
+    a live thread. The extra look costs one ``stat`` for each process without an address space.
+    """
+    fds = _fd_devices(base, matcher)
+    maps = _read_maps(base)
+    if maps == b"" and not fds and (thread := _live_thread(base)) is not None:
+        fds, maps = _fd_devices(thread, matcher), _read_maps(thread)
+    found = (fds or []) + ([] if maps is None else _mapped_devices(maps, matcher))
+    return found, fds is not None and maps is not None
 
 
 @lru_cache(maxsize=1024)
@@ -252,10 +293,15 @@ def _read_stat(base: str) -> StatFields | None:
 
 
 def _read_optional(path: str, limit: int | None = None) -> bytes | None:
-    """Read a file that may be unreadable for us; vanishing still propagates."""
+    """Read a file that may be unreadable for us; a missing file (the process is gone) raises.
+
+    ESRCH is not vanishing here: the kernel answers it for ``environ`` of a process without an
+    address space (a zombie, kernel >= 6.x), which still exists; the caller's second ``stat``
+    read tells whether the process is gone.
+    """
     try:
         return _read(path, limit)
-    except _VANISHED:
+    except FileNotFoundError:
         raise
     except OSError:
         return None
@@ -266,11 +312,14 @@ def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
     stat = _read_stat(base)
     if stat is None:
         return None
+    # The command line and environment live in the address space, which a zombie leader no
+    # longer has: a live thread's view shows them (the same for every thread of a process).
+    memory = (_live_thread(base) or base) if stat.state == "Z" else base
     try:
-        cmdline = _read_optional(base + "/cmdline") or b""
+        cmdline = _read_optional(memory + "/cmdline") or b""
         status = _read_optional(base + "/status") or b""
         cgroup = _read_optional(base + "/cgroup") or b""
-        environ = _read_optional(base + "/environ", ENVIRON_LIMIT) or b""
+        environ = _read_optional(memory + "/environ", ENVIRON_LIMIT) or b""
         uids = parse_uids(status)
         uid = uids[0] if uids else os.stat(base).st_uid
     except _VANISHED:
@@ -329,11 +378,9 @@ def _is_kernel_thread(base: str) -> bool:
 def _read_process(pid: int, root: str, matcher: _DeviceMatcher) -> tuple[ProcessFacts | None, bool]:
     """Read one process with its device files; also say whether its fds and maps were readable."""
     base = f"{root}/{pid}"
-    fds = _fd_devices(base, matcher)
-    maps = _mapped_devices(base, matcher)
-    facts = _facts(pid, base, frozenset((fds or []) + (maps or [])))
-    readable = (fds is not None and maps is not None) or (facts is not None and facts.kernel_thread)
-    return facts, readable
+    devices, readable = _device_files(base, matcher)
+    facts = _facts(pid, base, frozenset(devices))
+    return facts, readable or (facts is not None and facts.kernel_thread)
 
 
 def read_process(pid: int, device_glob: str, *, proc_root: Path = PROC) -> ProcessFacts | None:
@@ -359,12 +406,11 @@ def scan_device_holders(device_glob: str, *, proc_root: Path = PROC) -> ProcScan
         if not name.isdecimal():
             continue
         base = f"{root}/{name}"
-        fds = _fd_devices(base, matcher)
-        maps = _mapped_devices(base, matcher)
-        if (fds is None or maps is None) and not _is_kernel_thread(base):
+        devices, readable = _device_files(base, matcher)
+        if not readable and not _is_kernel_thread(base):
             unreadable += 1
-        if fds or maps:
-            facts = _facts(int(name), base, frozenset((fds or []) + (maps or [])))
+        if devices:
+            facts = _facts(int(name), base, frozenset(devices))
             if facts is not None:
                 found.append(facts)
     found.sort(key=lambda facts: facts.identity.pid)
