@@ -6,7 +6,9 @@ fake GPU device files — then times, in the same run and over the same device f
 
 - gpuguard's NVML-first path (``procfs.scan_pids``: only the PIDs NVML names and their trees),
 - gpuguard's full /proc walk (``procfs.scan_device_holders``),
-- ``fuser -v`` (psmisc, C) and ``lsof`` (C), the tools an operator reaches for today.
+- ``fuser -v`` (psmisc, C) and ``lsof`` (C), the tools an operator reaches for today;
+- psutil's public API for the same process facts and process tree (``oneshot()``,
+  ``children(recursive=True)``), the baseline for reading them by hand in ``procfs``.
 
 Targets (bench/README.md): NVML-first ≥ 10x faster than fuser; full walk ≤ 1.5x fuser.
 Run: ``make bench`` or ``.venv/bin/python bench/holder_scan.py [--processes N]``.
@@ -25,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import psutil  # noqa: TID251 - a baseline measured beside gpuguard, like fuser and lsof
 
 from gpuguard.adapters import procfs
 
@@ -90,6 +94,31 @@ def wait_until_opened(holders: list[int], root: Path) -> None:
     raise SystemExit("the load did not come up in 60 s")
 
 
+def psutil_facts(process: psutil.Process) -> object:
+    """The facts procfs reads for a process, through psutil (device files aside: it has none)."""
+    with process.oneshot():
+        return (
+            process.name(),
+            process.ppid(),
+            process.status(),
+            process.cmdline(),
+            process.uids(),
+            process.create_time(),
+        )
+
+
+def psutil_nvml_first(pids: list[int]) -> list[object]:
+    """The NVML-first path's tree walk and facts through psutil: a lower bound of its cost.
+
+    ``children()`` builds its map of parents from every ``/proc/PID/stat`` on each call.
+    """
+    facts = []
+    for pid in pids:
+        process = psutil.Process(pid)
+        facts += [psutil_facts(p) for p in (process, *process.children(recursive=True))]
+    return facts
+
+
 def timed(run: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``repeats`` runs after one warm-up run."""
     run()
@@ -133,6 +162,13 @@ def main() -> int:
             results = {
                 "gpuguard NVML-first": timed(lambda: procfs.scan_pids(holders, glob), args.repeats),
                 "gpuguard full walk": timed(lambda: procfs.scan_device_holders(glob), args.repeats),
+                "gpuguard holders' facts": timed(
+                    lambda: [procfs.read_process(pid, glob) for pid in holders], args.repeats
+                ),
+                "psutil holders' facts": timed(
+                    lambda: [psutil_facts(psutil.Process(pid)) for pid in holders], args.repeats
+                ),
+                "psutil NVML-first": timed(lambda: psutil_nvml_first(holders), args.repeats),
                 "fuser -v": timed(
                     lambda: subprocess.run(
                         ["fuser", "-v", *device_args], capture_output=True, check=False
@@ -155,13 +191,17 @@ def main() -> int:
         f"{HOLDERS} holding fake GPU devices; ~{total} entries in /proc; median of {args.repeats}"
     )
     for name, seconds in results.items():
-        print(f"  {name:<22} {seconds * 1000:9.1f} ms")
+        print(f"  {name:<24} {seconds * 1000:9.1f} ms")
     fuser = results["fuser -v"]
     speedup = fuser / results["gpuguard NVML-first"]
     walk = results["gpuguard full walk"] / fuser
     print(f"  NVML-first is {speedup:.1f}x faster than fuser (target >= 10x)")
     print(f"  full walk takes {walk:.2f}x fuser's time (target <= 1.5x)")
     print(f"  full walk takes {results['gpuguard full walk'] / results['lsof']:.2f}x lsof's time")
+    facts = results["psutil holders' facts"] / results["gpuguard holders' facts"]
+    tree = results["psutil NVML-first"] / results["gpuguard NVML-first"]
+    print(f"  psutil's facts take {facts:.2f}x gpuguard's (which also reads fds, maps, cgroup)")
+    print(f"  psutil's children() walk takes {tree:.0f}x gpuguard's NVML-first path")
     return 0
 
 

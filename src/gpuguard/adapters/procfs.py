@@ -6,10 +6,20 @@ device; psutil's ``open_files()`` never lists character devices, so fds are read
 ``scan_pids`` is the NVML-first path: it reads only the PIDs NVML named and their descendants,
 which may have inherited the device fds through fork.
 
-Processes come and go while we read: a process that vanishes mid-read (ENOENT, ESRCH) is simply
-absent from the result, never an error, and a PID reused during the read is detected by reading
-the start time again at the end. Anything else we may not read (another user's fds without
-root) is counted in ``ProcScan.unreadable`` so the caller can say the answer is incomplete.
+Processes come and go while we read: a process that vanishes mid-read is simply absent from the
+result, never an error, and a PID reused during the read is detected by reading the start time
+again at the end (that second read, not an ESRCH, decides: a zombie answers ESRCH for its
+environment and is still read, with state Z). Anything else we may not read (another user's fds
+without root) is counted in ``ProcScan.unreadable`` so the caller can say the answer is
+incomplete. A process whose main thread exited before its other threads shows no files under
+its PID: they are read through a live thread (docs/facts.md §3.6).
+
+Why the facts are read here and not through psutil (docs/facts.md §3.5): the start time that
+identifies a process is compared as the kernel's exact tick count from the same ``stat`` read
+that gives its name, state, parent and kernel-thread flag, where psutil offers a float built on
+the wall clock; psutil has no cgroup, no kernel-thread flag, no filesystem uid, reads a foreign
+environment whole with the last repeated name winning, decodes command lines into strings that
+cannot be printed, and walks every process to find one's children. It gives the boot time.
 
 ``device_glob`` is an absolute fnmatch pattern compared with readlink targets and mapped paths
 (``*`` also matches ``/``, so ``/dev/nvidia*`` covers ``/dev/nvidia-caps/nvidia-cap1``).
