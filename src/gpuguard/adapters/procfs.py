@@ -530,7 +530,12 @@ def read_stat(pid: int, *, proc_root: Path = PROC) -> StatFields | None:
 
 
 def read_identity(pid: int, *, proc_root: Path = PROC) -> ProcessIdentity | None:
-    """Return the identity (pid, start time) of ``pid`` now; None when no such process."""
+    """Return the identity (pid, start time) of ``pid`` now; None when no such process.
+
+    The start time is ``stat``'s integer tick count since boot, compared exactly by the reaper
+    and the gate server: psutil's ``create_time()`` divides it into a float and adds a boot
+    time that moves with the wall clock, so two reads of one process could differ.
+    """
     stat = _read_stat(f"{os.fspath(proc_root)}/{pid}")
     return None if stat is None else ProcessIdentity(pid=pid, start_time=stat.start_time)
 
