@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from fakestate import H200_TOTAL_MIB
+
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.values import (
     MIB,
@@ -26,8 +28,6 @@ from gpuguard.core.values import (
     ProcScan,
 )
 
-H200_MIB = 143771
-"""An H200's memory, as the fake NVML reports it."""
 DRIVER = "550.54.15"
 UNIT_CGROUP = "/system.slice/sglang.service"
 SERVER_CMDLINE = ("python3", "-m", "sglang.launch_server")
@@ -45,7 +45,8 @@ def gpu(
     index: int,
     *listed: tuple[int, int],
     used_mib: int | None = None,
-    total_mib: int = H200_MIB,
+    total_mib: int = H200_TOTAL_MIB,
+    name: str = "NVIDIA H200",
     minor: int | None = None,
     health: GpuHealth | None = None,
 ) -> GpuReading:
@@ -57,7 +58,7 @@ def gpu(
     used = sum(mib for _, mib in listed) if used_mib is None else used_mib
     return GpuReading(
         index=index,
-        name="NVIDIA H200",
+        name=name,
         uuid=f"GPU-{index:08x}-aaaa-bbbb-cccc-dddddddddddd",
         pci_bus_id=pci_bus_id(index),
         minor=index if minor is None else minor,
@@ -70,12 +71,11 @@ def gpu(
 
 
 def v1_gpu(
-    index: int, used_mib: int, *, total_mib: int = H200_MIB, name: str = "NVIDIA H200"
+    index: int, used_mib: int, *, total_mib: int = H200_TOTAL_MIB, name: str = "NVIDIA H200"
 ) -> GpuReading:
     """A GPU read through the v1 API: ``used_mib`` includes a reserve nobody has estimated yet."""
-    reading = gpu(index, total_mib=total_mib)
-    memory = GpuMemory(total_mib * MIB, used_mib * MIB, None, MemoryApi.V1)
-    return replace(reading, name=name, memory=memory)
+    reading = gpu(index, total_mib=total_mib, name=name)
+    return replace(reading, memory=GpuMemory(total_mib * MIB, used_mib * MIB, None, MemoryApi.V1))
 
 
 def lost_gpu(index: int) -> GpuReading:

@@ -11,20 +11,13 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from builders import gpu, nvml
+
 from gpuguard.adapters import procfs
 from gpuguard.core.gate import GateOutcome, GateSettings, run_gate
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.policy import PlanRequest, Scope
-from gpuguard.core.values import (
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessListKind,
-    UnitProvenance,
-)
+from gpuguard.core.values import UnitProvenance
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -33,7 +26,6 @@ if TYPE_CHECKING:
     from gpuguard.core.values import ReapResult, ReapTarget
 
 UNIT = "sglang.service"
-GIB = 1024**3
 
 
 class Log:
@@ -58,19 +50,11 @@ class Log:
         return [event for event, _ in self.lines]
 
 
-def nvml_stand_in(scan_pids: list[int]) -> NvmlReading:
-    """GPU 0 (minor 0) with 1 GiB for each process holding the fake GPU file."""
-    processes = tuple(NvmlProcess(pid, GIB, ProcessListKind.COMPUTE) for pid in scan_pids)
-    memory = GpuMemory(80 * GIB, GIB * len(processes), 0, MemoryApi.V2)
-    return NvmlReading(
-        NvmlHealth.OK, gpus=(GpuReading(0, minor=0, memory=memory, processes=processes),)
-    )
-
-
 def gather_for(glob: str) -> Inventory:
     """An inventory from the real /proc scan and the NVML stand-in."""
     scan = procfs.scan_device_holders(glob)
-    return build_inventory(nvml_stand_in([p.identity.pid for p in scan.processes]), scan, 0)
+    stand_in = gpu(0, *((p.identity.pid, 1024) for p in scan.processes))
+    return build_inventory(nvml(stand_in), scan, 0)
 
 
 def plan_request() -> PlanRequest:
