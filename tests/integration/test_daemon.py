@@ -627,43 +627,59 @@ def test_kernel_xids_are_kept_for_status_and_malformed_ones_counted(
     assert logged["code"] == 79
 
 
-def test_dry_run_acts_on_nothing(
-    tmp_path: Path,
-    in_process_nvml: Path,
-    spawn_holder: HolderSpawner,
-    unit_cgroups: UnitCgroups,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With dry_run the GPU-caused loop is logged as what would be done; nothing is signalled."""
-    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
-    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=True)
-
-    assert harness.daemon.run() == 0
-
-    assert harness.unit.calls == []
-    assert not process_gone(stale.pid)
+def _said_what_it_would_do(harness: Harness, unit: str) -> None:
     would = next(f for _, event, f in harness.log.lines if event == "dry run: would recover")
     assert would["unit"] == unit
     assert harness.snapshots[-1]["units"][unit]["recoveries"][-1]["result"] == "dry-run"
 
 
-def test_history_is_never_acted_on(
+def _saw_no_loop(harness: Harness, unit: str) -> None:
+    assert not any(event == "restart loop" for _, event, _ in harness.log.lines), unit
+
+
+def _reported_as_stopped_on_purpose(harness: Harness, unit: str) -> None:
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["action"] == "report"
+    assert "stopped on purpose" in last["action_reason"]
+
+
+@pytest.mark.parametrize(
+    ("dry_run", "live", "active", "said"),
+    [
+        pytest.param(True, True, "activating", _said_what_it_would_do, id="dry-run"),
+        pytest.param(False, False, "activating", _saw_no_loop, id="replayed-history"),
+        pytest.param(False, True, "inactive", _reported_as_stopped_on_purpose, id="inactive-unit"),
+    ],
+)
+def test_a_gpu_caused_loop_is_not_acted_on(
     tmp_path: Path,
     in_process_nvml: Path,
     spawn_holder: HolderSpawner,
     unit_cgroups: UnitCgroups,
     monkeypatch: pytest.MonkeyPatch,
+    *,
+    dry_run: bool,
+    live: bool,
+    active: str,
+    said: Callable[[Harness, str], None],
 ) -> None:
-    """The same loop replayed as history at start rebuilds the window but triggers nothing."""
+    """A GPU-caused loop with an earlier run's worker on GPU 2: nothing stopped or signalled.
+
+    With dry_run it is logged as what would be done. The same loop replayed as history at start
+    rebuilds the window but triggers nothing. The unit inactive (nothing will restart it): only
+    reported.
+    """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 0, monkeypatch)
-    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False, live=False)
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=dry_run, live=live)
+    harness.unit.active = active
 
     assert harness.daemon.run() == 0
+
     assert harness.unit.calls == []
     assert not process_gone(stale.pid)
-    assert not any(event == "restart loop" for _, event, _ in harness.log.lines)
+    assert not any(event == "signal" for _, event, _ in harness.log.lines)
+    said(harness, unit)
 
 
 # --- the operator's intent ----------------------------------------------------------------------
@@ -724,28 +740,6 @@ def test_an_operators_stop_is_never_undone(
     verdict = harness.snapshots[-1]["units"][unit]
     assert not verdict["looping"]
     assert "stopped by a stop job" in verdict["verdict"]
-
-
-def test_an_inactive_unit_is_not_started(
-    tmp_path: Path,
-    in_process_nvml: Path,
-    spawn_holder: HolderSpawner,
-    unit_cgroups: UnitCgroups,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A GPU-caused loop, but the unit is inactive (nothing will restart it): only reported."""
-    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
-    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
-    harness.unit.active = "inactive"
-
-    assert harness.daemon.run() == 0
-
-    assert harness.unit.calls == []
-    assert not process_gone(stale.pid)
-    last = harness.snapshots[-1]["units"][unit]
-    assert last["action"] == "report"
-    assert "stopped on purpose" in last["action_reason"]
 
 
 # --- interrupted recoveries ----------------------------------------------------------------------
