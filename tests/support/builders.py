@@ -93,7 +93,7 @@ def nvml(
 def process(
     pid: int,
     *minors: int,
-    cgroup: str | None = UNIT_CGROUP,
+    cgroup: str = UNIT_CGROUP,
     comm: str = "python3",
     cmdline: tuple[str, ...] = SERVER_CMDLINE,
     state: str = "S",

@@ -137,7 +137,7 @@ def test_lost_gpu_is_critical_and_others_still_reported() -> None:
 
 def test_d_state_holder_is_critical() -> None:
     """A holder stuck in the driver (its kernel stack says so) cannot be killed: CRITICAL."""
-    stuck = replace(process(10, 0, state="D"), kernel_wait=("os_acquire_mutex+0x2a/0x50 [nvidia]",))
+    stuck = process(10, 0, state="D", kernel_wait=("os_acquire_mutex+0x2a/0x50 [nvidia]",))
     level, text, _ = judge(nvml(gpu(0, (10, 100))), stuck)
     assert level is Level.CRITICAL
     assert "state D" in text
