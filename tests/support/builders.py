@@ -1,4 +1,4 @@
-"""Hand-made NVML readings, /proc facts and inventories for tests of the pure core.
+"""Hand-made NVML readings, /proc facts, inventories and plan requests for tests of the core.
 
 One place for the defaults the tests share, so a test names only what it is about: a GPU is an
 H200 as NVML describes it (143771 MiB read through the v2 API, nothing reserved, minor = index,
@@ -13,6 +13,7 @@ from dataclasses import replace
 from fakestate import H200_TOTAL_MIB
 
 from gpuguard.core.inventory import Inventory, build_inventory
+from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.values import (
     MIB,
     GpuHealth,
@@ -26,10 +27,12 @@ from gpuguard.core.values import (
     ProcessIdentity,
     ProcessListKind,
     ProcScan,
+    UnitProvenance,
 )
 
 DRIVER = "550.54.15"
-UNIT_CGROUP = "/system.slice/sglang.service"
+UNIT = "sglang.service"
+UNIT_CGROUP = f"/system.slice/{UNIT}"
 SERVER_CMDLINE = ("python3", "-m", "sglang.launch_server")
 TRAINING_CGROUP = "/system.slice/training.service"
 IDLE_MIB = 16
@@ -135,3 +138,27 @@ def training_job(pid: int, *minors: int, comm: str = "python3", state: str = "S"
 def inventory(reading: NvmlReading, *processes: ProcessFacts) -> Inventory:
     """The reading and these processes merged as gpuguard merges them (default idle threshold)."""
     return build_inventory(reading, ProcScan(processes), IDLE_MIB * MIB)
+
+
+def plan_request(
+    *,
+    gpu_set: frozenset[int] | None,
+    protected_names: tuple[str, ...] = (),
+    provenance: UnitProvenance | None = None,
+    live_invocation: str | None = None,
+) -> PlanRequest:
+    """sglang.service's request (unit scope, pattern "sglang"), as the gate's before its start.
+
+    Nothing of the unit is live unless ``live_invocation`` says so; systemd's view is known and
+    names no ended run unless ``provenance`` does; no PID is untouchable.
+    """
+    return PlanRequest(
+        unit=UNIT,
+        scope=Scope.UNIT,
+        patterns=("sglang",),
+        gpu_set=gpu_set,
+        protected_names=protected_names,
+        untouchable_pids=frozenset(),
+        provenance=UnitProvenance(None) if provenance is None else provenance,
+        live_invocation=live_invocation,
+    )

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import builders
 from builders import gpu, nvml
 
 from gpuguard.adapters import procfs
 from gpuguard.core.gate import GateOutcome, GateSettings, run_gate
 from gpuguard.core.inventory import Inventory, build_inventory
-from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.values import UnitProvenance
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.adapters.containerstop import ContainerStopper
+    from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import ReapResult, ReapTarget
 
 UNIT = "sglang.service"
@@ -59,15 +61,10 @@ def gather_for(glob: str) -> Inventory:
 
 def plan_request() -> PlanRequest:
     """The gate's plan request for the unit on GPU 0, as at its ExecStartPre=."""
-    return PlanRequest(
-        unit=UNIT,
-        scope=Scope.UNIT,
-        patterns=("sglang",),
-        gpu_set=frozenset({0}),
-        protected_names=(),
-        untouchable_pids=frozenset({os.getpid()}),
-        provenance=UnitProvenance(None, frozenset(), 0),
+    request = builders.plan_request(
+        gpu_set=frozenset({0}), provenance=UnitProvenance(None, frozenset(), 0)
     )
+    return replace(request, untouchable_pids=frozenset({os.getpid()}))
 
 
 def gate(glob: str, stopper: ContainerStopper, timeout_s: float = 5.0) -> GateOutcome:

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from builders import gpu, inventory, lost_gpu, nvml, process, training_job
+from builders import gpu, inventory, lost_gpu, nvml, plan_request, process, training_job
 
 from gpuguard.core.gate import GateSettings, run_gate, wait_until_idle
-from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.values import (
     MIB,
     GpuHealth,
@@ -21,7 +20,6 @@ from gpuguard.core.values import (
     ReapOutcome,
     ReapResult,
     RecoveryAction,
-    UnitProvenance,
 )
 from gpuguard.core.xidfaults import XidFault
 from gpuguard.core.xidstuck import XidClaim
@@ -34,16 +32,7 @@ if TYPE_CHECKING:
     from gpuguard.core.values import GpuReading, ReapTarget
 
 UNIT = "sglang.service"
-REQUEST = PlanRequest(
-    unit=UNIT,
-    scope=Scope.UNIT,
-    patterns=("sglang",),
-    gpu_set=frozenset({0, 1}),
-    protected_names=("nvidia-persistenced",),
-    untouchable_pids=frozenset(),
-    provenance=UnitProvenance(None),
-    live_invocation=None,
-)
+REQUEST = plan_request(gpu_set=frozenset({0, 1}), protected_names=("nvidia-persistenced",))
 
 
 JOB = training_job(77, 0)

@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from builders import gpu, nvml, process
+from builders import gpu, nvml, plan_request, process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.core.containment import HOST, Containment
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.policy import PlanRequest, Scope, plan
+from gpuguard.core.policy import Scope, plan
 from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
 from gpuguard.core.values import MIB, NvmlReading, ProcScan, UnitProvenance
 
@@ -32,18 +32,8 @@ UNIT = "/system.slice/sglang.service"
 OTHER = "/system.slice/cron.service"
 
 
-def request(live: str | None = None) -> PlanRequest:
-    """Unit scope over every GPU, systemd's view known."""
-    return PlanRequest(
-        unit="sglang.service",
-        scope=Scope.UNIT,
-        patterns=("sglang",),
-        gpu_set=None,
-        protected_names=(),
-        untouchable_pids=frozenset(),
-        provenance=UnitProvenance(None),
-        live_invocation=live,
-    )
+EVERY_GPU = plan_request(gpu_set=None)
+"""Unit scope over every GPU, systemd's view known."""
 
 
 def test_a_listed_pid_is_credited_only_to_a_process_holding_that_gpus_device_file() -> None:
@@ -114,8 +104,8 @@ def test_in_a_container_memory_nobody_here_holds_is_from_outside_and_blocks_the_
     assert report.level is Level.WARNING
     assert report.headline.startswith("GPU 1: 30000 MiB used from outside this container")
     assert inventory.gpus[1].outside_bytes == 30000 * MIB
-    assert plan(inventory.holders, request()).to_reap == ()
-    blockers = set_blockers(inventory, GateSettings(request(), 16 * MIB, 1.0))
+    assert plan(inventory.holders, EVERY_GPU).to_reap == ()
+    blockers = set_blockers(inventory, GateSettings(EVERY_GPU, 16 * MIB, 1.0))
     assert blockers == (
         "GPU 1: 30000 MiB used",
         (
@@ -131,7 +121,11 @@ def test_in_a_container_a_stale_holder_is_found_by_its_device_file_and_reaped() 
     old = replace(old, invocation_id="old-run", uids=(0, 0, 0, 0))
     scan = ProcScan((old,))
     inventory = build_inventory(nvml(gpu(3, (60140, 122205))), scan, 16 * MIB, LXC)
-    stale = replace(request("new-run"), provenance=UnitProvenance(None, frozenset({"old-run"}), 0))
+    stale = plan_request(
+        gpu_set=None,
+        provenance=UnitProvenance(None, frozenset({"old-run"}), 0),
+        live_invocation="new-run",
+    )
     assert [d.holder.pid for d in plan(inventory.holders, stale).to_reap] == [140]
     blockers = set_blockers(inventory, GateSettings(stale, 16 * MIB, 1.0))
     assert blockers[0].startswith("GPU 3: 122205 MiB used, held by PID 140 (sglang::TP3")
@@ -144,7 +138,7 @@ def test_in_a_container_a_colliding_pid_is_neither_credited_nor_planned() -> Non
     inventory = build_inventory(nvml(gpu(0, (77, 1000))), scan, 16 * MIB, LXC)
     assert [h.pid for h in inventory.holders] == [120]
     assert [f.pid for f in inventory.foreign] == [77]
-    assert [d.holder.pid for d in plan(inventory.holders, request()).decisions] == [120]
+    assert [d.holder.pid for d in plan(inventory.holders, EVERY_GPU).decisions] == [120]
     report = assess(inventory, CONTEXT, NOW)
     assert report.level is Level.OK
     assert "Foreign: PID 77 listed by NVML on GPU 0 is not this namespace's PID 77" in render_text(
@@ -207,7 +201,7 @@ def test_nothing_without_a_device_file_is_ever_planned_for_a_reap(
     """Even with scope ALL: a process here that holds no device file is never a reap target."""
     reading, scan, containment = world
     inventory = build_inventory(reading, scan, 16 * MIB, containment)
-    everything = replace(request(), scope=Scope.ALL)
+    everything = replace(EVERY_GPU, scope=Scope.ALL)
     for decision in plan(inventory.holders, everything).to_reap:
         assert decision.holder.device_files
 

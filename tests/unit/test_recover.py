@@ -8,15 +8,14 @@ integration tests drive the same procedure through the daemon against real proce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from builders import gpu, inventory, nvml
+from builders import gpu, inventory, nvml, plan_request
 
 from gpuguard.adapters.systemd import UnitState
 from gpuguard.core.gate import GateSettings
-from gpuguard.core.policy import PlanRequest, Scope
-from gpuguard.core.values import MIB, UnitProvenance
+from gpuguard.core.values import MIB
 from gpuguard.daemon.recover import STOP_WAIT_S, Steps, carry_out
 
 if TYPE_CHECKING:
@@ -87,16 +86,7 @@ def steps(unit: Unit, world: World, timeout_s: float = 30.0) -> Steps:
     """The procedure's steps over the twins."""
 
     def gate_settings(name: str, _inventory: Inventory, _state: UnitState) -> GateSettings:
-        request = PlanRequest(
-            unit=name,
-            scope=Scope.UNIT,
-            patterns=(),
-            gpu_set=frozenset({0}),
-            protected_names=(),
-            untouchable_pids=frozenset(),
-            provenance=UnitProvenance(None),
-            live_invocation=None,
-        )
+        request = replace(plan_request(gpu_set=frozenset({0})), unit=name, patterns=())
         return GateSettings(request, 16 * MIB, timeout_s, poll_s=0.5)
 
     def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:

@@ -6,13 +6,12 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 import pytest
-from builders import TRAINING_CGROUP, gpu, inventory, nvml, process, v1_gpu
+from builders import TRAINING_CGROUP, gpu, inventory, nvml, plan_request, process, v1_gpu
 
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
-from gpuguard.core.values import MIB, NvmlHealth, NvmlReading, ProcScan, UnitProvenance
+from gpuguard.core.values import MIB, NvmlHealth, NvmlReading, ProcScan
 
 NOW = datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc)
 CONTEXT = StatusContext(
@@ -106,16 +105,7 @@ def test_hidden_pid_is_uninspectable_not_vanished() -> None:
     assert to_json(assess(merged, CONTEXT, NOW))["uninspectable"] == [
         {"pid": 10, "gpu": 0, "used_mib": 2000}
     ]
-    request = PlanRequest(
-        unit="sglang.service",
-        scope=Scope.UNIT,
-        patterns=("sglang",),
-        gpu_set=frozenset({0}),
-        protected_names=(),
-        untouchable_pids=frozenset(),
-        provenance=UnitProvenance(None),
-        live_invocation=None,
-    )
+    request = plan_request(gpu_set=frozenset({0}))
     blockers = set_blockers(merged, GateSettings(request, 16 * MIB, 1.0))
     assert "GPU 0: NVML lists PID 10, which /proc does not let gpuguard inspect" in blockers
 
