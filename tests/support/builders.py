@@ -1,4 +1,4 @@
-"""Hand-made NVML readings, /proc facts, inventories and plan requests for tests of the core.
+"""Hand-made NVML readings, /proc facts, inventories and requests for tests of the core.
 
 One place for the defaults the tests share, so a test names only what it is about: a GPU is an
 H200 as NVML describes it (143771 MiB read through the v2 API, nothing reserved, minor = index,
@@ -14,6 +14,7 @@ from fakestate import H200_TOTAL_MIB
 
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.policy import PlanRequest, Scope
+from gpuguard.core.status import StatusContext
 from gpuguard.core.values import (
     MIB,
     GpuHealth,
@@ -37,6 +38,14 @@ SERVER_CMDLINE = ("python3", "-m", "sglang.launch_server")
 TRAINING_CGROUP = "/system.slice/training.service"
 IDLE_MIB = 16
 """gpuguard's default idle threshold."""
+
+STATUS_CONTEXT = StatusContext(
+    watched_units={UNIT: ("sglang",)},
+    protected_names=("nvidia-persistenced",),
+    idle_threshold_bytes=IDLE_MIB * MIB,
+    as_root=True,
+)
+"""Status as root, watching sglang.service (pattern "sglang"), nvidia-persistenced protected."""
 
 
 def pci_bus_id(index: int) -> str:

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
 import pytest
-from builders import gpu, lost_gpu, nvml, process
+from builders import STATUS_CONTEXT, gpu, lost_gpu, nvml, process
 
 from gpuguard.core.inventory import build_inventory, gpu_minor_of
 from gpuguard.core.status import (
@@ -26,12 +26,6 @@ if TYPE_CHECKING:
     from gpuguard.core.values import NvmlReading, ProcessFacts
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
-CONTEXT = StatusContext(
-    watched_units={"sglang.service": ("sglang",)},
-    protected_names=("nvidia-persistenced",),
-    idle_threshold_bytes=16 * MIB,
-    as_root=True,
-)
 
 
 def with_control_node(facts: ProcessFacts) -> ProcessFacts:
@@ -42,7 +36,7 @@ def with_control_node(facts: ProcessFacts) -> ProcessFacts:
 def judge(reading: NvmlReading, *procs: ProcessFacts) -> tuple[Level, str, dict[str, object]]:
     """Build, assess and render; return the level, the text and the JSON."""
     inventory = build_inventory(reading, ProcScan(procs), 16 * MIB)
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     return report.level, render_text(report), to_json(report)
 
 
@@ -261,7 +255,7 @@ def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
 def _with_daemon(snapshot: dict[str, object]) -> tuple[Level, str, dict[str, object]]:
     """Judge four idle GPUs with a running daemon whose snapshot is ``snapshot``."""
     inventory = build_inventory(nvml(gpu(0), gpu(1), gpu(2), gpu(3)), ProcScan(()), 16 * MIB)
-    context = replace(CONTEXT, daemon=DaemonView("running", snapshot))
+    context = replace(STATUS_CONTEXT, daemon=DaemonView("running", snapshot))
     report = assess(inventory, context, NOW)
     return report.level, render_text(report), to_json(report)
 
@@ -346,7 +340,7 @@ def test_since_limits_the_history_shown_not_the_current_state() -> None:
     inventory = build_inventory(nvml(gpu(0), gpu(1)), ProcScan(()), 16 * MIB)
     unit = UnitView("sglang.service", "active (running)", "GPUs 0,1 (from config)")
     context = replace(
-        CONTEXT,
+        STATUS_CONTEXT,
         daemon=DaemonView("running", snapshot),
         units=(unit,),
         since=NOW - timedelta(hours=1),
@@ -390,7 +384,7 @@ def _stuck_report(xid_pid: int, xid_at_s: float, *, unkillable: bool) -> tuple[L
     }
     unit = UnitView("sglang.service", "activating", "all GPUs", gate_decisions=(decision,))
     context = replace(
-        CONTEXT, daemon=DaemonView("running", {"xid": {"recent": [xid]}}), units=(unit,)
+        STATUS_CONTEXT, daemon=DaemonView("running", {"xid": {"recent": [xid]}}), units=(unit,)
     )
     report = assess(inventory, context, NOW)
     return report.level, render_text(report)

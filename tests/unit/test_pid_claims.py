@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from builders import gpu, nvml, plan_request, process
+from builders import STATUS_CONTEXT, gpu, nvml, plan_request, process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,16 +17,10 @@ from gpuguard.core.containment import HOST, Containment
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import Scope, plan
-from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
+from gpuguard.core.status import Level, assess, render_text, to_json
 from gpuguard.core.values import MIB, NvmlReading, ProcScan, UnitProvenance
 
 NOW = datetime(2026, 12, 1, 6, 0, tzinfo=timezone.utc)
-CONTEXT = StatusContext(
-    watched_units={"sglang.service": ("sglang",)},
-    protected_names=(),
-    idle_threshold_bytes=16 * MIB,
-    as_root=True,
-)
 LXC = Containment(container="lxc", foreign_pids=True, evidence=("/run/systemd/container: lxc",))
 UNIT = "/system.slice/sglang.service"
 OTHER = "/system.slice/cron.service"
@@ -52,7 +46,7 @@ def test_a_colliding_pid_is_named_as_foreign_not_as_missing_from_proc() -> None:
     inventory = build_inventory(nvml(gpu(0, (77, 1000))), ProcScan((process(77),)), 16 * MIB)
     assert inventory.holders == ()
     assert inventory.vanished == ()
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     text = render_text(report)
     assert report.level is Level.CRITICAL
     assert "no such process" not in text
@@ -71,7 +65,7 @@ def test_in_a_container_the_servers_memory_is_its_own_and_not_critical() -> None
         16 * MIB,
         LXC,
     )
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     text = render_text(report)
     assert report.level is Level.OK, text
     assert inventory.gpus[0].container_bytes == 70004 * MIB
@@ -100,7 +94,7 @@ def test_in_a_container_the_servers_memory_is_its_own_and_not_critical() -> None
 def test_in_a_container_memory_nobody_here_holds_is_from_outside_and_blocks_the_gate() -> None:
     """Nothing here holds GPU 1: reported as outside use (a warning), never reaped, gate waits."""
     inventory = build_inventory(nvml(gpu(0), gpu(1, (52000, 30000))), ProcScan(()), 16 * MIB, LXC)
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     assert report.level is Level.WARNING
     assert report.headline.startswith("GPU 1: 30000 MiB used from outside this container")
     assert inventory.gpus[1].outside_bytes == 30000 * MIB
@@ -139,7 +133,7 @@ def test_in_a_container_a_colliding_pid_is_neither_credited_nor_planned() -> Non
     assert [h.pid for h in inventory.holders] == [120]
     assert [f.pid for f in inventory.foreign] == [77]
     assert [d.holder.pid for d in plan(inventory.holders, EVERY_GPU).decisions] == [120]
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     assert report.level is Level.OK
     assert "Foreign: PID 77 listed by NVML on GPU 0 is not this namespace's PID 77" in render_text(
         report
@@ -228,5 +222,5 @@ def test_in_a_namespace_used_memory_is_the_containers_or_from_outside_never_unat
             assert occupancy.outside_bytes == 0
         else:
             assert occupancy.container_bytes == 0
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     assert report.level is not Level.CRITICAL

@@ -6,20 +6,23 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 import pytest
-from builders import TRAINING_CGROUP, gpu, inventory, nvml, plan_request, process, v1_gpu
+from builders import (
+    STATUS_CONTEXT,
+    TRAINING_CGROUP,
+    gpu,
+    inventory,
+    nvml,
+    plan_request,
+    process,
+    v1_gpu,
+)
 
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
+from gpuguard.core.status import Level, assess, render_text, to_json
 from gpuguard.core.values import MIB, NvmlHealth, NvmlReading, ProcScan
 
 NOW = datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc)
-CONTEXT = StatusContext(
-    watched_units={"sglang.service": ("sglang",)},
-    protected_names=("nvidia-persistenced",),
-    idle_threshold_bytes=16 * MIB,
-    as_root=True,
-)
 
 
 BUSY = nvml(gpu(0, (10, 2000)))
@@ -28,7 +31,9 @@ BUSY = nvml(gpu(0, (10, 2000)))
 
 def judged(scan: ProcScan, *, as_root: bool = True) -> tuple[Level, str]:
     """Assess the busy GPU 0 with this /proc evidence."""
-    report = assess(build_inventory(BUSY, scan, 16 * MIB), replace(CONTEXT, as_root=as_root), NOW)
+    report = assess(
+        build_inventory(BUSY, scan, 16 * MIB), replace(STATUS_CONTEXT, as_root=as_root), NOW
+    )
     return report.level, render_text(report)
 
 
@@ -102,7 +107,7 @@ def test_hidden_pid_is_uninspectable_not_vanished() -> None:
     assert "NVML lists PID 10 (2000 MiB), which exists but is not inspectable without root" in text
     merged = build_inventory(BUSY, scan, 16 * MIB)
     assert merged.vanished == ()
-    assert to_json(assess(merged, CONTEXT, NOW))["uninspectable"] == [
+    assert to_json(assess(merged, STATUS_CONTEXT, NOW))["uninspectable"] == [
         {"pid": 10, "gpu": 0, "used_mib": 2000}
     ]
     request = plan_request(gpu_set=frozenset({0}))
@@ -113,7 +118,7 @@ def test_hidden_pid_is_uninspectable_not_vanished() -> None:
 def test_v1_gpu_without_an_estimate_is_a_warning_not_busy_by_live_processes() -> None:
     """No reserve known yet: say so; never "in use by live processes" when nobody holds it."""
     old_driver = NvmlReading(NvmlHealth.OK, None, "512.15", (v1_gpu(0, 530),))
-    report = assess(inventory(old_driver), CONTEXT, NOW)
+    report = assess(inventory(old_driver), STATUS_CONTEXT, NOW)
     assert report.level is Level.WARNING
     assert report.headline.startswith(
         "GPU 0: the v1 memory API counts the driver's reserved memory as used and no estimate"
