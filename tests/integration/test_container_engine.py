@@ -35,7 +35,7 @@ from gpuguard.core.unitcontainers import Claim, Engine
 from gpuguard.core.values import UnitProvenance
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 RECORDED = json.loads(
     (Path(__file__).parents[1] / "engine_samples/docker-20.10-inspect-running.json").read_text()
@@ -264,18 +264,6 @@ def test_the_running_units_live_container_is_kept(
     assert log.events() == ["container stopped"]
 
 
-def test_an_unreadable_run_start_keeps_the_container(
-    engine: FakeEngine, containers: Containers
-) -> None:
-    """A live unit whose run start systemd does not give: no container of its is stopped."""
-    holder = containers.run(FULL_ID)
-    engine.containers["sglang"] = (FULL_ID, holder.pid)
-    log = Log()
-    outcome = gate(f"{containers.gpu.parent}/nvidia*", stopper(engine, log, KEY, live=True), 0.3)
-    assert not outcome.passed
-    assert "cannot be read" in str(log.lines[0][1]["reason"])
-
-
 def test_an_engine_that_is_down_stops_nothing(engine: FakeEngine, containers: Containers) -> None:
     """No socket: the container is kept and the reason says why."""
     holder = containers.run(FULL_ID)
@@ -288,28 +276,63 @@ def test_an_engine_that_is_down_stops_nothing(engine: FakeEngine, containers: Co
     assert "No such file" in str(log.lines[0][1]["reason"])
 
 
-def test_no_names_no_engine_call(engine: FakeEngine, containers: Containers) -> None:
-    """A unit that names no container never has one stopped."""
+@pytest.mark.parametrize(
+    ("names", "live", "reason"),
+    [
+        pytest.param(KEY, True, "cannot be read", id="live-unit-run-start-unreadable"),
+        pytest.param((), False, "no name the unit gives", id="unit-names-no-container"),
+    ],
+)
+def test_without_proof_of_a_left_over_the_container_is_kept(
+    engine: FakeEngine,
+    containers: Containers,
+    names: tuple[Claim, ...],
+    *,
+    live: bool,
+    reason: str,
+) -> None:
+    """A live unit whose run start systemd does not give: no container of its is stopped.
+
+    A unit that names no container never has one stopped.
+    """
     holder = containers.run(FULL_ID)
     engine.containers["sglang"] = (FULL_ID, holder.pid)
     log = Log()
-    outcome = gate(f"{containers.gpu.parent}/nvidia*", stopper(engine, log, ()), 0.3)
+    outcome = gate(f"{containers.gpu.parent}/nvidia*", stopper(engine, log, names, live=live), 0.3)
     assert not outcome.passed
     assert engine.stops == []
-    assert "no name the unit gives" in str(log.lines[0][1]["reason"])
+    assert holder.poll() is None
+    assert reason in str(log.lines[0][1]["reason"])
 
 
-def test_a_socket_of_another_user_is_refused(engine: FakeEngine) -> None:
-    """A socket file another user owns could be anyone's engine."""
-    os.chown(engine.path, 65534, 65534)
-    with pytest.raises(EngineError, match="owned by uid 65534"):
-        EngineClient(Engine.DOCKER, engine.path).inspect("sglang")
+def _owned_by_nobody(socket_path: Path) -> None:
+    os.chown(socket_path, 65534, 65534)
 
 
-def test_a_socket_in_a_directory_others_write_is_refused(engine: FakeEngine) -> None:
-    """A directory others write lets them replace the socket."""
-    engine.path.parent.chmod(0o777)
-    with pytest.raises(EngineError, match="writable by group or others"):
+def _directory_writable_by_all(socket_path: Path) -> None:
+    socket_path.parent.chmod(0o777)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "refusal"),
+    [
+        pytest.param(_owned_by_nobody, "owned by uid 65534", id="socket-of-another-user"),
+        pytest.param(
+            _directory_writable_by_all,
+            "writable by group or others",
+            id="socket-in-a-directory-others-write",
+        ),
+    ],
+)
+def test_a_socket_others_could_have_put_there_is_refused(
+    engine: FakeEngine, spoil: Callable[[Path], None], refusal: str
+) -> None:
+    """A socket file another user owns could be anyone's engine.
+
+    A directory others write lets them replace the socket.
+    """
+    spoil(engine.path)
+    with pytest.raises(EngineError, match=refusal):
         EngineClient(Engine.DOCKER, engine.path).inspect("sglang")
 
 

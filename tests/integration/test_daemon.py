@@ -63,6 +63,32 @@ def in_process_nvml(fake_nvml_dir: Path, fake_state: Path, monkeypatch: pytest.M
     return fake_state
 
 
+def run_worker(
+    spawn_holder: HolderSpawner,
+    state: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    invocation: str,
+    *gpus: int,
+    children: int = 0,
+    ignore_sigterm: bool = True,
+) -> Holder:
+    """A TP worker of run ``invocation`` (its INVOCATION_ID) holding 30000 MiB of each GPU.
+
+    It ignores SIGTERM unless told, as a worker stuck in a drain does.
+    """
+    monkeypatch.setenv("INVOCATION_ID", invocation)
+    worker = spawn_holder(
+        state,
+        gpus=gpus,
+        mib=30000,
+        children=children,
+        name="sglang::scheduler",
+        ignore_sigterm=ignore_sigterm,
+    )
+    monkeypatch.delenv("INVOCATION_ID")
+    return worker
+
+
 def earlier_run_worker(
     spawn_holder: HolderSpawner,
     state: Path,
@@ -72,9 +98,7 @@ def earlier_run_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Holder:
     """A worker of an earlier run of ``unit``: in its cgroup, with the old INVOCATION_ID."""
-    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
-    worker = spawn_holder(state, gpus=(gpu,), mib=30000, name="sglang::scheduler")
-    monkeypatch.delenv("INVOCATION_ID")
+    worker = run_worker(spawn_holder, state, monkeypatch, OLD_INVOCATION, gpu, ignore_sigterm=False)
     cgroups.move(worker.pid, unit)
     return worker
 
@@ -184,16 +208,9 @@ def test_loop_with_stale_holders_is_recovered(
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     for gpu in range(4):
         update_gpu(in_process_nvml, gpu, release_delay_ms=300)
-    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)  # the earlier run's, inherited
-    stale = spawn_holder(
-        in_process_nvml,
-        gpus=(0, 1, 2, 3),
-        mib=30000,
-        children=2,
-        name="sglang::scheduler",
-        ignore_sigterm=True,
+    stale = run_worker(
+        spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 0, 1, 2, 3, children=2
     )
-    monkeypatch.delenv("INVOCATION_ID")
     for pid in (stale.pid, *stale.children):
         unit_cgroups.move(pid, unit)
     bystander = opener(in_process_nvml, "gpu-exporter", 1)
@@ -341,15 +358,13 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
     update_gpu(in_process_nvml, 1, lost=True)
     entries = loop_entries(unit)
     last = entries[-1]
-    xid = {
-        "_TRANSPORT": "kernel",
-        "MESSAGE": "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
+    xid = kernel_line(
+        "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
         "GPU has fallen off the bus.",
-        "_BOOT_ID": last["_BOOT_ID"],
-        "__CURSOR": f"{last['__CURSOR']}-xid",
-        "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) - 1),
-        "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) - 1),
-    }
+        last,
+        -1,
+        "xid",
+    )
     harness = build(tmp_path, in_process_nvml, unit, [xid, *entries], dry_run=False)
 
     assert harness.daemon.run() == 0
@@ -385,16 +400,26 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
     ) in text
 
 
-def _kernel_xid(code: int, pci_bus: int, beside: dict[str, object], offset_us: int) -> Entry:
-    """A kernel-transport Xid line ``offset_us`` after (or before) the entry ``beside``."""
+def beside(entry: Entry, offset_us: int, tag: str, **fields: object) -> Entry:
+    """A line of ``entry``'s boot ``offset_us`` after (or before) it, its cursor tagged ``tag``."""
     return {
-        "_TRANSPORT": "kernel",
-        "MESSAGE": f"NVRM: Xid (PCI:0000:{pci_bus:02x}:00): {code}, pid=4242, name=python3, GSP",
-        "_BOOT_ID": beside["_BOOT_ID"],
-        "__CURSOR": f"{beside['__CURSOR']}-xid{code}",
-        "__REALTIME_TIMESTAMP": str(int(str(beside["__REALTIME_TIMESTAMP"])) + offset_us),
-        "__MONOTONIC_TIMESTAMP": str(int(str(beside["__MONOTONIC_TIMESTAMP"])) + offset_us),
+        **fields,
+        "_BOOT_ID": entry["_BOOT_ID"],
+        "__CURSOR": f"{entry['__CURSOR']}-{tag}",
+        "__REALTIME_TIMESTAMP": str(int(str(entry["__REALTIME_TIMESTAMP"])) + offset_us),
+        "__MONOTONIC_TIMESTAMP": str(int(str(entry["__MONOTONIC_TIMESTAMP"])) + offset_us),
     }
+
+
+def kernel_line(message: str, entry: Entry, offset_us: int, tag: str) -> Entry:
+    """A kernel-transport line beside ``entry`` (see ``beside``)."""
+    return beside(entry, offset_us, tag, _TRANSPORT="kernel", MESSAGE=message)
+
+
+def _kernel_xid(code: int, pci_bus: int, entry: Entry, offset_us: int) -> Entry:
+    """A kernel Xid line for PCI bus ``pci_bus`` ``offset_us`` after (or before) ``entry``."""
+    message = f"NVRM: Xid (PCI:0000:{pci_bus:02x}:00): {code}, pid=4242, name=python3, GSP"
+    return kernel_line(message, entry, offset_us, f"xid{code}")
 
 
 def test_reset_class_xid_on_a_gpu_nvml_calls_healthy_stops_at_needs_operator(
@@ -461,20 +486,19 @@ def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
     other = spawn_holder(in_process_nvml, gpus=(3,), mib=20000, name="trainer")
     entries = loop_entries(unit)
     last = entries[-5]  # the last run's main process exit
-    oom = {
-        "_TRANSPORT": "stdout",
-        "_PID": "4242",
-        "_UID": "0",
-        "_SYSTEMD_UNIT": unit,
-        "_SYSTEMD_CGROUP": f"/system.slice/{unit}",
-        "_SYSTEMD_INVOCATION_ID": last["INVOCATION_ID"],
-        "MESSAGE": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+    oom = beside(
+        last,
+        -1,
+        "oom",
+        _TRANSPORT="stdout",
+        _PID="4242",
+        _UID="0",
+        _SYSTEMD_UNIT=unit,
+        _SYSTEMD_CGROUP=f"/system.slice/{unit}",
+        _SYSTEMD_INVOCATION_ID=last["INVOCATION_ID"],
+        MESSAGE="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
         "GPU 1 has a total capacity of 79.15 GiB of which 3.19 MiB is free.",
-        "_BOOT_ID": last["_BOOT_ID"],
-        "__CURSOR": f"{last['__CURSOR']}-oom",
-        "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) - 1),
-        "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) - 1),
-    }
+    )
     entries.insert(len(entries) - 5, oom)
     harness = build(
         tmp_path,
@@ -580,23 +604,13 @@ def test_kernel_xids_are_kept_for_status_and_malformed_ones_counted(
     entries = loop_entries(unit)
     last = entries[-1]
 
-    def kernel(message: str, step: int) -> dict[str, object]:
-        return {
-            "_TRANSPORT": "kernel",
-            "MESSAGE": message,
-            "_BOOT_ID": last["_BOOT_ID"],
-            "__CURSOR": f"{last['__CURSOR']}-k{step}",
-            "__REALTIME_TIMESTAMP": str(int(str(last["__REALTIME_TIMESTAMP"])) + step),
-            "__MONOTONIC_TIMESTAMP": str(int(str(last["__MONOTONIC_TIMESTAMP"])) + step),
-        }
-
     xid = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off"
     garbled = "NVRM: Xid (PCI:0000:3b:00): seventy-nine"
     harness = build(
         tmp_path,
         in_process_nvml,
         unit,
-        [kernel(xid, 1), kernel(garbled, 2), *entries],
+        [kernel_line(xid, last, 1, "k1"), kernel_line(garbled, last, 2, "k2"), *entries],
         dry_run=False,
     )
 
@@ -613,43 +627,59 @@ def test_kernel_xids_are_kept_for_status_and_malformed_ones_counted(
     assert logged["code"] == 79
 
 
-def test_dry_run_acts_on_nothing(
-    tmp_path: Path,
-    in_process_nvml: Path,
-    spawn_holder: HolderSpawner,
-    unit_cgroups: UnitCgroups,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With dry_run the GPU-caused loop is logged as what would be done; nothing is signalled."""
-    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
-    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=True)
-
-    assert harness.daemon.run() == 0
-
-    assert harness.unit.calls == []
-    assert not process_gone(stale.pid)
+def _said_what_it_would_do(harness: Harness, unit: str) -> None:
     would = next(f for _, event, f in harness.log.lines if event == "dry run: would recover")
     assert would["unit"] == unit
     assert harness.snapshots[-1]["units"][unit]["recoveries"][-1]["result"] == "dry-run"
 
 
-def test_history_is_never_acted_on(
+def _saw_no_loop(harness: Harness, unit: str) -> None:
+    assert not any(event == "restart loop" for _, event, _ in harness.log.lines), unit
+
+
+def _reported_as_stopped_on_purpose(harness: Harness, unit: str) -> None:
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["action"] == "report"
+    assert "stopped on purpose" in last["action_reason"]
+
+
+@pytest.mark.parametrize(
+    ("dry_run", "live", "active", "said"),
+    [
+        pytest.param(True, True, "activating", _said_what_it_would_do, id="dry-run"),
+        pytest.param(False, False, "activating", _saw_no_loop, id="replayed-history"),
+        pytest.param(False, True, "inactive", _reported_as_stopped_on_purpose, id="inactive-unit"),
+    ],
+)
+def test_a_gpu_caused_loop_is_not_acted_on(
     tmp_path: Path,
     in_process_nvml: Path,
     spawn_holder: HolderSpawner,
     unit_cgroups: UnitCgroups,
     monkeypatch: pytest.MonkeyPatch,
+    *,
+    dry_run: bool,
+    live: bool,
+    active: str,
+    said: Callable[[Harness, str], None],
 ) -> None:
-    """The same loop replayed as history at start rebuilds the window but triggers nothing."""
+    """A GPU-caused loop with an earlier run's worker on GPU 2: nothing stopped or signalled.
+
+    With dry_run it is logged as what would be done. The same loop replayed as history at start
+    rebuilds the window but triggers nothing. The unit inactive (nothing will restart it): only
+    reported.
+    """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 0, monkeypatch)
-    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False, live=False)
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=dry_run, live=live)
+    harness.unit.active = active
 
     assert harness.daemon.run() == 0
+
     assert harness.unit.calls == []
     assert not process_gone(stale.pid)
-    assert not any(event == "restart loop" for _, event, _ in harness.log.lines)
+    assert not any(event == "signal" for _, event, _ in harness.log.lines)
+    said(harness, unit)
 
 
 # --- the operator's intent ----------------------------------------------------------------------
@@ -712,28 +742,6 @@ def test_an_operators_stop_is_never_undone(
     assert "stopped by a stop job" in verdict["verdict"]
 
 
-def test_an_inactive_unit_is_not_started(
-    tmp_path: Path,
-    in_process_nvml: Path,
-    spawn_holder: HolderSpawner,
-    unit_cgroups: UnitCgroups,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A GPU-caused loop, but the unit is inactive (nothing will restart it): only reported."""
-    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 2, monkeypatch)
-    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
-    harness.unit.active = "inactive"
-
-    assert harness.daemon.run() == 0
-
-    assert harness.unit.calls == []
-    assert not process_gone(stale.pid)
-    last = harness.snapshots[-1]["units"][unit]
-    assert last["action"] == "report"
-    assert "stopped on purpose" in last["action_reason"]
-
-
 # --- interrupted recoveries ----------------------------------------------------------------------
 
 
@@ -751,12 +759,13 @@ def interrupted_record(*, boot: str | None, age_s: float, invocation: str) -> di
 
 
 @pytest.mark.parametrize(
-    ("boot", "age_s", "dry_run", "why"),
+    ("boot", "age_s", "dry_run", "active", "why"),
     [
-        ("c" * 32, 5.0, False, "another boot"),
-        (None, 5.0, False, "another boot"),
-        (BOOT, 5000.0, False, "younger than"),
-        (BOOT, 5.0, True, "dry_run"),
+        pytest.param("c" * 32, 5.0, False, "failed", "another boot", id="another-boot"),
+        pytest.param(None, 5.0, False, "failed", "another boot", id="boot-unknown"),
+        pytest.param(BOOT, 5000.0, False, "failed", "younger than", id="old-record"),
+        pytest.param(BOOT, 5.0, True, "failed", "dry_run", id="dry-run"),
+        pytest.param(BOOT, 5.0, False, "active", "started it since", id="unit-runs-again"),
     ],
 )
 def test_an_interrupted_recovery_is_resumed_only_when_safe(
@@ -764,17 +773,20 @@ def test_an_interrupted_recovery_is_resumed_only_when_safe(
     in_process_nvml: Path,
     boot: str | None,
     age_s: float,
+    *,
     dry_run: bool,
+    active: str,
     why: str,
 ) -> None:
-    """Another boot, an old record or dry_run: closed as abandoned, the unit left alone.
+    """Another boot, an old record, dry_run or a unit running again: closed as abandoned.
 
-    On main any record was resumed at start: a record from another boot stopped and started a
-    healthy unit, and dry_run did not prevent it.
+    The unit is left alone. On main any record was resumed at start: a record from another boot
+    stopped and started a healthy unit, and dry_run did not prevent it. Same boot and young, but
+    the unit runs again (someone started it; its state alone says so): not resumed either.
     """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     harness = build(tmp_path, in_process_nvml, unit, [], dry_run=dry_run)
-    harness.unit.active = "failed"
+    harness.unit.active = active
     record = interrupted_record(boot=boot, age_s=age_s, invocation=harness.unit.invocation)
     harness.saved[unit] = {"in_progress": record}
 
@@ -789,23 +801,6 @@ def test_an_interrupted_recovery_is_resumed_only_when_safe(
         f for _, event, f in harness.log.lines if event == "interrupted recovery not resumed"
     )
     assert why in str(line["reason"])
-
-
-def test_a_healthy_unit_is_not_touched_by_an_old_record(
-    tmp_path: Path, in_process_nvml: Path
-) -> None:
-    """Same boot and young, but the unit runs again (someone started it): not resumed."""
-    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    harness = build(tmp_path, in_process_nvml, unit, [], dry_run=False)
-    harness.unit.active = "active"
-    harness.saved[unit] = {
-        "in_progress": interrupted_record(boot=BOOT, age_s=5, invocation="9" * 32)
-    }
-
-    assert harness.daemon.run() == 0
-
-    assert harness.unit.calls == []
-    assert "started it since" in harness.saved[unit]["recoveries"][-1]["problem"]
 
 
 def test_a_fresh_interrupted_recovery_is_finished(tmp_path: Path, in_process_nvml: Path) -> None:
@@ -880,11 +875,7 @@ def test_the_watchdog_is_fed_through_long_steps(
     WatchdogSec=30); here the interval is 0.4 s, so a silent long step is plainly visible.
     """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
-    stale = spawn_holder(
-        in_process_nvml, gpus=(0,), mib=30000, name="sglang::scheduler", ignore_sigterm=True
-    )
-    monkeypatch.delenv("INVOCATION_ID")
+    stale = run_worker(spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 0)
     unit_cgroups.move(stale.pid, unit)
     if slow == "nvml":
         update_state(in_process_nvml, block_call="nvmlDeviceGetCount_v2", block_ms=1500)
@@ -921,22 +912,6 @@ def crashed_run_entries(unit: str) -> list[Entry]:
     return [e for e in entries if e["INVOCATION_ID"] == first]
 
 
-def survivor(
-    spawn_holder: HolderSpawner,
-    state: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    invocation: str,
-    gpu: int,
-) -> Holder:
-    """A TP worker of run ``invocation`` holding fake GPU memory, ignoring SIGTERM."""
-    monkeypatch.setenv("INVOCATION_ID", invocation)
-    worker = spawn_holder(
-        state, gpus=(gpu,), mib=30000, name="sglang::scheduler", ignore_sigterm=True
-    )
-    monkeypatch.delenv("INVOCATION_ID")
-    return worker
-
-
 def sweep_lines(harness: Harness) -> list[dict[str, object]]:
     """What the daemon said about survivors of ended runs."""
     return [f for _, event, f in harness.log.lines if event == "survivors of an ended run"]
@@ -957,9 +932,9 @@ def test_survivors_of_a_crashed_run_are_reaped_at_its_end(
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     entries = crashed_run_entries(unit)
     crashed = str(entries[0]["INVOCATION_ID"])
-    inside = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    inside = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
     unit_cgroups.move(inside.pid, unit)
-    escaped = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 1)
+    escaped = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 1)
     unit_cgroups.move(escaped.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
     harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
 
@@ -998,9 +973,9 @@ def test_the_next_run_and_other_runs_are_never_touched(
     entries = crashed_run_entries(unit)
     crashed = str(entries[0]["INVOCATION_ID"])
     nxt = uuid.uuid4().hex
-    ended = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
-    live = survivor(spawn_holder, in_process_nvml, monkeypatch, nxt, 1)
-    older = survivor(spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 2)
+    ended = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    live = run_worker(spawn_holder, in_process_nvml, monkeypatch, nxt, 1)
+    older = run_worker(spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 2)
     for pid in (ended.pid, live.pid, older.pid):
         unit_cgroups.move(pid, unit)
     harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
@@ -1027,7 +1002,7 @@ def test_survivors_of_an_operators_stop_are_reported_unless_configured(
     """A stop job ended the run: its survivor is named, not killed; configured, it is reaped."""
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     stopped = uuid.uuid4().hex
-    worker = survivor(spawn_holder, in_process_nvml, monkeypatch, stopped, 0)
+    worker = run_worker(spawn_holder, in_process_nvml, monkeypatch, stopped, 0)
     unit_cgroups.move(worker.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
     entries = timed_out_stop_entries(unit, stopped, "stop", 1_000_000_000)
     harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
@@ -1056,49 +1031,44 @@ def test_survivors_of_an_operators_stop_are_reported_unless_configured(
     assert configured.snapshots[-1]["units"][unit]["survivors"][0]["result"] == "reaped"
 
 
-def test_survivors_under_dry_run_are_only_named(
+@pytest.mark.parametrize(
+    ("dry_run", "live", "said"),
+    [
+        pytest.param(True, True, "dry run: would reap 1 survivor of run ", id="dry-run-names-them"),
+        pytest.param(False, False, None, id="replayed-history-sweeps-nothing"),
+    ],
+)
+def test_survivors_are_left_alone_under_dry_run_and_in_history(
     tmp_path: Path,
     in_process_nvml: Path,
     spawn_holder: HolderSpawner,
     unit_cgroups: UnitCgroups,
     monkeypatch: pytest.MonkeyPatch,
+    *,
+    dry_run: bool,
+    live: bool,
+    said: str | None,
 ) -> None:
-    """dry_run: the crashed run's survivor is named, with what would be done, and left alone."""
+    """dry_run: the crashed run's survivor is named, with what would be done, and left alone.
+
+    A run that ended before the daemon started is history: never acted on, nothing said.
+    """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     entries = crashed_run_entries(unit)
     crashed = str(entries[0]["INVOCATION_ID"])
-    worker = survivor(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    worker = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
     unit_cgroups.move(worker.pid, unit)
-    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=True)
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=dry_run, live=live)
 
     assert harness.daemon.run() == 0
 
     assert not process_gone(worker.pid)
-    [said] = sweep_lines(harness)
-    assert str(said["summary"]).startswith(f"dry run: would reap 1 survivor of run {crashed[:8]}")
     assert not any(event == "signal" for _, event, _ in harness.log.lines)
-
-
-def test_replayed_history_sweeps_nothing(
-    tmp_path: Path,
-    in_process_nvml: Path,
-    spawn_holder: HolderSpawner,
-    unit_cgroups: UnitCgroups,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A run that ended before the daemon started is history: never acted on."""
-    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    entries = crashed_run_entries(unit)
-    worker = survivor(
-        spawn_holder, in_process_nvml, monkeypatch, str(entries[0]["INVOCATION_ID"]), 0
-    )
-    unit_cgroups.move(worker.pid, unit)
-    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False, live=False)
-
-    assert harness.daemon.run() == 0
-
-    assert not process_gone(worker.pid)
-    assert not sweep_lines(harness)
+    if said is None:
+        assert not sweep_lines(harness)
+    else:
+        [line] = sweep_lines(harness)
+        assert str(line["summary"]).startswith(f"{said}{crashed[:8]}")
 
 
 # -- metrics (adapters.metricsio.Exporter on the daemon's ports, as `gpuguard run` wires it) --
@@ -1153,9 +1123,7 @@ def test_a_recovery_is_counted_in_the_textfile(
 ) -> None:
     """Stale workers recovered: one restart, three processes killed, GPUs idle again."""
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    monkeypatch.setenv("INVOCATION_ID", OLD_INVOCATION)
-    stale = spawn_holder(in_process_nvml, gpus=(0, 1), mib=30000, children=2, ignore_sigterm=True)
-    monkeypatch.delenv("INVOCATION_ID")
+    stale = run_worker(spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 0, 1, children=2)
     for pid in (stale.pid, *stale.children):
         unit_cgroups.move(pid, unit)
     # A gate decision recorded before the daemon starts is history: never counted.

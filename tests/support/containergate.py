@@ -9,31 +9,25 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import builders
+from builders import gpu, nvml
 
 from gpuguard.adapters import procfs
 from gpuguard.core.gate import GateOutcome, GateSettings, run_gate
 from gpuguard.core.inventory import Inventory, build_inventory
-from gpuguard.core.policy import PlanRequest, Scope
-from gpuguard.core.values import (
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessListKind,
-    UnitProvenance,
-)
+from gpuguard.core.values import UnitProvenance
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.adapters.containerstop import ContainerStopper
+    from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import ReapResult, ReapTarget
 
 UNIT = "sglang.service"
-GIB = 1024**3
 
 
 class Log:
@@ -58,32 +52,19 @@ class Log:
         return [event for event, _ in self.lines]
 
 
-def nvml_stand_in(scan_pids: list[int]) -> NvmlReading:
-    """GPU 0 (minor 0) with 1 GiB for each process holding the fake GPU file."""
-    processes = tuple(NvmlProcess(pid, GIB, ProcessListKind.COMPUTE) for pid in scan_pids)
-    memory = GpuMemory(80 * GIB, GIB * len(processes), 0, MemoryApi.V2)
-    return NvmlReading(
-        NvmlHealth.OK, gpus=(GpuReading(0, minor=0, memory=memory, processes=processes),)
-    )
-
-
 def gather_for(glob: str) -> Inventory:
     """An inventory from the real /proc scan and the NVML stand-in."""
     scan = procfs.scan_device_holders(glob)
-    return build_inventory(nvml_stand_in([p.identity.pid for p in scan.processes]), scan, 0)
+    stand_in = gpu(0, *((p.identity.pid, 1024) for p in scan.processes))
+    return build_inventory(nvml(stand_in), scan, 0)
 
 
 def plan_request() -> PlanRequest:
     """The gate's plan request for the unit on GPU 0, as at its ExecStartPre=."""
-    return PlanRequest(
-        unit=UNIT,
-        scope=Scope.UNIT,
-        patterns=("sglang",),
-        gpu_set=frozenset({0}),
-        protected_names=(),
-        untouchable_pids=frozenset({os.getpid()}),
-        provenance=UnitProvenance(None, frozenset(), 0),
+    request = builders.plan_request(
+        gpu_set=frozenset({0}), provenance=UnitProvenance(None, frozenset(), 0)
     )
+    return replace(request, untouchable_pids=frozenset({os.getpid()}))
 
 
 def gate(glob: str, stopper: ContainerStopper, timeout_s: float = 5.0) -> GateOutcome:

@@ -12,37 +12,24 @@ all four. Each is passed in, never patched in.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import builders
+from builders import gpu, nvml
 
 from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
 from gpuguard.adapters.systemd import UnitState
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.values import (
-    MIB,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessFacts,
-    ProcessIdentity,
-    ProcessListKind,
-    ProcScan,
-    ReapOutcome,
-    ReapResult,
-)
+from gpuguard.core.values import ProcScan, ReapOutcome, ReapResult
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.core.inventory import Inventory
-    from gpuguard.core.values import ReapTarget
+    from gpuguard.core.values import GpuReading, ProcessFacts, ReapTarget
 
-TOTAL_MIB = 143771
-"""An H200's memory, as the fake NVML reports it."""
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
 
 
@@ -206,8 +193,9 @@ class GpuHost:
     def gather(self) -> Inventory:
         """What NVML and the /proc walk would say now, merged as gpuguard merges them."""
         readings = tuple(self._reading(index) for index in range(self.gpus))
-        nvml = NvmlReading(NvmlHealth.OK, None, "550.54.15", readings)
-        return build_inventory(nvml, ProcScan(tuple(map(_facts, self.processes.values()))), 0)
+        return build_inventory(
+            nvml(*readings), ProcScan(tuple(map(_facts, self.processes.values()))), 0
+        )
 
     def reap(self, targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
         """Signal each target: it exits (its memory is freed) unless it is unkillable."""
@@ -224,30 +212,16 @@ class GpuHost:
         return tuple(results)
 
     def _reading(self, index: int) -> GpuReading:
-        holders = [p for p in self.processes.values() if index in p.gpus]
-        used = sum(p.mib for p in holders)
-        return GpuReading(
-            index=index,
-            name="NVIDIA H200",
-            minor=index,
-            memory=GpuMemory(TOTAL_MIB * MIB, used * MIB, 0, MemoryApi.V2),
-            processes=tuple(
-                NvmlProcess(p.pid, p.mib * MIB, ProcessListKind.COMPUTE) for p in holders
-            ),
-        )
+        return gpu(index, *((p.pid, p.mib) for p in self.processes.values() if index in p.gpus))
 
 
 def _facts(process: Process) -> ProcessFacts:
-    return ProcessFacts(
-        identity=ProcessIdentity(process.pid, 1000 + process.pid),
-        ppid=process.ppid,
-        state="S",
+    facts = builders.process(
+        process.pid,
+        *process.gpus,
+        cgroup=process.cgroup,
         comm=process.comm,
         cmdline=(process.comm, "-m", "sglang.launch_server"),
-        uid=0,
-        user="root",
-        cgroup=process.cgroup,
         invocation_id=process.invocation_id,
-        uids=(0, 0, 0, 0),
-        device_files=frozenset(f"/dev/nvidia{gpu}" for gpu in process.gpus),
     )
+    return replace(facts, ppid=process.ppid, uids=(0, 0, 0, 0))

@@ -9,26 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from builders import gpu, inventory, lost_gpu, nvml, plan_request, process, training_job
+
 from gpuguard.core.gate import GateSettings, run_gate, wait_until_idle
-from gpuguard.core.inventory import build_inventory
-from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.values import (
     MIB,
     GpuHealth,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
     NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessFacts,
     ProcessIdentity,
-    ProcessListKind,
-    ProcScan,
     ReapOutcome,
     ReapResult,
     RecoveryAction,
-    UnitProvenance,
 )
 from gpuguard.core.xidfaults import XidFault
 from gpuguard.core.xidstuck import XidClaim
@@ -38,58 +29,21 @@ if TYPE_CHECKING:
 
     from gpuguard.core.gate import GateOutcome
     from gpuguard.core.inventory import Inventory
-    from gpuguard.core.values import ReapTarget
+    from gpuguard.core.values import GpuReading, ReapTarget
 
 UNIT = "sglang.service"
-REQUEST = PlanRequest(
-    unit=UNIT,
-    scope=Scope.UNIT,
-    patterns=("sglang",),
-    gpu_set=frozenset({0, 1}),
-    protected_names=("nvidia-persistenced",),
-    untouchable_pids=frozenset(),
-    provenance=UnitProvenance(None),
-    live_invocation=None,
-)
+REQUEST = plan_request(gpu_set=frozenset({0, 1}), protected_names=("nvidia-persistenced",))
 
 
-def gpu(index: int, *, used_mib: int = 0, pid: int | None = None, lost: bool = False) -> GpuReading:
-    """A v2 GPU; ``pid`` holds all of its used memory."""
-    if lost:
-        return GpuReading(
-            index=index, minor=index, problem="GPU is lost (fallen off the bus)", lost=True
-        )
-    procs = () if pid is None else (NvmlProcess(pid, used_mib * MIB, ProcessListKind.COMPUTE),)
-    return GpuReading(
-        index=index,
-        minor=index,
-        memory=GpuMemory(143771 * MIB, used_mib * MIB, 0, MemoryApi.V2),
-        processes=procs,
-    )
+JOB = training_job(77, 0)
+"""Another unit's live job on GPU 0: the gate never touches it."""
 
 
-def foreign_job(pid: int) -> ProcessFacts:
-    """Another unit's live job on GPU 0: the gate never touches it."""
-    return ProcessFacts(
-        identity=ProcessIdentity(pid, 500),
-        ppid=1,
-        state="S",
-        comm="python3",
-        cmdline=("python3", "train.py"),
-        uid=1000,
-        user="alice",
-        cgroup="/system.slice/training.service",
-        device_files=frozenset({"/dev/nvidia0"}),
-    )
-
-
-def inventory(
+def gathered(
     *gpus: GpuReading, health: NvmlHealth = NvmlHealth.OK, reason: str | None = None
 ) -> Inventory:
-    """An inventory with the foreign job as the only process."""
-    return build_inventory(
-        NvmlReading(health, reason, "550.54.15", gpus), ProcScan((foreign_job(77),)), 16 * MIB
-    )
+    """What the gate gathers: these GPUs, with the other unit's job as the only process."""
+    return inventory(nvml(*gpus, health=health, reason=reason), JOB)
 
 
 @dataclass
@@ -131,7 +85,7 @@ class World:
 def test_nvml_unavailable_refuses_at_once_in_one_line() -> None:
     """No NVML: no 300 s wait, no sleep at all; the reason is the message."""
     world = World(
-        [inventory(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")]
+        [gathered(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")]
     )
     outcome = world.run()
     assert not outcome.passed
@@ -147,8 +101,8 @@ def test_nvml_unavailable_refuses_at_once_in_one_line() -> None:
 
 def test_a_gpu_of_the_set_lost_while_waiting_refuses_at_the_next_look() -> None:
     """Busy, then GPU 1 falls off the bus: refused then, not at the timeout."""
-    busy = inventory(gpu(0, used_mib=8000, pid=77), gpu(1))
-    lost = inventory(gpu(0, used_mib=8000, pid=77), gpu(1, lost=True))
+    busy = gathered(gpu(0, (77, 8000)), gpu(1))
+    lost = gathered(gpu(0, (77, 8000)), lost_gpu(1))
     world = World([busy, busy, busy, lost])
     outcome = world.run()
     assert outcome.hopeless
@@ -158,20 +112,15 @@ def test_a_gpu_of_the_set_lost_while_waiting_refuses_at_the_next_look() -> None:
 
 def test_a_lost_gpu_outside_the_set_does_not_matter() -> None:
     """GPU 3 lost, the set {0, 1} idle: start allowed."""
-    world = World([inventory(gpu(0), gpu(1), gpu(2), gpu(3, lost=True))])
+    world = World([gathered(gpu(0), gpu(1), gpu(2), lost_gpu(3))])
     outcome = world.run()
     assert outcome.passed
 
 
 def test_a_gpu_of_the_set_needing_a_reset_refuses_at_once_naming_it() -> None:
     """GPU 1 has a row remap pending and a busy GPU 0: refused now, not after 300 s of waiting."""
-    pending = GpuReading(
-        index=1,
-        minor=1,
-        memory=GpuMemory(143771 * MIB, 0, 0, MemoryApi.V2),
-        health=GpuHealth(remapped_rows_pending=True),
-    )
-    world = World([inventory(gpu(0, used_mib=8000, pid=77), pending)])
+    pending = gpu(1, health=GpuHealth(remapped_rows_pending=True))
+    world = World([gathered(gpu(0, (77, 8000)), pending)])
     outcome = world.run(timeout_s=300.0)
     assert outcome.hopeless
     assert outcome.blockers == ("GPU 1 needs a reset: a memory row remap is pending",)
@@ -188,15 +137,10 @@ def test_driver_recovery_action_outside_the_set_or_advisory_does_not_refuse() ->
     drain = GpuHealth(recovery_action=RecoveryAction.DRAIN_P2P)
     world = World(
         [
-            inventory(
-                GpuReading(
-                    index=0,
-                    minor=0,
-                    memory=GpuMemory(143771 * MIB, 0, 0, MemoryApi.V2),
-                    health=drain,
-                ),
+            gathered(
+                gpu(0, health=drain),
                 gpu(1),
-                GpuReading(index=3, minor=3, health=reset),
+                gpu(3, health=reset),
             )
         ]
     )
@@ -205,14 +149,14 @@ def test_driver_recovery_action_outside_the_set_or_advisory_does_not_refuse() ->
 
 def test_a_missing_gpu_of_the_set_refuses_at_once() -> None:
     """The set names GPU 1; NVML shows only GPU 0."""
-    outcome = World([inventory(gpu(0))]).run()
+    outcome = World([gathered(gpu(0))]).run()
     assert outcome.blockers == ("GPU 1 is not present",)
     assert outcome.hopeless
 
 
 def test_waiting_reports_each_blocker_every_ten_seconds() -> None:
     """35 s of waiting on a foreign job: reports at 10, 20 and 30 s, one line per blocker."""
-    world = World([inventory(gpu(0, used_mib=8000, pid=77), gpu(1))])
+    world = World([gathered(gpu(0, (77, 8000)), gpu(1))])
     outcome = world.run(timeout_s=35.0)
     assert not outcome.passed
     assert not outcome.hopeless
@@ -229,8 +173,8 @@ def test_waiting_reports_each_blocker_every_ten_seconds() -> None:
 
 def test_a_quick_wait_says_nothing_extra() -> None:
     """Idle after 2 s: no progress lines (only waits past the interval are reported)."""
-    busy = inventory(gpu(0, used_mib=8000, pid=77), gpu(1))
-    idle = inventory(gpu(0), gpu(1))
+    busy = gathered(gpu(0, (77, 8000)), gpu(1))
+    idle = gathered(gpu(0), gpu(1))
     world = World([busy] * 4 + [idle])
     assert world.run().passed
     assert world.lines == []
@@ -238,7 +182,7 @@ def test_a_quick_wait_says_nothing_extra() -> None:
 
 def test_waiting_until_idle_looks_again_until_the_set_is_free() -> None:
     """Reap's wait: no reaping, one look per poll, the first idle inventory ends it."""
-    busy, idle = inventory(gpu(0, used_mib=4000, pid=77), gpu(1)), inventory(gpu(0), gpu(1))
+    busy, idle = gathered(gpu(0, (77, 4000)), gpu(1)), gathered(gpu(0), gpu(1))
     world = World([busy, busy, idle])
     settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
     last, blockers = wait_until_idle(
@@ -252,7 +196,7 @@ def test_waiting_until_idle_looks_again_until_the_set_is_free() -> None:
 
 def test_waiting_until_idle_gives_up_after_its_time_and_says_what_blocks() -> None:
     """A set that stays busy: the blockers after ``wait_s``, and no look without a wait."""
-    busy = inventory(gpu(0, used_mib=4000, pid=77), gpu(1))
+    busy = gathered(gpu(0, (77, 4000)), gpu(1))
     world = World([busy])
     settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
     _, blockers = wait_until_idle(
@@ -266,16 +210,10 @@ def test_waiting_until_idle_gives_up_after_its_time_and_says_what_blocks() -> No
     assert world.now == 3.0
 
 
-def addressed(index: int, *, used_mib: int = 0, pid: int | None = None) -> GpuReading:
-    """``gpu(index)`` with the PCI address NVML gives it (bus 0x19 + index)."""
-    reading = gpu(index, used_mib=used_mib, pid=pid)
-    return replace(reading, pci_bus_id=f"00000000:{0x19 + index:02X}:00.0")
-
-
 def test_a_reset_class_xid_on_a_gpu_of_the_set_refuses_at_once_naming_it() -> None:
     """The daemon's Xid 79 on GPU 1's address, NVML healthy and GPU 0 busy: refused now."""
     fault = XidFault("0000:1a:00", 79, "2026-12-01T06:00:00+00:00")
-    world = World([inventory(addressed(0, used_mib=8000, pid=77), addressed(1))])
+    world = World([gathered(gpu(0, (77, 8000)), gpu(1))])
     outcome = world.run(faults=(fault,))
     assert outcome.hopeless
     assert outcome.blockers == (
@@ -294,7 +232,7 @@ def test_xid_faults_outside_the_set_or_at_unknown_addresses_never_refuse() -> No
         XidFault("0000:99:00", 79, None),
         XidFault("ffff:ff:ff", 48, "\x1b[2J"),
     )
-    world = World([inventory(addressed(0), addressed(1), addressed(2), addressed(3))])
+    world = World([gathered(gpu(0), gpu(1), gpu(2), gpu(3))])
     assert world.run(faults=faults).passed
 
 
@@ -304,22 +242,11 @@ def test_a_reaped_process_sigkill_leaves_after_an_xid_naming_it_refuses_at_once(
     The reaper here is a twin: no process outside a driver fault survives SIGKILL. The gate
     refuses at once instead of waiting out its 300 s; without the Xid it would wait.
     """
-    left_over = ProcessFacts(
-        identity=ProcessIdentity(88, 1000),
-        ppid=1,
-        state="R",
-        comm="sglang::schedul",
-        cmdline=("sglang::scheduler_TP0",),
-        uid=0,
-        user="root",
-        cgroup=f"/system.slice/{UNIT}",
-        device_files=frozenset({"/dev/nvidia0"}),
+    left_over = process(
+        88, 0, comm="sglang::schedul", cmdline=("sglang::scheduler_TP0",), state="R"
     )
-    busy = build_inventory(
-        NvmlReading(NvmlHealth.OK, None, "550.54.15", (gpu(0, used_mib=8000, pid=88), gpu(1))),
-        ProcScan((left_over,)),
-        16 * MIB,
-    )
+    left_over = replace(left_over, identity=ProcessIdentity(88, 1000))
+    busy = inventory(nvml(gpu(0, (88, 8000)), gpu(1)), left_over)
     calls: list[int] = []
 
     def unkillable(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
@@ -348,7 +275,7 @@ def test_a_reaped_process_sigkill_leaves_after_an_xid_naming_it_refuses_at_once(
 
 def test_the_gpu_the_last_run_ran_out_of_memory_on_is_named_first() -> None:
     """GPU 0 and GPU 1 busy; the last run's cuda:1 is GPU 1: its blocker leads and says so."""
-    busy = inventory(gpu(0, used_mib=8000, pid=77), gpu(1, used_mib=4000, pid=77))
+    busy = gathered(gpu(0, (77, 8000)), gpu(1, (77, 4000)))
     world = World([busy])
     settings = GateSettings(REQUEST, 16 * MIB, 1.0, poll_s=0.5, oom=(1, 1))
 

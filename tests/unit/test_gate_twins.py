@@ -7,23 +7,15 @@ again, pass; or spare, wait, refuse naming who blocks.
 
 from __future__ import annotations
 
+from builders import plan_request
 from daemontwins import GpuHost, Process
 
 from gpuguard.core.gate import GateSettings, run_gate
-from gpuguard.core.policy import PlanRequest, Scope
-from gpuguard.core.values import MIB, UnitProvenance
+from gpuguard.core.values import MIB
 
 UNIT = "sglang.service"
-REQUEST = PlanRequest(
-    unit=UNIT,
-    scope=Scope.UNIT,
-    patterns=("sglang",),
-    gpu_set=frozenset({0, 1}),
-    protected_names=("nvidia-persistenced",),
-    untouchable_pids=frozenset(),
-    provenance=UnitProvenance(None),
-    live_invocation=None,  # before the start: everything in the cgroup is left over
-)
+REQUEST = plan_request(gpu_set=frozenset({0, 1}), protected_names=("nvidia-persistenced",))
+"""Before the start: everything in the cgroup is left over."""
 
 
 class Clock:

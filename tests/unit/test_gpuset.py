@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
+from builders import gpu
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.adapters.systemd import is_control_process, parse_environment, parse_show
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.unitconfig import shell_words
-from gpuguard.core.values import GpuReading
+
+if TYPE_CHECKING:
+    from gpuguard.core.values import GpuReading
 
 
 def gpus(*names: str) -> list[GpuReading]:
-    """GPUs in NVML (PCI) order with deterministic UUIDs."""
-    return [
-        GpuReading(
-            index=i,
-            name=name,
-            uuid=f"GPU-{i:08x}-aaaa-bbbb-cccc-dddddddddddd",
-            pci_bus_id=f"00000000:{0x19 + i:02X}:00.0",
-        )
-        for i, name in enumerate(names)
-    ]
+    """GPUs of these models in NVML (PCI) order."""
+    return [gpu(index, name=name) for index, name in enumerate(names)]
 
 
 EIGHT = gpus(*["NVIDIA H200"] * 8)

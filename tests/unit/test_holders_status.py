@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
+
+import pytest
+from builders import STATUS_CONTEXT, gpu, lost_gpu, nvml, process
 
 from gpuguard.core.inventory import build_inventory, gpu_minor_of
 from gpuguard.core.status import (
@@ -16,79 +20,23 @@ from gpuguard.core.status import (
     render_text,
     to_json,
 )
-from gpuguard.core.values import (
-    MIB,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessFacts,
-    ProcessIdentity,
-    ProcessListKind,
-    ProcScan,
-)
+from gpuguard.core.values import MIB, NvmlHealth, ProcScan
+
+if TYPE_CHECKING:
+    from gpuguard.core.values import NvmlReading, ProcessFacts
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
-CONTEXT = StatusContext(
-    watched_units={"sglang.service": ("sglang",)},
-    protected_names=("nvidia-persistenced",),
-    idle_threshold_bytes=16 * MIB,
-    as_root=True,
-)
-SGLANG_CGROUP = "/system.slice/sglang.service"
 
 
-def gpu(
-    index: int, used_mib: int = 0, *procs: tuple[int, int | None], minor: int | None = None
-) -> GpuReading:
-    """A healthy v2 GPU reading with the given processes (pid, MiB)."""
-    return GpuReading(
-        index=index,
-        name="NVIDIA H200",
-        uuid=f"GPU-{index:08d}",
-        pci_bus_id=f"00000000:{index + 0x19:02X}:00.0",
-        minor=index if minor is None else minor,
-        memory=GpuMemory(143771 * MIB, used_mib * MIB, 0, MemoryApi.V2),
-        processes=tuple(
-            NvmlProcess(pid, None if mib is None else mib * MIB, ProcessListKind.COMPUTE)
-            for pid, mib in procs
-        ),
-    )
+def with_control_node(facts: ProcessFacts) -> ProcessFacts:
+    """The process holds /dev/nvidiactl too, which names no GPU."""
+    return replace(facts, device_files=facts.device_files | {"/dev/nvidiactl"})
 
 
-def proc(
-    pid: int,
-    *devices: str,
-    cgroup: str = SGLANG_CGROUP,
-    state: str = "S",
-    comm: str = "python3",
-    cmdline: tuple[str, ...] = ("python3", "-m", "sglang.launch_server"),
-) -> ProcessFacts:
-    """A process as /proc would describe it."""
-    return ProcessFacts(
-        identity=ProcessIdentity(pid, 1000 + pid),
-        ppid=1,
-        state=state,
-        comm=comm,
-        cmdline=cmdline,
-        uid=0,
-        user="root",
-        cgroup=cgroup,
-        device_files=frozenset(devices),
-    )
-
-
-def reading(*gpus: GpuReading) -> NvmlReading:
-    """An NVML reading that succeeded."""
-    return NvmlReading(NvmlHealth.OK, None, "550.54.15", gpus)
-
-
-def judge(nvml: NvmlReading, *procs: ProcessFacts) -> tuple[Level, str, dict[str, object]]:
+def judge(reading: NvmlReading, *procs: ProcessFacts) -> tuple[Level, str, dict[str, object]]:
     """Build, assess and render; return the level, the text and the JSON."""
-    inventory = build_inventory(nvml, ProcScan(procs), 16 * MIB)
-    report = assess(inventory, CONTEXT, NOW)
+    inventory = build_inventory(reading, ProcScan(procs), 16 * MIB)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     return report.level, render_text(report), to_json(report)
 
 
@@ -102,7 +50,7 @@ def test_minor_is_read_from_the_node_name() -> None:
 
 def test_idle_host_is_ok() -> None:
     """Four idle GPUs with no holders are OK and say so."""
-    level, text, doc = judge(reading(gpu(0, 2), gpu(1), gpu(2), gpu(3)))
+    level, text, doc = judge(nvml(gpu(0, used_mib=2), gpu(1), gpu(2), gpu(3)))
     assert level is Level.OK
     assert text.startswith("gpuguard status: OK - all 4 GPUs idle\n")
     assert doc["schema_version"] == 3
@@ -112,8 +60,8 @@ def test_idle_host_is_ok() -> None:
 def test_holder_attributed_by_nvml_and_device_file() -> None:
     """A server listed by NVML and holding the device is shown under its GPU with unit and MiB."""
     level, text, doc = judge(
-        reading(gpu(0, 1000, (10, 1000)), gpu(1)),
-        proc(10, "/dev/nvidia0", "/dev/nvidiactl"),
+        nvml(gpu(0, (10, 1000)), gpu(1)),
+        with_control_node(process(10, 0)),
     )
     assert level is Level.OK
     assert "pid 10" in text
@@ -129,8 +77,8 @@ def test_holder_attributed_by_nvml_and_device_file() -> None:
 def test_device_node_maps_to_gpu_by_minor_not_index() -> None:
     """/dev/nvidia7 belongs to the GPU whose NVML minor is 7, whatever its index."""
     inventory = build_inventory(
-        reading(gpu(0, minor=7), gpu(1, minor=0)),
-        ProcScan((proc(10, "/dev/nvidia7"),)),
+        nvml(gpu(0, minor=7), gpu(1, minor=0)),
+        ProcScan((process(10, 7),)),
         16 * MIB,
     )
     assert [u.gpu_index for u in inventory.holders[0].gpus] == [0]
@@ -139,9 +87,9 @@ def test_device_node_maps_to_gpu_by_minor_not_index() -> None:
 def test_inherited_fd_child_shows_as_fd_only() -> None:
     """A child that only inherited the device file is a holder without a size."""
     level, text, _ = judge(
-        reading(gpu(0, 1000, (10, 1000))),
-        proc(10, "/dev/nvidia0"),
-        proc(11, "/dev/nvidia0", comm="python3"),
+        nvml(gpu(0, (10, 1000))),
+        process(10, 0),
+        process(11, 0, comm="python3"),
     )
     assert level is Level.OK
     assert "pid 11" in text
@@ -150,7 +98,7 @@ def test_inherited_fd_child_shows_as_fd_only() -> None:
 
 def test_unattributed_memory_is_critical_and_never_guessed() -> None:
     """Memory beyond the listed processes and the idle allowance is unattributed: CRITICAL."""
-    level, text, doc = judge(reading(gpu(0, 3000, (10, 1000))), proc(10, "/dev/nvidia0"))
+    level, text, doc = judge(nvml(gpu(0, (10, 1000), used_mib=3000)), process(10, 0))
     assert level is Level.CRITICAL
     assert "Unattributed: GPU 0: 2000 MiB" in text
     assert doc["gpus"][0]["unattributed_mib"] == 2000  # type: ignore[index]
@@ -159,14 +107,14 @@ def test_unattributed_memory_is_critical_and_never_guessed() -> None:
 
 def test_small_difference_is_within_the_idle_allowance() -> None:
     """A few MiB of driver bookkeeping beyond the processes is not reported."""
-    level, _, doc = judge(reading(gpu(0, 1010, (10, 1000))), proc(10, "/dev/nvidia0"))
+    level, _, doc = judge(nvml(gpu(0, (10, 1000), used_mib=1010)), process(10, 0))
     assert level is Level.OK
     assert doc["gpus"][0]["unattributed_mib"] == 0  # type: ignore[index]
 
 
 def test_pid_named_by_nvml_but_missing_in_proc_is_reported() -> None:
     """A listed PID that /proc lacks is reported as vanished, not dropped."""
-    level, text, doc = judge(reading(gpu(0, 500, (999, 500))))
+    level, text, doc = judge(nvml(gpu(0, (999, 500))))
     assert level is Level.CRITICAL
     assert "PID 999" in text
     assert doc["vanished"] == [{"pid": 999, "gpu": 0, "used_mib": 500}]
@@ -174,8 +122,7 @@ def test_pid_named_by_nvml_but_missing_in_proc_is_reported() -> None:
 
 def test_lost_gpu_is_critical_and_others_still_reported() -> None:
     """One lost GPU makes the status CRITICAL while the other GPUs are still shown."""
-    lost = GpuReading(index=1, lost=True, problem="GPU is lost")
-    level, text, _ = judge(reading(gpu(0), lost, gpu(2)))
+    level, text, _ = judge(nvml(gpu(0), lost_gpu(1), gpu(2)))
     assert level is Level.CRITICAL
     assert "GPU 1" in text
     assert "LOST" in text
@@ -184,10 +131,8 @@ def test_lost_gpu_is_critical_and_others_still_reported() -> None:
 
 def test_d_state_holder_is_critical() -> None:
     """A holder stuck in the driver (its kernel stack says so) cannot be killed: CRITICAL."""
-    stuck = replace(
-        proc(10, "/dev/nvidia0", state="D"), kernel_wait=("os_acquire_mutex+0x2a/0x50 [nvidia]",)
-    )
-    level, text, _ = judge(reading(gpu(0, 100, (10, 100))), stuck)
+    stuck = process(10, 0, state="D", kernel_wait=("os_acquire_mutex+0x2a/0x50 [nvidia]",))
+    level, text, _ = judge(nvml(gpu(0, (10, 100))), stuck)
     assert level is Level.CRITICAL
     assert "state D" in text
 
@@ -195,10 +140,10 @@ def test_d_state_holder_is_critical() -> None:
 def test_escaped_worker_of_watched_unit_is_a_warning() -> None:
     """A holder that looks like the watched unit's worker but runs outside it is a warning."""
     level, text, _ = judge(
-        reading(gpu(0, 100, (10, 100))),
-        proc(
+        nvml(gpu(0, (10, 100))),
+        process(
             10,
-            "/dev/nvidia0",
+            0,
             cgroup="/user.slice/user-0.slice/session-1.scope",
             cmdline=("sglang::scheduler_TP0",),
         ),
@@ -210,14 +155,15 @@ def test_escaped_worker_of_watched_unit_is_a_warning() -> None:
 def test_protected_process_is_never_called_a_left_over() -> None:
     """Protected processes holding devices do not raise warnings by pattern."""
     level, _, _ = judge(
-        reading(gpu(0)),
-        proc(
-            5,
-            "/dev/nvidia0",
-            "/dev/nvidiactl",
-            cgroup="/system.slice/nvidia-persistenced.service",
-            comm="nvidia-persistenced",
-            cmdline=("/usr/bin/nvidia-persistenced", "--sglang"),
+        nvml(gpu(0)),
+        with_control_node(
+            process(
+                5,
+                0,
+                cgroup="/system.slice/nvidia-persistenced.service",
+                comm="nvidia-persistenced",
+                cmdline=("/usr/bin/nvidia-persistenced", "--sglang"),
+            )
         ),
     )
     assert level is Level.OK
@@ -225,8 +171,8 @@ def test_protected_process_is_never_called_a_left_over() -> None:
 
 def test_nvml_unavailable_without_evidence_is_unknown() -> None:
     """No NVML and nothing in /proc: UNKNOWN (3), with the reason on screen."""
-    nvml = NvmlReading(NvmlHealth.UNAVAILABLE, "NVML unavailable: Driver Not Loaded")
-    level, text, doc = judge(nvml)
+    unavailable = nvml(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")
+    level, text, doc = judge(unavailable)
     assert level is Level.UNKNOWN
     assert "NVML unavailable: Driver Not Loaded" in text.splitlines()[0]
     assert doc["exit_code"] == 3
@@ -234,8 +180,8 @@ def test_nvml_unavailable_without_evidence_is_unknown() -> None:
 
 def test_nvml_unavailable_with_proc_evidence_is_a_warning() -> None:
     """No NVML but /proc shows device holders: WARNING, and the holders are listed."""
-    nvml = NvmlReading(NvmlHealth.UNAVAILABLE, "NVML unavailable: Driver Not Loaded")
-    level, text, _ = judge(nvml, proc(10, "/dev/nvidia0"))
+    unavailable = nvml(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")
+    level, text, _ = judge(unavailable, process(10, 0))
     assert level is Level.WARNING
     assert "pid 10" in text
 
@@ -243,7 +189,7 @@ def test_nvml_unavailable_with_proc_evidence_is_a_warning() -> None:
 def test_hostile_command_cannot_forge_output_lines() -> None:
     """A command line with newlines renders on one line."""
     evil = ("python3", "x\ngpuguard status: OK - all 4 GPUs idle")
-    _, text, doc = judge(reading(gpu(0, 100, (10, 100))), proc(10, "/dev/nvidia0", cmdline=evil))
+    _, text, doc = judge(nvml(gpu(0, (10, 100))), process(10, 0, cmdline=evil))
     assert sum(line.startswith("gpuguard status:") for line in text.splitlines()) == 1
     assert json.loads(json.dumps(doc))["holders"][0]["cmdline"] == list(evil)
 
@@ -251,8 +197,8 @@ def test_hostile_command_cannot_forge_output_lines() -> None:
 def test_hostile_comm_cannot_forge_output_lines() -> None:
     """A process name with a newline is escaped in findings too."""
     _, text, _ = judge(
-        reading(gpu(0, 100, (10, 100))),
-        proc(10, "/dev/nvidia0", state="D", comm="x\nOK: fine"),
+        nvml(gpu(0, (10, 100))),
+        process(10, 0, state="D", comm="x\nOK: fine"),
     )
     assert not any(line.startswith("OK: fine") for line in text.splitlines())
 
@@ -275,7 +221,7 @@ def test_refused_gate_is_critical() -> None:
         as_root=True,
         units=(refused,),
     )
-    report = assess(build_inventory(reading(gpu(0)), ProcScan(()), 16 * MIB), context, NOW)
+    report = assess(build_inventory(nvml(gpu(0)), ProcScan(()), 16 * MIB), context, NOW)
     assert report.level is Level.CRITICAL
     assert "refused the last start of sglang.service at t2: GPU 1: 500 MiB used" in report.headline
     assert "gate t2 refused" in render_text(report)
@@ -284,11 +230,11 @@ def test_refused_gate_is_critical() -> None:
 def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
     """The name shown in place of an empty command line is escaped, as are owners and findings."""
     level, text, doc = judge(
-        reading(gpu(0, 1000, (10, 1000)), gpu(1, 500, (11, 500))),
-        proc(10, "/dev/nvidia0", comm="\nOK: all idle", cmdline=()),
-        proc(
+        nvml(gpu(0, (10, 1000)), gpu(1, (11, 500))),
+        process(10, 0, comm="\nOK: all idle", cmdline=()),
+        process(
             11,
-            "/dev/nvidia1",
+            1,
             cgroup="/system.slice/gg-\x1b]0;pwn\x07\u202e.service",
             comm="\x1b[2Jsglang",
             cmdline=("python3", "-m", "sglang\r\x1b[KOK", "a\u2028b"),
@@ -308,8 +254,8 @@ def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
 
 def _with_daemon(snapshot: dict[str, object]) -> tuple[Level, str, dict[str, object]]:
     """Judge four idle GPUs with a running daemon whose snapshot is ``snapshot``."""
-    inventory = build_inventory(reading(gpu(0), gpu(1), gpu(2), gpu(3)), ProcScan(()), 16 * MIB)
-    context = replace(CONTEXT, daemon=DaemonView("running", snapshot))
+    inventory = build_inventory(nvml(gpu(0), gpu(1), gpu(2), gpu(3)), ProcScan(()), 16 * MIB)
+    context = replace(STATUS_CONTEXT, daemon=DaemonView("running", snapshot))
     report = assess(inventory, context, NOW)
     return report.level, render_text(report), to_json(report)
 
@@ -391,10 +337,10 @@ def test_since_limits_the_history_shown_not_the_current_state() -> None:
         "xid": {"recent": [xid(79, "2026-11-29T10:00:00+00:00"), xid(48, "2026-11-29T11:10:00")]},
         "units": {"sglang.service": watch},
     }
-    inventory = build_inventory(reading(gpu(0), gpu(1)), ProcScan(()), 16 * MIB)
+    inventory = build_inventory(nvml(gpu(0), gpu(1)), ProcScan(()), 16 * MIB)
     unit = UnitView("sglang.service", "active (running)", "GPUs 0,1 (from config)")
     context = replace(
-        CONTEXT,
+        STATUS_CONTEXT,
         daemon=DaemonView("running", snapshot),
         units=(unit,),
         since=NOW - timedelta(hours=1),
@@ -421,8 +367,8 @@ def _stuck_report(xid_pid: int, xid_at_s: float, *, unkillable: bool) -> tuple[L
     4242 started at tick 5242 (52.42 s after boot); the Xid came at ``xid_at_s``; the gate's
     last reap left it alive or not.
     """
-    holder = proc(4242, "/dev/nvidia0", state="R")
-    inventory = build_inventory(reading(gpu(0, 8000, (4242, 8000))), ProcScan((holder,)), 16 * MIB)
+    holder = process(4242, 0, state="R")
+    inventory = build_inventory(nvml(gpu(0, (4242, 8000))), ProcScan((holder,)), 16 * MIB)
     xid = {
         "code": 31,
         "xid_class": "application",
@@ -438,7 +384,7 @@ def _stuck_report(xid_pid: int, xid_at_s: float, *, unkillable: bool) -> tuple[L
     }
     unit = UnitView("sglang.service", "activating", "all GPUs", gate_decisions=(decision,))
     context = replace(
-        CONTEXT, daemon=DaemonView("running", {"xid": {"recent": [xid]}}), units=(unit,)
+        STATUS_CONTEXT, daemon=DaemonView("running", {"xid": {"recent": [xid]}}), units=(unit,)
     )
     report = assess(inventory, context, NOW)
     return report.level, render_text(report)
@@ -454,8 +400,12 @@ def test_a_holder_sigkill_left_alive_after_an_xid_naming_it_is_stuck_in_the_driv
     ) in text
 
 
-def test_the_xid_pid_is_only_a_claim() -> None:
+@pytest.mark.parametrize(
+    ("xid_pid", "at_s", "unkillable"),
+    [(4243, 60.0, True), (4242, 50.0, True), (4242, 60.0, False)],
+    ids=["another-pid", "younger-than-the-xid", "no-sigkill"],
+)
+def test_the_xid_pid_is_only_a_claim(xid_pid: int, at_s: float, *, unkillable: bool) -> None:
     """Another PID, a process younger than the Xid (PID reused), or no SIGKILL: not stuck."""
-    for xid_pid, at_s, unkillable in ((4243, 60.0, True), (4242, 50.0, True), (4242, 60.0, False)):
-        _, text = _stuck_report(xid_pid, at_s, unkillable=unkillable)
-        assert "stuck in the driver" not in text
+    _, text = _stuck_report(xid_pid, at_s, unkillable=unkillable)
+    assert "stuck in the driver" not in text

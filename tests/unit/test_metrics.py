@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from builders import TRAINING_CGROUP, gpu, inventory, lost_gpu, nvml, process
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.core.inventory import build_inventory
 from gpuguard.core.metrics import (
     GATE_RESULTS,
     HEALTH_STATES,
@@ -22,61 +22,15 @@ from gpuguard.core.metrics import (
     exposition,
     families,
 )
-from gpuguard.core.values import (
-    MIB,
-    GpuHealth,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessFacts,
-    ProcessIdentity,
-    ProcessListKind,
-    ProcScan,
-    RecoveryAction,
-)
+from gpuguard.core.values import MIB, GpuHealth, NvmlHealth, RecoveryAction
+
+if TYPE_CHECKING:
+    from gpuguard.core.values import GpuReading, ProcessFacts
 
 UNIT = "sglang.service"
 OLD = "0" * 32
 LIVE = "a" * 32
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def gpu(
-    index: int, *, pids: dict[int, int] | None = None, used_mib: int | None = None
-) -> GpuReading:
-    """A v2 GPU; ``pids``: each listed process's MiB; ``used_mib`` defaults to their sum."""
-    listed = pids or {}
-    used = sum(listed.values()) if used_mib is None else used_mib
-    return GpuReading(
-        index=index,
-        minor=index,
-        uuid=f"GPU-{index}",
-        memory=GpuMemory(80000 * MIB, used * MIB, 0, MemoryApi.V2),
-        processes=tuple(
-            NvmlProcess(pid, mib * MIB, ProcessListKind.COMPUTE) for pid, mib in listed.items()
-        ),
-    )
-
-
-def process(
-    pid: int, invocation: str | None, *, cgroup: str = f"/system.slice/{UNIT}"
-) -> ProcessFacts:
-    """A holder of /dev/nvidia0 in ``cgroup`` with ``invocation`` as its INVOCATION_ID."""
-    return ProcessFacts(
-        identity=ProcessIdentity(pid, 500),
-        ppid=1,
-        state="S",
-        comm="python3",
-        cmdline=("python3", "-m", "sglang.launch_server", "--api-key", "secret"),
-        uid=1000,
-        user="svc",
-        cgroup=cgroup,
-        invocation_id=invocation,
-        device_files=frozenset({"/dev/nvidia0"}),
-    )
 
 
 def observed(
@@ -90,11 +44,8 @@ def observed(
     health: NvmlHealth = NvmlHealth.OK,
 ) -> Observed:
     """Metrics input for one watched unit, systemd saying it runs ``LIVE`` unless told."""
-    inventory = build_inventory(
-        NvmlReading(health, None, "550.54.15", readings), ProcScan(processes), 16 * MIB
-    )
     return Observed(
-        inventory=inventory,
+        inventory=inventory(nvml(*readings, health=health), *processes),
         inventory_age_s=12.5,
         watched_units=[UNIT],
         live_invocations={UNIT: LIVE} if live is None else live,
@@ -121,18 +72,18 @@ def scrape(inputs: Observed) -> Samples:
 def test_stale_holders_are_an_ended_runs_processes_with_their_memory() -> None:
     """Old invocation in the unit's cgroup: stale; the live run and another unit's job: not."""
     inputs = observed(
-        (gpu(0, pids={10: 30000, 11: 1000, 12: 500}),),
+        (gpu(0, (10, 30000), (11, 1000), (12, 500)),),
         (
-            process(10, OLD),
-            process(11, LIVE),
-            process(12, OLD, cgroup="/system.slice/training.service"),
+            process(10, 0, invocation_id=OLD),
+            process(11, 0, invocation_id=LIVE),
+            process(12, 0, invocation_id=OLD, cgroup=TRAINING_CGROUP),
         ),
     )
     found = scrape(inputs)
     assert found["gpuguard_gpu_stale_holders", (("gpu", "0"),)] == 1
     assert found["gpuguard_gpu_stale_holder_memory_bytes", (("gpu", "0"),)] == 30000 * MIB
     assert found["gpuguard_gpu_memory_used_bytes", (("gpu", "0"),)] == 31500 * MIB
-    assert found["gpuguard_gpu_memory_total_bytes", (("gpu", "0"),)] == 80000 * MIB
+    assert found["gpuguard_gpu_memory_total_bytes", (("gpu", "0"),)] == 143771 * MIB
     assert found["gpuguard_gpu_idle", (("gpu", "0"),)] == 0
 
 
@@ -143,13 +94,17 @@ def test_stale_holders_are_an_ended_runs_processes_with_their_memory() -> None:
 )
 def test_no_evidence_no_stale_holder(live: dict[str, str | None], invocation: str | None) -> None:
     """Without systemd's answer or the process's INVOCATION_ID nothing is called stale."""
-    found = scrape(observed((gpu(0, pids={10: 30000}),), (process(10, invocation),), live=live))
+    found = scrape(
+        observed((gpu(0, (10, 30000)),), (process(10, 0, invocation_id=invocation),), live=live)
+    )
     assert found["gpuguard_gpu_stale_holders", (("gpu", "0"),)] == 0
 
 
 def test_a_stopped_units_holders_are_all_stale() -> None:
     """The unit is not running: every process of it that holds a GPU is left over."""
-    found = scrape(observed((gpu(0, pids={10: 100}),), (process(10, LIVE),), live={UNIT: None}))
+    found = scrape(
+        observed((gpu(0, (10, 100)),), (process(10, 0, invocation_id=LIVE),), live={UNIT: None})
+    )
     assert found["gpuguard_gpu_stale_holders", (("gpu", "0"),)] == 1
 
 
@@ -165,14 +120,14 @@ def test_unattributed_memory_and_idle() -> None:
 @pytest.mark.parametrize(
     ("reading", "state"),
     [
-        (GpuReading(index=0), "ok"),
-        (GpuReading(index=0, health=GpuHealth(volatile_uncorrectable_ecc=2)), "warning"),
-        (GpuReading(index=0, health=GpuHealth(remapped_rows_pending=True)), "needs-reset"),
+        (gpu(0), "ok"),
+        (gpu(0, health=GpuHealth(volatile_uncorrectable_ecc=2)), "warning"),
+        (gpu(0, health=GpuHealth(remapped_rows_pending=True)), "needs-reset"),
         (
-            GpuReading(index=0, health=GpuHealth(recovery_action=RecoveryAction.NODE_REBOOT)),
+            gpu(0, health=GpuHealth(recovery_action=RecoveryAction.NODE_REBOOT)),
             "needs-reboot",
         ),
-        (GpuReading(index=0, lost=True), "needs-reboot"),
+        (lost_gpu(0), "needs-reboot"),
     ],
 )
 def test_health_is_one_state_of_four(reading: GpuReading, state: str) -> None:
@@ -234,8 +189,8 @@ def test_labels_are_bounded_and_names_follow_the_conventions() -> None:
     tally.count_reaped("daemon", "killed")
     found = scrape(
         observed(
-            (gpu(0, pids={4242: 30000}),),
-            (process(4242, OLD),),
+            (gpu(0, (4242, 30000)),),
+            (process(4242, 0, invocation_id=OLD),),
             tally=tally,
         )
     )

@@ -5,62 +5,23 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from builders import gpu, inventory, nvml, training_job
+
 from gpuguard.adapters import daemonsnapshot
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.state import write_json
 from gpuguard.core.gpuset import CudaView
-from gpuguard.core.inventory import build_inventory
 from gpuguard.core.oomdevice import describe_device, device_phrases
-from gpuguard.core.values import (
-    MIB,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessFacts,
-    ProcessIdentity,
-    ProcessListKind,
-    ProcScan,
-)
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 
-def job(pid: int, comm: str) -> ProcessFacts:
-    """Another unit's live job holding GPU 3."""
-    return ProcessFacts(
-        identity=ProcessIdentity(pid, 500),
-        ppid=1,
-        state="R",
-        comm=comm,
-        cmdline=("python3", "train.py"),
-        uid=1000,
-        user="alice",
-        cgroup="/system.slice/training.service",
-        device_files=frozenset({"/dev/nvidia3"}),
-    )
-
-
-def reading(index: int, pid: int | None = None) -> GpuReading:
-    """A v2 GPU; ``pid`` holds 20 GiB of it."""
-    procs = () if pid is None else (NvmlProcess(pid, 20480 * MIB, ProcessListKind.COMPUTE),)
-    used = 0 if pid is None else 20480
-    return GpuReading(
-        index=index,
-        minor=index,
-        memory=GpuMemory(143771 * MIB, used * MIB, 0, MemoryApi.V2),
-        processes=procs,
-    )
-
-
-INVENTORY = build_inventory(
-    NvmlReading(NvmlHealth.OK, None, "550.54.15", (reading(2), reading(3, pid=77))),
-    ProcScan((job(77, "py\x1b[2Jthon3"),)),
-    16 * MIB,
+INVENTORY = inventory(
+    nvml(gpu(2), gpu(3, (77, 20480))),
+    training_job(77, 3, comm="py\x1b[2Jthon3", state="R"),
 )
+"""GPU 2 idle; GPU 3 held by another unit's live job (20 GiB), whose name needs escaping."""
 
 
 def test_each_visible_device_names_its_gpu_and_holders_escaped() -> None:
@@ -97,11 +58,7 @@ def test_the_gate_maps_the_daemons_oom_device_through_the_units_own_environment(
 
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o755)
-    found = build_inventory(
-        NvmlReading(NvmlHealth.OK, None, "550.54.15", tuple(reading(i) for i in range(4))),
-        ProcScan(()),
-        16 * MIB,
-    )
+    found = inventory(nvml(*(gpu(i) for i in range(4))))
     environment = {"CUDA_VISIBLE_DEVICES": "2,3"}
 
     def snapshot(device: object, *, running: bool = True) -> None:

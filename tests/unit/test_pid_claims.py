@@ -9,91 +9,31 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timezone
 
+from builders import STATUS_CONTEXT, gpu, nvml, plan_request, process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.core.containment import HOST, Containment
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.policy import PlanRequest, Scope, plan
-from gpuguard.core.status import Level, StatusContext, assess, render_text, to_json
-from gpuguard.core.values import (
-    MIB,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessFacts,
-    ProcessIdentity,
-    ProcessListKind,
-    ProcScan,
-    UnitProvenance,
-)
+from gpuguard.core.policy import Scope, plan
+from gpuguard.core.status import Level, assess, render_text, to_json
+from gpuguard.core.values import MIB, NvmlReading, ProcScan, UnitProvenance
 
 NOW = datetime(2026, 12, 1, 6, 0, tzinfo=timezone.utc)
-CONTEXT = StatusContext(
-    watched_units={"sglang.service": ("sglang",)},
-    protected_names=(),
-    idle_threshold_bytes=16 * MIB,
-    as_root=True,
-)
 LXC = Containment(container="lxc", foreign_pids=True, evidence=("/run/systemd/container: lxc",))
 UNIT = "/system.slice/sglang.service"
 OTHER = "/system.slice/cron.service"
 
 
-def gpu(index: int, used_mib: int, *listed: tuple[int, int]) -> GpuReading:
-    """A v2 GPU (minor = index) whose NVML process list names ``(pid, MiB)`` pairs."""
-    return GpuReading(
-        index=index,
-        minor=index,
-        memory=GpuMemory(143771 * MIB, used_mib * MIB, 0, MemoryApi.V2),
-        processes=tuple(
-            NvmlProcess(pid, mib * MIB, ProcessListKind.COMPUTE) for pid, mib in listed
-        ),
-    )
-
-
-def proc(pid: int, *minors: int, cgroup: str = UNIT, comm: str = "python3") -> ProcessFacts:
-    """A root process here holding /dev/nvidiaN for each minor (none: an unrelated process)."""
-    return ProcessFacts(
-        identity=ProcessIdentity(pid, 5000 + pid),
-        ppid=1,
-        state="S",
-        comm=comm,
-        cmdline=(comm,),
-        uid=0,
-        user="root",
-        cgroup=cgroup,
-        device_files=frozenset(f"/dev/nvidia{m}" for m in minors),
-    )
-
-
-def request(live: str | None = None) -> PlanRequest:
-    """Unit scope over every GPU, systemd's view known."""
-    return PlanRequest(
-        unit="sglang.service",
-        scope=Scope.UNIT,
-        patterns=("sglang",),
-        gpu_set=None,
-        protected_names=(),
-        untouchable_pids=frozenset(),
-        provenance=UnitProvenance(None),
-        live_invocation=live,
-    )
-
-
-def nvml(*gpus: GpuReading) -> NvmlReading:
-    """A reading that succeeded."""
-    return NvmlReading(NvmlHealth.OK, None, "550.54.15", gpus)
+EVERY_GPU = plan_request(gpu_set=None)
+"""Unit scope over every GPU, systemd's view known."""
 
 
 def test_a_listed_pid_is_credited_only_to_a_process_holding_that_gpus_device_file() -> None:
     """PID 300 holds /dev/nvidia0 only: NVML's claim for GPU 1 is not credited to it."""
     inventory = build_inventory(
-        nvml(gpu(0, 1000, (300, 1000)), gpu(1, 500, (300, 500))), ProcScan((proc(300, 0),)), 0
+        nvml(gpu(0, (300, 1000)), gpu(1, (300, 500))), ProcScan((process(300, 0),)), 0
     )
     [holder] = inventory.holders
     assert [(u.gpu_index, u.listed_by_nvml) for u in holder.gpus] == [(0, True)]
@@ -103,10 +43,10 @@ def test_a_listed_pid_is_credited_only_to_a_process_holding_that_gpus_device_fil
 
 def test_a_colliding_pid_is_named_as_foreign_not_as_missing_from_proc() -> None:
     """On a host, a listed PID /proc has as an unrelated process: critical, with the right words."""
-    inventory = build_inventory(nvml(gpu(0, 1000, (77, 1000))), ProcScan((proc(77),)), 16 * MIB)
+    inventory = build_inventory(nvml(gpu(0, (77, 1000))), ProcScan((process(77),)), 16 * MIB)
     assert inventory.holders == ()
     assert inventory.vanished == ()
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     text = render_text(report)
     assert report.level is Level.CRITICAL
     assert "no such process" not in text
@@ -120,12 +60,12 @@ def test_a_colliding_pid_is_named_as_foreign_not_as_missing_from_proc() -> None:
 def test_in_a_container_the_servers_memory_is_its_own_and_not_critical() -> None:
     """Host PIDs in NVML, the server's processes hold the device files: OK, credited as a whole."""
     inventory = build_inventory(
-        nvml(gpu(0, 70004, (41234, 69492), (41240, 512))),
-        ProcScan((proc(120, 0, comm="sglang"), proc(130, 0, comm="sglang::sched"))),
+        nvml(gpu(0, (41234, 69492), (41240, 512))),
+        ProcScan((process(120, 0, comm="sglang"), process(130, 0, comm="sglang::sched"))),
         16 * MIB,
         LXC,
     )
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     text = render_text(report)
     assert report.level is Level.OK, text
     assert inventory.gpus[0].container_bytes == 70004 * MIB
@@ -153,15 +93,13 @@ def test_in_a_container_the_servers_memory_is_its_own_and_not_critical() -> None
 
 def test_in_a_container_memory_nobody_here_holds_is_from_outside_and_blocks_the_gate() -> None:
     """Nothing here holds GPU 1: reported as outside use (a warning), never reaped, gate waits."""
-    inventory = build_inventory(
-        nvml(gpu(0, 0), gpu(1, 30000, (52000, 30000))), ProcScan(()), 16 * MIB, LXC
-    )
-    report = assess(inventory, CONTEXT, NOW)
+    inventory = build_inventory(nvml(gpu(0), gpu(1, (52000, 30000))), ProcScan(()), 16 * MIB, LXC)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     assert report.level is Level.WARNING
     assert report.headline.startswith("GPU 1: 30000 MiB used from outside this container")
     assert inventory.gpus[1].outside_bytes == 30000 * MIB
-    assert plan(inventory.holders, request()).to_reap == ()
-    blockers = set_blockers(inventory, GateSettings(request(), 16 * MIB, 1.0))
+    assert plan(inventory.holders, EVERY_GPU).to_reap == ()
+    blockers = set_blockers(inventory, GateSettings(EVERY_GPU, 16 * MIB, 1.0))
     assert blockers == (
         "GPU 1: 30000 MiB used",
         (
@@ -173,11 +111,15 @@ def test_in_a_container_memory_nobody_here_holds_is_from_outside_and_blocks_the_
 
 def test_in_a_container_a_stale_holder_is_found_by_its_device_file_and_reaped() -> None:
     """An old run's worker moved out of the cgroup: NVML names only host PIDs, /proc finds it."""
-    old = proc(140, 3, cgroup="/system.slice/operator-shell.scope", comm="sglang::TP3")
+    old = process(140, 3, cgroup="/system.slice/operator-shell.scope", comm="sglang::TP3")
     old = replace(old, invocation_id="old-run", uids=(0, 0, 0, 0))
     scan = ProcScan((old,))
-    inventory = build_inventory(nvml(gpu(3, 122205, (60140, 122205))), scan, 16 * MIB, LXC)
-    stale = replace(request("new-run"), provenance=UnitProvenance(None, frozenset({"old-run"}), 0))
+    inventory = build_inventory(nvml(gpu(3, (60140, 122205))), scan, 16 * MIB, LXC)
+    stale = plan_request(
+        gpu_set=None,
+        provenance=UnitProvenance(None, frozenset({"old-run"}), 0),
+        live_invocation="new-run",
+    )
     assert [d.holder.pid for d in plan(inventory.holders, stale).to_reap] == [140]
     blockers = set_blockers(inventory, GateSettings(stale, 16 * MIB, 1.0))
     assert blockers[0].startswith("GPU 3: 122205 MiB used, held by PID 140 (sglang::TP3")
@@ -186,12 +128,12 @@ def test_in_a_container_a_stale_holder_is_found_by_its_device_file_and_reaped() 
 
 def test_in_a_container_a_colliding_pid_is_neither_credited_nor_planned() -> None:
     """Host PID 77 equals an unrelated container process 77: not a holder, not reaped, OK level."""
-    scan = ProcScan((proc(77, cgroup=UNIT, comm="sglang-helper"), proc(120, 0)))
-    inventory = build_inventory(nvml(gpu(0, 1000, (77, 1000))), scan, 16 * MIB, LXC)
+    scan = ProcScan((process(77, cgroup=UNIT, comm="sglang-helper"), process(120, 0)))
+    inventory = build_inventory(nvml(gpu(0, (77, 1000))), scan, 16 * MIB, LXC)
     assert [h.pid for h in inventory.holders] == [120]
     assert [f.pid for f in inventory.foreign] == [77]
-    assert [d.holder.pid for d in plan(inventory.holders, request()).decisions] == [120]
-    report = assess(inventory, CONTEXT, NOW)
+    assert [d.holder.pid for d in plan(inventory.holders, EVERY_GPU).decisions] == [120]
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     assert report.level is Level.OK
     assert "Foreign: PID 77 listed by NVML on GPU 0 is not this namespace's PID 77" in render_text(
         report
@@ -212,8 +154,8 @@ def worlds(draw: st.DrawFn) -> tuple[NvmlReading, ProcScan, Containment]:
     for index in range(n_gpus):
         listed = draw(st.dictionaries(_PIDS, st.integers(0, 5000), max_size=4))
         extra = draw(st.integers(0, 5000))
-        readings.append(gpu(index, sum(listed.values()) + extra, *listed.items()))
-    scan = ProcScan(tuple(proc(pid, *sorted(minors)) for pid, minors in sorted(here.items())))
+        readings.append(gpu(index, *listed.items(), used_mib=sum(listed.values()) + extra))
+    scan = ProcScan(tuple(process(pid, *sorted(minors)) for pid, minors in sorted(here.items())))
     containment = draw(st.sampled_from((HOST, LXC)))
     return nvml(*readings), scan, containment
 
@@ -253,7 +195,7 @@ def test_nothing_without_a_device_file_is_ever_planned_for_a_reap(
     """Even with scope ALL: a process here that holds no device file is never a reap target."""
     reading, scan, containment = world
     inventory = build_inventory(reading, scan, 16 * MIB, containment)
-    everything = replace(request(), scope=Scope.ALL)
+    everything = replace(EVERY_GPU, scope=Scope.ALL)
     for decision in plan(inventory.holders, everything).to_reap:
         assert decision.holder.device_files
 
@@ -280,5 +222,5 @@ def test_in_a_namespace_used_memory_is_the_containers_or_from_outside_never_unat
             assert occupancy.outside_bytes == 0
         else:
             assert occupancy.container_bytes == 0
-    report = assess(inventory, CONTEXT, NOW)
+    report = assess(inventory, STATUS_CONTEXT, NOW)
     assert report.level is not Level.CRITICAL

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
+from builders import plan_request
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,7 +24,7 @@ from gpuguard.adapters.procfs import (
     scan_pids,
 )
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.policy import PlanRequest, Scope, Verdict, plan
+from gpuguard.core.policy import Verdict, plan
 from gpuguard.core.redaction import REDACTED
 from gpuguard.core.values import (
     NvmlHealth,
@@ -448,14 +449,8 @@ def test_unparseable_cgroup_text_makes_an_unknown_owner_that_is_spared(proc: Fak
     inventory = build_inventory(NvmlReading(NvmlHealth.OK), ProcScan((facts,)), 0)
     [holder] = inventory.holders
     assert holder.owner == "unknown cgroup"
-    request = PlanRequest(
-        unit="sglang.service",
-        scope=Scope.UNIT,
-        patterns=("sglang",),
-        gpu_set=None,
-        protected_names=(),
-        untouchable_pids=frozenset(),
-        provenance=UnitProvenance(None, frozenset({INVOCATION}), uid=0),
+    request = plan_request(
+        gpu_set=None, provenance=UnitProvenance(None, frozenset({INVOCATION}), uid=0)
     )
     [decision] = plan([holder], request).decisions
     assert decision.verdict is Verdict.KEEP

@@ -8,25 +8,14 @@ integration tests drive the same procedure through the daemon against real proce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
+
+from builders import gpu, inventory, nvml, plan_request
 
 from gpuguard.adapters.systemd import UnitState
 from gpuguard.core.gate import GateSettings
-from gpuguard.core.inventory import build_inventory
-from gpuguard.core.policy import PlanRequest, Scope
-from gpuguard.core.values import (
-    MIB,
-    GpuMemory,
-    GpuReading,
-    MemoryApi,
-    NvmlHealth,
-    NvmlProcess,
-    NvmlReading,
-    ProcessListKind,
-    ProcScan,
-    UnitProvenance,
-)
+from gpuguard.core.values import MIB
 from gpuguard.daemon.recover import STOP_WAIT_S, Steps, carry_out
 
 if TYPE_CHECKING:
@@ -36,20 +25,6 @@ if TYPE_CHECKING:
     from gpuguard.core.values import ReapResult, ReapTarget
 
 UNIT = "sglang.service"
-
-
-def inventory(used_mib: int, pid: int | None = None) -> Inventory:
-    """GPU 0 with ``used_mib`` in use, held by ``pid`` (NVML only: not stale for the policy)."""
-    procs = () if pid is None else (NvmlProcess(pid, used_mib * MIB, ProcessListKind.COMPUTE),)
-    reading = GpuReading(
-        index=0,
-        minor=0,
-        memory=GpuMemory(80_000 * MIB, used_mib * MIB, 0, MemoryApi.V2),
-        processes=procs,
-    )
-    return build_inventory(
-        NvmlReading(NvmlHealth.OK, None, "550.54.15", (reading,)), ProcScan(()), 16 * MIB
-    )
 
 
 @dataclass
@@ -94,8 +69,9 @@ class World:
     now: float = 0.0
 
     def gather(self) -> Inventory:
-        """GPU 0 busy (a process of another run) until ``busy_s``, idle after."""
-        return inventory(4000, pid=4242) if self.now < self.busy_s else inventory(0)
+        """GPU 0 busy until ``busy_s`` (PID 4242, in NVML only: never stale), idle after."""
+        busy = self.now < self.busy_s
+        return inventory(nvml(gpu(0, (4242, 4000)) if busy else gpu(0)))
 
     def sleep(self, seconds: float) -> None:
         """Advance the clock."""
@@ -110,16 +86,7 @@ def steps(unit: Unit, world: World, timeout_s: float = 30.0) -> Steps:
     """The procedure's steps over the twins."""
 
     def gate_settings(name: str, _inventory: Inventory, _state: UnitState) -> GateSettings:
-        request = PlanRequest(
-            unit=name,
-            scope=Scope.UNIT,
-            patterns=(),
-            gpu_set=frozenset({0}),
-            protected_names=(),
-            untouchable_pids=frozenset(),
-            provenance=UnitProvenance(None),
-            live_invocation=None,
-        )
+        request = replace(plan_request(gpu_set=frozenset({0})), unit=name, patterns=())
         return GateSettings(request, 16 * MIB, timeout_s, poll_s=0.5)
 
     def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:

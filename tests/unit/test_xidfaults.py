@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+from builders import gpu, lost_gpu
+
 from gpuguard.core.events import EventKind, UnitEvent
-from gpuguard.core.values import GpuReading
 from gpuguard.core.xidevents import XidEvent
 from gpuguard.core.xidfaults import (
     MAX_FAULTS,
@@ -140,10 +141,10 @@ def test_snapshot_records_round_trip_and_anything_else_is_left_out() -> None:
 def test_blockers_name_each_gpu_of_the_set_once_with_its_newest_fault() -> None:
     """GPU 1 twice (newest wins), GPU 2 outside the set, an unknown address: one phrase."""
     gpus = [
-        GpuReading(index=0, pci_bus_id="00000000:19:00.0"),
-        GpuReading(index=1, pci_bus_id="00000000:1A:00.0"),
-        GpuReading(index=2, pci_bus_id="00000000:1B:00.0"),
-        GpuReading(index=3, lost=True),  # NVML cannot tell a lost GPU's address
+        gpu(0),  # PCI 00000000:19:00.0, then 1A and 1B
+        gpu(1),
+        gpu(2),
+        lost_gpu(3),  # NVML cannot tell a lost GPU's address
     ]
     faults = [
         XidFault("0000:1a:00", 48, "T1"),
