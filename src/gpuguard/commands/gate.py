@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +19,7 @@ from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gpuguard.config import Settings
     from gpuguard.core.gate import GateOutcome
@@ -32,9 +32,39 @@ if TYPE_CHECKING:
 _GATE_LINE_LIMIT = 8192
 
 
+@dataclass(frozen=True, slots=True)
+class GateVerdict:
+    """The gate's decision as recorded for ``gpuguard status`` and told to the unit's journal."""
+
+    outcome: GateOutcome
+    gpu_set: GpuSet
+    record_problem: str | None = None
+    """Why the decision could not be recorded (the start is decided all the same)."""
+
+    @property
+    def exit_status(self) -> int:
+        """0 allows the start; 1 refuses it (systemd fails the start, Restart= may try again)."""
+        return 0 if self.outcome.passed else 1
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """One line, for the journal whatever the blockers hold: escaped and below LineMax."""
+        line = escape(f"{self.outcome.message} [{self.gpu_set.describe()}]", _GATE_LINE_LIMIT)
+        problem = () if self.record_problem is None else (self.record_problem,)
+        return (*problem, f"gpuguard gate: {line}")
+
+    def to_text(self) -> str:
+        """Nothing on standard output: the verdict goes to standard error, the journal."""
+        return ""
+
+    def to_json(self) -> None:
+        """The gate has no --json."""
+        return
+
+
 def fast_path(
     args: argparse.Namespace, caller: Caller | None
-) -> tuple[int | None, NvmlReading | None]:
+) -> tuple[GateVerdict | None, NvmlReading | None]:
     """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
 
     Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
@@ -85,8 +115,12 @@ def run(
     args: argparse.Namespace,
     reading: NvmlReading | None,
     caller: Caller | None,
-) -> int:
-    """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
+    say: Callable[[str], None],
+) -> GateVerdict:
+    """Reap the unit's stale holders and wait until its GPUs are idle; the verdict says if.
+
+    While it waits, ``say`` gets a line per blocker every 10 s (the unit's journal reads them).
+    """
     from gpuguard.adapters import (  # noqa: PLC0415
         containerstop,
         daemonsnapshot,
@@ -114,7 +148,7 @@ def run(
         return reaper.reap(targets, grace_s=grace, logger=logger())
 
     def report(line: str) -> None:
-        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
+        say(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}")
 
     runtime_dir = settings.runtime_dir
     outcome = gate.run_gate(
@@ -167,8 +201,8 @@ def oom_gpu(
     return device, indices[device]
 
 
-def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:
-    """Record the decision for `gpuguard status`, say it in one line, return the exit status."""
+def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> GateVerdict:
+    """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
     from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
 
     record = {
@@ -188,8 +222,6 @@ def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> in
     try:
         state.record_gate_decision(runtime_dir, outcome.unit, record)
     except OSError as err:
-        sys.stderr.write(f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}\n")
-    # One journal entry whatever the blockers hold: escaped, and cut below journald's LineMax.
-    line = escape(f"{outcome.message} [{gpu_set.describe()}]", _GATE_LINE_LIMIT)
-    sys.stderr.write(f"gpuguard gate: {line}\n")
-    return 0 if outcome.passed else 1
+        problem = f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}"
+        return GateVerdict(outcome, gpu_set, problem)
+    return GateVerdict(outcome, gpu_set)
