@@ -343,7 +343,9 @@ reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see gate.md in
 unit's TimeoutStartSec= and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard
 doctor` proposes one).
 The drop-in calls this gpuguard's path, unprivileged; it asks the gate server over
-/run/gpuguard/gate.sock. A unit whose own sandbox would keep it from that socket
+/run/gpuguard/gate.sock. That file and every directory above it must be root's alone (it
+runs as the unit's user at every start), else nothing is installed; PATH is not searched.
+A unit whose own sandbox would keep it from that socket
 (RestrictAddressFamilies= without AF_UNIX, a SystemCallFilter= without socket/connect,
 InaccessiblePaths= or TemporaryFileSystem= over /run, RootDirectory=, RootImage=) is refused
 with the reason. A file there that gpuguard did not write, or that was edited since, is
