@@ -422,10 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals_unasked = args.command == "reap" and args.yes and not args.dry_run and args.unit
     if args.command == "gate" or signals_unasked:
         from gpuguard.commands import relay  # noqa: PLC0415 - see module doc
+        from gpuguard.commands.output import render, say  # noqa: PLC0415 - see module doc
 
-        asked = relay.ask_gate_server(args)
+        asked = relay.ask_gate_server(args, say)
         if asked is not None:
-            return asked
+            return render(asked)
     return _execute(args, None)
 
 

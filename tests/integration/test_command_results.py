@@ -119,7 +119,7 @@ def test_gate_refusal_is_a_verdict_with_its_blockers_and_its_record(
     assert verdict.exit_status == 1
     assert not verdict.outcome.passed
     assert any(str(holder.pid) in blocker for blocker in verdict.outcome.blockers)
-    assert verdict.record_problem is None
+    assert verdict.problems == ()
     (line,) = verdict.notices
     assert line.startswith("gpuguard gate: ")
     assert line.endswith(f"[{verdict.gpu_set.describe()}]")
@@ -138,9 +138,7 @@ def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_
     args = argparse.Namespace(unit=UNIT, scope="unit", timeout=5.0, grace=1.0)
     verdict = gate.run(unwritable, args, None, None, pytest.fail)
     assert verdict.exit_status == 0
-    assert verdict.record_problem is not None
-    assert verdict.notices[0] == verdict.record_problem
-    assert verdict.record_problem.startswith(
-        f"gpuguard gate: cannot record the decision in {blocked}"
-    )
+    (unrecorded,) = verdict.problems
+    assert unrecorded.startswith(f"gpuguard gate: cannot record the decision in {blocked}")
+    assert verdict.notices == (unrecorded, verdict.notices[1])
     assert verdict.notices[1].startswith("gpuguard gate: ")

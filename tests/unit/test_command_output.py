@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gpuguard.commands import explain, install_gate
+from gpuguard.commands.context import unit_environment
 from gpuguard.commands.output import Said, render
 from gpuguard.config import Settings, UnitSettings
+from gpuguard.core.cgroup import Attribution
+from gpuguard.core.gateauth import Caller
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -171,3 +174,20 @@ def test_explain_usage_errors_are_results(unit: str | None, since: str | None, n
     assert result.to_text() == ""
     (said,) = result.notices
     assert said.startswith(notice)
+
+
+def test_unit_environment_that_cannot_be_recorded_is_a_notice(tmp_path: Path) -> None:
+    """The gate's caller runs in the unit: its environment is used, the failed record said."""
+    if os.geteuid() != 0:
+        pytest.skip("only root records the unit's GPU variables")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    environment = {"CUDA_VISIBLE_DEVICES": "1"}
+    caller = Caller(4242, 1000, Attribution(unit="a.service"), environment)
+    assert unit_environment(caller, "a.service", tmp_path / "run") == (environment, None)
+    found, problem = unit_environment(caller, "a.service", blocked / "run")
+    assert found == environment
+    assert problem is not None
+    assert problem.startswith("gpuguard: cannot record a.service's GPU variables: ")
+    outside = Caller(4242, 1000, Attribution(unit="b.service"), environment)
+    assert unit_environment(outside, "a.service", blocked / "run") == (None, None)

@@ -38,8 +38,9 @@ class GateVerdict:
 
     outcome: GateOutcome
     gpu_set: GpuSet
-    record_problem: str | None = None
-    """Why the decision could not be recorded (the start is decided all the same)."""
+    problems: tuple[str, ...]
+    """What could not be recorded: the unit's GPU variables, the decision (the start is
+    decided all the same); said before the verdict."""
 
     @property
     def exit_status(self) -> int:
@@ -50,8 +51,7 @@ class GateVerdict:
     def notices(self) -> tuple[str, ...]:
         """One line, for the journal whatever the blockers hold: escaped and below LineMax."""
         line = escape(f"{self.outcome.message} [{self.gpu_set.describe()}]", _GATE_LINE_LIMIT)
-        problem = () if self.record_problem is None else (self.record_problem,)
-        return (*problem, f"gpuguard gate: {line}")
+        return (*self.problems, f"gpuguard gate: {line}")
 
     def to_text(self) -> str:
         """Nothing on standard output: the verdict goes to standard error, the journal."""
@@ -85,7 +85,7 @@ def fast_path(
     if cached is None:
         return None, None
     runtime_dir = Path(cached["runtime_dir"])
-    environment = unit_environment(asker(caller), args.unit, runtime_dir)
+    environment, problem = unit_environment(asker(caller), args.unit, runtime_dir)
     if environment is None:
         return None, None
     unit = cached["units"].get(args.unit) or {}
@@ -107,7 +107,8 @@ def fast_path(
         if wanted and (not is_idle(gpu, threshold) or reset_reasons(gpu)):
             return None, reading
     outcome = gate.outcome(args.unit, time.monotonic() - started, fast_path=True)
-    return _finish_gate(runtime_dir, outcome, gpu_set), reading
+    problems = () if problem is None else (problem,)
+    return _finish_gate(runtime_dir, outcome, gpu_set, problems), reading
 
 
 def run(
@@ -180,7 +181,7 @@ def run(
             logger=logger,
         ),
     )
-    return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set)
+    return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set, planned.notices)
 
 
 def oom_gpu(
@@ -201,7 +202,9 @@ def oom_gpu(
     return device, indices[device]
 
 
-def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> GateVerdict:
+def _finish_gate(
+    runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet, problems: tuple[str, ...]
+) -> GateVerdict:
     """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
     from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
 
@@ -222,6 +225,6 @@ def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> Ga
     try:
         state.record_gate_decision(runtime_dir, outcome.unit, record)
     except OSError as err:
-        problem = f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}"
-        return GateVerdict(outcome, gpu_set, problem)
-    return GateVerdict(outcome, gpu_set)
+        unrecorded = f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}"
+        return GateVerdict(outcome, gpu_set, (*problems, unrecorded))
+    return GateVerdict(outcome, gpu_set, problems)

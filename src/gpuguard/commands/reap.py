@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
 
+    from gpuguard.commands.context import UnitPlan
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
@@ -69,14 +70,14 @@ def run(
             settings,
             found,
             kill_plan=kill_plan,
-            gpu_set=gpu_set,
+            planned=planned,
             results=(),
             args=args,
             waited=False,
         )
     if not args.yes and not ask(f"Signal {len(kill_plan.to_reap)} process(es)?"):
         declined = "gpuguard reap: nothing signalled (confirm on a terminal, or --yes)"
-        return Said(1, notices=(declined,))
+        return Said(1, notices=(*planned.notices, declined))
     logs.configure_logging(json=False)
     log = logs.get_logger().bind(unit=unit_name, command="reap")
     grace = args.grace if args.grace is not None else settings.reap_grace_s
@@ -87,7 +88,7 @@ def run(
         settings,
         found,
         kill_plan=kill_plan,
-        gpu_set=gpu_set,
+        planned=planned,
         results=results,
         args=args,
         waited=True,
@@ -123,7 +124,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     found: Inventory,
     *,
     kill_plan: KillPlan,
-    gpu_set: GpuSet,
+    planned: UnitPlan,
     results: tuple[ReapResult, ...],
     args: argparse.Namespace,
     waited: bool,
@@ -142,6 +143,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         time.sleep,
         wait_s=args.timeout if waited else 0.0,
     )
+    gpu_set = planned.gpu_set
     return ReapReport(
         kill_plan=kill_plan,
         gpu_set=gpu_set,
@@ -151,6 +153,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         ),
         blockers=blockers,
         dry_run=bool(args.dry_run),
+        notices=planned.notices,
     )
 
 
@@ -165,11 +168,8 @@ class ReapReport:
     blockers: tuple[str, ...]
     """What still keeps the unit's GPUs from being idle; empty when they are."""
     dry_run: bool
-
-    @property
-    def notices(self) -> tuple[str, ...]:
-        """Nothing for standard error: the report is the answer."""
-        return ()
+    notices: tuple[str, ...]
+    """What went wrong on the way besides the reap (recording the unit's GPU variables)."""
 
     @property
     def exit_status(self) -> int:
