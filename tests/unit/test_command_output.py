@@ -131,6 +131,16 @@ def test_python_m_gpuguard_runs_the_script_beside_its_interpreter(
     assert f"{beside}: no such file" in notice
 
 
+@pytest.mark.parametrize("directory", ["my env", "100%", "a\nExecStartPre=x", "$HOME", "b'c"])
+def test_drop_in_path_is_written_only_when_systemd_reads_it_as_is(
+    directory: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """White space, %, $, quotes or a newline would split, expand or add to the drop-in line."""
+    script = _script(tmp_path / directory)
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    assert "a path systemd would split or expand" in _refusal(install_gate.own_executable())
+
+
 def test_drop_in_never_runs_a_file_someone_else_could_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

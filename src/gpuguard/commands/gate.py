@@ -39,8 +39,8 @@ class GateVerdict:
     outcome: GateOutcome
     gpu_set: GpuSet
     problems: tuple[str, ...]
-    """What could not be recorded: the unit's GPU variables, the decision (the start is
-    decided all the same); said before the verdict."""
+    """What could not be recorded (the unit's GPU variables, the decision); the start is
+    decided all the same."""
 
     @property
     def exit_status(self) -> int:
@@ -49,7 +49,7 @@ class GateVerdict:
 
     @property
     def notices(self) -> tuple[str, ...]:
-        """One line, for the journal whatever the blockers hold: escaped and below LineMax."""
+        """The problems, then the verdict in one line (escaped, cut below journald's LineMax)."""
         line = escape(f"{self.outcome.message} [{self.gpu_set.describe()}]", _GATE_LINE_LIMIT)
         return (*self.problems, f"gpuguard gate: {line}")
 

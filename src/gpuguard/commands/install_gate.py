@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,10 @@ from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
+
+# What an ExecStartPre= path may hold as written: systemd splits at white space and quotes,
+# expands % specifiers and $ variables, and a newline would start another directive.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9/._+-]*")
 
 
 def run(unit: str, *, install: bool, force: bool = False) -> Said:
@@ -64,13 +69,17 @@ def own_executable() -> str | Said:
     was started as ``gpuguard`` (the package's /usr/bin/gpuguard, a virtualenv's script), else
     the script beside this interpreter (``python -m gpuguard``). PATH is not searched: it may
     name another gpuguard than the one running. Refused (exit 1, saying why) when that file is
-    missing, or it or a directory above it is not root's alone (adapters.files' rule).
+    missing, or it or a directory above it is not root's alone (adapters.files' rule), or its
+    path holds a character the drop-in line could not carry as it is.
     """
     from gpuguard.adapters import files  # noqa: PLC0415 - see the package doc
 
     argv0 = Path(sys.argv[0])
     script = Path(sys.executable).parent / "gpuguard"
     candidate = argv0.absolute() if argv0.name == "gpuguard" else script
+    if not _PLAIN_PATH.fullmatch(str(candidate)):
+        problem = f"{str(candidate)!r}, a path systemd would split or expand"
+        return Said(1, notices=(_not_installed(problem),))
     try:
         os.close(files.open_file(candidate))
     except FileNotFoundError:
@@ -82,15 +91,14 @@ def own_executable() -> str | Said:
         if os.access(candidate, os.X_OK):
             return str(candidate)
         problem = f"{candidate}: not executable"
-    return Said(
-        1,
-        notices=(
-            (
-                f"gpuguard install-gate: not installed: the drop-in would run {problem}; run "
-                "install-gate as the gpuguard it should call, by a path only root can change "
-                "(the package's: /usr/bin/gpuguard install-gate)"
-            ),
-        ),
+    return Said(1, notices=(_not_installed(problem),))
+
+
+def _not_installed(problem: str) -> str:
+    return (
+        f"gpuguard install-gate: not installed: the drop-in would run {problem}; run "
+        "install-gate as the gpuguard it should call, by a path only root can change "
+        "(the package's: /usr/bin/gpuguard install-gate)"
     )
 
 
