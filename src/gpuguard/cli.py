@@ -1,4 +1,4 @@
-"""Command line: parse arguments, gather, hand the result to a renderer, exit with its status.
+"""Command line: parse arguments, run the command, render its typed result, exit with its status.
 
 Heavy modules (pydantic through the config, structlog, pynvml) are imported only by the
 commands that need them, so ``--help`` is instant and the gate's fast path stays light.
@@ -20,6 +20,7 @@ from gpuguard.usage import UsageParser, add_global_options
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from gpuguard.commands.output import Report
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.since import Since
@@ -342,7 +343,9 @@ reap, TimeoutStartSec=600, KillMode=mixed, each line commented (see gate.md in
 unit's TimeoutStartSec= and KillMode=; it leaves TimeoutStopSec= to the unit (`gpuguard
 doctor` proposes one).
 The drop-in calls this gpuguard's path, unprivileged; it asks the gate server over
-/run/gpuguard/gate.sock. A unit whose own sandbox would keep it from that socket
+/run/gpuguard/gate.sock. That file and every directory above it must be root's alone (it
+runs as the unit's user at every start), else nothing is installed; PATH is not searched.
+A unit whose own sandbox would keep it from that socket
 (RestrictAddressFamilies= without AF_UNIX, a SystemCallFilter= without socket/connect,
 InaccessiblePaths= or TemporaryFileSystem= over /run, RootDirectory=, RootImage=) is refused
 with the reason. A file there that gpuguard did not write, or that was edited since, is
@@ -419,22 +422,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals_unasked = args.command == "reap" and args.yes and not args.dry_run and args.unit
     if args.command == "gate" or signals_unasked:
         from gpuguard.commands import relay  # noqa: PLC0415 - see module doc
+        from gpuguard.commands.output import render, say  # noqa: PLC0415 - see module doc
 
-        asked = relay.ask_gate_server(args)
+        asked = relay.ask_gate_server(args, say)
         if asked is not None:
-            return asked
+            return render(asked)
     return _execute(args, None)
 
 
 def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
     """Run a command in this process; ``caller`` is who asked the gate server (None: we did)."""
+    from gpuguard.commands.output import render  # noqa: PLC0415 - see module doc
+
     reading = None
     if args.command == "gate":
         from gpuguard.commands import gate  # noqa: PLC0415 - see module doc
 
         fast, reading = gate.fast_path(args, caller)
         if fast is not None:
-            return fast
+            return render(fast)
     from gpuguard.config import ConfigError, load_settings, warnings  # noqa: PLC0415
 
     try:
@@ -446,36 +452,38 @@ def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
 
     for warning in warnings(settings):
         sys.stderr.write(f"gpuguard: warning: {config_path(args.config)[0]}: {warning}\n")
-    return _dispatch(settings, args, reading, caller)
+    return render(_dispatch(settings, args, reading, caller), as_json=getattr(args, "json", False))
 
 
 def _dispatch(  # noqa: PLR0911 - one return per command
     settings: Settings, args: argparse.Namespace, reading: NvmlReading | None, caller: Caller | None
-) -> int:
+) -> Report:
     """Hand the parsed command to its module, imported only now (see the module doc)."""
+    from gpuguard.commands.output import Said, ask_on_terminal, say  # noqa: PLC0415
+
     match args.command:
         case "status":
             from gpuguard.commands import status  # noqa: PLC0415
 
             if args.prometheus:
                 return status.prometheus(settings)
-            return status.run(settings, as_json=args.json, watch=args.watch, since=args.since)
+            return status.run(settings, watch=args.watch, since=args.since)
         case "explain":
             from gpuguard.commands import explain  # noqa: PLC0415
 
-            return explain.run(settings, args.unit, args.since, as_json=args.json)
+            return explain.run(settings, args.unit, args.since)
         case "gate":
             from gpuguard.commands import gate  # noqa: PLC0415
 
-            return gate.run(settings, args, reading, caller)
+            return gate.run(settings, args, reading, caller, say)
         case "run":
             from gpuguard.daemon import wiring  # noqa: PLC0415
 
-            return wiring.run(settings)
+            return Said(wiring.run(settings))
         case "reap":
             from gpuguard.commands import reap  # noqa: PLC0415
 
-            return reap.run(settings, args, caller)
+            return reap.run(settings, args, caller, show=sys.stdout.write, ask=ask_on_terminal)
         case "install-gate":
             from gpuguard.commands import install_gate  # noqa: PLC0415
 

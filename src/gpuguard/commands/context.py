@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,22 +64,25 @@ def asker(caller: Caller | None) -> Caller:
     return caller if caller is not None else peer.own_caller()
 
 
-def unit_environment(caller: Caller, unit: str, runtime_dir: Path) -> dict[str, str] | None:
+def unit_environment(
+    caller: Caller, unit: str, runtime_dir: Path
+) -> tuple[dict[str, str] | None, str | None]:
     """The unit's real environment when the caller is one of its processes (else None).
 
     An ExecStartPre=/ExecStopPost= process has the unit's environment, EnvironmentFile= values
-    included. Root records its GPU variables for the daemon's recoveries (unitenv).
+    included. Root records its GPU variables for the daemon's recoveries (unitenv); the second
+    value says why that failed, for the command's notices.
     """
     if not caller.runs_in(unit) or caller.environment is None:
-        return None
+        return None, None
     if os.geteuid() == 0:
         from gpuguard.adapters import unitenv  # noqa: PLC0415 - see the package doc
 
         try:
             unitenv.record(runtime_dir, unit, caller.environment, caller.pid)
         except OSError as err:
-            sys.stderr.write(f"gpuguard: cannot record {unit}'s GPU variables: {err}\n")
-    return caller.environment
+            return caller.environment, f"gpuguard: cannot record {unit}'s GPU variables: {err}"
+    return caller.environment, None
 
 
 def result_json(result: ReapResult) -> dict[str, Any]:
@@ -104,6 +106,8 @@ class UnitPlan:
     unit_state: UnitState
     environment: dict[str, str]
     """The unit's environment the GPU set was resolved from (its own, else systemd's)."""
+    notices: tuple[str, ...]
+    """What went wrong on the way that the command should say (recording the environment)."""
 
     @property
     def automatic(self) -> bool:
@@ -133,10 +137,11 @@ def unit_plan(
     inside = who.runs_in(unit) and systemd.is_control_process(
         unit_state, who.pid, trust_unknown=caller is None
     )
-    own = unit_environment(who, unit, settings.runtime_dir)
+    own, problem = unit_environment(who, unit, settings.runtime_dir)
     environment = unit_state.environment if own is None else own
     live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit_settings(settings, unit).gpus, environment, gpus)
     provenance = systemd.provenance(unit_state, inside=inside)
     request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
-    return UnitPlan(request, gpu_set, unit_state, environment)
+    notices = () if problem is None else (problem,)
+    return UnitPlan(request, gpu_set, unit_state, environment, notices)

@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Mapping
 
     from gpuguard.config import Settings
+    from gpuguard.core.doctor import Finding
 
 
-def run(settings: Settings, args: argparse.Namespace) -> int:
-    """Audit each unit; print findings, JSON or the fixing drop-in; exit with the worst level."""
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """Each audited unit's findings; printed as findings, as JSON, or as the fixing drop-in."""
+
+    findings: Mapping[str, tuple[Finding, ...]]
+    fix: bool
+    """--fix: the text is the drop-in that fixes the findings."""
+
+    @property
+    def exit_status(self) -> int:
+        """The worst finding: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
+        from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
+
+        return int(doctor.worst(f for found in self.findings.values() for f in found))
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """Nothing for standard error: every finding is in the text."""
+        return ()
+
+    def to_text(self) -> str:
+        """The findings with their evidence, or (--fix) one drop-in per unit."""
+        from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
+
+        if self.fix:
+            return "\n".join(doctor.render_fix(u, f) for u, f in self.findings.items())
+        return doctor.render_text(self.findings)
+
+    def to_json(self) -> dict[str, Any]:
+        """``doctor --json`` (docs/doctor.md)."""
+        from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
+
+        return doctor.render_json(self.findings)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> Diagnosis:
+    """Audit each unit against its journal; the findings, to print as the options ask."""
     from gpuguard.adapters import doctorio, inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
 
@@ -30,10 +66,4 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         )
         for unit in units
     }
-    if args.json:
-        sys.stdout.write(json.dumps(doctor.render_json(results), indent=2) + "\n")
-    elif args.fix:
-        sys.stdout.write("\n".join(doctor.render_fix(u, f) for u, f in results.items()))
-    else:
-        sys.stdout.write(doctor.render_text(results))
-    return int(doctor.worst(f for findings in results.values() for f in findings))
+    return Diagnosis(results, fix=args.fix)

@@ -6,16 +6,17 @@ The journal is read by ``adapters.journalquery``; the timeline is built and show
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from gpuguard.commands.exits import EX_USAGE
+from gpuguard.commands.output import Said
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
+    from gpuguard.core.timeline import Timeline
 
 EX_UNAVAILABLE: Final = 69
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
@@ -24,8 +25,35 @@ _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 _SINCE = re.compile(r"[0-9A-Za-z@:. +-]{1,64}")
 
 
-def run(settings: Settings, unit: str | None, since: str | None, *, as_json: bool) -> int:
-    """Print the timeline; 0 when something was found, 1 when the journal had nothing."""
+@dataclass(frozen=True, slots=True)
+class Explained:
+    """One unit's incident as the journal told it, and what stood in the way of reading it."""
+
+    timeline: Timeline
+    since: str | None
+    notices: tuple[str, ...]
+    """journalctl's problems, and the hint to read as root when nothing was found."""
+
+    @property
+    def exit_status(self) -> int:
+        """0 when the journal had something about the unit, else 1."""
+        return 0 if self.timeline.rows else 1
+
+    def to_text(self) -> str:
+        """The timeline as ``explain`` prints it."""
+        from gpuguard.core import timeline  # noqa: PLC0415 - see the package doc
+
+        return timeline.render_text(self.timeline, since=self.since)
+
+    def to_json(self) -> dict[str, Any]:
+        """``explain --json`` (docs/explain.md)."""
+        from gpuguard.core import timeline  # noqa: PLC0415 - see the package doc
+
+        return timeline.to_json(self.timeline, since=self.since)
+
+
+def run(settings: Settings, unit: str | None, since: str | None) -> Explained | Said:
+    """Read the unit's journal and build its timeline; a usage error or a failed read says so."""
     from gpuguard.adapters import journalquery  # noqa: PLC0415 - see the package doc
     from gpuguard.core import timeline  # noqa: PLC0415
     from gpuguard.core.detector import LoopSettings  # noqa: PLC0415
@@ -34,26 +62,32 @@ def run(settings: Settings, unit: str | None, since: str | None, *, as_json: boo
 
     if unit is None:
         if len(settings.units) != 1:
-            sys.stderr.write(
-                "gpuguard explain: name the unit with --unit (the configuration watches "
-                f"{len(settings.units)} units)\n"
+            return Said(
+                EX_USAGE,
+                notices=(
+                    (
+                        "gpuguard explain: name the unit with --unit (the configuration watches "
+                        f"{len(settings.units)} units)"
+                    ),
+                ),
             )
-            return EX_USAGE
         unit = next(iter(settings.units))
     if not _UNIT_NAME.fullmatch(unit) or unit.startswith("-"):
-        sys.stderr.write(f"gpuguard explain: not a unit name: {escape(unit, 300)}\n")
-        return EX_USAGE
+        return Said(EX_USAGE, notices=(f"gpuguard explain: not a unit name: {escape(unit, 300)}",))
     if since is not None and not _SINCE.fullmatch(since):
-        sys.stderr.write(
-            f"gpuguard explain: --since {escape(since, 80)}: use journalctl's forms "
-            "('2026-12-01 05:00', 'today', --since=-2h, '@1764567000')\n"
+        return Said(
+            EX_USAGE,
+            notices=(
+                (
+                    f"gpuguard explain: --since {escape(since, 80)}: use journalctl's forms "
+                    "('2026-12-01 05:00', 'today', --since=-2h, '@1764567000')"
+                ),
+            ),
         )
-        return EX_USAGE
     entries, problems = journalquery.read(unit, since)
-    for problem in problems:
-        sys.stderr.write(f"gpuguard explain: {problem}\n")
+    notices = [f"gpuguard explain: {problem}" for problem in problems]
     if problems and not entries:
-        return EX_UNAVAILABLE
+        return Said(EX_UNAVAILABLE, notices=tuple(notices))
     daemon = settings.daemon
     found = timeline.build(
         entries,
@@ -72,12 +106,8 @@ def run(settings: Settings, unit: str | None, since: str | None, *, as_json: boo
     )
     if not found.rows and os.geteuid() != 0:
         # journalctl --quiet says nothing when it may not read the system journal.
-        sys.stderr.write(
+        notices.append(
             "gpuguard explain: nothing found; run as root (or in group systemd-journal) to "
-            "read systemd's messages\n"
+            "read systemd's messages"
         )
-    if as_json:
-        sys.stdout.write(json.dumps(timeline.to_json(found, since=since), indent=2) + "\n")
-    else:
-        sys.stdout.write(timeline.render_text(found, since=since))
-    return 0 if found.rows else 1
+    return Explained(found, since, tuple(notices))

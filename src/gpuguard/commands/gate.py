@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +19,7 @@ from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gpuguard.config import Settings
     from gpuguard.core.gate import GateOutcome
@@ -32,9 +32,39 @@ if TYPE_CHECKING:
 _GATE_LINE_LIMIT = 8192
 
 
+@dataclass(frozen=True, slots=True)
+class GateVerdict:
+    """The gate's decision as recorded for ``gpuguard status`` and told to the unit's journal."""
+
+    outcome: GateOutcome
+    gpu_set: GpuSet
+    problems: tuple[str, ...]
+    """What could not be recorded (the unit's GPU variables, the decision); the start is
+    decided all the same."""
+
+    @property
+    def exit_status(self) -> int:
+        """0 allows the start; 1 refuses it (systemd fails the start, Restart= may try again)."""
+        return 0 if self.outcome.passed else 1
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """The problems, then the verdict in one line (escaped, cut below journald's LineMax)."""
+        line = escape(f"{self.outcome.message} [{self.gpu_set.describe()}]", _GATE_LINE_LIMIT)
+        return (*self.problems, f"gpuguard gate: {line}")
+
+    def to_text(self) -> str:
+        """Nothing on standard output: the verdict goes to standard error, the journal."""
+        return ""
+
+    def to_json(self) -> None:
+        """The gate has no --json."""
+        return
+
+
 def fast_path(
     args: argparse.Namespace, caller: Caller | None
-) -> tuple[int | None, NvmlReading | None]:
+) -> tuple[GateVerdict | None, NvmlReading | None]:
     """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
 
     Uses the validated configuration cached by an earlier full load (configfile) and NVML alone
@@ -55,7 +85,7 @@ def fast_path(
     if cached is None:
         return None, None
     runtime_dir = Path(cached["runtime_dir"])
-    environment = unit_environment(asker(caller), args.unit, runtime_dir)
+    environment, problem = unit_environment(asker(caller), args.unit, runtime_dir)
     if environment is None:
         return None, None
     unit = cached["units"].get(args.unit) or {}
@@ -77,7 +107,8 @@ def fast_path(
         if wanted and (not is_idle(gpu, threshold) or reset_reasons(gpu)):
             return None, reading
     outcome = gate.outcome(args.unit, time.monotonic() - started, fast_path=True)
-    return _finish_gate(runtime_dir, outcome, gpu_set), reading
+    problems = () if problem is None else (problem,)
+    return _finish_gate(runtime_dir, outcome, gpu_set, problems), reading
 
 
 def run(
@@ -85,8 +116,12 @@ def run(
     args: argparse.Namespace,
     reading: NvmlReading | None,
     caller: Caller | None,
-) -> int:
-    """Reap the unit's stale holders and wait until its GPUs are idle; 0 allows the start."""
+    say: Callable[[str], None],
+) -> GateVerdict:
+    """Reap the unit's stale holders and wait until its GPUs are idle; the verdict says if.
+
+    While it waits, ``say`` gets a line per blocker every 10 s (the unit's journal reads them).
+    """
     from gpuguard.adapters import (  # noqa: PLC0415
         containerstop,
         daemonsnapshot,
@@ -114,7 +149,7 @@ def run(
         return reaper.reap(targets, grace_s=grace, logger=logger())
 
     def report(line: str) -> None:
-        sys.stderr.write(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}\n")
+        say(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}")
 
     runtime_dir = settings.runtime_dir
     outcome = gate.run_gate(
@@ -146,7 +181,7 @@ def run(
             logger=logger,
         ),
     )
-    return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set)
+    return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set, planned.notices)
 
 
 def oom_gpu(
@@ -167,8 +202,10 @@ def oom_gpu(
     return device, indices[device]
 
 
-def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> int:
-    """Record the decision for `gpuguard status`, say it in one line, return the exit status."""
+def _finish_gate(
+    runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet, problems: tuple[str, ...]
+) -> GateVerdict:
+    """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
     from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
 
     record = {
@@ -188,8 +225,6 @@ def _finish_gate(runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet) -> in
     try:
         state.record_gate_decision(runtime_dir, outcome.unit, record)
     except OSError as err:
-        sys.stderr.write(f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}\n")
-    # One journal entry whatever the blockers hold: escaped, and cut below journald's LineMax.
-    line = escape(f"{outcome.message} [{gpu_set.describe()}]", _GATE_LINE_LIMIT)
-    sys.stderr.write(f"gpuguard gate: {line}\n")
-    return 0 if outcome.passed else 1
+        unrecorded = f"gpuguard gate: cannot record the decision in {runtime_dir}: {err}"
+        return GateVerdict(outcome, gpu_set, (*problems, unrecorded))
+    return GateVerdict(outcome, gpu_set, problems)

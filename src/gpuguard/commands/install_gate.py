@@ -3,44 +3,47 @@
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard.commands.exits import EX_NOPERM, EX_USAGE
+from gpuguard.commands.output import Said
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
 
+# What an ExecStartPre= path may hold as written: systemd splits at white space and quotes,
+# expands % specifiers and $ variables, and a newline would start another directive.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9/._+-]*")
 
-def run(unit: str, *, install: bool, force: bool = False) -> int:
+
+def run(unit: str, *, install: bool, force: bool = False) -> Said:
     """Install or remove the gate drop-in, then make systemd read it."""
     from gpuguard.adapters import dropin  # noqa: PLC0415 - see the package doc
 
     command = "install-gate" if install else "remove-gate"
     refused = _gate_change_refused(command, unit, check_unit=install and not force)
+    if refused is None and install:
+        refused = _sandbox_refused(unit, force=force)
     if refused is not None:
         return refused
-    if install:
-        refused = _sandbox_refused(unit, force=force)
-        if refused is not None:
-            return refused
+    executable = own_executable() if install else None
+    if isinstance(executable, Said):
+        return executable
     try:
-        change = dropin.install(unit, _own_executable()) if install else dropin.remove(unit)
+        change = dropin.remove(unit) if executable is None else dropin.install(unit, executable)
     except OSError as err:
-        sys.stderr.write(f"gpuguard {command}: {err.filename}: {err.strerror}\n")
-        return 1
+        return Said(1, notices=(f"gpuguard {command}: {err.filename}: {err.strerror}",))
     if change.refused:
-        sys.stderr.write(f"gpuguard: {change.refused}\n")
-        return 1
-    sys.stdout.write(f"{change.path}: {change.action}\n")
+        return Said(1, notices=(f"gpuguard: {change.refused}",))
+    lines = [f"{change.path}: {change.action}"]
     if change.action in {"installed", "removed"}:
         problem = dropin.daemon_reload()
         if problem:
-            sys.stderr.write(f"gpuguard: {problem}\n")
-            return 1
+            return Said(1, tuple(lines), (f"gpuguard: {problem}",))
     if install:
         # Said out loud: these replace the unit's own values (docs/gate.md, "What it overrides").
         overrides = " and ".join(
@@ -48,15 +51,58 @@ def run(unit: str, *, install: bool, force: bool = False) -> int:
             for line in dropin.render().splitlines()
             if line and not line.startswith(("#", "[", "Exec"))
         )
-        sys.stdout.write(
-            f"it sets {overrides} for {unit}, replacing the unit's own; the stop timeout stays "
-            f"the unit's: check it with gpuguard doctor --unit {unit}\n"
-            f"undo with: gpuguard remove-gate --unit {unit}\n"
-        )
-    return 0
+        lines += [
+            (
+                f"it sets {overrides} for {unit}, replacing the unit's own; the stop timeout stays "
+                f"the unit's: check it with gpuguard doctor --unit {unit}"
+            ),
+            f"undo with: gpuguard remove-gate --unit {unit}",
+        ]
+    return Said(0, tuple(lines))
 
 
-def _sandbox_refused(unit: str, *, force: bool) -> int | None:
+def own_executable() -> str | Said:
+    """The gpuguard the drop-in will run: this one, in a file only root can change.
+
+    The drop-in runs it as the unit's user before every start and after every stop, so a file
+    another user could replace would hand them the unit. This gpuguard is ``argv[0]`` when it
+    was started as ``gpuguard`` (the package's /usr/bin/gpuguard, a virtualenv's script), else
+    the script beside this interpreter (``python -m gpuguard``). PATH is not searched: it may
+    name another gpuguard than the one running. Refused (exit 1, saying why) when that file is
+    missing, or it or a directory above it is not root's alone (adapters.files' rule), or its
+    path holds a character the drop-in line could not carry as it is.
+    """
+    from gpuguard.adapters import files  # noqa: PLC0415 - see the package doc
+
+    argv0 = Path(sys.argv[0])
+    script = Path(sys.executable).parent / "gpuguard"
+    candidate = argv0.absolute() if argv0.name == "gpuguard" else script
+    if not _PLAIN_PATH.fullmatch(str(candidate)):
+        problem = f"{str(candidate)!r}, a path systemd would split or expand"
+        return Said(1, notices=(_not_installed(problem),))
+    try:
+        os.close(files.open_file(candidate))
+    except FileNotFoundError:
+        problem = f"{candidate}: no such file"
+    except OSError as err:
+        unsafe = isinstance(err, files.UnsafePathError)
+        problem = str(err) if unsafe else f"{candidate}: {err.strerror}"
+    else:
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+        problem = f"{candidate}: not executable"
+    return Said(1, notices=(_not_installed(problem),))
+
+
+def _not_installed(problem: str) -> str:
+    return (
+        f"gpuguard install-gate: not installed: the drop-in would run {problem}; run "
+        "install-gate as the gpuguard it should call, by a path only root can change "
+        "(the package's: /usr/bin/gpuguard install-gate)"
+    )
+
+
+def _sandbox_refused(unit: str, *, force: bool) -> Said | None:
     """Exit 1, saying why, when the unit's own sandbox would keep its gate from the socket."""
     from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see the package doc
 
@@ -69,32 +115,41 @@ def _sandbox_refused(unit: str, *, force: bool) -> int | None:
         problems = dropin.sandbox_problems(properties, GATE_SOCKET)
     if not problems:
         return None
-    sys.stderr.write(
-        f"gpuguard install-gate: not installed: {unit}'s own sandbox would keep its gate from "
-        f"the gate server ({GATE_SOCKET}), and every start would be refused:\n"
-        + "".join(f"  {problem}\n" for problem in problems)
-        + "Change the unit (a drop-in of your own), then run install-gate again.\n"
+    return Said(
+        1,
+        notices=(
+            (
+                f"gpuguard install-gate: not installed: {unit}'s own sandbox would keep its gate "
+                f"from the gate server ({GATE_SOCKET}), and every start would be refused:"
+            ),
+            *(f"  {problem}" for problem in problems),
+            "Change the unit (a drop-in of your own), then run install-gate again.",
+        ),
     )
-    return 1
 
 
-def _gate_change_refused(command: str, unit: str, *, check_unit: bool) -> int | None:
-    """The exit status when the change must not be tried at all; None to go ahead."""
+def _gate_change_refused(command: str, unit: str, *, check_unit: bool) -> Said | None:
+    """Why the change must not be tried at all, with its exit status; None to go ahead."""
     from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see the package doc
 
     if not unit.endswith(".service"):
-        sys.stderr.write(f"gpuguard: {unit!r} is not a service unit name such as sglang.service\n")
-        return EX_USAGE
-    if os.geteuid() != 0:
-        sys.stderr.write(
-            f"gpuguard {command}: needs root (it changes {dropin.SYSTEMD_DIR} and runs "
-            "systemctl daemon-reload)\n"
+        return Said(
+            EX_USAGE,
+            notices=(f"gpuguard: {unit!r} is not a service unit name such as sglang.service",),
         )
-        return EX_NOPERM
+    if os.geteuid() != 0:
+        return Said(
+            EX_NOPERM,
+            notices=(
+                (
+                    f"gpuguard {command}: needs root (it changes {dropin.SYSTEMD_DIR} and runs "
+                    "systemctl daemon-reload)"
+                ),
+            ),
+        )
     problem = _unit_missing(systemd.show_unit(unit)) if check_unit else None
     if problem:
-        sys.stderr.write(f"gpuguard {command}: {problem}; --force installs it anyway\n")
-        return 1
+        return Said(1, notices=(f"gpuguard {command}: {problem}; --force installs it anyway",))
     return None
 
 
@@ -105,12 +160,3 @@ def _unit_missing(unit_state: UnitState) -> str | None:
     if unit_state.not_found:
         return f"systemd has no unit {unit_state.unit} (LoadState=not-found; a typo?)"
     return None
-
-
-def _own_executable() -> str:
-    """The absolute path the drop-in should call: this gpuguard, else the packaged one."""
-    argv0 = Path(sys.argv[0])
-    if argv0.name == "gpuguard":
-        return str(argv0.absolute())
-    found = shutil.which("gpuguard")
-    return str(Path(found).resolve()) if found else "/usr/bin/gpuguard"

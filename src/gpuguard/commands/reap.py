@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,11 +11,14 @@ from gpuguard.commands.context import (
     unit_plan,
 )
 from gpuguard.commands.exits import EX_USAGE
+from gpuguard.commands.output import Said
 from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
 
+    from gpuguard.commands.context import UnitPlan
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
@@ -28,18 +29,33 @@ if TYPE_CHECKING:
 REAP_TIMEOUT_S = 60.0
 
 
-def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> int:
-    """Plan, confirm, signal and report; the exit status says whether the GPUs are idle."""
+def run(
+    settings: Settings,
+    args: argparse.Namespace,
+    caller: Caller | None,
+    *,
+    show: Callable[[str], object],
+    ask: Callable[[str], bool],
+) -> ReapReport | Said:
+    """Plan, confirm, signal and report; the report's exit status says if the GPUs are idle.
+
+    The plan goes to ``show`` (as text, unless --json) before anything is signalled, and
+    ``ask`` gets the question when the plan needs a yes and --yes was not given.
+    """
     from gpuguard.adapters import inventory, logs, reaper  # noqa: PLC0415
     from gpuguard.core import policy  # noqa: PLC0415
 
     unit_name = args.unit or _only_unit(settings)
     if unit_name is None:
-        sys.stderr.write(
-            "gpuguard reap: several units are watched; name one with --unit "
-            f"({', '.join(settings.units)})\n"
+        return Said(
+            EX_USAGE,
+            notices=(
+                (
+                    "gpuguard reap: several units are watched; name one with --unit "
+                    f"({', '.join(settings.units)})"
+                ),
+            ),
         )
-        return EX_USAGE
     found = inventory.gather(settings)
     planned = unit_plan(settings, unit_name, args.scope, caller, found.nvml.gpus)
     unit_state, gpu_set = planned.unit_state, planned.gpu_set
@@ -48,20 +64,20 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
     )
     if not args.json:
-        sys.stdout.write(_plan_text(kill_plan, gpu_set, notes))
+        show(_plan_text(kill_plan, gpu_set, notes))
     if args.dry_run or not kill_plan.to_reap:
         return _reap_finish(
             settings,
             found,
             kill_plan=kill_plan,
-            gpu_set=gpu_set,
+            planned=planned,
             results=(),
             args=args,
             waited=False,
         )
-    if not args.yes and not _confirmed(len(kill_plan.to_reap)):
-        sys.stderr.write("gpuguard reap: nothing signalled (confirm on a terminal, or --yes)\n")
-        return 1
+    if not args.yes and not ask(f"Signal {len(kill_plan.to_reap)} process(es)?"):
+        declined = "gpuguard reap: nothing signalled (confirm on a terminal, or --yes)"
+        return Said(1, notices=(*planned.notices, declined))
     logs.configure_logging(json=False)
     log = logs.get_logger().bind(unit=unit_name, command="reap")
     grace = args.grace if args.grace is not None else settings.reap_grace_s
@@ -72,7 +88,7 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
         settings,
         found,
         kill_plan=kill_plan,
-        gpu_set=gpu_set,
+        planned=planned,
         results=results,
         args=args,
         waited=True,
@@ -81,14 +97,6 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
 
 def _only_unit(settings: Settings) -> str | None:
     return next(iter(settings.units)) if len(settings.units) == 1 else None
-
-
-def _confirmed(count: int) -> bool:
-    if not sys.stdin.isatty():
-        return False
-    sys.stdout.write(f"Signal {count} process(es)? [y/N] ")
-    sys.stdout.flush()
-    return sys.stdin.readline().strip().lower() in {"y", "yes"}
 
 
 def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
@@ -116,11 +124,11 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     found: Inventory,
     *,
     kill_plan: KillPlan,
-    gpu_set: GpuSet,
+    planned: UnitPlan,
     results: tuple[ReapResult, ...],
     args: argparse.Namespace,
     waited: bool,
-) -> int:
+) -> ReapReport:
     from gpuguard.adapters import inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
 
@@ -135,7 +143,8 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         time.sleep,
         wait_s=args.timeout if waited else 0.0,
     )
-    report = ReapReport(
+    gpu_set = planned.gpu_set
+    return ReapReport(
         kill_plan=kill_plan,
         gpu_set=gpu_set,
         results=results,
@@ -144,12 +153,8 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         ),
         blockers=blockers,
         dry_run=bool(args.dry_run),
+        notices=planned.notices,
     )
-    if args.json:
-        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
-    else:
-        sys.stdout.write(report.to_text())
-    return report.exit_status
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +168,8 @@ class ReapReport:
     blockers: tuple[str, ...]
     """What still keeps the unit's GPUs from being idle; empty when they are."""
     dry_run: bool
+    notices: tuple[str, ...]
+    """What went wrong on the way besides the reap (recording the unit's GPU variables)."""
 
     @property
     def exit_status(self) -> int:

@@ -7,14 +7,20 @@ import sys
 from typing import TYPE_CHECKING
 
 from gpuguard.adapters.configfile import DEFAULT_CONFIG_PATH
+from gpuguard.commands.output import Said
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
     from pathlib import Path
 
 
-def ask_gate_server(args: argparse.Namespace) -> int | None:
+def ask_gate_server(args: argparse.Namespace, say: Callable[[str], None]) -> Said | None:
     """Send a gate or reap to the root gate server; None: run it here instead (root, no server).
+
+    The server's answer is relayed as it comes (its output is the unit's journal); the result
+    holds its exit status, or the verdict when the server cannot be reached. ``say`` gets the
+    line that tells root the work runs in this process.
 
     The rule (docs/security.md): a socket at --socket means the packaged server, so always ask
     it; no socket and root means a developer's install, which runs in-process; no socket and
@@ -33,7 +39,7 @@ def ask_gate_server(args: argparse.Namespace) -> int | None:
         present = True  # not ours to look at: connecting says why
     if not present:
         if os.geteuid() == 0:
-            sys.stderr.write(f"gpuguard {args.command}: no gate server at {path}: runs here\n")
+            say(f"gpuguard {args.command}: no gate server at {path}: runs here")
             return None
         reason = "no such socket"
     else:
@@ -46,7 +52,7 @@ def ask_gate_server(args: argparse.Namespace) -> int | None:
             json=bool(getattr(args, "json", False)),
         )
         try:
-            return gateclient.ask(request, path, sys.stdout, sys.stderr)
+            return Said(gateclient.ask(request, path, sys.stdout, sys.stderr))
         except gateclient.UnreachableError as err:
             reason = str(err)
     allowed = args.command == "gate" and _unreachable_allowed(args.config)
@@ -55,10 +61,8 @@ def ask_gate_server(args: argparse.Namespace) -> int | None:
         if allowed
         else ("start refused" if args.command == "gate" else "nothing reaped")
     )
-    sys.stderr.write(
-        f"gpuguard {args.command}: cannot reach the gate server at {path} ({reason}): {verdict}\n"
-    )
-    return 0 if allowed else 1
+    unreachable = f"cannot reach the gate server at {path} ({reason}): {verdict}"
+    return Said(0 if allowed else 1, notices=(f"gpuguard {args.command}: {unreachable}",))
 
 
 def _unreachable_allowed(cli_path: Path | None) -> bool:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from gpuguard.commands.output import Said
 
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
@@ -16,26 +18,52 @@ if TYPE_CHECKING:
     from gpuguard.core.status import StatusReport
 
 
+@dataclass(frozen=True, slots=True)
+class StatusAnswer:
+    """The status report, printed as text or JSON; its level is the exit status."""
+
+    report: StatusReport
+
+    @property
+    def exit_status(self) -> int:
+        """The monitoring-plugin convention: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
+        return int(self.report.level)
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """Nothing for standard error: the report says it all."""
+        return ()
+
+    def to_text(self) -> str:
+        """The one screen ``gpuguard status`` prints."""
+        from gpuguard.core import status  # noqa: PLC0415
+
+        return status.render_text(self.report)
+
+    def to_json(self) -> dict[str, Any]:
+        """``status --json`` (docs/status.md)."""
+        from gpuguard.core import status  # noqa: PLC0415
+
+        return status.to_json(self.report)
+
+
 def run(
-    settings: Settings, *, as_json: bool, watch: float | None = None, since: Since | None = None
-) -> int:
-    """Print the status report; exit with its level (the monitoring-plugin convention).
+    settings: Settings, *, watch: float | None = None, since: Since | None = None
+) -> StatusAnswer | Said:
+    """The status report, judged now (the monitoring-plugin convention for its level).
 
-    With ``watch`` (seconds), redraw it in place on the terminal until stopped; exit 0 then.
-    ``since``: the start of the history shown (``--since``); None: all that is kept.
+    With ``watch`` (seconds), redraw it in place on the terminal until stopped; exit 0 then,
+    with nothing more to print. ``since``: the start of the history shown (``--since``); None:
+    all that is kept.
     """
-    from gpuguard.core import status  # noqa: PLC0415
-
     if watch is not None:
         from gpuguard.adapters import terminal  # noqa: PLC0415
+        from gpuguard.core import status  # noqa: PLC0415
 
-        return terminal.run(lambda: status.render_text(_report(settings, since)), watch, sys.stdout)
-    report = _report(settings, since)
-    if as_json:
-        sys.stdout.write(json.dumps(status.to_json(report), indent=2) + "\n")
-    else:
-        sys.stdout.write(status.render_text(report))
-    return int(report.level)
+        return Said(
+            terminal.run(lambda: status.render_text(_report(settings, since)), watch, sys.stdout)
+        )
+    return StatusAnswer(_report(settings, since))
 
 
 def watch_interval(text: str) -> float:
@@ -104,12 +132,37 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
     )
 
 
-def prometheus(settings: Settings) -> int:
-    """`status --prometheus`: the daemon's metrics drawn now, for a one-off scrape; exit 0."""
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """``status --prometheus``: the daemon's metrics in Prometheus' text format; exit 0."""
+
+    text: str
+
+    @property
+    def exit_status(self) -> int:
+        """Always 0: the metrics carry the levels."""
+        return 0
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """Nothing for standard error."""
+        return ()
+
+    def to_text(self) -> str:
+        """The exposition, as a scrape would get it."""
+        return self.text
+
+    def to_json(self) -> None:
+        """None: the text format is the answer, also under --json."""
+        return
+
+
+def prometheus(settings: Settings) -> Metrics:
+    """`status --prometheus`: the daemon's metrics drawn now, for a one-off scrape."""
     from gpuguard.adapters import daemonsnapshot, inventory, metricsio, systemd  # noqa: PLC0415
 
     view = daemonsnapshot.daemon_view(settings.runtime_dir)
-    sys.stdout.write(
+    return Metrics(
         metricsio.scrape(
             settings,
             inventory.gather(settings),
@@ -118,7 +171,6 @@ def prometheus(settings: Settings) -> int:
             daemon_running=view.state == "running",
         ).decode()
     )
-    return 0
 
 
 def _unit_state_text(unit_state: UnitState) -> str:
