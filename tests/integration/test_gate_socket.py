@@ -473,6 +473,18 @@ def test_a_flood_from_one_user_leaves_other_units_their_gate(
             assert frames[0].text == f"gpuguard: {busy}: request refused"
             assert frames[-1] is not None
             assert frames[-1].exit == 1
+        # A real client of that user gets the line (its request, sent unread, does not reset it).
+        turned = client(
+            cli,
+            "gate",
+            "--unit",
+            "x.service",
+            "--socket",
+            str(server.path),
+            cgroup=cgroup,
+            uid=NOBODY,
+        )
+        assert (turned.code, turned.err) == (1, f"gpuguard: {busy}: request refused\n"), turned
         unit = unit_name()
         done = client(
             cli,

@@ -4,8 +4,9 @@
 (``Accept=no``), which hands it the listening socket (sd_listen_fds(3): ``LISTEN_PID``,
 ``LISTEN_FDS``, fd 3). Root, with the clean environment and sandbox systemd gives it, never a
 child of the watched unit. The parent imports the request path once and then only accepts,
-counts and forks (``serve_forever``): it reads nothing from a connection, initialises no NVML
-and starts no thread, so every child begins from the same clean state. Each child answers one
+counts and forks (``serve_forever``): it never parses what a client sends (it only drops,
+unread, what a turned-away one sent), initialises no NVML and starts no thread, so every child
+begins from the same clean state. Each child answers one
 connection (``serve``): it identifies the caller from the kernel (peer.py), refuses what the
 caller may not ask (gateauth.py), runs the same gate or reap code the in-process command runs,
 with its output sent back as frames, and exits. A crash ends one request; no child sees
@@ -268,10 +269,18 @@ class _Parent:
                 self.requests[pid] = request._replace(deadline=now + self.limits.seconds)
 
     def _turn_away(self, conn: socket.socket, why: str) -> None:
-        """One line and a verdict of 1, sent without waiting; the connection closed."""
+        """One line and a verdict of 1, sent without waiting; the connection closed.
+
+        What the client already sent is dropped unread first (a bounded, non-blocking drain):
+        closing over unread bytes would reset the connection and lose the line.
+        """
         line = f"gpuguard: the gate server is busy ({why}): request refused"
         with contextlib.suppress(OSError):
             conn.send(frame_text(2, line) + frame_exit(1), socket.MSG_DONTWAIT)
+            conn.shutdown(socket.SHUT_WR)
+            for _ in range(4):
+                if not conn.recv(MAX_REQUEST_BYTES + 1, socket.MSG_DONTWAIT):
+                    break
         self.turned_away += 1
         now = time.monotonic()
         if now - self.turned_away_logged >= _TURNED_AWAY_LOG_INTERVAL_S:
