@@ -261,7 +261,7 @@ def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) ->
 
 
 def _gate_answers_through_the_resident_server(box: Container) -> None:
-    """0.1.0-1's socket had Accept=yes, which a daemon-reload keeps: the upgrade restarts it.
+    """0.1.0-1's socket had Accept=yes and per-connection servers: after the upgrade, Accept=no.
 
     A request from a user outside any service is refused by the server's own request process
     (no NVML needed), so its one line proves the new socket and server answer.
