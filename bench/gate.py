@@ -4,9 +4,11 @@
 1. Fast path on idle GPUs against the floor: a fresh ``python3 -c`` that imports pynvml and
    reads the same memory and process lists. Target: gate <= 1.5x the floor (bench/README.md).
    Measured side by side, interleaved, for both ways the gate runs: in-process (root, no
-   socket) and as installed, the unprivileged client asking a gate server over a socket (a
-   listener here hands each connection to a fresh ``gpuguard serve-gate``, as systemd's
-   gpuguard-gate.socket with Accept=yes does); the client's own cost is shown too.
+   socket) and as installed, the client asking the warm gate server over a socket (one
+   ``gpuguard serve-gate`` given the listening socket as systemd's gpuguard-gate.socket does,
+   forking a process per request). Then the cold figure: the first request to a server started
+   at the same moment (the socket starts the server on its first connection), and the warm
+   server's resident memory.
 2. Time from "stale holders present" to gate exit 0 with a 2 s grace (the holders ignore
    SIGTERM) and a 1 s driver release delay, against grace + delay. Target: within 0.5 s.
 
@@ -18,15 +20,12 @@ Run: ``make bench`` or ``.venv/bin/python bench/gate.py``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,9 +33,11 @@ from typing import TYPE_CHECKING
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS / "fakenvml"))
+sys.path.insert(0, str(TESTS / "support"))
 
-from fakeholder import HolderSpawner  # noqa: E402 - found through the path set just above
+from fakeholder import HolderSpawner  # noqa: E402 - found through the paths set just above
 from fakestate import fake_library, nvml_environ, update_gpu, write_state  # noqa: E402
+from socketactivate import activate, listen  # noqa: E402
 
 import gpuguard  # noqa: E402 - its package directory is compiled before the runs
 
@@ -89,15 +90,17 @@ def medians(
     """Median wall and median CPU time of each named argv, the runs interleaved.
 
     Interleaving makes load drifts on a shared machine hit every variant alike; CPU time is
-    the steadier measure there. A run that went through the server waits for that server
-    instance to end and counts its CPU time too.
+    the steadier measure there. A run that went through the server counts the server's CPU
+    time during it too (its parent and the request's process, from the server's cgroup).
     """
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for attempt in range(repeats + 1):
         for name, argv in runs.items():
-            served = len(server.cpu)
+            served = server.cpu_seconds() if name == "client-server" else 0.0
             wall, cpu = run_once(argv, env)
-            cpu += server.wait_for(served + 1) if name == "client-server" else 0.0
+            if name == "client-server":
+                server.idle()
+                cpu += server.cpu_seconds() - served
             if attempt:  # the first round warms the page cache
                 samples[name].append((wall, cpu))
     return {
@@ -107,54 +110,75 @@ def medians(
 
 
 class GateServer:
-    """A socket whose every connection is served by a fresh ``gpuguard serve-gate`` process.
+    """One ``gpuguard serve-gate`` on a socket passed as gpuguard-gate.socket passes it.
 
-    Stands in for gpuguard-gate.socket (Accept=yes, StandardInput=socket); ``cpu`` holds each
-    instance's CPU seconds.
+    It runs in a cgroup of its own, so its CPU time (the parent's and every request process's)
+    is read from the cgroup, as no wait4 of ours sees the processes it forks.
     """
 
-    def __init__(self, path: Path, argv: list[str], env: dict[str, str]) -> None:
-        """Listen on ``path``; serve each connection with ``argv serve-gate``."""
-        self.path, self.argv, self.env = path, argv, env
-        self.cpu: list[float] = []
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(16)
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+    def __init__(self, path: Path, argv: list[str], env: dict[str, str], cgroup: Path) -> None:
+        """Start it on a new socket at ``path``, in the new cgroup ``cgroup``."""
+        self.cgroup = cgroup
+        cgroup.mkdir()
+        with listen(path) as listener:
+            self.process = activate(
+                listener, in_cgroup(cgroup, [*argv, "serve-gate"]), env, subprocess.DEVNULL
+            )
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                instance = subprocess.Popen(  # its one log line per request: the journal's
-                    [*self.argv, "serve-gate"],
-                    stdin=conn.fileno(),
-                    stderr=subprocess.DEVNULL,
-                    env=self.env,
-                )
-            _, _, usage = os.wait4(instance.pid, 0)
-            instance.returncode = 0
-            self.cpu.append(_cpu(usage))
+    def cpu_seconds(self) -> float:
+        """CPU time of everything that ran in the server's cgroup so far."""
+        for line in (self.cgroup / "cpu.stat").read_text().splitlines():
+            name, value = line.split()
+            if name == "usage_usec":
+                return int(value) / 1e6
+        raise SystemExit(f"no usage_usec in {self.cgroup}/cpu.stat")
 
-    def wait_for(self, count: int) -> float:
-        """The CPU seconds of instance number ``count`` (1-based), once it has ended."""
+    def idle(self) -> None:
+        """Wait until the request processes have ended and been reaped by the server."""
+        pid = self.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children")
         deadline = time.monotonic() + 60
-        while len(self.cpu) < count:
+        while children.read_text().split():
             if time.monotonic() > deadline:
-                raise SystemExit("the gate server instance did not end")
-            time.sleep(0.002)
-        return self.cpu[count - 1]
+                raise SystemExit("the gate server's request process did not end")
+            time.sleep(0.001)
+
+    def rss_kib(self) -> int:
+        """The server parent's resident memory."""
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0])
 
     def close(self) -> None:
-        """Stop listening."""
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        self.thread.join(timeout=5)
+        """Stop it (SIGTERM, as systemctl stop) and remove its cgroup."""
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.cgroup.rmdir()
+
+
+def cold(
+    gate: list[str], cgroup: Path, env: dict[str, str], command: list[str], tmp: Path
+) -> tuple[float, float]:
+    """Median wall and CPU time of a server's first request (of 5), the server started with it.
+
+    The CPU time counts the client and everything in the server's cgroup: its start, imports
+    and the request's process.
+    """
+    got = []
+    for attempt in range(5):
+        server = GateServer(
+            tmp / f"cold-{attempt}.sock",
+            command,
+            env,
+            CGROUP2 / "system.slice" / f"gpuguard-bench-cold-{uuid.uuid4().hex[:8]}.service",
+        )
+        try:
+            client = [*gate, "--socket", str(tmp / f"cold-{attempt}.sock")]
+            wall, cpu = run_once(in_cgroup(cgroup, client), env)
+            server.idle()
+            got.append((wall, cpu + server.cpu_seconds()))
+        finally:
+            server.close()
+    return statistics.median(w for w, _ in got), statistics.median(c for _, c in got)
 
 
 def report(times: dict[str, tuple[float, float]], repeats: int) -> None:
@@ -163,7 +187,8 @@ def report(times: dict[str, tuple[float, float]], repeats: int) -> None:
     labels = {
         "floor": "floor: python3 -c, import pynvml, read memory, processes",
         "in-process": "gpuguard gate, in-process (root, no socket)",
-        "client-server": "gpuguard gate, client -> socket -> serve-gate -> verdict",
+        "client-server": "gpuguard gate, client -> warm server -> verdict",
+        "cold": "gpuguard gate, a server's first request (started with it)",
     }
     print(f"gate fast path on 4 idle GPUs: {repeats} runs of each, interleaved")
     print(f"  {'':58s} {'wall (median)':>18s} {'CPU (median)':>18s}")
@@ -206,7 +231,8 @@ def main() -> int:
             # One full run validates the configuration and caches it for the fast path.
             subprocess.run(in_cgroup(cgroup, gate), env=env, check=True, capture_output=True)
             sock = Path(tmp) / "gate.sock"
-            server = GateServer(sock, command, env)
+            server_cgroup = CGROUP2 / "system.slice" / f"gpuguard-bench-gate-{unit[15:23]}.service"
+            server = GateServer(sock, command, env, server_cgroup)
             try:
                 times = medians(
                     {
@@ -218,9 +244,14 @@ def main() -> int:
                     args.repeats,
                     server,
                 )
+                rss = server.rss_kib()
             finally:
                 server.close()
+            times["cold"] = cold(gate, cgroup, env, command, Path(tmp))
             report(times, args.repeats)
+            print(
+                f"  (cold: median of 5 fresh servers; the warm server's RSS: {rss / 1024:.1f} MiB)"
+            )
             grace, delay = 2.0, 1.0
             for gpu in range(4):
                 update_gpu(state, gpu, release_delay_ms=int(delay * 1000))

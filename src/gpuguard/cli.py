@@ -163,15 +163,18 @@ request refused, or the gate server unreachable; 78 invalid configuration.
 """
 
 _SERVE_GATE_HELP = """\
-Internal: not for operators to run. gpuguard-gate@.service runs it, as root with a clean
-environment, for each connection to gpuguard-gate.socket (/run/gpuguard/gate.sock); its
-standard input is the connection. It reads one request line (at most 4 KiB, within 10 s),
-identifies the caller (SO_PEERCRED, a pidfd, /proc/PID/cgroup and environ), refuses a
-request for any unit but the caller's own (except from root outside any service), runs the
-gate or reap and streams its output back, then the exit status. One line per request goes
-to its own journal.
+Internal: not for operators to run. gpuguard-gate.service runs it, as root with a clean
+environment, on the listening socket gpuguard-gate.socket passes it (/run/gpuguard/gate.sock,
+fd 3 with LISTEN_PID and LISTEN_FDS). It forks one process per
+connection (at most 64 at once, 16 per caller's UID, 3700 s each), which reads one request
+line (at most 4 KiB, within 10 s), identifies the caller (SO_PEERCRED, a pidfd,
+/proc/PID/cgroup and environ), refuses a request for any unit but the caller's own (except
+from root outside any service), runs the gate or reap and streams its output back, then the
+exit status. One line per request goes to its own journal. SIGTERM: it stops accepting and
+waits for the requests in progress.
 
-Exit status: the request's verdict; 1 refused; 64 a malformed request.
+Exit status: 0 after SIGTERM; 71 not given a listening socket by systemd. A client gets its
+request's verdict: 1 refused (or the server busy); 64 a malformed request.
 """
 
 
@@ -297,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     commands.add_parser(
         "serve-gate",
-        help="internal: the root gate server (gpuguard-gate@.service)",
+        help="internal: the root gate server (gpuguard-gate.service)",
         description=_SERVE_GATE_HELP,
         formatter_class=raw,
     )

@@ -130,7 +130,7 @@ python3 -c 'import sys; from pathlib import Path; from fakestate import FakeGpu,
 write_state(Path(sys.argv[1]), [FakeGpu(release_delay_ms=int(sys.argv[2]))] * 4)' \\
     {STATE} "$1"
 ln -s {HOST_PROC} {STATE}/host-proc
-install -m 0644 /e2e/systemd/gpuguard-gate.socket /e2e/systemd/gpuguard-gate@.service \\
+install -m 0644 /e2e/systemd/gpuguard-gate.socket /e2e/systemd/gpuguard-gate.service \\
     /etc/systemd/system/
 systemctl daemon-reexec
 systemctl enable --now --quiet gpuguard-gate.socket

@@ -234,6 +234,7 @@ def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) ->
         maps = box.run(["cat", f"/proc/{pid}/maps"]).stdout
         assert f"/usr/lib/gpuguard/{link}/" in maps, "the daemon runs from the new environment"
         box.run(["test", "-L", "/usr/lib/gpuguard/venv"])
+        _gate_answers_through_the_resident_server(box)
         # What a python3 upgrade fires (the file trigger): the same Python keeps its environment
         # and its daemon; the package stays configured.
         box.run(["dpkg-trigger", "--no-await", "/usr/bin/python3"])
@@ -257,6 +258,27 @@ def test_install_upgrade_remove_purge_on_each_release(target: str, deb: Path) ->
     note = f"package on {target}: install {seconds:.1f} s, upgrade from 0.1.0-1 {upgrade:.1f} s"
     SESSION_NOTES.append(note)
     print(note)  # noqa: T201
+
+
+def _gate_answers_through_the_resident_server(box: Container) -> None:
+    """0.1.0-1's socket had Accept=yes and per-connection servers: after the upgrade, Accept=no.
+
+    A request from a user outside any service is refused by the server's own request process
+    (no NVML needed), so its one line proves the new socket and server answer.
+    """
+    accept = box.systemctl("show", "-p", "Accept", "--value", "gpuguard-gate.socket")
+    assert accept.stdout.strip() == "no"
+    asked = box.run(
+        ["runuser", "-u", "nobody", "--", "gpuguard", "gate", "--unit", "sglang.service"],
+        check=False,
+    )
+    assert asked.returncode == 1
+    refused = "gpuguard: request from a process outside any service (uid 65534): refused"
+    assert asked.stderr.strip() == refused, asked.stderr
+    state = box.systemctl("show", "-p", "ActiveState", "--value", "gpuguard-gate.service")
+    assert state.stdout.strip() == "active", "the socket started the resident server"
+    journal = box.run(["journalctl", "--no-pager", "-u", "gpuguard-gate.service"]).stdout
+    assert refused in journal, journal
 
 
 def test_install_from_the_signed_repository(container: ContainerFactory, deb: Path) -> None:
@@ -503,7 +525,7 @@ def test_build_refuses_a_changelog_that_disagrees_with_the_version(tmp_path: Pat
     assert "99.0.0-1" in done.stderr
 
 
-_GATE_EXPOSURE = re.compile(r"Overall exposure level for gpuguard-gate@probe\.service: (\d+\.\d)")
+_GATE_EXPOSURE = re.compile(r"Overall exposure level for gpuguard-gate\.service: (\d+\.\d)")
 
 
 def test_gate_socket_listens_for_every_user_and_its_server_scores_at_most_2(
@@ -511,25 +533,23 @@ def test_gate_socket_listens_for_every_user_and_its_server_scores_at_most_2(
 ) -> None:
     """Installing enables the gate socket (0666, root's); `systemd-analyze security` <= 2.0.
 
-    The rating is of an instance of gpuguard-gate@.service (systemd rates services, not
-    sockets); the unit's comment records it for each release we test.
+    The rating is of gpuguard-gate.service, the server the socket starts (systemd rates
+    services, not sockets); the unit's comment records it for each release we test.
     """
     for query in ("is-enabled", "is-active"):
         state = installed.systemctl(query, "gpuguard-gate.socket", check=False).stdout.strip()
         assert state in {"enabled", "active"}, f"gpuguard-gate.socket {query}: {state}"
     mode = installed.run(["stat", "-c", "%A %U", "/run/gpuguard/gate.sock"]).stdout.strip()
     assert mode in {"srwxrwxrwx root", "srw-rw-rw- root"}, mode
-    done = installed.run(
-        ["systemd-analyze", "security", "--no-pager", "gpuguard-gate@probe.service"]
-    )
+    done = installed.run(["systemd-analyze", "security", "--no-pager", "gpuguard-gate.service"])
     match = _GATE_EXPOSURE.search(done.stdout)
     assert match is not None, done.stdout[-2000:]
     score = float(match[1])
-    print(f"systemd-analyze security gpuguard-gate@.service on {release}: {score}")  # noqa: T201
+    print(f"systemd-analyze security gpuguard-gate.service on {release}: {score}")  # noqa: T201
     assert score <= 2.0, done.stdout
-    unit = (ROOT / "systemd/gpuguard-gate@.service").read_text()
+    unit = (ROOT / "systemd/gpuguard-gate.service").read_text()
     recorded = {int(version): float(value) for version, value in _RECORDED.findall(unit)}
     assert recorded.get(RELEASES[release]) == score, (
-        f"update the score comment in systemd/gpuguard-gate@.service: systemd "
+        f"update the score comment in systemd/gpuguard-gate.service: systemd "
         f"{RELEASES[release]} rates it {score}"
     )

@@ -116,7 +116,7 @@ def test_an_unprivileged_unit_is_gated_through_the_socket_and_cannot_reach_root(
     assert last["gpu_set"] == "GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3)", last
     told = _journal(gpubox, t0 - 1, f"_SYSTEMD_UNIT={UNIT}")
     assert any(line.startswith("gpuguard gate: ") for line in told), told
-    server = _journal(gpubox, t0 - 1, "--unit=gpuguard-gate@*")
+    server = _journal(gpubox, t0 - 1, "--unit=gpuguard-gate.service")
     assert any(
         f"gate for {UNIT} from PID" in line
         and f"(uid {uid}, a process of {UNIT}): accepted" in line
@@ -130,10 +130,14 @@ def test_an_unprivileged_unit_is_gated_through_the_socket_and_cannot_reach_root(
         "the stop-reap's request",
         lambda: any(
             f"reap for {UNIT} from PID" in line
-            for line in _journal(gpubox, t0 - 1, "--unit=gpuguard-gate@*")
+            for line in _journal(gpubox, t0 - 1, "--unit=gpuguard-gate.service")
         ),
         timeout=30,
     )
+    # One resident server answered both: the socket started it once, it forked per request.
+    shown = gpubox.systemctl("show", "-p", "ActiveState,NRestarts", "gpuguard-gate.service")
+    properties = dict(line.split("=", 1) for line in shown.stdout.split())
+    assert properties == {"ActiveState": "active", "NRestarts": "0"}, shown.stdout
 
     # A process of one unit asks for another: refused in one line; root inside a service too.
     for name, user in (("sglang-a", ["--uid=tenant"]), ("root-job", [])):

@@ -1,14 +1,14 @@
-"""The gate through its socket: real UNIX sockets, real server processes, real cgroups.
+"""The gate through its socket: real UNIX sockets, a real forking server, real cgroups.
 
-A listening socket in a temporary directory stands in for gpuguard-gate.socket: each connection
-is handed, as standard input, to a new `gpuguard serve-gate` process, exactly as systemd's
-Accept=yes and StandardInput=socket do. Clients are real `gpuguard gate`/`reap` processes, moved
-into cgroups named like units (the unit_cgroups fixture) where a test needs "a process of".
+A listening socket in a temporary directory stands in for gpuguard-gate.socket: it is passed
+to one `gpuguard serve-gate` as fd 3 with LISTEN_PID and LISTEN_FDS, exactly as systemd's
+Accept=no does (tests/support/socketactivate.py), and that server forks a child per connection.
+Clients are real `gpuguard gate`/`reap` processes, moved into cgroups named like units (the
+unit_cgroups fixture) where a test needs "a process of".
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -17,15 +17,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CliResult
+from socketactivate import activate, listen
 
 from gpuguard.adapters import unitenv
 from gpuguard.core.gateproto import frame_exit, parse_frame
@@ -42,42 +42,32 @@ _CLIENT = [sys.executable, "-m", "gpuguard"]
 
 @dataclass
 class GateServer:
-    """A socket whose every connection is served by a fresh `gpuguard serve-gate` process."""
+    """One `gpuguard serve-gate` on a socket it was passed, as gpuguard-gate.service runs."""
 
     path: Path
-    cli: Cli
-    listener: socket.socket
+    process: subprocess.Popen[bytes]
     log: Path
-    served: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def accept_forever(self) -> None:
-        """Serve every connection until the listener is closed."""
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn, self.log.open("ab") as log:
-                argv = [sys.executable, "-m", "gpuguard", "--config", str(self.cli.config)]
-                self.served.append(
-                    subprocess.Popen(
-                        [*argv, "serve-gate"],
-                        stdin=conn.fileno(),
-                        stdout=log,
-                        stderr=log,
-                        env=self.cli.env,
-                    )
-                )
 
     def said(self) -> str:
-        """What the server instances wrote so far."""
+        """What the server and its children wrote so far (the journal, under systemd)."""
         return self.log.read_text() if self.log.exists() else ""
 
+    def children(self) -> list[int]:
+        """The request processes running now (the kernel's list of the server's children)."""
+        pid = self.process.pid
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+    def idle(self, timeout: float = 60) -> None:
+        """Wait until every request process has ended and been reaped."""
+        deadline = time.monotonic() + timeout
+        while self.children():
+            assert time.monotonic() < deadline, self.said()
+            time.sleep(0.02)
+
     def journal(self) -> str:
-        """What the server instances wrote to their own output (the journal, under systemd)."""
-        for process in self.served:
-            process.wait(timeout=60)
-        return self.log.read_text()
+        """What was written once every request has ended."""
+        self.idle()
+        return self.said()
 
 
 @pytest.fixture
@@ -93,20 +83,19 @@ def public_dir() -> Iterator[Path]:
 def server(cli: Cli, tmp_path: Path, public_dir: Path) -> Iterator[GateServer]:
     """A gate server listening on a gate.sock anyone can reach (mode 0666, like the unit's)."""
     path = public_dir / "gate.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    path.chmod(0o666)
-    listener.listen(8)
-    gate_server = GateServer(path, cli, listener, tmp_path / "server.log")
-    thread = threading.Thread(target=gate_server.accept_forever, daemon=True)
-    thread.start()
+    log = tmp_path / "server.log"
+    with listen(path) as listener, log.open("wb") as out:
+        argv = [*_CLIENT, "--config", str(cli.config), "serve-gate"]
+        process = activate(listener, argv, cli.env, out)
+    gate_server = GateServer(path, process, log)
     yield gate_server
-    listener.shutdown(socket.SHUT_RDWR)
-    listener.close()
-    thread.join(timeout=5)
-    for process in gate_server.served:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, gate_server.said()
 
 
 def client(
@@ -223,10 +212,12 @@ def test_the_server_ends_when_systemd_kills_its_client(
     while "accepted" not in server.said() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "accepted" in server.said()
+    [request] = server.children()
     client_process.kill()
     client_process.wait()
     began = time.monotonic()
-    server.served[-1].wait(timeout=10)
+    while request in server.children() and time.monotonic() - began < 10:
+        time.sleep(0.02)
     assert time.monotonic() - began < 5
     assert "the client has gone: stopping" in server.said()
 
@@ -373,3 +364,310 @@ def test_a_forged_verdict_in_the_output_is_only_text() -> None:
     assert frame is not None
     assert frame.exit is None
     assert frame.text == line
+
+
+def test_a_request_imports_nothing_the_server_has_not(
+    cli: Cli, tmp_path: Path, public_dir: Path, unit_cgroups: UnitCgroups
+) -> None:
+    """Everything a request runs is imported once, before the first fork (the warm server).
+
+    The server here is the real command with gateserver.serve wrapped to log the modules each
+    child imported while serving: the fast-path gate, the full gate and the reap import none.
+    """
+    probe = (
+        "import sys\n"
+        "from gpuguard.adapters import gateserver\n"
+        "serve = gateserver.serve\n"
+        "def counted(conn, handle, log):\n"
+        "    before = set(sys.modules)\n"
+        "    code = serve(conn, handle, log)\n"
+        "    log.write(f'imported {sorted(set(sys.modules) - before)}\\n')\n"
+        "    return code\n"
+        "gateserver.serve = counted\n"
+        "from gpuguard.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    path, log = public_dir / "gate.sock", tmp_path / "server.log"
+    with listen(path) as listener, log.open("wb") as out:
+        argv = [sys.executable, "-c", probe, "--config", str(cli.config), "serve-gate"]
+        process = activate(listener, argv, cli.env, out)
+    try:
+        unit = unit_name()
+        cgroup = unit_cgroups.ensure(unit)
+        # A changed file misses the validated-config cache: the first gate takes the full path.
+        cli.config.write_text(cli.config.read_text() + "# changed\n")
+        for command in (["gate"], ["gate"], ["reap", "--yes"]):
+            done = client(cli, *command, "--unit", unit, "--socket", str(path), cgroup=cgroup)
+            assert done.code == 0, done.err
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    imported = [line for line in log.read_text().splitlines() if line.startswith("imported")]
+    assert imported == ["imported []"] * 3, log.read_text()
+
+
+FLOODER = """
+import json, os, socket, sys, time
+path, uid, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+held = []
+for _ in range(count):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    held.append(conn)
+time.sleep(1)
+answers = []
+for conn in held:
+    conn.settimeout(0.2)
+    try:
+        answers.append(conn.recv(4096).decode())
+    except TimeoutError:
+        answers.append(None)
+print(json.dumps(answers), flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclass
+class Flood:
+    """A process of a unit, as one user, holding connections it sends nothing on."""
+
+    process: subprocess.Popen[str]
+    answers: list[str | None]
+
+    def refused(self) -> list[str]:
+        """The answers that came at once: the server's turning away."""
+        return [answer for answer in self.answers if answer is not None]
+
+
+def flood(path: Path, cgroup: Path, uid: int, count: int) -> Flood:
+    """Open ``count`` connections as ``uid`` from ``cgroup``; they stay open until stopped."""
+    script = f"exec {shlex.join([sys.executable, '-c', FLOODER, str(path), str(uid), str(count)])}"
+    process = subprocess.Popen(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(cgroup / 'cgroup.procs'))} && {script}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    return Flood(process, json.loads(process.stdout.readline()))
+
+
+def test_a_flood_from_one_user_leaves_other_units_their_gate(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """16 requests at once per user, 64 in all; the rest are turned away at once, in one line.
+
+    A tenant's unit opening connections and sending nothing holds at most 16 request processes
+    (each until the 10 s request deadline); another unit's gate passes meanwhile. Only a flood
+    from four users fills all 64. The parent survives it and reaps every child.
+    """
+    cgroup = unit_cgroups.ensure(unit_name())
+    floods = [flood(server.path, cgroup, NOBODY, 20)]
+    try:
+        assert floods[0].answers.count(None) == 16, floods[0].answers
+        busy = f"the gate server is busy (16 requests of uid {NOBODY} in progress)"
+        for answer in floods[0].refused():
+            frames = [parse_frame(line.encode()) for line in answer.splitlines()]
+            assert frames[0] is not None, answer
+            assert frames[0].text == f"gpuguard: {busy}: request refused"
+            assert frames[-1] is not None
+            assert frames[-1].exit == 1
+        # A real client of that user gets the line (its request, sent unread, does not reset it).
+        turned = client(
+            cli,
+            "gate",
+            "--unit",
+            "x.service",
+            "--socket",
+            str(server.path),
+            cgroup=cgroup,
+            uid=NOBODY,
+        )
+        assert (turned.code, turned.err) == (1, f"gpuguard: {busy}: request refused\n"), turned
+        unit = unit_name()
+        done = client(
+            cli,
+            "gate",
+            "--unit",
+            unit,
+            "--socket",
+            str(server.path),
+            cgroup=unit_cgroups.ensure(unit),
+        )
+        assert done.code == 0, done.err
+        floods += [flood(server.path, cgroup, NOBODY - n, 16) for n in (1, 2, 3)]
+        assert [f.refused() for f in floods[1:]] == [[], [], []]
+        floods.append(flood(server.path, cgroup, NOBODY - 4, 1))
+        [last] = floods[-1].refused()
+        assert "the gate server is busy (64 requests in progress)" in last
+        assert len(server.children()) == 64
+    finally:
+        for each in floods:
+            each.process.kill()
+            each.process.communicate()  # waits, closes the pipes
+    server.idle(timeout=30)
+    # One line a second at most about turned-away connections: the first of the flood's.
+    assert f"turned away 1 connection(s), the last: 16 requests of uid {NOBODY}" in server.said()
+    again = client(
+        cli, "gate", "--unit", unit, "--socket", str(server.path), cgroup=unit_cgroups.ensure(unit)
+    )
+    assert again.code == 0, again.err
+    threads = list(Path(f"/proc/{server.process.pid}/task").iterdir())
+    assert len(threads) == 1, "the parent starts no thread (it forks)"
+
+
+def test_a_waiting_gate_does_not_hold_up_the_next_request(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """One request's process may wait for minutes; the parent answers the next one meanwhile."""
+    spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
+    unit = unit_name()
+    procs = unit_cgroups.ensure(unit) / "cgroup.procs"
+    argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit, "--timeout", "60"]
+    command = shlex.join([*argv, "--socket", str(server.path)])
+    waiting = subprocess.Popen(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        env=cli.env,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while "accepted" not in server.said() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        other = unit_name()
+        done = client(
+            cli,
+            "gate",
+            "--unit",
+            other,
+            "--socket",
+            str(server.path),
+            cgroup=unit_cgroups.ensure(other),
+            env={"CUDA_VISIBLE_DEVICES": "1"},
+        )
+        assert done.code == 0, done.err
+        assert waiting.poll() is None, "the first gate still waits"
+    finally:
+        waiting.kill()
+        waiting.wait()
+
+
+FORK_SERVER = """
+import os, sys, time
+from gpuguard.adapters import gateserver
+listener = gateserver.take_listener(os.environ)
+def serve_one(conn):
+    conn.sendall(b"serving\\n")
+    time.sleep(float(sys.argv[1]))
+    conn.sendall(b"done\\n")
+    return 0
+limits = gateserver.Limits(seconds=float(sys.argv[2]))
+sys.exit(gateserver.serve_forever(listener, serve_one, sys.stderr, limits))
+"""
+
+
+def fork_server(
+    public_dir: Path, tmp_path: Path, cli: Cli, work_s: float, limit_s: float
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """serve_forever with a request that takes ``work_s``, killed after ``limit_s``."""
+    path, log = public_dir / "fork.sock", tmp_path / "fork.log"
+    with listen(path) as listener, log.open("wb") as out:
+        argv = [sys.executable, "-c", FORK_SERVER, str(work_s), str(limit_s)]
+        return activate(listener, argv, cli.env, out), path, log
+
+
+def answer(path: Path) -> bytes:
+    """Everything the server sends on one connection, until it closes it."""
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(path))
+        conn.settimeout(20)
+        with conn.makefile("rb") as reader:
+            return reader.read()
+
+
+def test_a_request_past_its_time_limit_is_killed_with_its_group(
+    cli: Cli, tmp_path: Path, public_dir: Path
+) -> None:
+    """RuntimeMaxSec= of the per-connection unit, now the parent's: the child's group dies."""
+    server, path, log = fork_server(public_dir, tmp_path, cli, work_s=60, limit_s=1)
+    try:
+        began = time.monotonic()
+        assert answer(path) == b"serving\n"
+        assert time.monotonic() - began < 10
+        assert answer(path) == b"serving\n", "the parent serves on"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert log.read_text().count("ran 1 s: killed") == 2, log.read_text()
+
+
+def test_sigterm_stops_accepting_and_lets_requests_finish(
+    cli: Cli, tmp_path: Path, public_dir: Path
+) -> None:
+    """Stopping the service: no new connection is taken, the one in progress gets its answer."""
+    server, path, log = fork_server(public_dir, tmp_path, cli, work_s=2, limit_s=60)
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(path))
+        conn.settimeout(20)
+        with conn.makefile("rb") as reader:
+            assert reader.readline() == b"serving\n"
+            server.terminate()
+            deadline = time.monotonic() + 10
+            while "stopping" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert "stopping" in log.read_text()
+            with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX) as late:
+                late.connect(str(path))
+            assert reader.read() == b"done\n"
+    assert server.wait(timeout=10) == 0
+    assert "stopping: waiting for 1 request(s) in progress" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("environment", "said"),
+    [
+        ({}, "no socket passed to this process (LISTEN_PID is not its PID)"),
+        ({"LISTEN_PID": "1", "LISTEN_FDS": "1"}, "no socket passed to this process"),
+    ],
+)
+def test_serve_gate_runs_only_on_a_socket_systemd_passed(
+    cli: Cli, environment: dict[str, str], said: str
+) -> None:
+    """Started by hand (or with inherited LISTEN_* variables) it serves nothing: exit 71."""
+    done = subprocess.run(
+        [*_CLIENT, "--config", str(cli.config), "serve-gate"],
+        env={**cli.env, **environment},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 71
+    assert said in done.stderr
+    assert done.stderr.endswith(": run by gpuguard-gate.socket only\n")
+
+
+def test_a_passed_socket_that_is_not_listening_is_refused(cli: Cli) -> None:
+    """The fd 3 must be a listening UNIX stream socket: a connected one is not served."""
+    left, right = socket.socketpair()
+    with left, right:
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).parents[1] / "support" / "socketactivate.py"),
+                str(left.fileno()),
+                *_CLIENT,
+                "--config",
+                str(cli.config),
+                "serve-gate",
+            ],
+            pass_fds=(left.fileno(),),
+            env=cli.env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    assert done.returncode == 71
+    assert "fd 3 is not a listening UNIX stream socket" in done.stderr

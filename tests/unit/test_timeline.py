@@ -418,10 +418,14 @@ def test_queries_filter_each_source_and_the_greps_are_regexes() -> None:
     assert all("--boot" in c for c in journalquery.queries(UNIT, None))
 
 
-def test_gate_server_acceptance_and_a_neighbours_reap_lines() -> None:
-    """The gate server's 'accepted' for this unit is gpuguard's; a reap for aa.service is not."""
+@pytest.mark.parametrize("server_unit", ["gpuguard-gate.service", "gpuguard-gate@3-120-0.service"])
+def test_gate_server_acceptance_and_a_neighbours_reap_lines(server_unit: str) -> None:
+    """The gate server's 'accepted' for this unit is gpuguard's; a reap for aa.service is not.
+
+    The resident server's lines, and those of the per-connection instances before 0.1.0-3.
+    """
     base = sample("bookworm", "stop-sigterm-timeout")[0]
-    server = {"_SYSTEMD_UNIT": "gpuguard-gate@3-120-0.service", "_UID": "0", "_PID": "77"}
+    server = {"_SYSTEMD_UNIT": server_unit, "_UID": "0", "_PID": "77"}
     accepted = f"gate for {UNIT} from PID 300 (uid 1000, {UNIT}): accepted"
     entries = [
         entry_like(base, 10, MESSAGE=accepted, **server),

@@ -41,8 +41,11 @@ def ask(request: Request, path: str, out: TextIO, err: TextIO) -> int:
         except OSError as error:
             raise UnreachableError(error.strerror or str(error)) from None
         conn.settimeout(None)  # the gate may wait gate_timeout_s; TimeoutStartSec= bounds us
-        conn.sendall(encode_request(request))
-        conn.shutdown(socket.SHUT_WR)
+        try:
+            conn.sendall(encode_request(request))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # hung up on before the request (a busy server): what it said is still to read
         return _relay(conn, out, err)
     finally:
         conn.close()

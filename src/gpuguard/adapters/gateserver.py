@@ -1,10 +1,18 @@
-"""The root side of the gate: answer one request on a socket systemd accepted (adapter).
+"""The root side of the gate: a warm server that forks one child per request (adapter).
 
-``gpuguard serve-gate`` runs as ``gpuguard-gate@.service``, one instance per connection to
-``gpuguard-gate.socket`` (``Accept=yes``, ``StandardInput=socket``): root, with the clean
-environment and sandbox systemd gives it, never a child of the watched unit. It identifies the
-caller from the kernel (peer.py), refuses what the caller may not ask (gateauth.py), then runs
-the same gate or reap code the in-process command runs, with its output sent back as frames.
+``gpuguard serve-gate`` runs as ``gpuguard-gate.service``, started by ``gpuguard-gate.socket``
+(``Accept=no``), which hands it the listening socket (sd_listen_fds(3): ``LISTEN_PID``,
+``LISTEN_FDS``, fd 3). Root, with the clean environment and sandbox systemd gives it, never a
+child of the watched unit. The parent imports the request path once and then only accepts,
+counts and forks (``serve_forever``): it never parses what a client sends (it only drops,
+unread, what a turned-away one sent), initialises no NVML and starts no thread, so every child
+begins from the same clean state. Each child answers one
+connection (``serve``): it identifies the caller from the kernel (peer.py), refuses what the
+caller may not ask (gateauth.py), runs the same gate or reap code the in-process command runs,
+with its output sent back as frames, and exits. A crash ends one request; no child sees
+another's. The parent enforces what systemd enforced per instance when each connection started
+a service of its own: at most MAX_REQUESTS at once, MAX_REQUESTS_PER_UID from one user, and
+REQUEST_LIMIT_S of wall time per request.
 """
 
 from __future__ import annotations
@@ -13,18 +21,22 @@ import contextlib
 import io
 import os
 import select
+import signal
 import socket
+import struct
+import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
+from gpuguard.adapters import signals
 from gpuguard.adapters.peer import PROC, PeerError, identify
 from gpuguard.core.gateauth import may_ask, refusal
 from gpuguard.core.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_request
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, MutableMapping
     from pathlib import Path
     from typing import TextIO
 
@@ -37,6 +49,257 @@ if TYPE_CHECKING:
 REQUEST_TIMEOUT_S = 10.0
 #: A client that reads nothing for this long is treated as gone (the work goes on).
 SEND_TIMEOUT_S = 30.0
+#: Requests served at once (gpuguard-gate.socket's MaxConnections= before); more are turned away.
+MAX_REQUESTS = 64
+#: Requests served at once for one peer UID (MaxConnectionsPerSource= before): one user's flood
+#: leaves the other slots to the other units.
+MAX_REQUESTS_PER_UID = 16
+#: A request's process is killed after this long (RuntimeMaxSec= before): a gate waits at most
+#: gate_timeout_s, which a request may raise to 3600 s.
+REQUEST_LIMIT_S = 3700.0
+#: sd_listen_fds(3): the first passed descriptor.
+LISTEN_FDS_START = 3
+#: At most one line a second about turned-away connections: a flood must not flood the journal
+#: (or block the parent on a slow one).
+_TURNED_AWAY_LOG_INTERVAL_S = 1.0
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class ActivationError(Exception):
+    """The process was not given a listening socket the sd_listen_fds(3) way; says why."""
+
+
+class Limits(NamedTuple):
+    """What the parent enforces; the defaults are the unit's, tests pass smaller ones."""
+
+    requests: int = MAX_REQUESTS
+    per_uid: int = MAX_REQUESTS_PER_UID
+    seconds: float = REQUEST_LIMIT_S
+
+
+class _Request(NamedTuple):
+    """A child serving one connection, as the parent counts it."""
+
+    uid: int
+    deadline: float  # monotonic
+
+
+def take_listener(environ: MutableMapping[str, str]) -> socket.socket:
+    """The listening socket systemd passed as fd 3, checked, and the variables that named it gone.
+
+    ``LISTEN_PID`` must be this process (the variables may have been inherited by a process they
+    were not meant for), ``LISTEN_FDS`` exactly 1, and fd 3 a listening UNIX stream socket.
+    """
+    pid, count = environ.get("LISTEN_PID"), environ.get("LISTEN_FDS")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        environ.pop(name, None)  # never handed on to a child or systemctl
+    if pid != str(os.getpid()):
+        raise ActivationError("no socket passed to this process (LISTEN_PID is not its PID)")
+    if count != "1":
+        raise ActivationError(f"expected one passed socket, LISTEN_FDS is {count!r}")
+    try:
+        listener = socket.socket(fileno=LISTEN_FDS_START)
+    except OSError as err:
+        raise ActivationError(f"fd {LISTEN_FDS_START} is not a socket ({err.strerror})") from None
+    listening = listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM or not listening:
+        listener.detach()
+        raise ActivationError(f"fd {LISTEN_FDS_START} is not a listening UNIX stream socket")
+    os.set_inheritable(LISTEN_FDS_START, False)  # noqa: FBT003 - positional only
+    return listener
+
+
+def serve_forever(
+    listener: socket.socket,
+    serve_one: Callable[[socket.socket], int],
+    log: TextIO,
+    limits: Limits = Limits(),  # noqa: B008 - an immutable NamedTuple
+) -> int:
+    """Accept connections until SIGTERM, each served by ``serve_one`` in a forked child.
+
+    After SIGTERM it stops accepting (systemd queues new connections for the next start) and
+    waits for the requests in progress; systemd's TimeoutStopSec= bounds that wait.
+    """
+    listener.settimeout(0.0)  # non-blocking: accept() until EAGAIN
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    stopping: list[int] = []  # the signal that asked, once one has
+    signal.signal(signal.SIGTERM, lambda signum, _: stopping.append(signum))
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake poll() through the pipe
+    signal.set_wakeup_fd(wake_write)
+    poller = select.poll()
+    poller.register(wake_read, select.POLLIN)
+    poller.register(listener, select.POLLIN)
+    server = _Parent(listener, serve_one, log, limits, (wake_read, wake_write))
+    try:
+        _loop(server, poller, stopping)
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(wake_read)
+        os.close(wake_write)
+    return 0
+
+
+def _loop(server: _Parent, poller: select.poll, stopping: list[int]) -> None:
+    listener, wake_read = server.listener, server.wake[0]
+    while True:
+        server.reap()
+        if stopping:
+            if server.listening:
+                poller.unregister(listener)
+                listener.close()
+                server.listening = False
+                server.note(f"stopping: waiting for {len(server.requests)} request(s) in progress")
+            if not server.requests:
+                return
+        # A signal (SIGCHLD, SIGTERM) arriving from here on writes to wake_read: no lost wakeup.
+        ready = poller.poll(server.wait_ms())
+        with contextlib.suppress(BlockingIOError):
+            while os.read(wake_read, 512):
+                pass
+        if server.listening and any(fd != wake_read for fd, _ in ready):
+            server.accept()
+
+
+class _Parent:
+    """The accepting parent's bookkeeping: its children, their owners and deadlines."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        serve_one: Callable[[socket.socket], int],
+        log: TextIO,
+        limits: Limits,
+        wake: tuple[int, int],
+    ) -> None:
+        self.listener = listener
+        self.listening = True
+        self.serve_one = serve_one
+        self.log = log
+        self.limits = limits
+        self.wake = wake
+        self.requests: dict[int, _Request] = {}
+        self.turned_away = 0
+        self.turned_away_logged = -_TURNED_AWAY_LOG_INTERVAL_S
+
+    def wait_ms(self) -> int | None:
+        """How long poll() may wait: until the next request's deadline, or for ever."""
+        if not self.requests:
+            return None
+        nearest = min(request.deadline for request in self.requests.values())
+        return max(0, int((nearest - time.monotonic()) * 1000) + 1)
+
+    def accept(self) -> None:
+        """Take every waiting connection: turn it away over the limits, else fork its child."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # ECONNABORTED, EMFILE...: this connection, not the server
+                self.note(f"accept failed: {err.strerror or err}")
+                return
+            with conn:
+                uid = _peer_uid(conn)
+                refused = "no credentials" if uid is None else self._over_limits(uid)
+                if refused is not None or uid is None:
+                    self._turn_away(conn, refused or "no credentials")
+                    continue
+                self._fork(conn, uid)
+
+    def _over_limits(self, uid: int) -> str | None:
+        if len(self.requests) >= self.limits.requests:
+            return f"{self.limits.requests} requests in progress"
+        mine = sum(1 for request in self.requests.values() if request.uid == uid)
+        if mine >= self.limits.per_uid:
+            return f"{self.limits.per_uid} requests of uid {uid} in progress"
+        return None
+
+    def _fork(self, conn: socket.socket, uid: int) -> None:
+        sys.stdout.flush()
+        self.log.flush()  # nothing buffered is written twice
+        try:
+            pid = os.fork()
+        except OSError as err:
+            self._turn_away(conn, f"cannot fork ({err.strerror})")
+            return
+        if pid == 0:  # pragma: no cover - the child; its answers are what the tests check
+            self._child(conn)
+        with contextlib.suppress(OSError):  # the child does it too: whichever runs first
+            os.setpgid(pid, pid)
+        self.requests[pid] = _Request(uid, time.monotonic() + self.limits.seconds)
+
+    def _child(self, conn: socket.socket) -> NoReturn:
+        """Serve ``conn`` and exit; never returns into the parent's loop."""
+        code = 70  # EX_SOFTWARE, should serve_one itself fail
+        try:
+            os.setpgid(0, 0)  # its own group: the parent's kill takes its helpers too
+            signal.set_wakeup_fd(-1)
+            for signum in (signal.SIGTERM, signal.SIGCHLD):
+                signal.signal(signum, signal.SIG_DFL)
+            for fd in self.wake:
+                os.close(fd)
+            self.listener.close()
+            code = self.serve_one(conn)
+        except BaseException:  # noqa: BLE001 - a child never returns into the parent's loop
+            traceback.print_exc(file=self.log)
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                self.log.flush()
+            os._exit(code)
+
+    def reap(self) -> None:
+        """Collect ended children (no zombies); kill those past the time limit."""
+        while self.requests:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.requests.clear()
+                return
+            if not pid:
+                break
+            self.requests.pop(pid, None)
+            if os.WIFSIGNALED(status) and os.WTERMSIG(status) != signal.SIGKILL:
+                self.note(f"request PID {pid} ended by signal {os.WTERMSIG(status)}")
+        now = time.monotonic()
+        for pid, request in self.requests.items():
+            if now >= request.deadline:
+                self.note(f"request PID {pid} ran {self.limits.seconds:g} s: killed")
+                signals.signal_own_group(pid, signal.SIGKILL)
+                self.requests[pid] = request._replace(deadline=now + self.limits.seconds)
+
+    def _turn_away(self, conn: socket.socket, why: str) -> None:
+        """One line and a verdict of 1, sent without waiting; the connection closed.
+
+        What the client already sent is dropped unread first (a bounded, non-blocking drain):
+        closing over unread bytes would reset the connection and lose the line.
+        """
+        line = f"gpuguard: the gate server is busy ({why}): request refused"
+        with contextlib.suppress(OSError):
+            conn.send(frame_text(2, line) + frame_exit(1), socket.MSG_DONTWAIT)
+            conn.shutdown(socket.SHUT_WR)
+            for _ in range(4):
+                if not conn.recv(MAX_REQUEST_BYTES + 1, socket.MSG_DONTWAIT):
+                    break
+        self.turned_away += 1
+        now = time.monotonic()
+        if now - self.turned_away_logged >= _TURNED_AWAY_LOG_INTERVAL_S:
+            self.note(f"turned away {self.turned_away} connection(s), the last: {why}")
+            self.turned_away, self.turned_away_logged = 0, now
+
+    def note(self, line: str) -> None:
+        self.log.write(line + "\n")
+        self.log.flush()
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    """The connecting process's UID as the kernel recorded it at connect()."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    except OSError:
+        return None
+    uid: int = _CREDENTIALS.unpack(raw)[1]
+    return uid
 
 
 class _Frames(io.RawIOBase):

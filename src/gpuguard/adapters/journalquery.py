@@ -51,7 +51,12 @@ def queries(unit: str, since: str | None) -> list[list[str]]:
     return [
         [*base, "_PID=1", *units, "+", "_SYSTEMD_CGROUP=/init.scope", *units],
         [*base, f"--grep={grep_unit}", "--case-sensitive=yes", f"_SYSTEMD_UNIT={unit}"],
-        [*base, f"--unit={timeline.DAEMON_UNIT}", f"--unit={timeline.GATE_SERVER_PREFIX}*.service"],
+        [
+            *base,
+            f"--unit={timeline.DAEMON_UNIT}",
+            f"--unit={timeline.GATE_SERVER_UNIT}",
+            f"--unit={timeline.GATE_SERVER_PREFIX}*.service",
+        ],
         [*base, f"--grep={re.escape(MARKER)}", "--case-sensitive=yes", "_TRANSPORT=kernel"],
     ]
 

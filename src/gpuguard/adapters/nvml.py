@@ -126,6 +126,15 @@ def read_gpus(timeout_s: float, library: Path | None = None) -> NvmlReading:
 
 
 @functools.cache
+def import_bindings() -> None:
+    """Import pynvml without calling it: a forking server's children then find it loaded.
+
+    Importing loads no library and talks to no driver (that is nvmlInit, in read_gpus's worker).
+    """
+    with contextlib.suppress(ImportError):
+        import pynvml  # noqa: F401, PLC0415 - imported for its side effect, see above
+
+
 def library_candidates(configured: str | None) -> tuple[str, ...]:
     """Absolute paths to try for libnvidia-ml.so.1, best first; never LD_LIBRARY_PATH.
 

@@ -1,4 +1,4 @@
-"""``gpuguard serve-gate``: answer one request on the connection the gate socket accepted."""
+"""``gpuguard serve-gate``: the warm gate server, one forked child per request on its socket."""
 
 from __future__ import annotations
 
@@ -15,16 +15,29 @@ if TYPE_CHECKING:
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gateproto import Request as GateRequest
 
+#: exit status when not started the way gpuguard-gate.socket starts it (sysexits EX_OSERR)
+EX_NOT_ACTIVATED = 71
+
 
 def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller], int]) -> int:
-    """Answer one request on standard input, the connection gpuguard-gate.socket accepted.
+    """Serve the socket gpuguard-gate.socket passed until SIGTERM.
 
-    ``execute`` is the command line's own dispatch: the request runs as the same command would.
+    ``execute`` is the command line's own dispatch: a request runs as the same command would.
+    Everything a request needs is imported here, once, before the first fork, so a request
+    pays for none of it; NVML itself is initialised only in each request's own process.
     """
     import contextlib  # noqa: PLC0415 - see the package doc
-    import socket  # noqa: PLC0415
+    import os  # noqa: PLC0415
 
-    from gpuguard.adapters import gateserver  # noqa: PLC0415
+    from gpuguard.adapters import gateserver, nvml  # noqa: PLC0415
+
+    try:
+        listener = gateserver.take_listener(os.environ)
+    except gateserver.ActivationError as err:
+        sys.stderr.write(f"gpuguard serve-gate: {err}: run by gpuguard-gate.socket only\n")
+        return EX_NOT_ACTIVATED
+    _import_request_path()
+    nvml.import_bindings()
 
     def handle(request: GateRequest, caller: Caller, out: TextIO, err: TextIO) -> int:
         work = argparse.Namespace(
@@ -43,5 +56,50 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             return execute(work, caller)
 
-    with socket.socket(fileno=0) as conn:  # StandardInput=socket: the accepted connection
-        return gateserver.serve(conn, handle, sys.stderr)
+    with listener:
+        return gateserver.serve_forever(
+            listener, lambda conn: gateserver.serve(conn, handle, sys.stderr), sys.stderr
+        )
+
+
+def _import_request_path() -> None:
+    """Import what the gate and the reap import only when they run, once, in the parent.
+
+    tests/integration/test_gate_socket.py fails when a request still imports a module of its
+    own (the list has gone stale).
+    """
+    from gpuguard import config  # noqa: PLC0415, F401 - pydantic: the full path's settings
+    from gpuguard.adapters import (  # noqa: PLC0415, F401
+        containerprobe,
+        containerstop,
+        daemonsnapshot,
+        engineapi,
+        inventory,
+        logs,
+        reaper,
+        state,
+        systemd,
+        unitenv,
+    )
+    from gpuguard.commands import gate, reap  # noqa: PLC0415, F401
+    from gpuguard.core import (  # noqa: PLC0415, F401
+        baseline,
+        containment,
+        events,
+        gpuset,
+        health,
+        idle,
+        policy,
+        protection,
+        records,
+        redaction,
+        since,
+        status,
+        unitconfig,
+        xid,
+        xidevents,
+        xidfaults,
+        xidstuck,
+    )
+    from gpuguard.core import gate as gate_core  # noqa: PLC0415, F401
+    from gpuguard.core import inventory as inventory_core  # noqa: PLC0415, F401

@@ -14,7 +14,8 @@ what it may say (docs/security.md):
   text: it is shown as the unit's word, never as systemd's or gpuguard's.
 * **gpuguard**: the daemon's structured JSON lines, only from ``gpuguard.service`` running as
   root (``_SYSTEMD_UNIT``, ``_UID``: journald's fields), and the gate server's "accepted" lines
-  for gate and reap requests from ``gpuguard-gate@….service``.
+  for gate and reap requests from ``gpuguard-gate.service`` (``gpuguard-gate@….service``, one
+  instance per request, before 0.1.0-3).
 * **kernel**: Xids (``xidevents``), only with ``_TRANSPORT=kernel``.
 
 Every text shown is escaped (``gpuguard.escaping``) and cut; every parser is bounded and never
@@ -56,6 +57,8 @@ WOULD: Final = "would"
 """Sources of a row: who wrote it (``would``: gpuguard's replayed decision, not a journal line)."""
 
 DAEMON_UNIT: Final = "gpuguard.service"
+GATE_SERVER_UNIT: Final = "gpuguard-gate.service"
+#: The per-connection instances that served requests before 0.1.0-3 (an older journal).
 GATE_SERVER_PREFIX: Final = "gpuguard-gate@"
 GATE_LINE_PREFIX: Final = "gpuguard gate: "
 _TEXT_LIMIT: Final = 300
@@ -306,7 +309,7 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
     text = decode_message(entry.get("MESSAGE"), limit=_JSON_LIMIT)
     if text is None:
         return
-    if owner.startswith(GATE_SERVER_PREFIX):
+    if owner == GATE_SERVER_UNIT or owner.startswith(GATE_SERVER_PREFIX):
         asked = text.startswith((f"gate for {unit} from PID ", f"reap for {unit} from PID "))
         if asked and len(text) < _TEXT_LIMIT:
             acc.rows.append(Row(*where, GPUGUARD, "gate-server", escape(text, _TEXT_LIMIT)))
