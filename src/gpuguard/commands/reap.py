@@ -17,15 +17,20 @@ from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable, Sequence
 
+    from gpuguard.adapters.containerstop import ContainerResult, ContainerStopper
+    from gpuguard.adapters.reaper import EventLogger
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import GpuOccupancy, Inventory
-    from gpuguard.core.policy import KillPlan
+    from gpuguard.core.policy import KillPlan, PlanRequest
+    from gpuguard.core.unitcontainers import ContainerVerdict
     from gpuguard.core.values import ReapResult
 
 REAP_TIMEOUT_S = 60.0
+Containers = tuple[tuple["ContainerVerdict", "ContainerResult | None"], ...]
 
 
 def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> int:
@@ -47,9 +52,18 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
     notes = (
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
     )
+    grace = args.grace if args.grace is not None else settings.reap_grace_s
+
+    def logger() -> reaper.EventLogger:
+        logs.configure_logging(json=False)
+        return logs.get_logger().bind(unit=unit_name, command="reap")
+
+    stopper = _container_stopper(settings, planned.request, args, grace, logger)
+    verdicts = stopper.plan(found)
+    to_stop = [verdict for verdict in verdicts if verdict.stop]
     if not args.json:
-        sys.stdout.write(_plan_text(kill_plan, gpu_set, notes))
-    if args.dry_run or not kill_plan.to_reap:
+        sys.stdout.write(_plan_text(kill_plan, gpu_set, notes) + _container_plan_text(verdicts))
+    if args.dry_run or not (kill_plan.to_reap or to_stop):
         return _reap_finish(
             settings,
             found,
@@ -58,16 +72,15 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
             results=(),
             args=args,
             waited=False,
+            containers=_stop_containers(stopper, verdicts) if args.dry_run else _kept(verdicts),
         )
-    if not args.yes and not _confirmed(len(kill_plan.to_reap)):
+    if not args.yes and not _confirmed(len(kill_plan.to_reap), len(to_stop)):
         sys.stderr.write("gpuguard reap: nothing signalled (confirm on a terminal, or --yes)\n")
         return 1
-    logs.configure_logging(json=False)
-    log = logs.get_logger().bind(unit=unit_name, command="reap")
-    grace = args.grace if args.grace is not None else settings.reap_grace_s
     from gpuguard.core.gate import reap_targets  # noqa: PLC0415
 
-    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=log)
+    containers = _stop_containers(stopper, verdicts)  # first: as the gate does
+    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
     return _reap_finish(
         settings,
         found,
@@ -76,6 +89,7 @@ def run(settings: Settings, args: argparse.Namespace, caller: Caller | None) -> 
         results=results,
         args=args,
         waited=True,
+        containers=containers,
     )
 
 
@@ -83,10 +97,11 @@ def _only_unit(settings: Settings) -> str | None:
     return next(iter(settings.units)) if len(settings.units) == 1 else None
 
 
-def _confirmed(count: int) -> bool:
+def _confirmed(count: int, containers: int) -> bool:
     if not sys.stdin.isatty():
         return False
-    sys.stdout.write(f"Signal {count} process(es)? [y/N] ")
+    also = f" and stop {containers} container(s)" if containers else ""
+    sys.stdout.write(f"Signal {count} process(es){also}? [y/N] ")
     sys.stdout.flush()
     return sys.stdin.readline().strip().lower() in {"y", "yes"}
 
@@ -111,6 +126,70 @@ def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
     return "".join(f"{escape(line)}\n" for line in lines)
 
 
+# -- the unit's left-over containers (adapters/containerstop, the gate's one code path) --------
+
+
+def _container_stopper(
+    settings: Settings,
+    request: PlanRequest,
+    args: argparse.Namespace,
+    grace_s: float,
+    logger: Callable[[], EventLogger],
+) -> ContainerStopper:
+    """The gate's stopper of the unit's left-over containers, with reap's grace and dry run."""
+    from gpuguard.adapters import containerstop  # noqa: PLC0415 - see the package doc
+    from gpuguard.commands.context import unit_settings  # noqa: PLC0415
+
+    return containerstop.for_unit(
+        request,
+        unit_settings(settings, request.unit).container,
+        grace_s=grace_s,
+        dry_run=bool(args.dry_run),
+        logger=logger,
+    )
+
+
+def _stop_containers(stopper: ContainerStopper, verdicts: Sequence[ContainerVerdict]) -> Containers:
+    """Stop (dry run: say it would stop) each left-over container; kept ones are not touched."""
+    return tuple((v, stopper.act(v) if v.stop else None) for v in verdicts)
+
+
+def _kept(verdicts: Sequence[ContainerVerdict]) -> Containers:
+    return tuple((verdict, None) for verdict in verdicts)
+
+
+def _container_plan_text(verdicts: Sequence[ContainerVerdict]) -> str:
+    """One plan line per container on the unit's GPUs: ``stop`` only for the unit's left-over."""
+    return "".join(
+        escape(f"  {'stop ' if v.stop else 'spare'} container {v.reason}") + "\n" for v in verdicts
+    )
+
+
+def _container_lines(containers: Containers) -> list[str]:
+    """What was done about each container to stop, as the report's result lines."""
+    return [
+        f"container {verdict.container} ({verdict.name}): {result.outcome}"
+        + (f" - {result.error}" if result.error else "")
+        for verdict, result in containers
+        if result is not None
+    ]
+
+
+def _container_json(verdict: ContainerVerdict, result: ContainerResult | None) -> dict[str, Any]:
+    """One container in ``reap --json``'s ``containers`` (docs/reap.md)."""
+    return {
+        "container": verdict.container,
+        "engine": verdict.engine.value,
+        "id": verdict.full_id,
+        "name": verdict.name,
+        "owned": verdict.owned,
+        "stop": verdict.stop,
+        "reason": verdict.reason,
+        "outcome": None if result is None else result.outcome,
+        "error": None if result is None else result.error,
+    }
+
+
 def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     settings: Settings,
     found: Inventory,
@@ -120,6 +199,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     results: tuple[ReapResult, ...],
     args: argparse.Namespace,
     waited: bool,
+    containers: Containers,
 ) -> int:
     from gpuguard.adapters import inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
@@ -144,6 +224,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         ),
         blockers=blockers,
         dry_run=bool(args.dry_run),
+        containers=containers,
     )
     if args.json:
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
@@ -163,6 +244,8 @@ class ReapReport:
     blockers: tuple[str, ...]
     """What still keeps the unit's GPUs from being idle; empty when they are."""
     dry_run: bool
+    containers: Containers = ()
+    """Each container on the unit's GPUs: its verdict, and what stopping it did (None: kept)."""
 
     @property
     def exit_status(self) -> int:
@@ -199,6 +282,7 @@ class ReapReport:
             ],
             "idle": not self.blockers,
             "blockers": list(self.blockers),
+            "containers": [_container_json(v, r) for v, r in self.containers],
         }
 
     def to_text(self) -> str:
@@ -209,6 +293,7 @@ class ReapReport:
             + (f" - {r.detail}" if r.detail else "")
             for r in self.results
         ]
+        lines.extend(_container_lines(self.containers))
         for g in self.gpus:
             memory = g.reading.memory
             used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"

@@ -51,6 +51,7 @@ def watch_interval(text: str) -> float:
 def _report(settings: Settings, since: Since | None) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
     from gpuguard.adapters import (  # noqa: PLC0415
+        containerstop,
         daemonsnapshot,
         inventory,
         procfs,
@@ -66,8 +67,10 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
     start = None if since is None else since.start(now)
     found = inventory.gather(settings)
     units = []
+    live: dict[str, bool] = {}
     for name, unit in settings.units.items():
         unit_state = systemd.show_unit(name)
+        live[name] = unit_state.error is not None or unit_state.running
         # The set the gate and the daemon use: the gate's record includes EnvironmentFile=.
         recorded = unitenv.recorded(settings.runtime_dir, name)
         environment = unit_state.environment if recorded is None else recorded
@@ -99,6 +102,11 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             clock_ticks=procfs.clock_ticks_per_second(),
             daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
             since=start,
+            unit_containers=containerstop.owners(
+                found,
+                {name: unit.container for name, unit in settings.units.items()},
+                live.__getitem__,
+            ),
         ),
         now,
     )
