@@ -25,6 +25,7 @@ from gpuguard.core.unitcontainers import (
     RUN_START,
     Claim,
     ContainerFacts,
+    ContainerResult,
     ContainerVerdict,
     Engine,
     Evidence,
@@ -42,24 +43,6 @@ if TYPE_CHECKING:
     from gpuguard.adapters.reaper import EventLogger
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerResult:
-    """What was done about one container a verdict said to stop: the engine's outcome.
-
-    ``outcome``: "stopped", "already stopped", "gone" (the engine's answers), "would stop"
-    (dry run) or "stop failed"; ``error`` says why it failed.
-    """
-
-    verdict: ContainerVerdict
-    outcome: str
-    error: str | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether the container is no longer running (as the engine said)."""
-        return self.outcome in {"stopped", "already stopped", "gone"}
 
 
 @dataclass(slots=True)

@@ -19,14 +19,14 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Sequence
 
-    from gpuguard.adapters.containerstop import ContainerResult, ContainerStopper
+    from gpuguard.adapters.containerstop import ContainerStopper
     from gpuguard.adapters.reaper import EventLogger
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import GpuOccupancy, Inventory
     from gpuguard.core.policy import KillPlan, PlanRequest
-    from gpuguard.core.unitcontainers import ContainerVerdict
+    from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ReapResult
 
 REAP_TIMEOUT_S = 60.0

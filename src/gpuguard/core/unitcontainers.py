@@ -137,6 +137,24 @@ class ContainerVerdict:
         return f"{unit} (container {self.name}, {self.engine} {self.short_id}{left_over})"
 
 
+@dataclass(frozen=True, slots=True)
+class ContainerResult:
+    """What was done about one container a verdict said to stop: the engine's outcome.
+
+    ``outcome``: "stopped", "already stopped", "gone" (the engine's answers), "would stop"
+    (dry run) or "stop failed"; ``error`` says why it failed.
+    """
+
+    verdict: ContainerVerdict
+    outcome: str
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the container is no longer running (as the engine said)."""
+        return self.outcome in {"stopped", "already stopped", "gone"}
+
+
 def container_of(attribution: str | None) -> tuple[Engine, str] | None:
     """``docker:<id12>`` / ``podman:<id12>`` (core/cgroup's names) as engine and short id."""
     if attribution is None:
