@@ -11,12 +11,15 @@ where there is one. NVML is a stand-in too (tests/support/containergate.py says 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -34,12 +37,13 @@ from containergate import (
 
 from gpuguard.adapters.containerstop import ContainerStopper, for_unit
 from gpuguard.adapters.engineapi import EngineClient, EngineError
-from gpuguard.core.unitcontainers import Claim, Engine
+from gpuguard.core.unitcontainers import Claim, Engine, claim_from_exec
 from gpuguard.core.values import UnitProvenance
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
+
+SAMPLES = Path(__file__).parents[1] / "engine_samples"
 
 
 @pytest.fixture
@@ -272,3 +276,27 @@ def test_a_unit_systemd_cannot_describe_may_be_live(
     assert built.live is live
     assert built.gpu_set == frozenset({0})
     assert built.unit == UNIT
+
+
+def test_a_podman_units_left_over_container_is_stopped(
+    engine: FakeEngine, containers: Containers
+) -> None:
+    """Podman's compatible API (its recorded 4.3 answer) and its ``libpod-<id>.scope`` cgroup.
+
+    The name comes from a ``podman run`` ExecStart=, so only the podman engine is asked.
+    """
+    container_id = uuid.uuid4().hex * 2
+    engine.recorded = json.loads((SAMPLES / "podman-4.3-compat-inspect-created.json").read_text())
+    holder = containers.run(container_id, f"machine.slice/libpod-{container_id}.scope")
+    engine.containers["sglang"] = (container_id, holder.pid)
+    claim = claim_from_exec(["/usr/bin/podman", "run", "--name", "sglang", "img"])
+    assert claim is not None
+    assert claim.engine is Engine.PODMAN
+    log = Log()
+    outcome = gate(f"{containers.gpu.parent}/nvidia*", stopper(engine, log, (claim,)))
+    assert outcome.passed, outcome.blockers
+    assert engine.stops == [f"/containers/{container_id}/stop?t=2"]
+    assert holder.wait(5) == -signal.SIGTERM
+    assert [(e, f["container"]) for e, f in log.lines] == [
+        ("container stopped", f"podman:{container_id[:12]}")
+    ]

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clirunner import CGROUP2
 
@@ -131,6 +131,8 @@ class FakeEngine:
     path: Path
     containers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> id, pid
     stops: list[str] = field(default_factory=list)
+    recorded: dict[str, Any] = field(default_factory=lambda: RECORDED)
+    """The recorded inspect answer each container's is made from (docker 20.10's; podman's)."""
     server: socketserver.UnixStreamServer | None = None
 
     def start(self) -> None:
@@ -149,7 +151,8 @@ class FakeEngine:
                 if found is None:
                     self.answer(404, {"message": f"No such container: {name}"})
                     return
-                answer = json.loads(json.dumps(RECORDED))
+                answer = json.loads(json.dumps(engine.recorded))
+                answer["State"]["Running"] = True
                 answer["Id"], answer["Name"] = found[0], f"/{name}"
                 answer["State"]["Pid"] = found[1]
                 self.answer(200, answer)
@@ -193,17 +196,22 @@ class Containers:
     """Real processes in real ``/docker/<id>`` cgroups, holding the fake GPU file."""
 
     gpu: Path
-    made: list[tuple[Path, subprocess.Popen[bytes]]] = field(default_factory=list)
+    made: list[tuple[list[Path], subprocess.Popen[bytes]]] = field(default_factory=list)
+    """Each holder, and the cgroup directories made for it."""
 
-    def run(self, container_id: str) -> subprocess.Popen[bytes]:
-        """A holder of the fake GPU as the init of container ``container_id``."""
-        cgroup = CGROUP2 / "docker" / container_id
+    def run(self, container_id: str, cgroup_path: str | None = None) -> subprocess.Popen[bytes]:
+        """A holder of the fake GPU as the init of container ``container_id``.
+
+        Its cgroup is ``cgroup_path`` (default ``docker/<id>``, docker's cgroupfs driver).
+        """
+        cgroup = CGROUP2 / (cgroup_path or f"docker/{container_id}")
+        made = [d for d in (cgroup, *cgroup.parents) if CGROUP2 in d.parents and not d.exists()]
         cgroup.mkdir(parents=True, exist_ok=True)
         holder = subprocess.Popen(
             [sys.executable, "-c", f"f = open({str(self.gpu)!r}); import time; time.sleep(600)"]
         )
         (cgroup / "cgroup.procs").write_text(f"{holder.pid}\n")
-        self.made.append((cgroup, holder))
+        self.made.append((made, holder))
         deadline = time.monotonic() + 10
         while not any(
             self.gpu.name in str(fd.readlink()) for fd in Path(f"/proc/{holder.pid}/fd").iterdir()
@@ -214,10 +222,10 @@ class Containers:
 
     def remove(self) -> None:
         """Kill what is left and remove the cgroups."""
-        for cgroup, holder in self.made:
+        for _, holder in self.made:
             holder.kill()
             holder.wait()
+        made = {directory for directories, _ in self.made for directory in directories}
+        for directory in sorted(made, key=lambda d: len(d.parts), reverse=True):
             with contextlib.suppress(OSError):
-                cgroup.rmdir()
-        with contextlib.suppress(OSError):
-            (CGROUP2 / "docker").rmdir()
+                directory.rmdir()
