@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.since import Since
     from gpuguard.core.status import StatusReport
+    from gpuguard.core.unitcontainers import ContainerVerdict
 
 
 def run(
@@ -51,7 +53,6 @@ def watch_interval(text: str) -> float:
 def _report(settings: Settings, since: Since | None) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
     from gpuguard.adapters import (  # noqa: PLC0415
-        containerstop,
         daemonsnapshot,
         inventory,
         procfs,
@@ -102,14 +103,25 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             clock_ticks=procfs.clock_ticks_per_second(),
             daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
             since=start,
-            unit_containers=containerstop.owners(
-                found,
-                {name: unit.container for name, unit in settings.units.items()},
-                live.__getitem__,
-            ),
+            unit_containers=_unit_containers(settings, found, live),
         ),
         now,
     )
+
+
+def _unit_containers(
+    settings: Settings, found: Inventory, live: dict[str, bool]
+) -> dict[str, tuple[str, ContainerVerdict]]:
+    """The GPU-holding containers the engine confirms are a watched unit's (the gate's judge).
+
+    The engine's adapter is loaded only when some holder is in a container at all.
+    """
+    if not any(holder.attribution.container for holder in found.holders):
+        return {}
+    from gpuguard.adapters import containerstop  # noqa: PLC0415
+
+    configured = {name: unit.container for name, unit in settings.units.items()}
+    return containerstop.owners(found, configured, live.__getitem__)
 
 
 def prometheus(settings: Settings) -> int:
