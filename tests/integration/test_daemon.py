@@ -1190,7 +1190,7 @@ def test_a_left_over_container_under_dry_run_is_only_named(
 
     assert engine.stops == []
     assert not process_gone(ours.pid)
-    assert [e for _, e, _ in harness.log.lines if "container" in e] == ["would stop container"]
+    assert not [e for _, e, _ in harness.log.lines if "container" in e]  # not acted on at all
     [said] = sweep_lines(harness)
     assert str(said["summary"]).startswith(
         f"dry run: would stop container sglang (docker {ours_id[:12]}) of run {crashed[:8]}"

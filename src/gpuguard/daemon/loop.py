@@ -593,9 +593,6 @@ class Daemon:
             return
         daemon = self._settings.daemon
         base = Sweep(end, 0, len(planned), None, None, containers=_named(left_over))
-        if stopper is not None and daemon.dry_run:
-            for verdict in left_over:
-                stopper.act(verdict)  # "would stop container": its dry run is the daemon's
         if daemon.dry_run:
             self._swept(watch, replace(base, dry_run=True), [d.holder.pid for d in planned])
             return
