@@ -135,6 +135,10 @@ def dockerd() -> Iterator[Dockerd]:
                 f"--exec-root={root}/exec",
                 f"--pidfile={root}/dockerd.pid",
                 f"--host=unix://{root}/docker.sock",
+                # A system containerd (docker.io's, where systemd runs it) is shared: a
+                # namespace of the test's own keeps the system dockerd's containers apart.
+                f"--containerd-namespace=gpuguard-test-{os.getpid()}",
+                f"--containerd-plugins-namespace=gpuguard-test-plugins-{os.getpid()}",
             ],
             stdout=subprocess.DEVNULL,
             stderr=daemon_log,
