@@ -15,10 +15,14 @@ check: lint test
 # util-linux and coreutils boot the end-to-end tests' containers and build the Debian package,
 # ca-certificates and git fetch its build inputs, reprepro and gnupg make its apt repository,
 # prometheus gives promtool (the alert rules' tests), tmux is the terminal `status --watch` is
-# tested on. Without them (or without root) those tests are skipped, and `make check` says how
-# many. .ci/run installs through this target too.
+# tested on, docker.io gives dockerd and docker (tests/integration/test_container_dockerd.py:
+# the gate, reap and status stop and name a unit's left-over container of a real dockerd, one the
+# test starts on a private socket, whatever the system's does). Without them (or
+# without root) those tests are skipped, and `make check` says how many. .ci/run installs
+# through this target too.
 DEPS := gcc make libc6-dev python3 python3-venv psmisc lsof debootstrap systemd-container \
-	systemd-journal-remote util-linux coreutils ca-certificates git reprepro gnupg prometheus tmux
+	systemd-journal-remote util-linux coreutils ca-certificates git reprepro gnupg prometheus tmux \
+	docker.io
 
 deps:
 	@if [ "$$(id -u)" != 0 ]; then echo "make deps installs apt packages: run it as root (sudo make deps)" >&2; exit 1; fi

@@ -1,11 +1,15 @@
-"""The gate against a real dockerd: the unit's left-over container is stopped, a tenant's is not.
+"""A real dockerd: the unit's left-over container is stopped, a tenant's is not; status names it.
 
 Runs where Debian's ``docker.io`` is installed (``dockerd`` and ``docker`` in the system
-directories), as root, with ``gcc`` able to link statically; skips otherwise (CI does not
-install docker.io: the stand-in engine of test_container_engine.py covers the same gate there).
-The test starts its own dockerd (vfs storage, no bridge, no iptables) on a socket in a private
-directory, imports an image of one static program that opens the fake GPU file and sleeps, and
-stops the daemon and removes its state afterwards. NVML is the same stand-in as there.
+directories), as root, with ``gcc`` able to link statically; skips otherwise, and fails under
+GPUGUARD_REQUIRE_DOCKERD=1 (CI: ``make deps`` installs docker.io). The test starts its own
+dockerd (vfs storage, no bridge, no iptables) on a socket in a private directory, imports an
+image of one static program that opens the fake GPU file and sleeps, and stops the daemon and
+removes its state afterwards. The gate's test uses the NVML stand-in of test_container_engine.py;
+``reap`` and ``status`` run as commands over the fake NVML, the container's init registered as
+holding fake GPU memory, with ``systemctl``/``journalctl`` doubles (clirunner) and, in their
+private mount namespace, the test's dockerd directory over /run, so that root's engine socket
+``/run/docker.sock`` is the test's dockerd.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import signal
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 from containergate import UNIT, Log, gate
+from fakeholder import process_gone
+from fakestate import add_alloc, release_alloc
 
 from gpuguard.adapters import programs
 from gpuguard.adapters.containerstop import ContainerStopper
@@ -33,6 +40,8 @@ from gpuguard.core.unitcontainers import Engine, claim_from_exec, parse_inspect
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from clirunner import Cli, CliResult, FakeSystemd
 
 _HOLD_C = b"""
 #include <fcntl.h>
@@ -74,9 +83,10 @@ class Dockerd:
         assert done.returncode == 0, done.stderr
         return str(done.stdout).strip()
 
-    def run_argv(self, name: str) -> list[str]:
-        """A unit's ExecStart= for a container named ``name`` holding the fake GPU."""
-        gpus = str(self.gpu.parent)
+    def run_argv(self, name: str, gpu: Path | None = None) -> list[str]:
+        """A unit's ExecStart= for a container named ``name`` holding the fake GPU ``gpu``."""
+        held = self.gpu if gpu is None else gpu
+        gpus = str(held.parent)
         return [
             programs.resolve("docker"),
             "run",
@@ -88,7 +98,7 @@ class Dockerd:
             f"{gpus}:{gpus}",
             IMAGE,
             "/hold",
-            str(self.gpu),
+            str(held),
         ]
 
 
@@ -107,6 +117,8 @@ def _missing() -> str | None:
 def dockerd() -> Iterator[Dockerd]:
     """A dockerd of this test's own; stopped, and its state removed, afterwards."""
     if (why := _missing()) is not None:
+        if os.environ.get("GPUGUARD_REQUIRE_DOCKERD") == "1":
+            pytest.fail(f"GPUGUARD_REQUIRE_DOCKERD=1: {why}")
         pytest.skip(why)
     root = Path(tempfile.mkdtemp(prefix="gpuguard-dockerd-"))
     cgroups_before = set(Path("/sys/fs/cgroup").glob("*/docker"))
@@ -123,6 +135,10 @@ def dockerd() -> Iterator[Dockerd]:
                 f"--exec-root={root}/exec",
                 f"--pidfile={root}/dockerd.pid",
                 f"--host=unix://{root}/docker.sock",
+                # A system containerd (docker.io's, where systemd runs it) is shared: a
+                # namespace of the test's own keeps the system dockerd's containers apart.
+                f"--containerd-namespace=gpuguard-test-{os.getpid()}",
+                f"--containerd-plugins-namespace=gpuguard-test-plugins-{os.getpid()}",
             ],
             stdout=subprocess.DEVNULL,
             stderr=daemon_log,
@@ -219,6 +235,104 @@ def test_the_units_left_over_container_is_stopped_and_a_tenants_is_kept(
             f"docker:{ours_id[:12]}": "container stopped",
             f"docker:{theirs_id[:12]}": "container not stopped",
         }
+    finally:
+        with contextlib.suppress(AssertionError):
+            dockerd.docker("rm", "-f", "gg-sglang", "gg-tenant")
+
+
+def with_engine(daemon: Dockerd, argv: list[str]) -> list[str]:
+    """``argv`` in a private mount namespace whose /run is the test dockerd's directory."""
+    script = 'mount --bind "$0" /run || exit 97; exec "$@"'
+    unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+    return [*unshare, str(daemon.root), *argv]
+
+
+def run_cli(daemon: Dockerd, cli: Cli, *args: str) -> CliResult:
+    """One gpuguard command that reaches the test's dockerd as root's engine."""
+    from clirunner import CliResult  # noqa: PLC0415 - a test helper, imported where used
+
+    done = subprocess.run(
+        with_engine(daemon, cli.command(*args)),
+        capture_output=True,
+        text=True,
+        env=cli.env,
+        timeout=60,
+        check=False,
+    )
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+def holding_memory(daemon: Dockerd, name: str, state: Path, mib: int) -> int:
+    """Register container ``name``'s init as holding ``mib`` on fake GPU 0; its PID.
+
+    The allocation is released once that process is gone, as the driver frees a dead
+    process's memory.
+    """
+    pid = int(daemon.docker("inspect", "--format", "{{.State.Pid}}", name))
+    alloc = add_alloc(state, pid=pid, minor=0, mib=mib)
+
+    def release() -> None:
+        deadline = time.monotonic() + 60
+        while not process_gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release_alloc(alloc)
+
+    threading.Thread(target=release, daemon=True).start()
+    return pid
+
+
+def test_reap_and_status_name_and_stop_the_units_left_over_container(
+    dockerd: Dockerd, cli: Cli, fake_state: Path, fake_systemd: FakeSystemd
+) -> None:
+    """Status says whose the container is; reap --dry-run would stop it; reap stops it only.
+
+    The tenant's container on the same GPU is shown as docker:<id12>, spared and left running.
+    """
+    gpu = fake_state / "dev" / "nvidia0"
+    ours_id = dockerd.docker(*dockerd.run_argv("gg-sglang", gpu)[1:])
+    theirs_id = dockerd.docker(*dockerd.run_argv("gg-tenant", gpu)[1:])
+    try:
+        ours_pid = holding_memory(dockerd, "gg-sglang", fake_state, 20000)
+        cli.configure(f'[units."{UNIT}"]\ngpus = [0]\ncontainer = "gg-sglang"\n')
+        ours = f"{UNIT} (container gg-sglang, docker {ours_id[:12]}"
+
+        fake_systemd(UNIT, state="active")  # live, its run's start unknown: whose, not stale
+        shown = run_cli(dockerd, cli, "status")
+        assert f"{ours})" in shown.out, shown.out + shown.err
+        assert f"docker:{theirs_id[:12]}" in shown.out
+
+        fake_systemd(UNIT)  # inactive: the container is left over
+        report = run_cli(dockerd, cli, "status", "--json")
+        holders = {h["pid"]: h for h in report.json()["holders"]}
+        assert holders[ours_pid]["unit_container"] == {
+            "unit": UNIT,
+            "name": "gg-sglang",
+            "engine": "docker",
+            "id": ours_id,
+            "left_over": True,
+        }
+        assert [h["unit_container"] for p, h in holders.items() if p != ours_pid] == [None]
+        assert report.code == 1  # WARNING: the left-over container
+        assert any("gg-sglang" in f["message"] for f in report.json()["findings"])
+
+        dry = run_cli(dockerd, cli, "reap", "--unit", UNIT, "--dry-run", "--json")
+        assert dry.code == 0, dry.err
+        planned = {c["container"]: c for c in dry.json()["containers"]}
+        assert planned[f"docker:{ours_id[:12]}"]["outcome"] == "would stop"
+        assert planned[f"docker:{theirs_id[:12]}"]["stop"] is False
+        assert parse_inspect(EngineClient(Engine.DOCKER, dockerd.socket).inspect("gg-sglang"))
+
+        reaped = run_cli(dockerd, cli, "reap", "--unit", UNIT, "--yes", "--grace", "1")
+        assert reaped.code == 0, reaped.out + reaped.err
+        assert f"  stop  container docker:{ours_id[:12]} (gg-sglang, " in reaped.out
+        assert f"  spare container docker:{theirs_id[:12]}" in reaped.out
+        assert f"container docker:{ours_id[:12]} (gg-sglang): stopped" in reaped.out
+        assert "GPU 0: 0 MiB used" in reaped.out
+        client = EngineClient(Engine.DOCKER, dockerd.socket)
+        assert client.inspect("gg-sglang") is None  # stopped, and removed by --rm
+        tenant = parse_inspect(client.inspect("gg-tenant"))
+        assert tenant is not None
+        assert tenant.running
     finally:
         with contextlib.suppress(AssertionError):
             dockerd.docker("rm", "-f", "gg-sglang", "gg-tenant")

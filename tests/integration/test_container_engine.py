@@ -11,100 +11,39 @@ where there is one. NVML is a stand-in too (tests/support/containergate.py says 
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import json
 import os
 import signal
-import socketserver
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field, replace
+import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CGROUP2
-from containergate import UNIT, Log, gate, plan_request
+from containergate import (
+    FULL_ID,
+    RECORDED,
+    UNIT,
+    Containers,
+    FakeEngine,
+    Log,
+    gate,
+    plan_request,
+)
 
 from gpuguard.adapters.containerstop import ContainerStopper, for_unit
 from gpuguard.adapters.engineapi import EngineClient, EngineError
-from gpuguard.core.unitcontainers import Claim, Engine
+from gpuguard.core.unitcontainers import Claim, Engine, claim_from_exec
 from gpuguard.core.values import UnitProvenance
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-RECORDED = json.loads(
-    (Path(__file__).parents[1] / "engine_samples/docker-20.10-inspect-running.json").read_text()
-)
-FULL_ID = "5e1f" * 16
-
-
-@dataclass
-class FakeEngine:
-    """The stand-in engine: recorded inspect answers for named containers, stop by SIGTERM."""
-
-    path: Path
-    containers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> id, pid
-    stops: list[str] = field(default_factory=list)
-    server: socketserver.UnixStreamServer | None = None
-
-    def start(self) -> None:
-        """Serve on ``path`` in a thread."""
-        engine = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                name = self.path.removeprefix("/containers/").removesuffix("/json")
-                found = engine.containers.get(name)
-                if found is None:
-                    self.answer(404, {"message": f"No such container: {name}"})
-                    return
-                answer = json.loads(json.dumps(RECORDED))
-                answer["Id"], answer["Name"] = found[0], f"/{name}"
-                answer["State"]["Pid"] = found[1]
-                self.answer(200, answer)
-
-            def do_POST(self) -> None:
-                engine.stops.append(self.path)
-                target = self.path.removeprefix("/containers/").partition("/stop")[0]
-                for name, (container_id, pid) in list(engine.containers.items()):
-                    if container_id == target:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGTERM)
-                        del engine.containers[name]
-                        self.answer(204, None)
-                        return
-                self.answer(404, {"message": "No such container"})
-
-            def answer(self, status: int, body: object) -> None:
-                data = b"" if body is None else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        class Server(socketserver.ThreadingUnixStreamServer):
-            def handle_error(self, *_: object) -> None:
-                """A client that hung up mid-answer (the oversized test) is no test failure."""
-
-        self.server = Server(str(self.path), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        """Stop serving."""
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+SAMPLES = Path(__file__).parents[1] / "engine_samples"
 
 
 @pytest.fixture
@@ -115,41 +54,6 @@ def engine(tmp_path: Path) -> Iterator[FakeEngine]:
     fake.start()
     yield fake
     fake.stop()
-
-
-@dataclass
-class Containers:
-    """Real processes in real ``/docker/<id>`` cgroups, holding the fake GPU file."""
-
-    gpu: Path
-    made: list[tuple[Path, subprocess.Popen[bytes]]] = field(default_factory=list)
-
-    def run(self, container_id: str) -> subprocess.Popen[bytes]:
-        """A holder of the fake GPU as the init of container ``container_id``."""
-        cgroup = CGROUP2 / "docker" / container_id
-        cgroup.mkdir(parents=True, exist_ok=True)
-        holder = subprocess.Popen(
-            [sys.executable, "-c", f"f = open({str(self.gpu)!r}); import time; time.sleep(600)"]
-        )
-        (cgroup / "cgroup.procs").write_text(f"{holder.pid}\n")
-        self.made.append((cgroup, holder))
-        deadline = time.monotonic() + 10
-        while not any(
-            self.gpu.name in str(fd.readlink()) for fd in Path(f"/proc/{holder.pid}/fd").iterdir()
-        ):
-            assert time.monotonic() < deadline, "the holder never opened the GPU file"
-            time.sleep(0.02)
-        return holder
-
-    def remove(self) -> None:
-        """Kill what is left and remove the cgroups."""
-        for cgroup, holder in self.made:
-            holder.kill()
-            holder.wait()
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
-        with contextlib.suppress(OSError):
-            (CGROUP2 / "docker").rmdir()
 
 
 @pytest.fixture
@@ -395,3 +299,27 @@ def test_a_unit_systemd_cannot_describe_may_be_live(
     assert built.live is live
     assert built.gpu_set == frozenset({0})
     assert built.unit == UNIT
+
+
+def test_a_podman_units_left_over_container_is_stopped(
+    engine: FakeEngine, containers: Containers
+) -> None:
+    """Podman's compatible API (its recorded 4.3 answer) and its ``libpod-<id>.scope`` cgroup.
+
+    The name comes from a ``podman run`` ExecStart=, so only the podman engine is asked.
+    """
+    container_id = uuid.uuid4().hex * 2
+    engine.recorded = json.loads((SAMPLES / "podman-4.3-compat-inspect-created.json").read_text())
+    holder = containers.run(container_id, f"machine.slice/libpod-{container_id}.scope")
+    engine.containers["sglang"] = (container_id, holder.pid)
+    claim = claim_from_exec(["/usr/bin/podman", "run", "--name", "sglang", "img"])
+    assert claim is not None
+    assert claim.engine is Engine.PODMAN
+    log = Log()
+    outcome = gate(f"{containers.gpu.parent}/nvidia*", stopper(engine, log, (claim,)))
+    assert outcome.passed, outcome.blockers
+    assert engine.stops == [f"/containers/{container_id}/stop?t=2"]
+    assert holder.wait(5) == -signal.SIGTERM
+    assert [(e, f["container"]) for e, f in log.lines] == [
+        ("container stopped", f"podman:{container_id[:12]}")
+    ]

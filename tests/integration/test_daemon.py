@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from containergate import FakeEngine
 from daemontwins import Recorder, ReplayFollower, UnitTwin, loop_entries
 from fakeholder import process_gone
 from fakestate import fake_library, fake_pci_bus_id, update_gpu, update_state
@@ -30,11 +31,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters import inventory, reaper, state, systemd
+from gpuguard.adapters.containerstop import for_unit
+from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
 from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
 from gpuguard.core import values
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
+from gpuguard.core.unitcontainers import Engine
 from gpuguard.core.values import MIB
 from gpuguard.daemon.loop import Daemon, Ports
 
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
 
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
+    from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
+    from gpuguard.daemon.loop import UnitContainers
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
 OLD_INVOCATION = "0" * 32
@@ -132,7 +138,7 @@ def build(
     recorder: Recorder | None = None,
     gate_environment: dict[str, str] | None = None,
     reap_stopped_survivors: bool = False,
-    containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None] = lambda _r: None,
+    containers: Callable[[PlanRequest], UnitContainers | None] = lambda _r: None,
     wrap: Callable[[Settings, Ports], Ports] | None = None,
     gate_timeout_s: float = 20.0,
     saved: dict[str, dict[str, Any]] | None = None,
@@ -252,14 +258,23 @@ def test_recovery_asks_the_units_container_stopper_before_the_start(
     asked: list[PlanRequest] = []
     seen: list[Inventory] = []
 
-    def stopper_for(request: PlanRequest) -> Callable[[Inventory], bool]:
-        asked.append(request)
+    class Stopper:
+        """Records the gate's inventories; no container holds a GPU, so nothing is planned."""
 
-        def stopper(inventory: Inventory) -> bool:
+        def __call__(self, inventory: Inventory) -> bool:
             seen.append(inventory)
             return False
 
-        return stopper
+        def plan(self, inventory: Inventory) -> tuple[ContainerVerdict, ...]:
+            del inventory
+            return ()
+
+        def act(self, verdict: ContainerVerdict) -> ContainerResult | None:
+            raise AssertionError(verdict)
+
+    def stopper_for(request: PlanRequest) -> Stopper:
+        asked.append(request)
+        return Stopper()
 
     harness = build(
         tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False, containers=stopper_for
@@ -1069,6 +1084,109 @@ def test_survivors_are_left_alone_under_dry_run_and_in_history(
     else:
         [line] = sweep_lines(harness)
         assert str(line["summary"]).startswith(f"{said}{crashed[:8]}")
+
+
+def container_sweep(
+    tmp_path: Path,
+    state: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    dry_run: bool,
+) -> tuple[Harness, FakeEngine, Holder, Holder, str, str]:
+    """A crashed run whose server container (named ``sglang``) and a tenant's hold GPU 0.
+
+    The containers are real processes holding fake-NVML memory in real ``/docker/<id>``
+    cgroups; the engine is the stand-in of tests/support/containergate.py, which the stopper
+    reaches on the socket path ``engineapi.SOCKETS`` names (moved to the test's, nothing else).
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    ours_id, theirs_id = uuid.uuid4().hex * 2, uuid.uuid4().hex * 2  # unique: runs may overlap
+    ours = spawn_holder(state, gpus=(0,), mib=30000, name="python3 -m sglang.launch_server")
+    theirs = spawn_holder(state, gpus=(0,), mib=1000, name="python3 train.py")
+    unit_cgroups.move(ours.pid, ours_id, "docker")
+    unit_cgroups.move(theirs.pid, theirs_id, "docker")
+    engine = FakeEngine(tmp_path / "engine" / "docker.sock")
+    engine.path.parent.mkdir(mode=0o700)
+    engine.containers |= {"sglang": (ours_id, ours.pid), "tenant": (theirs_id, theirs.pid)}
+    engine.start()
+    monkeypatch.setitem(SOCKETS, Engine.DOCKER, engine.path)
+    recorder = Recorder()
+    harness = build(
+        tmp_path,
+        state,
+        unit,
+        entries,
+        dry_run=dry_run,
+        recorder=recorder,
+        containers=lambda request: for_unit(
+            request, "sglang", grace_s=1.0, dry_run=dry_run, logger=lambda: recorder
+        ),
+    )
+    return harness, engine, ours, theirs, str(entries[0]["INVOCATION_ID"]), ours_id
+
+
+def test_a_crashed_runs_left_over_container_is_stopped_at_its_end(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The unit's container outlived the crashed run: the sweep stops it through the engine.
+
+    Its processes carry no INVOCATION_ID (the engine started them), so only the engine's
+    answer ties it to the unit; the tenant's container on the same GPU is not touched.
+    """
+    harness, engine, ours, theirs, crashed, ours_id = container_sweep(
+        tmp_path, in_process_nvml, spawn_holder, unit_cgroups, monkeypatch, dry_run=False
+    )
+    try:
+        assert harness.daemon.run() == 0
+    finally:
+        engine.stop()
+
+    assert engine.stops == [f"/containers/{ours_id}/stop?t=1"]
+    assert process_gone(ours.pid)
+    assert not process_gone(theirs.pid)
+    assert not any(event == "signal" for _, event, _ in harness.log.lines)
+    stopped = [f for _, e, f in harness.log.lines if e == "container stopped"]
+    assert [f["container"] for f in stopped] == [f"docker:{ours_id[:12]}"]
+    [said] = sweep_lines(harness)
+    assert str(said["summary"]).startswith(
+        f"stopped container sglang (docker {ours_id[:12]}) of run {crashed[:8]} within "
+    )
+    [unit_snapshot] = harness.snapshots[-1]["units"].values()
+    [record] = unit_snapshot["survivors"]
+    assert record["containers"] == [f"sglang (docker {ours_id[:12]})"]
+    assert record["pids"] == []
+
+
+def test_a_left_over_container_under_dry_run_is_only_named(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dry_run: the sweep says it would stop the unit's container, and sends the engine nothing."""
+    harness, engine, ours, _theirs, crashed, ours_id = container_sweep(
+        tmp_path, in_process_nvml, spawn_holder, unit_cgroups, monkeypatch, dry_run=True
+    )
+    try:
+        assert harness.daemon.run() == 0
+    finally:
+        engine.stop()
+
+    assert engine.stops == []
+    assert not process_gone(ours.pid)
+    assert not [e for _, e, _ in harness.log.lines if "container" in e]  # not acted on at all
+    [said] = sweep_lines(harness)
+    assert str(said["summary"]).startswith(
+        f"dry run: would stop container sglang (docker {ours_id[:12]}) of run {crashed[:8]}"
+    )
 
 
 # -- metrics (adapters.metricsio.Exporter on the daemon's ports, as `gpuguard run` wires it) --

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from builders import STATUS_CONTEXT, gpu, lost_gpu, nvml, process
@@ -20,6 +20,7 @@ from gpuguard.core.status import (
     render_text,
     to_json,
 )
+from gpuguard.core.unitcontainers import ContainerVerdict, Engine
 from gpuguard.core.values import MIB, NvmlHealth, ProcScan
 
 if TYPE_CHECKING:
@@ -409,3 +410,80 @@ def test_the_xid_pid_is_only_a_claim(xid_pid: int, at_s: float, *, unkillable: b
     """Another PID, a process younger than the Xid (PID reused), or no SIGKILL: not stuck."""
     _, text = _stuck_report(xid_pid, at_s, unkillable=unkillable)
     assert "stuck in the driver" not in text
+
+
+# -- a unit's own docker/podman container (adapters/containerstop.owners confirms it) -----------
+
+DOCKER_ID = "1a2b3c4d5e6f" + "0" * 52
+DOCKER_CGROUP = f"/system.slice/docker-{DOCKER_ID}.scope"
+
+
+def container_verdict(*, left_over: bool, name: str = "sglang-srv") -> ContainerVerdict:
+    """The gate's verdict on a container the engine confirmed is sglang.service's."""
+    return ContainerVerdict(
+        Engine.DOCKER,
+        DOCKER_ID[:12],
+        stop=left_over,
+        reason="confirmed",
+        name=name,
+        full_id=DOCKER_ID,
+    )
+
+
+def judge_containers(
+    owned: dict[str, tuple[str, ContainerVerdict]],
+) -> tuple[Level, str, dict[str, Any]]:
+    """A server in a docker container on GPU 0, judged with ``owned`` confirmations."""
+    server = process(10, 0, cgroup=DOCKER_CGROUP)
+    inventory = build_inventory(nvml(gpu(0, (10, 1000))), ProcScan((server,)), 16 * MIB)
+    report = assess(inventory, replace(STATUS_CONTEXT, unit_containers=owned), NOW)
+    return report.level, render_text(report), to_json(report)
+
+
+def test_an_unconfirmed_container_is_shown_as_before() -> None:
+    """Without the engine's confirmation the holder is docker:<id12>, and looks like a left-over."""
+    level, text, doc = judge_containers({})
+    assert "docker:1a2b3c4d5e6f" in text
+    assert level is Level.WARNING
+    assert "runs outside it (docker:1a2b3c4d5e6f)" in text
+    assert doc["holders"][0]["unit_container"] is None
+
+
+def test_the_units_live_container_is_shown_as_the_units() -> None:
+    """Confirmed and live: the unit's, named; no warning; the JSON carries unit, name and id."""
+    owned = {"docker:1a2b3c4d5e6f": ("sglang.service", container_verdict(left_over=False))}
+    level, text, doc = judge_containers(owned)
+    assert "sglang.service (container sglang-srv, docker 1a2b3c4d5e6f)" in text
+    assert level is Level.OK
+    holder = doc["holders"][0]
+    assert holder["container"] == "docker:1a2b3c4d5e6f"
+    assert holder["unit_container"] == {
+        "unit": "sglang.service",
+        "name": "sglang-srv",
+        "engine": "docker",
+        "id": DOCKER_ID,
+        "left_over": False,
+    }
+
+
+def test_the_units_left_over_container_is_a_warning_saying_what_stops_it() -> None:
+    """Confirmed and of an earlier run: said so on the holder line and as one WARNING."""
+    owned = {"docker:1a2b3c4d5e6f": ("sglang.service", container_verdict(left_over=True))}
+    level, text, doc = judge_containers(owned)
+    assert "sglang.service (container sglang-srv, docker 1a2b3c4d5e6f, left over)" in text
+    assert level is Level.WARNING
+    [finding] = doc["findings"]
+    assert finding["message"] == (
+        "sglang.service's container sglang-srv (docker 1a2b3c4d5e6f) is left over from an "
+        "earlier run (PID 10 holding GPU 0): `gpuguard reap --unit sglang.service` or the "
+        "unit's gate stops it"
+    )
+    assert doc["holders"][0]["unit_container"]["left_over"] is True
+
+
+def test_a_container_name_is_escaped() -> None:
+    """The name is foreign text: a terminal never gets its control characters."""
+    hostile = container_verdict(left_over=True, name="x\x1b[2J\nWARNING: fake")
+    _, text, _ = judge_containers({"docker:1a2b3c4d5e6f": ("sglang.service", hostile)})
+    assert "\x1b" not in text
+    assert "\nWARNING: fake" not in text

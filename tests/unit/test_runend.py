@@ -178,3 +178,27 @@ def test_the_summary_says_whom_how_fast_and_the_gpus_against_the_restart() -> No
     assert describe(dry).startswith("dry run: would reap 2 survivors of run 577f5c37")
     reported = replace(dry, dry_run=False, reported_only=True)
     assert "reported, not reaped (daemon.reap_stopped_survivors is off)" in describe(reported)
+
+
+def test_the_summary_names_the_units_left_over_containers() -> None:
+    """A stopped container is said by name; survivors only when there were some."""
+    container = ("sglang (docker 1a2b3c4d5e6f)",)
+    alone = Sweep(END, 0, 0, 0.8, 1.5, containers=container)
+    assert describe(alone) == (
+        "stopped container sglang (docker 1a2b3c4d5e6f) of run 577f5c37 within 0.8 s of its end; "
+        "GPUs idle at +1.5 s"
+    )
+    both = replace(alone, reaped=2, planned=2, containers=(*container, "b (podman 0f0f0f0f0f0f)"))
+    assert describe(both).startswith(
+        "reaped 2 survivors and stopped containers sglang (docker 1a2b3c4d5e6f), "
+        "b (podman 0f0f0f0f0f0f) of run 577f5c37"
+    )
+    dry = replace(alone, reaped_after_s=None, idle_after_s=None, dry_run=True)
+    assert describe(dry).startswith(
+        "dry run: would stop container sglang (docker 1a2b3c4d5e6f) of run 577f5c37"
+    )
+    reported = replace(dry, dry_run=False, reported_only=True, planned=1)
+    assert describe(reported).startswith(
+        "1 survivor and container sglang (docker 1a2b3c4d5e6f) of run 577f5c37, stopped on "
+        "purpose, hold GPU memory: reported, not reaped"
+    )

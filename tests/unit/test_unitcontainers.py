@@ -12,6 +12,7 @@ from gpuguard.core.unitconfig import exec_argvs
 from gpuguard.core.unitcontainers import (
     Claim,
     ContainerFacts,
+    ContainerResult,
     Engine,
     Evidence,
     claim_from_exec,
@@ -259,3 +260,53 @@ def test_recorded_podman_compat_inspect() -> None:
     verdict = judge(UNIT, evidence(engine=Engine.PODMAN, short_id=answer["Id"][:12], facts=facts))
     assert not verdict.stop
     assert "not running" in verdict.reason
+
+
+def test_a_confirmed_container_is_the_units_whether_left_over_or_live() -> None:
+    """Status names the unit for both; only the left-over one is to be stopped."""
+    left_over = judge(UNIT, evidence())
+    live = judge(UNIT, evidence(live_since_s=50.0))
+    assert (left_over.owned, left_over.stop) == (True, True)
+    assert (live.owned, live.stop) == (True, False)
+    assert live.full_id == FULL
+    assert live.owner(UNIT) == f"{UNIT} (container ggtest, docker {SHORT})"
+    assert left_over.owner(UNIT) == f"{UNIT} (container ggtest, docker {SHORT}, left over)"
+
+
+def test_an_unreadable_run_start_keeps_the_units_container_but_still_names_it() -> None:
+    """Whether it is left over cannot be told; whose it is can."""
+    verdict = judge(UNIT, evidence(run_problem="the start of the running invocation is unknown"))
+    assert not verdict.stop
+    assert verdict.owned
+    assert "the start of the running invocation is unknown" in verdict.reason
+
+
+def test_an_unconfirmed_container_is_nobodys() -> None:
+    """A kept container the engine did not confirm carries no name or id: status shows it as is."""
+    verdict = judge(UNIT, evidence(init_container=None))
+    assert not verdict.owned
+    assert verdict.name is None
+    assert verdict.container == f"docker:{SHORT}"
+
+
+def test_the_name_is_the_claimed_checked_one() -> None:
+    """The engine's Name field is foreign text; the name shown is the claim it was asked by."""
+    facts = ContainerFacts(FULL, "other\nname", running=True, pid=4242, unit_label=None)
+    assert judge(UNIT, evidence(facts=facts)).name == "ggtest"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "done"),
+    [
+        ("stopped", True),
+        ("already stopped", True),
+        ("gone", True),
+        ("would stop", False),
+        ("stop failed", False),
+    ],
+)
+def test_a_result_is_done_only_when_the_engine_says_it_no_longer_runs(
+    outcome: str, *, done: bool
+) -> None:
+    """A dry run's or a failed stop leaves the container running."""
+    assert ContainerResult(judge(UNIT, evidence()), outcome).done is done

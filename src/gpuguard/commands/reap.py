@@ -16,17 +16,21 @@ from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
+    from gpuguard.adapters.containerstop import ContainerStopper
+    from gpuguard.adapters.reaper import EventLogger
     from gpuguard.commands.context import UnitPlan
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import GpuOccupancy, Inventory
-    from gpuguard.core.policy import KillPlan
+    from gpuguard.core.policy import KillPlan, PlanRequest
+    from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ReapResult
 
 REAP_TIMEOUT_S = 60.0
+Containers = tuple[tuple["ContainerVerdict", "ContainerResult | None"], ...]
 
 
 def run(
@@ -63,9 +67,18 @@ def run(
     notes = (
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
     )
+    grace = args.grace if args.grace is not None else settings.reap_grace_s
+
+    def logger() -> reaper.EventLogger:
+        logs.configure_logging(json=False)
+        return logs.get_logger().bind(unit=unit_name, command="reap")
+
+    stopper = _container_stopper(settings, planned.request, args, grace, logger)
+    verdicts = stopper.plan(found)
+    to_stop = [verdict for verdict in verdicts if verdict.stop]
     if not args.json:
-        show(_plan_text(kill_plan, gpu_set, notes))
-    if args.dry_run or not kill_plan.to_reap:
+        show(_plan_text(kill_plan, gpu_set, notes) + _container_plan_text(verdicts))
+    if args.dry_run or not (kill_plan.to_reap or to_stop):
         return _reap_finish(
             settings,
             found,
@@ -74,16 +87,16 @@ def run(
             results=(),
             args=args,
             waited=False,
+            containers=_stop_containers(stopper, verdicts) if args.dry_run else _kept(verdicts),
         )
-    if not args.yes and not ask(f"Signal {len(kill_plan.to_reap)} process(es)?"):
+    also = f" and stop {len(to_stop)} container(s)" if to_stop else ""
+    if not args.yes and not ask(f"Signal {len(kill_plan.to_reap)} process(es){also}?"):
         declined = "gpuguard reap: nothing signalled (confirm on a terminal, or --yes)"
         return Said(1, notices=(*planned.notices, declined))
-    logs.configure_logging(json=False)
-    log = logs.get_logger().bind(unit=unit_name, command="reap")
-    grace = args.grace if args.grace is not None else settings.reap_grace_s
     from gpuguard.core.gate import reap_targets  # noqa: PLC0415
 
-    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=log)
+    containers = _stop_containers(stopper, verdicts)  # first: as the gate does
+    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
     return _reap_finish(
         settings,
         found,
@@ -92,6 +105,7 @@ def run(
         results=results,
         args=args,
         waited=True,
+        containers=containers,
     )
 
 
@@ -119,6 +133,70 @@ def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
     return "".join(f"{escape(line)}\n" for line in lines)
 
 
+# -- the unit's left-over containers (adapters/containerstop, the gate's one code path) --------
+
+
+def _container_stopper(
+    settings: Settings,
+    request: PlanRequest,
+    args: argparse.Namespace,
+    grace_s: float,
+    logger: Callable[[], EventLogger],
+) -> ContainerStopper:
+    """The gate's stopper of the unit's left-over containers, with reap's grace and dry run."""
+    from gpuguard.adapters import containerstop  # noqa: PLC0415 - see the package doc
+    from gpuguard.commands.context import unit_settings  # noqa: PLC0415
+
+    return containerstop.for_unit(
+        request,
+        unit_settings(settings, request.unit).container,
+        grace_s=grace_s,
+        dry_run=bool(args.dry_run),
+        logger=logger,
+    )
+
+
+def _stop_containers(stopper: ContainerStopper, verdicts: Sequence[ContainerVerdict]) -> Containers:
+    """Stop (dry run: say it would stop) each left-over container; kept ones are not touched."""
+    return tuple((v, stopper.act(v) if v.stop else None) for v in verdicts)
+
+
+def _kept(verdicts: Sequence[ContainerVerdict]) -> Containers:
+    return tuple((verdict, None) for verdict in verdicts)
+
+
+def _container_plan_text(verdicts: Sequence[ContainerVerdict]) -> str:
+    """One plan line per container on the unit's GPUs: ``stop`` only for the unit's left-over."""
+    return "".join(
+        escape(f"  {'stop ' if v.stop else 'spare'} container {v.reason}") + "\n" for v in verdicts
+    )
+
+
+def _container_lines(containers: Containers) -> list[str]:
+    """What was done about each container to stop, as the report's result lines."""
+    return [
+        f"container {verdict.container} ({verdict.name}): {result.outcome}"
+        + (f" - {result.error}" if result.error else "")
+        for verdict, result in containers
+        if result is not None
+    ]
+
+
+def _container_json(verdict: ContainerVerdict, result: ContainerResult | None) -> dict[str, Any]:
+    """One container in ``reap --json``'s ``containers`` (docs/reap.md)."""
+    return {
+        "container": verdict.container,
+        "engine": verdict.engine.value,
+        "id": verdict.full_id,
+        "name": verdict.name,
+        "owned": verdict.owned,
+        "stop": verdict.stop,
+        "reason": verdict.reason,
+        "outcome": None if result is None else result.outcome,
+        "error": None if result is None else result.error,
+    }
+
+
 def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     settings: Settings,
     found: Inventory,
@@ -128,6 +206,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     results: tuple[ReapResult, ...],
     args: argparse.Namespace,
     waited: bool,
+    containers: Containers,
 ) -> ReapReport:
     from gpuguard.adapters import inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
@@ -154,6 +233,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         blockers=blockers,
         dry_run=bool(args.dry_run),
         notices=planned.notices,
+        containers=containers,
     )
 
 
@@ -170,6 +250,8 @@ class ReapReport:
     dry_run: bool
     notices: tuple[str, ...]
     """What went wrong on the way besides the reap (recording the unit's GPU variables)."""
+    containers: Containers = ()
+    """Each container on the unit's GPUs: its verdict, and what stopping it did (None: kept)."""
 
     @property
     def exit_status(self) -> int:
@@ -206,6 +288,7 @@ class ReapReport:
             ],
             "idle": not self.blockers,
             "blockers": list(self.blockers),
+            "containers": [_container_json(v, r) for v, r in self.containers],
         }
 
     def to_text(self) -> str:
@@ -216,6 +299,7 @@ class ReapReport:
             + (f" - {r.detail}" if r.detail else "")
             for r in self.results
         ]
+        lines.extend(_container_lines(self.containers))
         for g in self.gpus:
             memory = g.reading.memory
             used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"

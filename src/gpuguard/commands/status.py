@@ -14,8 +14,10 @@ from gpuguard.commands.output import Said
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.since import Since
     from gpuguard.core.status import StatusReport
+    from gpuguard.core.unitcontainers import ContainerVerdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +96,10 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
     start = None if since is None else since.start(now)
     found = inventory.gather(settings)
     units = []
+    live: dict[str, bool] = {}
     for name, unit in settings.units.items():
         unit_state = systemd.show_unit(name)
+        live[name] = unit_state.error is not None or unit_state.running
         # The set the gate and the daemon use: the gate's record includes EnvironmentFile=.
         recorded = unitenv.recorded(settings.runtime_dir, name)
         environment = unit_state.environment if recorded is None else recorded
@@ -127,6 +131,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             clock_ticks=procfs.clock_ticks_per_second(),
             daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
             since=start,
+            unit_containers=_unit_containers(settings, found, live),
         ),
         now,
     )
@@ -155,6 +160,21 @@ class Metrics:
     def to_json(self) -> None:
         """None: the text format is the answer, also under --json."""
         return
+
+
+def _unit_containers(
+    settings: Settings, found: Inventory, live: dict[str, bool]
+) -> dict[str, tuple[str, ContainerVerdict]]:
+    """The GPU-holding containers the engine confirms are a watched unit's (the gate's judge).
+
+    The engine's adapter is loaded only when some holder is in a container at all.
+    """
+    if not any(holder.attribution.container for holder in found.holders):
+        return {}
+    from gpuguard.adapters import containerstop  # noqa: PLC0415
+
+    configured = {name: unit.container for name, unit in settings.units.items()}
+    return containerstop.owners(found, configured, live.__getitem__)
 
 
 def prometheus(settings: Settings) -> Metrics:

@@ -141,6 +141,9 @@ class Sweep:
     next_start_after_s: float | None = None
     dry_run: bool = False
     reported_only: bool = False
+    containers: tuple[str, ...] = ()
+    """The unit's left-over containers stopped (planned, for a dry run or a report), each as
+    ``NAME (docker <id12>)``."""
 
 
 def describe(sweep: Sweep) -> str:
@@ -151,17 +154,29 @@ def describe(sweep: Sweep) -> str:
     """
     run = f"run {sweep.end.invocation_id[:8]}"
     if sweep.dry_run:
-        head = f"dry run: would reap {_survivors(sweep.planned)} of {run}"
+        head = f"dry run: would {_whom(sweep, sweep.planned, ('reap ', 'stop '))} of {run}"
     elif sweep.reported_only:
         head = (
-            f"{_survivors(sweep.planned)} of {run}, stopped on purpose, hold GPU memory: "
-            "reported, not reaped (daemon.reap_stopped_survivors is off)"
+            f"{_whom(sweep, sweep.planned, ('', ''))} of {run}, stopped on purpose, hold GPU "
+            "memory: reported, not reaped (daemon.reap_stopped_survivors is off)"
         )
     else:
         after = sweep.reaped_after_s
         within = "" if after is None else f" within {after:.1f} s of its end"
-        head = f"reaped {_survivors(sweep.reaped)} of {run}{within}"
+        head = f"{_whom(sweep, sweep.reaped, ('reaped ', 'stopped '))} of {run}{within}"
     return f"{head}; {_gpus(sweep)}"
+
+
+def _whom(sweep: Sweep, count: int, verbs: tuple[str, str]) -> str:
+    """Who, with the verbs: "reaped 2 survivors and stopped container sglang (docker 1a2b…)".
+
+    Survivors are left unsaid when there are none but a container.
+    """
+    said = [] if sweep.containers and not count else [f"{verbs[0]}{_survivors(count)}"]
+    if sweep.containers:
+        plural = "s" if len(sweep.containers) > 1 else ""
+        said.append(f"{verbs[1]}container{plural} {', '.join(sweep.containers)}")
+    return " and ".join(said)
 
 
 def _survivors(count: int) -> str:

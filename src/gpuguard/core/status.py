@@ -6,7 +6,7 @@ The exit status follows the monitoring-plugin convention (0 OK, 1 WARNING, 2 CRI
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Mapping, Sequence
 
     from gpuguard.core.inventory import GpuOccupancy, Holder, Inventory, VanishedProcess
+    from gpuguard.core.unitcontainers import ContainerVerdict
     from gpuguard.core.values import GpuHealth, GpuReading
     from gpuguard.core.xidstuck import XidClaim
 
@@ -88,6 +89,9 @@ class StatusContext:
     since: datetime | None = None
     """The start of the history shown (``--since``): Xid events, recoveries, sweeps; None: all
     the daemon keeps. The caller leaves older gate decisions out of ``units`` itself."""
+    unit_containers: Mapping[str, tuple[str, ContainerVerdict]] = field(default_factory=dict)
+    """Containers (``docker:<id12>``) the engine confirms are a watched unit's, as the gate
+    confirms them (adapters/containerstop.owners): the unit and the verdict on it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class StatusReport:
     clock_ticks: int = 100
     daemon: DaemonView | None = None
     since: datetime | None = None
+    unit_containers: Mapping[str, tuple[str, ContainerVerdict]] = field(default_factory=dict)
 
 
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
@@ -116,6 +121,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *_gpu_findings(inventory),
         *_xid_findings(inventory, context.daemon, context.since),
         *_holder_findings(inventory, context),
+        *_container_findings(inventory, context.unit_containers),
     ]
     if inventory.scan.unreadable and not context.as_root:
         findings.append(
@@ -147,6 +153,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.clock_ticks,
         context.daemon,
         context.since,
+        context.unit_containers,
     )
 
 
@@ -511,8 +518,10 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
             )
         if is_protected(holder, context.protected_names):
             continue
+        owner = context.unit_containers.get(holder.attribution.container or "")
         for unit, patterns in context.watched_units.items():
-            if holder.attribution.unit != unit and matching_pattern(holder, patterns):
+            theirs = holder.attribution.unit == unit or (owner is not None and owner[0] == unit)
+            if not theirs and matching_pattern(holder, patterns):
                 findings.append(
                     Finding(
                         Level.WARNING,
@@ -520,6 +529,26 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                         f"of {unit} but runs outside it ({holder.owner})",
                     )
                 )
+    return findings
+
+
+def _container_findings(
+    inventory: Inventory, unit_containers: Mapping[str, tuple[str, ContainerVerdict]]
+) -> list[Finding]:
+    """A unit's own container left over from an earlier run, holding GPUs: one warning each."""
+    findings = []
+    for container, (unit, verdict) in unit_containers.items():
+        holders = [h for h in inventory.holders if h.attribution.container == container]
+        if verdict.stop and holders:
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"{escape(unit)}'s container {escape(verdict.name or '')} "
+                    f"({verdict.engine} {verdict.short_id}) is left over from an earlier run ("
+                    + "; ".join(f"PID {h.pid} holding {_gpu_list(h)}" for h in holders)
+                    + f"): `gpuguard reap --unit {escape(unit)}` or the unit's gate stops it",
+                )
+            )
     return findings
 
 
@@ -614,7 +643,7 @@ def render_text(report: StatusReport) -> str:
     shown: set[int] = set()
     xids = xid_events(inventory, report.daemon, report.since)
     for gpu in inventory.gpus:
-        lines.extend(_gpu_lines(gpu, inventory, report.idle_gpus))
+        lines.extend(_gpu_lines(gpu, report))
         lines.extend(
             f"    {_xid_phrase(event)}"
             for event in [e for e in xids if e["gpu"] == gpu.reading.index][-3:]
@@ -623,7 +652,7 @@ def render_text(report: StatusReport) -> str:
     others = [h for h in inventory.holders if h.pid not in shown]
     if others:
         lines.append("Other holders of NVIDIA device files:")
-        lines.extend(_holder_line(h, None) for h in others)
+        lines.extend(_holder_line(h, None, report) for h in others)
     lines.extend(
         f"Unattributed: GPU {gpu.reading.index}: {_mib(gpu.unattributed_bytes)}"
         for gpu in inventory.gpus
@@ -753,7 +782,8 @@ def _gate_line(entry: Mapping[str, Any]) -> str:
     return line + (f": {escape(str(blockers[0]))}" if blockers else "")
 
 
-def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) -> list[str]:
+def _gpu_lines(gpu: GpuOccupancy, report: StatusReport) -> list[str]:
+    inventory, idle = report.inventory, report.idle_gpus
     reading = gpu.reading
     name = reading.name or "unknown GPU"
     if reading.memory is not None:
@@ -777,11 +807,11 @@ def _gpu_lines(gpu: GpuOccupancy, inventory: Inventory, idle: frozenset[int]) ->
     for pid in gpu.holder_pids:
         holder = inventory.holder(pid)
         if holder is not None:
-            lines.append(_holder_line(holder, reading.index))
+            lines.append(_holder_line(holder, reading.index, report))
     return lines
 
 
-def _holder_line(holder: Holder, gpu_index: int | None) -> str:
+def _holder_line(holder: Holder, gpu_index: int | None, report: StatusReport) -> str:
     use = next((u for u in holder.gpus if u.gpu_index == gpu_index), None)
     if use is not None and use.used_bytes is not None:
         size = _mib(use.used_bytes)
@@ -789,12 +819,40 @@ def _holder_line(holder: Holder, gpu_index: int | None) -> str:
         size = "size n/a"
     else:
         size = "fd only"
-    owner = holder.owner
+    owner = _owner(holder, report.unit_containers)
     hidden = "" if holder.files_readable else "  (open files not inspectable without root)"
     # At most 100 characters of command line: one holder stays on one line of a wide terminal;
     # --json has the whole command line.
     command = escape(holder.command, _COMMAND_WIDTH)
     return f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {command}{hidden}"
+
+
+def _owner(holder: Holder, unit_containers: Mapping[str, tuple[str, ContainerVerdict]]) -> str:
+    """Who holds: the unit for a container the engine confirms is its own, else as attributed.
+
+    ``sglang.service (container sglang-srv, docker 1a2b3c4d5e6f)``; the name is escaped.
+    """
+    found = unit_containers.get(holder.attribution.container or "")
+    if found is None:
+        return holder.owner
+    unit, verdict = found
+    return escape(verdict.owner(unit))
+
+
+def _unit_container_json(
+    holder: Holder, unit_containers: Mapping[str, tuple[str, ContainerVerdict]]
+) -> dict[str, Any] | None:
+    found = unit_containers.get(holder.attribution.container or "")
+    if found is None:
+        return None
+    unit, verdict = found
+    return {
+        "unit": unit,
+        "name": verdict.name,
+        "engine": verdict.engine.value,
+        "id": verdict.full_id,
+        "left_over": verdict.stop,
+    }
 
 
 def to_json(report: StatusReport) -> dict[str, Any]:
@@ -918,6 +976,7 @@ def _holder_json(holder: Holder, report: StatusReport) -> dict[str, Any]:
         "unit": attribution.unit,
         "user_unit": attribution.user_unit,
         "container": attribution.container,
+        "unit_container": _unit_container_json(holder, report.unit_containers),
         "invocation_id": holder.invocation_id,
         "device_files": sorted(holder.device_files),
         "files_readable": holder.files_readable,

@@ -105,7 +105,11 @@ class ContainerFacts:
 
 @dataclass(frozen=True, slots=True)
 class ContainerVerdict:
-    """Whether to stop one container that holds the unit's GPUs, and why."""
+    """Whether to stop one container that holds the unit's GPUs, and why.
+
+    ``name`` and ``full_id`` are set exactly when the engine confirmed the container is the
+    unit's (``owned``), left over (``stop``) or the running invocation's own.
+    """
 
     engine: Engine
     short_id: str
@@ -113,6 +117,42 @@ class ContainerVerdict:
     reason: str
     name: str | None = None
     full_id: str | None = None
+
+    @property
+    def container(self) -> str:
+        """``docker:<id12>``, as core/cgroup attributes the container's processes."""
+        return f"{self.engine}:{self.short_id}"
+
+    @property
+    def owned(self) -> bool:
+        """Whether the engine confirmed this container is the unit's, as the gate confirms it."""
+        return self.full_id is not None
+
+    def owner(self, unit: str) -> str:
+        """``sglang.service (container sglang-srv, docker 1a2b3c4d5e6f)``: the unit's container.
+
+        ``, left over`` is added inside the parentheses for one of an earlier run.
+        """
+        left_over = ", left over" if self.stop else ""
+        return f"{unit} (container {self.name}, {self.engine} {self.short_id}{left_over})"
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerResult:
+    """What was done about one container a verdict said to stop: the engine's outcome.
+
+    ``outcome``: "stopped", "already stopped", "gone" (the engine's answers), "would stop"
+    (dry run) or "stop failed"; ``error`` says why it failed.
+    """
+
+    verdict: ContainerVerdict
+    outcome: str
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the container is no longer running (as the engine said)."""
+        return self.outcome in {"stopped", "already stopped", "gone"}
 
 
 def container_of(attribution: str | None) -> tuple[Engine, str] | None:
@@ -250,7 +290,9 @@ class Evidence:
     container, or the engine could not be asked, which ``problem`` says). ``init_container``
     is the container core/cgroup finds for ``facts.pid``'s cgroup; ``init_started_s`` that
     process's start (seconds since boot), ``live_since_s`` the running invocation's start
-    (seconds since boot, None when the unit has no live run).
+    (seconds since boot, None when the unit has no live run); ``run_problem`` why the unit may
+    have a live run whose start cannot be read (its container is then the unit's, but whether
+    it is left over cannot be told).
     """
 
     engine: Engine
@@ -261,6 +303,7 @@ class Evidence:
     init_container: str | None = None
     init_started_s: float | None = None
     live_since_s: float | None = None
+    run_problem: str | None = None
 
 
 def judge(unit: str, evidence: Evidence) -> ContainerVerdict:
@@ -296,27 +339,41 @@ def _not_confirmed(unit: str, evidence: Evidence, facts: ContainerFacts, named: 
 
 def _by_run(unit: str, evidence: Evidence, facts: ContainerFacts, named: str) -> ContainerVerdict:
     """The unit's own container: stale unless it started during the unit's running invocation."""
+    if evidence.run_problem is not None:
+        return _owned(evidence, facts, f"{named}: {evidence.run_problem}", stop=False)
     if evidence.live_since_s is None:
-        return _stop(evidence, facts, f"{named}: left over, {unit} has no live run")
+        return _owned(evidence, facts, f"{named}: left over, {unit} has no live run", stop=True)
     if evidence.init_started_s is None:
-        return _keep(evidence, f"{named}: the start of its init PID {facts.pid} cannot be read")
-    if evidence.init_started_s < evidence.live_since_s:
-        return _stop(
-            evidence, facts, f"{named}: started before {unit}'s running invocation, left over"
+        return _owned(
+            evidence,
+            facts,
+            f"{named}: the start of its init PID {facts.pid} cannot be read",
+            stop=False,
         )
-    return _keep(evidence, f"{named}: the running {unit}'s live container")
+    if evidence.init_started_s < evidence.live_since_s:
+        return _owned(
+            evidence,
+            facts,
+            f"{named}: started before {unit}'s running invocation, left over",
+            stop=True,
+        )
+    return _owned(evidence, facts, f"{named}: the running {unit}'s live container", stop=False)
 
 
 def _keep(evidence: Evidence, reason: str) -> ContainerVerdict:
     return ContainerVerdict(evidence.engine, evidence.short_id, stop=False, reason=reason)
 
 
-def _stop(evidence: Evidence, facts: ContainerFacts, reason: str) -> ContainerVerdict:
+def _owned(
+    evidence: Evidence, facts: ContainerFacts, reason: str, *, stop: bool
+) -> ContainerVerdict:
+    """A verdict on a container confirmed as the unit's; its name is the claimed, checked one."""
+    name = evidence.claim.name if evidence.claim is not None else facts.name
     return ContainerVerdict(
         evidence.engine,
         evidence.short_id,
-        stop=True,
+        stop=stop,
         reason=reason,
-        name=facts.name,
+        name=name,
         full_id=facts.id,
     )

@@ -55,6 +55,7 @@ from gpuguard.core.runend import (
     next_start,
     over_problem,
 )
+from gpuguard.core.unitcontainers import container_of
 from gpuguard.core.values import MIB, UnitProvenance
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, XidEvent, parse_kernel_entry
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.events import UnitEvent
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget
 
 XIDS_KEPT = 50
@@ -101,6 +103,22 @@ _RELEASE_S = 5.0
 _TICKS = os.sysconf("SC_CLK_TCK")
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
+
+
+class UnitContainers(Protocol):
+    """A unit's left-over containers, judged and stopped (adapters/containerstop's stopper)."""
+
+    def __call__(self, inventory: Inventory) -> bool:
+        """The gate's step: act on each container newly seen; whether one was stopped."""
+        ...
+
+    def plan(self, inventory: Inventory) -> tuple[ContainerVerdict, ...]:
+        """The verdict on each container holding the unit's GPUs."""
+        ...
+
+    def act(self, verdict: ContainerVerdict) -> ContainerResult | None:
+        """Stop one (or, in a dry run, say so); None for one kept."""
+        ...
 
 
 class Logger(Protocol):
@@ -199,8 +217,9 @@ class Ports:
     """Read end of a self-pipe that signal.set_wakeup_fd writes to: SIGTERM ends a long wait."""
     gate_environment: Callable[[str], dict[str, str] | None] = lambda _unit: None
     """The unit's GPU variables as its gate last read them (unitenv); None: ask systemd."""
-    containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None] = lambda _r: None
-    """The stopper of a unit's left-over containers for a recovery's gate (containerstop)."""
+    containers: Callable[[PlanRequest], UnitContainers | None] = lambda _r: None
+    """The stopper of a unit's left-over containers, for a recovery's gate and for a sweep
+    (containerstop)."""
 
 
 @dataclass
@@ -532,13 +551,17 @@ class Daemon:
         """One look for a whole burst of ended runs, then a sweep of those with survivors.
 
         The common case is that nothing of the ended runs holds a GPU: one inventory, and
-        systemd is not asked at all. A run whose processes do hold one is looked at afresh.
+        systemd is not asked at all. A run whose processes do hold one is looked at afresh, and
+        so is every ended run while a docker/podman container holds a GPU (a container's
+        processes carry no INVOCATION_ID: only its engine can say it is the unit's).
         """
         if not ended:
             return
-        holding = {h.invocation_id for h in self._gather().holders}
+        holders = self._gather().holders
+        holding = {h.invocation_id for h in holders}
+        in_container = any(container_of(h.attribution.container) for h in holders)
         for watch, end in ended:
-            if end.invocation_id in holding:
+            if in_container or end.invocation_id in holding:
                 self._sweep(watch, end)
 
     def _sweep(self, watch: _Watch, end: RunEnd) -> None:
@@ -546,8 +569,9 @@ class Daemon:
 
         Only processes whose INVOCATION_ID is the ended run's (``PlanRequest.only_invocation``),
         under the gate's policy, protections and reaper; the run starting or running now is kept
-        by invocation. A run stopped on purpose is only reported unless
-        ``daemon.reap_stopped_survivors``; ``dry_run`` reaps nothing.
+        by invocation; and the unit's own left-over container, which the engine stops
+        (containerstop, the gate's rule). A run stopped on purpose is only reported unless
+        ``daemon.reap_stopped_survivors``; ``dry_run`` reaps and stops nothing.
         """
         ports = self._ports
         state = self._show_unit(watch.name)
@@ -563,10 +587,12 @@ class Daemon:
         inventory = self._gather()
         request = self._survivor_request(watch.name, inventory, state, end)
         planned = plan(inventory.holders, request).to_reap
-        if not planned:
+        stopper = ports.containers(request)
+        left_over = self._left_over(stopper, inventory)
+        if not planned and not left_over:
             return
         daemon = self._settings.daemon
-        base = Sweep(end, 0, len(planned), None, None)
+        base = Sweep(end, 0, len(planned), None, None, containers=_named(left_over))
         if daemon.dry_run:
             self._swept(watch, replace(base, dry_run=True), [d.holder.pid for d in planned])
             return
@@ -574,14 +600,37 @@ class Daemon:
             self._swept(watch, replace(base, reported_only=True), [d.holder.pid for d in planned])
             return
         ports.notifier.status(f"reaping survivors of {watch.name}")
+        stopped = self._stop_containers(stopper, left_over)
+        if stopped:
+            inventory = self._gather()
         reaped, reaped_at, idle_at = self._reap_run(request, inventory)
         sweep = replace(
             base,
             reaped=len(reaped),
             reaped_after_s=reaped_at - end.ended_s,
             idle_after_s=None if idle_at is None else idle_at - end.ended_s,
+            containers=_named([r.verdict for r in stopped]),
         )
         self._swept(watch, sweep, [r.target.identity.pid for r in reaped])
+
+    def _left_over(
+        self, stopper: UnitContainers | None, inventory: Inventory
+    ) -> list[ContainerVerdict]:
+        """The unit's containers the engine confirms are left over, holding its GPUs."""
+        if stopper is None:
+            return []
+        # Each inspect is bounded by the engine adapter (10 s): fed like any long step.
+        verdicts = self._fed(_CONTAINER_SLACK_S, stopper.plan)(inventory)
+        return [verdict for verdict in verdicts if verdict.stop]
+
+    def _stop_containers(
+        self, stopper: UnitContainers | None, left_over: Sequence[ContainerVerdict]
+    ) -> list[ContainerResult]:
+        """Stop each left-over container through its engine; those no longer running."""
+        if stopper is None:
+            return []
+        act = self._fed(self._settings.reap_grace_s + _CONTAINER_SLACK_S, stopper.act)
+        return [result for v in left_over if (result := act(v)) is not None and result.done]
 
     def _survivor_request(
         self, unit: str, inventory: Inventory, state: UnitState, end: RunEnd
@@ -1030,8 +1079,14 @@ def _sweep_record(sweep: Sweep, pids: list[int], at: str) -> dict[str, Any]:
         "reaped_after_s": rounded(sweep.reaped_after_s),
         "idle_after_s": rounded(sweep.idle_after_s),
         "next_start_after_s": None,
+        "containers": list(sweep.containers),
         "summary": describe(sweep),
     }
+
+
+def _named(verdicts: Sequence[ContainerVerdict]) -> tuple[str, ...]:
+    """``NAME (docker <id12>)`` for each container, as a sweep says it."""
+    return tuple(f"{v.name} ({v.engine} {v.short_id})" for v in verdicts)
 
 
 def _xid_snapshot(event: XidEvent) -> dict[str, object]:
