@@ -132,6 +132,13 @@ def rootfs(release: str, request: pytest.FixtureRequest) -> Path:
         return ensure_rootfs(release)
 
 
+@pytest.fixture(scope="session")
+def docker_rootfs(release: str, request: pytest.FixtureRequest) -> Path:
+    """The tree of `release` with Debian's docker engine (variant "docker"), for one scenario."""
+    with _phase(request.config, f"{release} root file system with docker.io (when not cached)"):
+        return ensure_rootfs(release, variant="docker")
+
+
 class ContainerFactory(Protocol):
     """Boots a container from the test's release; the fixture tears it down afterwards."""
 
