@@ -70,15 +70,16 @@ echo gpuguard-e2e >/etc/hostname
 # written). Mask here, with the reason, if a release starts failing units in nspawn.
 """
 
-#: Variants of the tree for one scenario each: packages added to PACKAGES and a script run after
-#: SETUP_SCRIPT. The plain tree (no variant) keeps its recipe, hash and cache name.
-VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
+#: Variants of the tree for one scenario each: packages added to PACKAGES (by release) and a
+#: script run after SETUP_SCRIPT. The plain tree (no variant) keeps its recipe, hash and name.
+VARIANTS: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
     # test_docker_unit.py: Debian's docker engine. Its daemon, started by that test only, keeps
     # images and containers in plain directories (vfs: no overlay on the container's overlay
     # root), makes no bridge and no firewall rules (the containers use the host's network), and
     # logs containers to the journal, so a left-over's output outlives its `docker run` client.
+    # Debian 13 ships the client apart, in docker-cli (only recommended by docker.io).
     "docker": (
-        ("docker.io",),
+        {"bookworm": ("docker.io",), "trixie": ("docker.io", "docker-cli")},
         """\
 set -eu
 mkdir -p /etc/docker
@@ -134,7 +135,11 @@ def recipe(release: str, variant: str | None = None) -> dict[str, object]:
         if variant not in VARIANTS:
             raise ValueError(f"unknown tree variant {variant!r}; known: {', '.join(VARIANTS)}")
         extra, setup = VARIANTS[variant]
-        made |= {"tree": variant, "packages": [*PACKAGES, *extra], "setup": SETUP_SCRIPT + setup}
+        made |= {
+            "tree": variant,
+            "packages": [*PACKAGES, *extra[release]],
+            "setup": SETUP_SCRIPT + setup,
+        }
     return made
 
 
