@@ -55,7 +55,7 @@ IMAGE = "fakesglang:e2e"
 NAME = "sglang-srv"
 START_LIMIT = "Start request repeated too quickly."
 IDLE_AFTER = re.compile(r"idle after ([0-9.]+) s")
-START_LIMIT_S = 30.0  # systemd's default start limit (5 in 10 s) ends (k) well within this
+START_LIMIT_S = 30.0  # systemd's default start limit ends (k) 13-15 s after the restart here
 
 #: The image: directories and the merged-/usr links, nothing else (binds bring the programs).
 IMPORT_IMAGE = f"""\
@@ -108,15 +108,15 @@ def _container(box: GpuBox) -> dict[str, object] | None:
     if done.returncode != 0:
         return None
     [found] = json.loads(done.stdout)
-    return {"id": found["Id"], "running": found["State"]["Running"], "pid": found["State"]["Pid"]}
+    return {"id": found["Id"], "running": found["State"]["Running"]}
 
 
-def _serving_container(box: GpuBox) -> tuple[str, int]:
-    """The running container's full id and its init's PID (in the booted container)."""
+def _serving_container(box: GpuBox) -> str:
+    """The full id of the running container."""
     found = _container(box)
     assert found is not None
     assert found["running"], found
-    return str(found["id"]), int(str(found["pid"]))
+    return str(found["id"])
 
 
 def _docker_pids(box: GpuBox, container_id: str) -> set[int]:
@@ -141,7 +141,7 @@ def _serve(box: GpuBox, timeline: Timeline) -> tuple[str, str]:
     """Start the docker unit and check who holds the GPUs; (invocation, container id)."""
     box.systemctl("enable", UNIT)
     serving = box.start_server(timeout=60)
-    container_id, _ = _serving_container(box)
+    container_id = _serving_container(box)
     inside = _docker_pids(box, container_id)
     assert box.allocated() == [SERVING_MIB] * 4
     # NVML lists host PIDs: each is a process of the docker container, two namespaces down.
@@ -234,7 +234,7 @@ def test_k_l_left_over_docker_container(dockerbox: GpuBox) -> None:
     assert m.healthy_s is not None
     assert box.show(UNIT, "ActiveState") == "active"
     assert box.show(UNIT, "InvocationID") == healthy
-    new, _ = _serving_container(box)
+    new = _serving_container(box)
     assert new != old
     assert box.allocated() == [SERVING_MIB] * 4  # the new container, alone
     assert _nvml_pids(box) == {box.box.host_pid(pid) for pid in _docker_pids(box, new)}
