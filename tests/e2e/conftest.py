@@ -2,7 +2,8 @@
 
 `release` is parametrized from `$GPUGUARD_E2E_RELEASES` (default: bookworm; e.g.
 `GPUGUARD_E2E_RELEASES=bookworm,trixie`), `rootfs` is the cached tree of that release (built on
-first use, about a minute), `container(...)` boots one and tears it down after the test;
+first use, about a minute; `docker_rootfs` is its variant with Debian's docker engine, for
+test_docker_unit.py), `container(...)` boots one and tears it down after the test;
 `booted` is one booted container. `GPUGUARD_E2E_MODE=copy` boots copies instead of overlays,
 `GPUGUARD_E2E_CACHE` moves the cache (default /var/cache/gpuguard-e2e).
 
@@ -130,6 +131,13 @@ def rootfs(release: str, request: pytest.FixtureRequest) -> Path:
     """The cached root file system of `release` (debootstrapped on first use)."""
     with _phase(request.config, f"{release} root file system (debootstrap when not cached)"):
         return ensure_rootfs(release)
+
+
+@pytest.fixture(scope="session")
+def docker_rootfs(release: str, request: pytest.FixtureRequest) -> Path:
+    """The tree of `release` with Debian's docker engine (variant "docker"), for one scenario."""
+    with _phase(request.config, f"{release} root file system with docker.io (when not cached)"):
+        return ensure_rootfs(release, variant="docker")
 
 
 class ContainerFactory(Protocol):

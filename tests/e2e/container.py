@@ -70,6 +70,29 @@ echo gpuguard-e2e >/etc/hostname
 # written). Mask here, with the reason, if a release starts failing units in nspawn.
 """
 
+#: Variants of the tree for one scenario each: packages added to PACKAGES (by release) and a
+#: script run after SETUP_SCRIPT. The plain tree (no variant) keeps its recipe, hash and name.
+VARIANTS: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
+    # test_docker_unit.py: Debian's docker engine. Its daemon, started by that test only, keeps
+    # images and containers in plain directories (vfs: no overlay on the container's overlay
+    # root), makes no bridge and no firewall rules (the containers use the host's network), and
+    # logs containers to the journal, so a left-over's output outlives its `docker run` client.
+    # Debian 13 ships the client apart, in docker-cli (only recommended by docker.io).
+    "docker": (
+        {"bookworm": ("docker.io",), "trixie": ("docker.io", "docker-cli")},
+        """\
+set -eu
+mkdir -p /etc/docker
+cat >/etc/docker/daemon.json <<'JSON'
+{"storage-driver": "vfs", "bridge": "none", "iptables": false, "ip6tables": false,
+ "ip-masq": false, "log-driver": "journald"}
+JSON
+# Not at boot: only the docker scenario starts the engine (and waits for it).
+systemctl disable docker.service docker.socket containerd.service >/dev/null 2>&1 || true
+""",
+    ),
+}
+
 RECIPE_FORMAT = 1
 RECIPE_STAMP = "etc/gpuguard-e2e/recipe.json"
 BUILD_TIMEOUT_S = 1200.0
@@ -97,22 +120,32 @@ class ContainerCommandError(ContainerError):
         )
 
 
-def recipe(release: str) -> dict[str, object]:
+def recipe(release: str, variant: str | None = None) -> dict[str, object]:
     """Everything that decides the content of a cached tree; its hash names the cache entry."""
     if release not in RELEASES:
         raise ValueError(f"unknown release {release!r}; known: {', '.join(RELEASES)}")
-    return {
+    made: dict[str, object] = {
         "format": RECIPE_FORMAT,
         "release": release,
         "variant": "minbase",
         "packages": list(PACKAGES),
         "setup": SETUP_SCRIPT,
     }
+    if variant is not None:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown tree variant {variant!r}; known: {', '.join(VARIANTS)}")
+        extra, setup = VARIANTS[variant]
+        made |= {
+            "tree": variant,
+            "packages": [*PACKAGES, *extra[release]],
+            "setup": SETUP_SCRIPT + setup,
+        }
+    return made
 
 
-def recipe_hash(release: str) -> str:
-    """A short stable hash of `recipe(release)`."""
-    text = json.dumps(recipe(release), sort_keys=True).encode()
+def recipe_hash(release: str, variant: str | None = None) -> str:
+    """A short stable hash of `recipe(release, variant)`."""
+    text = json.dumps(recipe(release, variant), sort_keys=True).encode()
     return hashlib.sha256(text).hexdigest()[:12]
 
 
@@ -121,9 +154,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
-def rootfs_path(release: str, cache: Path | None = None) -> Path:
-    """The cache entry for the current recipe of `release` (it may not exist yet)."""
-    return (cache or cache_dir()) / f"{release}-{recipe_hash(release)}"
+def rootfs_path(release: str, cache: Path | None = None, variant: str | None = None) -> Path:
+    """The cache entry for the current recipe of `release` (it may not exist yet).
+
+    A variant's is `<release>-<variant>-<hash>`: the name still starts with the release.
+    """
+    name = release if variant is None else f"{release}-{variant}"
+    return (cache or cache_dir()) / f"{name}-{recipe_hash(release, variant)}"
 
 
 _APT_POLICY_LINE = re.compile(r"^\s*-?\d+\s+(\S+)\s+(\S+)/\S+\s+\S+\s+Packages\s*$")
@@ -187,31 +224,41 @@ def remove_tree(path: Path) -> None:
     subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=True)
 
 
-def ensure_rootfs(release: str, *, cache: Path | None = None, mirror: str | None = None) -> Path:
+def ensure_rootfs(
+    release: str,
+    *,
+    cache: Path | None = None,
+    mirror: str | None = None,
+    variant: str | None = None,
+) -> Path:
     """The cached root file system of `release`, debootstrapped first if this recipe has none.
 
     The tree is built in a temporary directory beside the cache entry and renamed into place only
     once complete, under a lock file, so an interrupted build is never reused and two runs never
     build at once. Trees of older recipes are left alone (another checkout may still use them).
+    A variant's lock, build directory and log are named `<variant>+<release>`, which the plain
+    tree's sweep of half-built `.build-<release>-*` directories never matches.
     """
     cache = cache or cache_dir()
-    final = rootfs_path(release, cache)
+    final = rootfs_path(release, cache, variant)
     if (final / RECIPE_STAMP).is_file():
         return final
     cache.mkdir(parents=True, exist_ok=True)
-    with _locked(cache / f".{release}.lock"):
+    tag = release if variant is None else f"{variant}+{release}"
+    with _locked(cache / f".{tag}.lock"):
         if (final / RECIPE_STAMP).is_file():
             return final
-        for stale in cache.glob(f".build-{release}-*"):
+        for stale in cache.glob(f".build-{tag}-*"):
             remove_tree(stale)
         if final.exists():  # a tree without a stamp was not made by us; do not trust it
             remove_tree(final)
-        build = Path(tempfile.mkdtemp(prefix=f".build-{release}-", dir=cache))
+        build = Path(tempfile.mkdtemp(prefix=f".build-{tag}-", dir=cache))
+        made = recipe(release, variant)
         try:
             build.chmod(0o755)  # it becomes the container's /; mkdtemp made it 0700
-            _debootstrap(release, build, cache, mirror or pick_mirror())
+            _debootstrap(made, build, cache / f".build-{tag}.log", mirror or pick_mirror())
             (build / RECIPE_STAMP).parent.mkdir(parents=True, exist_ok=True)
-            (build / RECIPE_STAMP).write_text(json.dumps(recipe(release), indent=2) + "\n")
+            (build / RECIPE_STAMP).write_text(json.dumps(made, indent=2) + "\n")
             build.rename(final)
         except BaseException:
             remove_tree(build)
@@ -219,15 +266,19 @@ def ensure_rootfs(release: str, *, cache: Path | None = None, mirror: str | None
     return final
 
 
-def _debootstrap(release: str, target: Path, cache: Path, mirror: str) -> None:
-    """Run debootstrap and the setup script into `target`; raise with the log's tail on failure."""
-    debs = cache / "debs"  # downloaded .debs, shared by all builds so a rebuild is mostly offline
+def _debootstrap(made: dict[str, object], target: Path, log: Path, mirror: str) -> None:
+    """Run debootstrap and the setup script of recipe `made` into `target`, logging to `log`.
+
+    Raises with the log's tail on failure.
+    """
+    release, packages, setup = str(made["release"]), made["packages"], str(made["setup"])
+    assert isinstance(packages, list)
+    debs = log.parent / "debs"  # downloaded .debs, shared by all builds: rebuilds mostly offline
     debs.mkdir(exist_ok=True)
-    log = cache / f".build-{release}.log"
     argv = [
         "debootstrap",
         "--variant=minbase",
-        f"--include={','.join(PACKAGES)}",
+        f"--include={','.join(packages)}",
         f"--cache-dir={debs}",
         release,
         str(target),
@@ -242,7 +293,7 @@ def _debootstrap(release: str, target: Path, cache: Path, mirror: str) -> None:
         )  # fmt: skip
         if done.returncode == 0:
             done = subprocess.run(
-                ["chroot", str(target), "/bin/sh", "-c", SETUP_SCRIPT],
+                ["chroot", str(target), "/bin/sh", "-c", setup],
                 stdout=out, stderr=subprocess.STDOUT, env=CLEAN_ENV, timeout=120, check=False,
             )  # fmt: skip
     if done.returncode != 0:
@@ -264,10 +315,10 @@ def _ppid(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
-def _nspid(pid: int) -> list[int]:
+def _nspid(pid: int, proc: Path = Path("/proc")) -> list[int]:
     """The NSpid line of /proc/PID/status: the pid in each nested pid namespace, outermost first."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        status = (proc / str(pid) / "status").read_text()
     except OSError:
         return []
     for line in status.splitlines():
@@ -424,15 +475,20 @@ class Container:
         boot_timeout: float = 90.0,
         stop_timeout: float = 10.0,
         nspawn_args: Sequence[str] = (),
+        nspawn_env: Mapping[str, str] | None = None,
         name: str | None = None,
     ) -> None:
-        """Prepare, not boot: `start()` or `with` boots."""
+        """Prepare, not boot: `start()` or `with` boots.
+
+        `nspawn_env`: variables for systemd-nspawn itself (its `SYSTEMD_NSPAWN_*` switches).
+        """
         self.rootfs = rootfs
         self.binds = tuple(binds)
         self.mode = mode
         self.boot_timeout = boot_timeout
         self.stop_timeout = stop_timeout
         self.nspawn_args = tuple(nspawn_args)
+        self.nspawn_env = dict(nspawn_env or {})
         self.name = name or f"gpuguard-e2e-{secrets.token_hex(4)}"
         self.workdir: Path | None = None
         self.boot_seconds: float | None = None
@@ -506,7 +562,7 @@ class Container:
                     stdin=subprocess.DEVNULL,
                     stdout=console,
                     stderr=subprocess.STDOUT,
-                    env={**CLEAN_ENV, "SYSTEMD_LOG_COLOR": "0"},
+                    env={**CLEAN_ENV, "SYSTEMD_LOG_COLOR": "0", **self.nspawn_env},
                     start_new_session=True,  # a terminal's Ctrl-C reaches us, not nspawn
                     preexec_fn=_set_parent_death_signal,  # noqa: PLW1509 - one prctl
                 )
@@ -714,11 +770,21 @@ class Container:
             time.sleep(0.1)
 
     def host_pid(self, pid: int) -> int:
-        """The host pid of the process that is `pid` inside the container."""
-        ns = Path(f"/proc/{self.init_pid}/ns/pid").stat().st_ino
-        for candidate in _host_pids():
+        """The host pid of the process that is `pid` inside the container.
+
+        Also for a process of a container nested in this one (docker's): the host process whose
+        NSpid ends in the one the container's procfs shows for `pid`, in the same PID namespace
+        (a namespace's inode is the same in every view).
+        """
+        inside = Path(f"/proc/{self.init_pid}/root/proc")
+        inner = _nspid(pid, inside)
+        try:
+            ns = (inside / str(pid) / "ns" / "pid").stat().st_ino
+        except OSError:
+            inner = []
+        for candidate in _host_pids() if inner else []:
             nspid = _nspid(candidate)
-            if nspid and nspid[-1] == pid:
+            if len(nspid) > len(inner) and nspid[-len(inner) :] == inner:
                 with contextlib.suppress(OSError):
                     if Path(f"/proc/{candidate}/ns/pid").stat().st_ino == ns:
                         return candidate

@@ -40,7 +40,7 @@ GPU_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|memory capacity is un
 # Server lines worth a place in the timeline (the rest is model-loading chatter).
 _NOTABLE_OUTPUT = re.compile(
     r"fired up|OutOfMemoryError|memory capacity is unbalanced|Gracefully exiting|"
-    r"unrecognized arguments|error:|Load weight begin"
+    r"unrecognized arguments|error:|Load weight begin|is already in use"
 )
 _REPEATED = re.compile(r"Gracefully exiting|memory capacity is unbalanced")
 _MESSAGE_WIDTH = 150

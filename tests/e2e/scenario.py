@@ -85,10 +85,22 @@ def finish(
     actions: str,
     notes: list[str],
     healthy_note: str | None = None,
+    since_s: float | None = None,
 ) -> Measurement:
-    """Measure from the journal, print the timeline, save the result; the measurement."""
+    """Measure from the journal, print the timeline, save the result; the measurement.
+
+    The journal is read from `since_s` on (to the microsecond), by default from 10 s before
+    the trigger.
+    """
     until = time.time()
-    entries = unit_journal(gpubox, timeline.t0 - 10)
+    if since_s is None:
+        entries = unit_journal(gpubox, timeline.t0 - 10)
+    else:
+        entries = [
+            entry
+            for entry in unit_journal(gpubox, since_s)
+            if int(str(entry.get("__REALTIME_TIMESTAMP"))) / 1e6 >= since_s
+        ]
     measurement = measure(runs(entries, exclude=exclude), timeline.t0, until)
     timeline.add_journal(entries, UNIT)
     result = ScenarioResult(

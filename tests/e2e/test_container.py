@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from e2e.container import RELEASES, Bind, Container, ContainerCommandError, nspawn_processes
+from e2e.container import (
+    PACKAGES,
+    RELEASES,
+    Bind,
+    Container,
+    ContainerCommandError,
+    nspawn_processes,
+    recipe,
+    recipe_hash,
+    rootfs_path,
+)
 
 if TYPE_CHECKING:
     from e2e.conftest import ContainerFactory
@@ -23,6 +33,19 @@ Description=gpuguard e2e smoke unit
 [Service]
 ExecStart=/bin/sh -c 'echo smoke-unit-says-hello; exec sleep 600'
 """
+
+
+def test_a_tree_variant_has_its_own_recipe_and_cache_entry() -> None:
+    """The docker variant adds its package to the plain recipe, under a name the release starts."""
+    plain, docker = recipe("bookworm"), recipe("bookworm", "docker")
+    assert "tree" not in plain  # the plain recipe, and so its hash and cached tree, as before
+    assert docker["packages"] == [*PACKAGES, "docker.io"]
+    assert str(docker["setup"]).startswith(str(plain["setup"]))
+    assert recipe_hash("bookworm", "docker") != recipe_hash("bookworm")
+    entry = rootfs_path("bookworm", Path("/cache"), "docker")
+    assert entry.name == f"bookworm-docker-{recipe_hash('bookworm', 'docker')}"
+    with pytest.raises(ValueError, match="unknown tree variant"):
+        recipe("bookworm", "nonesuch")
 
 
 def test_boots_to_running_with_the_release_systemd(booted: Container, release: str) -> None:

@@ -59,27 +59,36 @@ def _peer_pid(conn: socket.socket) -> int:
     return int(pid)
 
 
+def _nspid(status: str) -> list[str]:
+    return next((ln.split()[1:] for ln in status.splitlines() if ln[:6] == "NSpid:"), [])
+
+
 def host_pid(state: Path, pid: int) -> int:
     """The PID NVIDIA's driver would report for ``pid`` of our PID namespace: the host's.
 
     ``STATE/host-proc``, where present, is the host's procfs (bound in by the test harness):
-    the host process whose ``NSpid:`` ends in ``pid`` and whose PID namespace is ours. Without
-    it (no container), or when none matches, ``pid`` itself.
+    the host process whose ``NSpid:`` ends in the one our procfs shows for ``pid`` (``pid``
+    itself, then its numbers in deeper namespaces: a process of a docker container here) and
+    whose own PID namespace is the one ``pid`` has here (namespace inodes are the same in every
+    view). Without it (no container), or when none matches, ``pid`` itself.
     """
     host_proc = state / "host-proc"
     if not host_proc.is_dir():
         return pid
-    ours = Path("/proc/self/ns/pid").stat().st_ino
+    try:
+        ours = _nspid(Path(f"/proc/{pid}/status").read_text())
+        namespace = Path(f"/proc/{pid}/ns/pid").stat().st_ino
+    except OSError:
+        return pid
     for entry in os.scandir(host_proc):
         if not entry.name.isdecimal():
             continue
         with contextlib.suppress(OSError):
-            status = Path(entry.path, "status").read_text()
-            nspid = next((ln.split()[1:] for ln in status.splitlines() if ln[:6] == "NSpid:"), [])
+            nspid = _nspid(Path(entry.path, "status").read_text())
             if (
-                len(nspid) > 1
-                and nspid[-1] == str(pid)
-                and Path(entry.path, "ns", "pid").stat().st_ino == ours
+                len(nspid) > len(ours)
+                and nspid[-len(ours) :] == ours
+                and Path(entry.path, "ns", "pid").stat().st_ino == namespace
             ):
                 return int(entry.name)
     return pid
