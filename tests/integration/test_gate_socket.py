@@ -671,3 +671,45 @@ def test_a_passed_socket_that_is_not_listening_is_refused(cli: Cli) -> None:
         )
     assert done.returncode == 71
     assert "fd 3 is not a listening UNIX stream socket" in done.stderr
+
+
+def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller whose /proc files block (environ in a FUSE mapping) holds no request slot.
+
+    The request's process ends at the unauthorized limit (SIGALRM) instead of blocking.
+
+    The blocking read is a FIFO nobody writes, standing in for the caller's ``environ`` in a
+    /proc tree whose other files link to the real ones (FUSE cannot be mounted here).
+    """
+    from gpuguard.adapters import gateserver  # noqa: PLC0415 - the module under test
+
+    me = os.getpid()
+    caller_dir = tmp_path / "proc" / str(me)
+    caller_dir.mkdir(parents=True)
+    for name in ("stat", "cgroup"):
+        (caller_dir / name).symlink_to(f"/proc/{me}/{name}")
+    os.mkfifo(caller_dir / "environ")
+    monkeypatch.setattr(gateserver, "UNAUTHORIZED_LIMIT_S", 1)
+    ours, theirs = socket.socketpair()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the request's process
+        ours.close()
+        own = os.getpid()
+        (tmp_path / "proc" / str(own)).symlink_to(f"/proc/{own}")
+        gateserver.serve(theirs, lambda *_: 0, sys.stderr, proc_root=tmp_path / "proc")
+        os._exit(0)
+    theirs.close()
+    deadline = time.monotonic() + 10
+    ended, status = 0, 0
+    while not ended and time.monotonic() < deadline:
+        ended, status = os.waitpid(child, os.WNOHANG)
+        time.sleep(0.05)
+    if not ended:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    ours.close()
+    assert ended, "the request's process was still blocked after 10 s"
+    assert os.WIFSIGNALED(status)
+    assert os.WTERMSIG(status) == 14  # SIGALRM

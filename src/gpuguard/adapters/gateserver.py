@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 
 #: A caller gets this long to send its request line; then the instance ends.
 REQUEST_TIMEOUT_S = 10.0
+#: Everything before a request is accepted - reading the caller's /proc files (which a caller
+#: could make block, e.g. environment strings in a FUSE-backed mapping), its request line, the
+#: refusal and its drain - ends within this many seconds: SIGALRM, whose default action ends the
+#: request's process, so an unauthorized caller cannot hold a slot longer.
+UNAUTHORIZED_LIMIT_S = 25
 #: A client that reads nothing for this long is treated as gone (the work goes on).
 SEND_TIMEOUT_S = 30.0
 #: Requests served at once (gpuguard-gate.socket's MaxConnections= before); more are turned away.
@@ -368,19 +373,14 @@ def serve(
     ``handle`` does the work, writing to the two streams it is given; its return value is the
     verdict. Returns the verdict too (the instance's own exit status).
     """
+    signal.alarm(UNAUTHORIZED_LIMIT_S)
     try:
-        caller = identify(conn, proc_root=proc_root)
-    except PeerError as err:
-        return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
-    if not may_ask(caller):
-        return _answer(conn, log, f"gpuguard: request from {caller.describe()}: refused", 1)
-    line = _read_request(conn)
-    request = parse_request(line) if line is not None else "no request line"
-    if isinstance(request, str):
-        return _answer(conn, log, f"gpuguard: bad request from PID {caller.pid}: {request}", 64)
-    refused = refusal(request, caller)
-    if refused is not None:
-        return _answer(conn, log, f"gpuguard {request.command}: {refused}", 1)
+        admitted = _admit(conn, log, proc_root)
+    finally:
+        signal.alarm(0)
+    if isinstance(admitted, int):
+        return admitted
+    request, caller = admitted
     log.write(
         f"{request.command} for {request.unit} from PID {caller.pid} (uid {caller.uid}, "
         f"{caller.describe()}): accepted\n"
@@ -402,6 +402,24 @@ def serve(
         conn.sendall(frame_exit(code))
     _close(conn)
     return code
+
+
+def _admit(conn: socket.socket, log: TextIO, proc_root: Path) -> tuple[Request, Caller] | int:
+    """The caller and its request once both pass; else the refusal's exit status, answered."""
+    try:
+        caller = identify(conn, proc_root=proc_root)
+    except PeerError as err:
+        return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
+    if not may_ask(caller):
+        return _answer(conn, log, f"gpuguard: request from {caller.describe()}: refused", 1)
+    line = _read_request(conn)
+    request = parse_request(line) if line is not None else "no request line"
+    if isinstance(request, str):
+        return _answer(conn, log, f"gpuguard: bad request from PID {caller.pid}: {request}", 64)
+    refused = refusal(request, caller)
+    if refused is not None:
+        return _answer(conn, log, f"gpuguard {request.command}: {refused}", 1)
+    return request, caller
 
 
 def _end_with_the_client(conn: socket.socket, log: TextIO, done: threading.Event) -> None:
