@@ -40,6 +40,8 @@ from gpuguard.adapters.configfile import (
     store_validated,
 )
 from gpuguard.adapters.files import UnsafePathError
+from gpuguard.core.detector import LoopSettings
+from gpuguard.core.recovery import RecoveryLimits
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
 
 DEFAULT_PROTECTED = (
@@ -226,6 +228,23 @@ class DaemonSettings(_Strict):
         description="Also read the unit's own output for CUDA out-of-memory lines at start "
         "(filtered by journalctl before gpuguard parses anything).",
     )
+
+    def loop(self) -> LoopSettings:
+        """What the detector calls a restart loop (the daemon's and explain's, alike)."""
+        return LoopSettings(
+            min_starts=self.loop_min_starts,
+            window_s=self.loop_window_s,
+            restart_counter_threshold=self.restart_counter_threshold,
+            stable_s=self.stable_s,
+        )
+
+    def recovery_limits(self) -> RecoveryLimits:
+        """How often and how soon a recovery is tried (the daemon's and explain's, alike)."""
+        return RecoveryLimits(
+            max_attempts=self.recovery_max_attempts,
+            backoff_s=self.recovery_backoff_s,
+            stable_s=self.stable_s,
+        )
 
 
 class MetricsSettings(_Strict):

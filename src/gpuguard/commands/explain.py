@@ -56,9 +56,7 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
     """Read the unit's journal and build its timeline; a usage error or a failed read says so."""
     from gpuguard.adapters import journalquery  # noqa: PLC0415 - see the package doc
     from gpuguard.core import timeline  # noqa: PLC0415
-    from gpuguard.core.detector import LoopSettings  # noqa: PLC0415
     from gpuguard.core.escaping import escape  # noqa: PLC0415
-    from gpuguard.core.recovery import RecoveryLimits  # noqa: PLC0415
 
     if unit is None:
         if len(settings.units) != 1:
@@ -88,21 +86,11 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
     notices = [f"gpuguard explain: {problem}" for problem in problems]
     if problems and not entries:
         return Said(EX_UNAVAILABLE, notices=tuple(notices))
-    daemon = settings.daemon
     found = timeline.build(
         entries,
         unit,
-        loop=LoopSettings(
-            min_starts=daemon.loop_min_starts,
-            window_s=daemon.loop_window_s,
-            restart_counter_threshold=daemon.restart_counter_threshold,
-            stable_s=daemon.stable_s,
-        ),
-        limits=RecoveryLimits(
-            max_attempts=daemon.recovery_max_attempts,
-            backoff_s=daemon.recovery_backoff_s,
-            stable_s=daemon.stable_s,
-        ),
+        loop=settings.daemon.loop(),
+        limits=settings.daemon.recovery_limits(),
     )
     if not found.rows and os.geteuid() != 0:
         # journalctl --quiet says nothing when it may not read the system journal.

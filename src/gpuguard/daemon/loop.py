@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from gpuguard.adapters.journal import KERNEL
-from gpuguard.core.detector import Detector, GpuEvidence, LoopSettings
+from gpuguard.core.detector import Detector, GpuEvidence
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import parse_entry
 from gpuguard.core.gate import GateSettings, reap_targets, set_blockers
@@ -42,7 +42,6 @@ from gpuguard.core.recovery import (
     Action,
     Interrupted,
     RecoveryDecision,
-    RecoveryLimits,
     RecoveryPlanner,
     resume_problem,
 )
@@ -253,18 +252,7 @@ class Daemon:
         self._settings = settings
         self._follower = follower
         self._ports = ports
-        daemon = settings.daemon
-        loop = LoopSettings(
-            min_starts=daemon.loop_min_starts,
-            window_s=daemon.loop_window_s,
-            restart_counter_threshold=daemon.restart_counter_threshold,
-            stable_s=daemon.stable_s,
-        )
-        limits = RecoveryLimits(
-            max_attempts=daemon.recovery_max_attempts,
-            backoff_s=daemon.recovery_backoff_s,
-            stable_s=daemon.stable_s,
-        )
+        loop, limits = settings.daemon.loop(), settings.daemon.recovery_limits()
         self._watches = {
             name: _Watch(name, Detector(name, loop), RecoveryPlanner(limits), RunEnds(name))
             for name in settings.units
@@ -278,7 +266,7 @@ class Daemon:
         self._stop = False
         self._ready = False
         # Often enough that a run counts as up soon after stable_s; rarely enough to stay idle.
-        self._refresh_every_s = min(REFRESH_EVERY_S, daemon.stable_s / 2)
+        self._refresh_every_s = min(REFRESH_EVERY_S, settings.daemon.stable_s / 2)
         self._published: tuple[str, str] | None = None
         self._published_at = float("-inf")
         self._xids: deque[XidEvent] = deque(maxlen=XIDS_KEPT)
