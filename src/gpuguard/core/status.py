@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
+from gpuguard.core.mig import UNJUDGED, mig_on, pending_change
 from gpuguard.core.policy import matching_pattern
 from gpuguard.core.protection import is_protected
 from gpuguard.core.since import within
@@ -292,6 +293,12 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
             Finding(Level.WARNING, f"GPU {reading.index}: {warning}")
             for warning in health_warnings(reading)
         )
+        if mig_on(reading):
+            # Its unattributed memory may well be another tenant's instance: said here, once.
+            findings.append(Finding(Level.WARNING, _mig_finding(reading)))
+            continue
+        if change := pending_change(reading):
+            findings.append(Finding(Level.OK, f"GPU {reading.index}: {change}"))
         if gpu.unattributed_bytes:
             findings.append(
                 Finding(
@@ -313,6 +320,15 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
         for hidden in inventory.uninspectable
     )
     return findings
+
+
+def _mig_finding(reading: GpuReading) -> str:
+    change = pending_change(reading)
+    return (
+        f"GPU {reading.index}: MIG mode is on: {UNJUDGED}; the gate and the daemon neither wait "
+        "on nor reap from it (check its instances with `nvidia-smi mig -lgi` and "
+        "`nvidia-smi`)" + (f"; {change}" if change else "")
+    )
 
 
 def _namespace_findings(gpu: GpuOccupancy) -> list[Finding]:
@@ -793,6 +809,8 @@ def _gpu_lines(gpu: GpuOccupancy, report: StatusReport) -> list[str]:
     tag = " idle" if reading.index in idle else ""
     if reset_reasons(reading):
         tag = " NEEDS REBOOT" if needs_reboot(reading) else " NEEDS RESET"
+    if mig_on(reading):
+        tag = " MIG (not judged)"
     if reading.lost:
         tag = " LOST"
     if reading.memory is not None and reading.memory.reserved_source is not None:
@@ -933,6 +951,9 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
         "lost": reading.lost,
         "problem": reading.problem,
         "health": _health_json(reading),
+        "mig": None
+        if reading.mig is None
+        else {"current": reading.mig.current, "pending": reading.mig.pending},
         "holder_pids": list(gpu.holder_pids),
         "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
         "container_mib": _opt_mib(gpu.container_bytes),

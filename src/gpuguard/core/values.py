@@ -120,6 +120,18 @@ class GpuHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class MigMode:
+    """A GPU's MIG mode as nvmlDeviceGetMigMode answers it (docs/facts.md §2.5).
+
+    ``current`` is in effect now; ``pending`` takes effect at the next GPU reset. A GPU that
+    cannot do MIG answers NOT_SUPPORTED, read as off.
+    """
+
+    current: bool
+    pending: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GpuReading:
     """Everything NVML told us about one GPU; ``problem`` says what could not be read and why."""
 
@@ -135,6 +147,9 @@ class GpuReading:
     health: GpuHealth = field(default_factory=GpuHealth)
     persistence_mode: bool | None = None
     """Whether the driver keeps the GPU initialised without clients; None: unknown."""
+    mig: MigMode | None = None
+    """MIG mode; None: unknown (the call failed). With MIG on, the whole-GPU memory and
+    process lists sum every MIG instance, other tenants' too (core/mig.py)."""
 
 
 class NvmlHealth(StrEnum):
