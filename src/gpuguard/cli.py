@@ -65,8 +65,8 @@ Exit status (monitoring-plugin convention):
   1 WARNING   something needs a look (a left-over of a watched unit, a zombie holder,
               memory used from outside this container,
               a watched unit systemd does not know, NVML partly unusable but /proc
-              shows holders, a GPU health warning, a recent kernel Xid after which
-              no kill helps)
+              shows holders, a GPU health warning, a GPU with MIG mode on, a recent
+              kernel Xid after which no kill helps)
   2 CRITICAL  a lost GPU, a GPU that needs a reset or reboot (NVML health: a pending
               row remap or page retirement, the driver asks for it), memory no
               visible process explains, a holder stuck in state D in the NVIDIA
@@ -367,8 +367,9 @@ the drain distribution, a timeout of p99 x 1.5), a KillMode= that leaves workers
 the processes that survived stops, a Restart= policy whose loops the start limit never ends
 (and what a loop costs per hour in model loads, including a refusing gate), the gate missing
 or its timeout above TimeoutStartSec=, GPU sets shared with another watched unit, PATH,
-LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change, and
-nvidia-persistenced not running. Every finding has its evidence and the drop-in lines that
+LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change,
+nvidia-persistenced not running, and GPUs with MIG mode on (gpuguard judges nothing there).
+Every finding has its evidence and the drop-in lines that
 fix it; --fix prints one complete drop-in to save by hand (doctor never changes anything).
 Without --unit every watched unit in the configuration is audited.
 

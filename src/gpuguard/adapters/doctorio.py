@@ -19,6 +19,7 @@ import pwd
 import stat
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -189,7 +190,9 @@ def gpu_use(
         if holder.attribution.unit == unit and not holder.attribution.user_unit
         for use in holder.gpus
     )
-    indices = resolve_gpu_set(configured, environment, gpus).indices
+    # The set as configured: a MIG GPU it leaves out (core/mig.py) is not "outside the set".
+    unmasked = [replace(gpu, mig=None) for gpu in gpus]
+    indices = resolve_gpu_set(configured, environment, unmasked).indices
     return GpuUseFacts(set_indices=indices, held=held, gpu_count=len(gpus))
 
 
