@@ -272,6 +272,7 @@ class Daemon:
         self._xids: deque[XidEvent] = deque(maxlen=XIDS_KEPT)
         self._xids_malformed = 0
         self._faults = FaultLog()
+        self._unjudged: dict[str, frozenset[int]] = {}  # MIG GPUs last said per unit
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
@@ -517,6 +518,12 @@ class Daemon:
         unit_settings = settings.units[unit]
         environment = self._environment(unit, state)
         gpu_set = resolve_gpu_set(unit_settings.gpus, environment, inventory.nvml.gpus)
+        if gpu_set.unjudged != self._unjudged.get(unit, frozenset()):
+            self._unjudged[unit] = gpu_set.unjudged
+            if gpu_set.unjudged:  # core/mig.py: said once, not on every look
+                self._ports.log.warning(
+                    "MIG GPUs not judged", unit=unit, gpu_set=gpu_set.describe()
+                )
         return PlanRequest(
             unit=unit,
             scope=Scope.UNIT,
