@@ -179,6 +179,7 @@ def _read_answer(process: subprocess.Popen[bytes], timeout_s: float) -> dict[str
         raise CheckError("a holder without a stdout pipe")
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     line = process.stdout.readline() if ready else b""
+    process.stdout.close()  # one line is all a holder says
     try:
         answer = json.loads(line)
     except ValueError:
@@ -761,9 +762,9 @@ def choose_backend(name: str, workdir: Path) -> HolderBackend:
     real = RealBackend()
     if name == "real":
         return real
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    try:  # in a child: this process never loads the CUDA driver
+        in_child(lambda: bool(ctypes.CDLL("libcuda.so.1")), NVML_TIMEOUT_S)
+    except CheckError:
         return FakeBackend(workdir)
     reading = read(real)
     return real if reading.health is NvmlHealth.OK and reading.gpus else FakeBackend(workdir)
@@ -804,14 +805,23 @@ def run(args: argparse.Namespace, workdir: Path) -> Report:
     report = Report(backend.name, datetime.now(timezone.utc).isoformat(timespec="seconds"))
     threshold = Settings().idle_threshold_mib * MIB
     config = workdir / "gpuguard.toml"
-    config.write_text(backend.config_text(workdir))
     cli = Gpuguard(config, backend.cli_env())
     held: list[Held] = []
     try:
         reading = read(backend)
         gpu = pick_gpu(reading, args.gpu, threshold)
         report.gpu, report.driver_version = gpu.index, reading.driver_version
+        # The unit owns the checked GPU only: the host's other GPUs may be at work.
+        config.write_text(
+            backend.config_text(workdir) + f'[units."{UNIT}"]\ngpus = [{gpu.index}]\n'
+        )
         report.rows += static_rows(reading, gpu, mirror(gpu, workdir), threshold)
+        node = backend.device_file(gpu.minor) if gpu.minor is not None else None
+        report.rows.append(
+            Row("device file", "/dev/nvidia<minor> exists (fake: STATE/dev/nvidia<minor>)",
+                "exists", str(node) + ("" if node and node.exists() else " missing"),
+                node is not None and node.exists(), decisive=True)
+        )  # fmt: skip
         with _fake_state(workdir / f"mirror-{gpu.index}"):
             fake_raw = raw_memory(fake_library(), 0)
         report.rows += raw_rows(raw_memory(backend.library(), gpu.index), fake_raw)

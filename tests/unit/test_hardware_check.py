@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from builders import gpu
 
 from gpuguard.core.values import MIB, GpuMemory, MemoryApi, MigMode, NvmlHealth, NvmlReading
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from hardware_check import Report, Row, static_rows, table
+from hardware_check import CheckError, RealBackend, Report, Row, static_rows, table
 
 
 def test_a_decision_changing_disagreement_fails_the_check() -> None:
@@ -44,3 +46,16 @@ def test_table_marks_decisive_and_informational_differences() -> None:
     assert lines[2].endswith("| yes")
     assert lines[3].endswith("| NO")
     assert lines[4].endswith("| differs (info)")
+
+
+def test_the_real_backend_says_why_cuda_refused() -> None:
+    """Without libcuda.so.1 the real backend's holder reports why, and start raises that reason."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("libcuda.so.1 is present here: the holder would really allocate")
+    holder = gpu(0)
+    with pytest.raises(CheckError, match=r"cannot load libcuda\.so\.1"):
+        RealBackend().start(holder, 1, "context")
