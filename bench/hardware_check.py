@@ -243,6 +243,10 @@ class RealBackend:
         """The real device node."""
         return Path(f"/dev/nvidia{minor}")
 
+    def holder_env(self, gpu: GpuReading) -> dict[str, str]:
+        """A holder's environment: CUDA device 0 is ``gpu``, named by its UUID."""
+        return self.cli_env() | {"CUDA_VISIBLE_DEVICES": gpu.uuid or str(gpu.index)}
+
     def start(self, gpu: GpuReading, mib: int, mode: str) -> Held:
         """A CUDA holder on ``gpu`` chosen by UUID, or a process holding its device file."""
         if mode == "device-file":
@@ -251,7 +255,7 @@ class RealBackend:
             argv = [sys.executable, "-c", CUDA_HOLDER, str(mib * MIB)]
             if mode == "namespace":
                 argv = _in_namespace(argv)
-        env = self.cli_env() | {"CUDA_VISIBLE_DEVICES": gpu.uuid or str(gpu.index)}
+        env = self.holder_env(gpu)
         process = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -320,6 +324,54 @@ class FakeBackend:
         alloc = Path(answer["allocs"][0]).read_text()
         pid = int(re.search(r"^pid=(\d+)$", alloc, re.MULTILINE).group(1))  # type: ignore[union-attr]
         return Held(pid, mode, mib, process)
+
+
+class FakeCudaBackend(RealBackend):
+    """The real backend's holders over a fake libcuda.so.1 and the fake NVML (fakecuda.c).
+
+    The ctypes code a GPU host runs, run where there is no GPU: it cannot rot unseen.
+    """
+
+    name = "fake-cuda"
+
+    def __init__(self, workdir: Path) -> None:
+        """The fake's state, as FakeBackend makes it, and the fake libcuda built."""
+        self._fake = FakeBackend(workdir)
+        self._cuda_dir = _fake_cuda_dir()
+
+    def library(self) -> Path | None:
+        """The fake NVML."""
+        return self._fake.library()
+
+    def cli_env(self) -> dict[str, str]:
+        """The fake's environment."""
+        return self._fake.cli_env()
+
+    def config_text(self, workdir: Path) -> str:
+        """The fake's configuration."""
+        return self._fake.config_text(workdir)
+
+    def device_file(self, minor: int) -> Path:
+        """The fake's device files."""
+        return self._fake.device_file(minor)
+
+    def holder_env(self, gpu: GpuReading) -> dict[str, str]:
+        """The fake libcuda first on the holder's search path, told its GPU's minor."""
+        return super().holder_env(gpu) | {
+            "LD_LIBRARY_PATH": str(self._cuda_dir),
+            "FAKECUDA_MINOR": str(gpu.minor or 0),
+        }
+
+
+def _fake_cuda_dir() -> Path:
+    """The directory of the fake libcuda.so.1, built (make) when missing or older than its C."""
+    source = ROOT / "tests" / "fakenvml" / "fakecuda.c"
+    lib = ROOT / "tests" / "fakenvml" / "build" / "cuda" / "libcuda.so.1"
+    if not lib.exists() or lib.stat().st_mtime < source.stat().st_mtime:
+        subprocess.run(["make", "-C", str(source.parent)], capture_output=True, check=False)
+    if not lib.exists():
+        raise CheckError(f"the fake libcuda.so.1 could not be built ({lib})")
+    return lib.parent
 
 
 # -- NVML in a child process -------------------------------------------------------------------
@@ -759,6 +811,8 @@ def choose_backend(name: str, workdir: Path) -> HolderBackend:
     """``auto``: the real GPU when libcuda.so.1 loads and NVML names a GPU; else the fake."""
     if name == "fake":
         return FakeBackend(workdir)
+    if name == "fake-cuda":
+        return FakeCudaBackend(workdir)
     real = RealBackend()
     if name == "real":
         return real
@@ -826,8 +880,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Report:
             fake_raw = raw_memory(fake_library(), 0)
         report.rows += raw_rows(raw_memory(backend.library(), gpu.index), fake_raw)
         idle_bytes = (gpu.memory.used_bytes if gpu.memory else 0) + threshold
-        sizes = args.sizes or ([256, 4096] if backend.name == "fake" else [1024, 16384])
-        repeats = args.repeats or (3 if backend.name == "fake" else 10)
+        faked = backend.name != "real"
+        sizes = args.sizes or ([256, 4096] if faked else [1024, 16384])
+        repeats = args.repeats or (3 if faked else 10)
         attribution(
             backend, cli, gpu, mib=sizes[0], idle_bytes=idle_bytes, report=report, held=held
         )
@@ -924,7 +979,12 @@ def table(rows: Iterable[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, print the table, write the report; the exit status says what it found."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--backend", choices=("auto", "real", "fake"), default="auto")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "real", "fake", "fake-cuda"),
+        default="auto",
+        help="fake-cuda: the real backend's holders over a fake libcuda.so.1 (tests)",
+    )
     parser.add_argument("--gpu", type=int, help="NVML index to check (default: first idle GPU)")
     parser.add_argument(
         "--sizes", type=lambda s: [int(x) for x in s.split(",")],

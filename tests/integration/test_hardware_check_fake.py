@@ -1,4 +1,4 @@
-"""`make hardware-check` against the fake NVML: the GPU host's one command cannot rot."""
+"""`make hardware-check` over the fake NVML and a fake libcuda: the GPU host's check cannot rot."""
 
 from __future__ import annotations
 
@@ -13,12 +13,19 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "hardware_check.py"
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any]]:
-    """One run of the check against the fake: exit status, printed table, JSON report."""
+@pytest.fixture(scope="module", params=["fake", "fake-cuda"])
+def report(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, str, dict[str, Any]]:
+    """One run of the check per backend: exit status, printed table, JSON report.
+
+    ``fake`` holds memory with the fake's own holders; ``fake-cuda`` runs the real backend's
+    ctypes holders (what a GPU host runs) over the fake libcuda.so.1 (tests/fakenvml/fakecuda.c).
+    """
+    backend = request.param
     path = tmp_path_factory.mktemp("hwcheck") / "report.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--backend", "fake", "--report", str(path)],
+        [sys.executable, str(SCRIPT), "--backend", backend, "--report", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -33,7 +40,7 @@ def test_the_check_agrees_with_the_fake_in_under_a_minute(
     """Against the fake every row agrees, the run exits 0 and takes less than a minute."""
     code, output, document = report
     assert code == 0, output
-    assert document["backend"] == "fake"
+    assert document["backend"] in {"fake", "fake-cuda"}
     assert document["error"] is None
     assert document["disagreements"] == []
     assert all(row["agree"] for row in document["rows"]), output
@@ -64,6 +71,6 @@ def test_every_nvml_field_and_holder_kind_is_checked(
     for runs in document["release"].values():
         assert len(runs) == 3
         assert all(r["listed_before"] and r["released_s"] is not None for r in runs)
-    assert "(fake; 3 runs < 10)" in output
+    assert f"({document['backend']}; 3 runs < 10)" in output
     assert document["gate"]["exit"] == 1
     assert document["status_json"]["schema_version"] == 3
