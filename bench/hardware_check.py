@@ -19,11 +19,12 @@ It exits 1 on a disagreement that would change one of gpuguard's decisions, 2 wh
 run at all. It never changes a GPU setting: no reset, no MIG, clock or persistence change; it
 only reads NVML and allocates memory in its own child processes, all SIGKILLed at the end.
 
-Two holder backends run the same checks: ``real`` allocates through ``libcuda.so.1`` with
-ctypes (``cuInit``, ``cuCtxCreate``, ``cuMemAlloc``; nothing to install), ``fake`` uses the
-fake NVML's own holders (tests/fakenvml/gpu_hold.py), so ``make check`` runs this script
-against the fake and it cannot rot. ``--backend auto`` takes the real one when libcuda.so.1
-loads and NVML answers with a GPU. Run: ``make hardware-check`` (bench/README.md).
+Holder backends run the same checks: ``real`` allocates through ``libcuda.so.1`` with ctypes
+(``cuInit``, ``cuCtxCreate``, ``cuMemAlloc``; nothing to install); ``fake`` uses the fake NVML's
+own holders (tests/fakenvml/gpu_hold.py); ``fake-cuda`` runs the real backend's holders over a
+fake libcuda.so.1 (tests/fakenvml/fakecuda.c). ``make check`` runs the two fakes, so the script
+cannot rot. ``--backend auto`` takes the real one when libcuda.so.1 loads and NVML answers with
+a GPU. Run: ``make hardware-check`` (docs/hardware-check.md).
 """
 
 from __future__ import annotations
@@ -461,8 +462,11 @@ def kill_and_time(library: Path | None, index: int, held: Held, idle_bytes: int)
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
 
         def listed() -> bool:
-            pids = {int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-            pids |= {int(p.pid) for p in pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
+            try:
+                pids = {int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+                pids |= {int(p.pid) for p in pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
+            except pynvml.NVMLError_InsufficientSize:  # the list grew between pynvml's two calls
+                return True  # still unknown: asked again at the next poll
             return held.pid in pids
 
         def used() -> int:
