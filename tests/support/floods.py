@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pathlib import Path
 
-# argv: mode count [device] [where]. fds: opens ``device`` (first, or moved to the top of the
-# table when where is "last"), then dup()s /dev/null ``count`` times, raising RLIMIT_NOFILE to
-# fit (root may raise it up to fs.nr_open). maps: maps ``device`` once, then ``count`` single
+# argv: mode count device where path processes. fds: opens ``device`` (first, or moved to the
+# top of the table when where is "last", or also mapped as CUDA maps it when "mapped"), then
+# dup()s /dev/null ``count`` times, raising RLIMIT_NOFILE to fit (root may raise it up to
+# fs.nr_open); with ``processes`` > 1 it first forks into that many processes that each do so
+# (where one process may not hold them all). maps: maps ``device`` once, then ``count`` single
 # pages of ``path`` (or anonymous memory) with alternating protections, so that none merge.
 SCRIPT = r"""
-import ctypes, os, resource, sys
+import ctypes, os, resource, signal, sys
 mode, count = sys.argv[1], int(sys.argv[2])
 device = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None
 where = sys.argv[4] if len(sys.argv) > 4 else "first"
@@ -30,6 +32,13 @@ libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+processes = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+ready_r, ready_w = os.pipe()
+for _ in range(processes - 1):
+    if os.fork() == 0:
+        break
+else:
+    processes = 0  # the parent: it reports when every child is ready
 if mode == "fds":
     want = count + 64
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -38,6 +47,8 @@ if mode == "fds":
     else:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     held = os.open(device, os.O_RDWR) if device else None
+    if held is not None and where == "mapped":
+        assert libc.mmap(None, 4096, 3, 1, held, 0) != ctypes.c_void_p(-1).value
     null = os.open("/dev/null", os.O_RDONLY)
     for _ in range(count):
         os.dup(null)
@@ -58,6 +69,13 @@ elif mode == "maps":
     assert base != ctypes.c_void_p(-1).value
     for i in range(0, count, 2):
         libc.mprotect(base + i * 4096, 4096, 0)
+if processes:
+    os.write(ready_w, b".")
+    while True:
+        signal.pause()  # a child waits here until its group is killed
+got = 0
+while got < int(sys.argv[6] if len(sys.argv) > 6 else 1) - 1:
+    got += len(os.read(ready_r, 4096))
 print("ready", os.getpid(), flush=True)
 sys.stdin.readline()
 """
@@ -74,11 +92,12 @@ class Flood:
         *,
         where: str = "first",
         path: Path | None = None,
+        processes: int = 1,
     ) -> None:
         """Start it and wait until its descriptors or mappings are in place."""
         argv = [sys.executable, "-c", SCRIPT, mode, str(count), str(device or ""), where]
         self.popen = subprocess.Popen(
-            [*argv, str(path or "")],
+            [*argv, str(path or ""), str(processes)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

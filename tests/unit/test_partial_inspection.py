@@ -69,3 +69,13 @@ def test_processes_the_walk_did_not_reach_are_counted_in_status() -> None:
     assert report.level is Level.WARNING
     assert "7 processes not inspected" in render_text(report)
     assert to_json(report)["scan"]["not_visited"] == 7
+
+
+def test_a_flood_of_partial_processes_names_ten_and_counts_the_rest() -> None:
+    """Hundreds of flooding processes make eleven findings, not hundreds; --json lists all."""
+    flood = [replace(training_job(100 + n), partial=FLOOD) for n in range(300)]
+    report = assess(inventory(nvml(gpu(0)), *flood), STATUS_CONTEXT, NOW)
+    partial = [f.message for f in report.findings if "not fully inspected" in f.message]
+    assert len(partial) == 11
+    assert partial[-1] == "290 more processes not fully inspected"
+    assert len(to_json(report)["scan"]["partial"]) == 300

@@ -158,8 +158,14 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
     )
 
 
+_PARTIAL_NAMED = 10
+
+
 def _partial_findings(inventory: Inventory) -> list[Finding]:
-    """A budget of the /proc walk ran out: never "clean", so say whom and what it may hide."""
+    """A budget of the /proc walk ran out: never "clean", so say whom and what it may hide.
+
+    The first ten are named (a flood may be hundreds of processes; ``--json`` lists them all).
+    """
     findings = [
         Finding(
             Level.WARNING,
@@ -171,8 +177,18 @@ def _partial_findings(inventory: Inventory) -> list[Finding]:
                 else "; it shows no NVIDIA file in what was read and NVML does not list it"
             ),
         )
-        for other in inventory.partial
+        for other in inventory.partial[:_PARTIAL_NAMED]
     ]
+    if len(inventory.partial) > _PARTIAL_NAMED:
+        rest = inventory.partial[_PARTIAL_NAMED:]
+        gpus = sorted({index for other in rest for index in other.gpus})
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"{len(rest)} more processes not fully inspected"
+                + ("; GPU " + ", ".join(map(str, gpus)) + " not reported idle" if gpus else ""),
+            )
+        )
     if inventory.scan.not_visited:
         findings.append(
             Finding(
