@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
-from gpuguard.core.idle import is_idle
+from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.mig import UNJUDGED, mig_on, pending_change
 from gpuguard.core.policy import matching_pattern
 from gpuguard.core.protection import is_protected
@@ -123,6 +123,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *_xid_findings(inventory, context.daemon, context.since),
         *_holder_findings(inventory, context),
         *_container_findings(inventory, context.unit_containers),
+        *_partial_findings(inventory),
     ]
     if inventory.scan.unreadable and not context.as_root:
         findings.append(
@@ -135,7 +136,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
     idle = frozenset(
         gpu.reading.index
         for gpu in inventory.gpus
-        if is_idle(gpu.reading, context.idle_threshold_bytes)
+        if is_idle_seen(inventory, gpu, context.idle_threshold_bytes)
     )
     level = max((f.level for f in findings), default=Level.OK)
     if level is Level.OK:
@@ -156,6 +157,48 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.since,
         context.unit_containers,
     )
+
+
+_PARTIAL_NAMED = 10
+
+
+def _partial_findings(inventory: Inventory) -> list[Finding]:
+    """A budget of the /proc walk ran out: never "clean", so say whom and what it may hide.
+
+    The first ten are named (a flood may be hundreds of processes; ``--json`` lists them all).
+    """
+    findings = [
+        Finding(
+            Level.WARNING,
+            f"PID {other.pid} ({escape(other.comm)}, {escape(other.user)}) not fully inspected: "
+            f"{other.reason}"
+            + (
+                "; GPU " + ", ".join(map(str, other.gpus)) + " not reported idle"
+                if other.gpus
+                else "; it shows no NVIDIA file in what was read and NVML does not list it"
+            ),
+        )
+        for other in inventory.partial[:_PARTIAL_NAMED]
+    ]
+    if len(inventory.partial) > _PARTIAL_NAMED:
+        rest = inventory.partial[_PARTIAL_NAMED:]
+        gpus = sorted({index for other in rest for index in other.gpus})
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"{len(rest)} more processes not fully inspected"
+                + ("; GPU " + ", ".join(map(str, gpus)) + " not reported idle" if gpus else ""),
+            )
+        )
+    if inventory.scan.not_visited:
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"{inventory.scan.not_visited} processes not inspected: the /proc walk's "
+                "budget of processes or time ran out (docs/security.md)",
+            )
+        )
+    return findings
 
 
 def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
@@ -716,6 +759,8 @@ def render_text(report: StatusReport) -> str:
     lines.append(
         f"/proc: {scan.method} scan, {len(inventory.holders)} holders"
         + (f", {scan.unreadable} processes not readable" if scan.unreadable else "")
+        + (f", {len(inventory.partial)} not fully inspected" if inventory.partial else "")
+        + (f", {scan.not_visited} not visited" if scan.not_visited else "")
     )
     lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
     # Every line is escaped once more as a whole: whatever foreign text reached it (a process
@@ -922,7 +967,21 @@ def to_json(report: StatusReport) -> dict[str, Any]:
         "daemon": None
         if report.daemon is None
         else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},
-        "scan": {"method": inventory.scan.method, "unreadable": inventory.scan.unreadable},
+        "scan": {
+            "method": inventory.scan.method,
+            "unreadable": inventory.scan.unreadable,
+            "not_visited": inventory.scan.not_visited,
+            "partial": [
+                {
+                    "pid": other.pid,
+                    "user": other.user,
+                    "comm": other.comm,
+                    "reason": other.reason,
+                    "gpus": list(other.gpus),
+                }
+                for other in inventory.partial
+            ],
+        },
         "findings": [{"level": f.level.name, "message": f.message} for f in report.findings],
     }
 

@@ -200,6 +200,10 @@ class ProcessFacts:
     kernel_wait: tuple[str, ...] = ()
     """In state D only: where the kernel says it sleeps (wchan, then the stack frames root may
     read), which tells a wait in the NVIDIA driver from ordinary I/O or a vfork() parent."""
+    partial: str | None = None
+    """Why its files were not read in full (a budget of the /proc walk ran out: millions of
+    descriptors, a huge ``maps``); None when they were. ``device_files`` is then what the part
+    read shows, never proof that it holds nothing more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +233,8 @@ class ProcScan:
     method: str = "full"
     hidden: frozenset[int] = frozenset()
     """PIDs that exist in /proc but whose details this user may not read (hidepid=)."""
+    not_visited: int = 0
+    """Processes the walk did not read at all: its budget of processes or time ran out."""
 
 
 @dataclass(frozen=True, slots=True)
