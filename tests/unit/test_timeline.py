@@ -442,3 +442,12 @@ def test_gate_server_acceptance_and_a_neighbours_reap_lines(server_unit: str) ->
         ("signal", "signal: signal=SIGTE"),
     ]
     assert "pid=6 " in found.rows[1].text
+
+
+def test_an_engines_fatal_line_is_the_units_row_once_per_run() -> None:
+    """Explain shows the server's fatal line as the unit's word, with its cause, once per run."""
+    base = sample("bookworm", "clean-start-stop")[0]
+    line = "(EngineCore_DP0 pid=413) ERROR [core.py:710] EngineCore encountered a fatal error."
+    found = timeline.build([unit_output(base, 10, line), unit_output(base, 20, line)], UNIT)
+    assert [(row.source, row.kind) for row in found.rows] == [(timeline.UNIT, "engine-fatal")]
+    assert found.rows[0].text == f"[EngineCore fatal error] {line}"

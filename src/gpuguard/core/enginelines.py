@@ -237,6 +237,8 @@ BY_KEY: Final[dict[str, EngineLine]] = {line.key: line for line in ENGINE_LINES}
 ENGINE_PATTERNS: Final[tuple[str, ...]] = tuple(line.pattern for line in ENGINE_LINES)
 """The patterns for ``journalctl --grep`` (with the start-failure signatures)."""
 ENGINE_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in ENGINE_PATTERNS)
+FATAL_REGEX: Final[str] = "|".join(f"(?:{line.pattern})" for line in FATAL_LINES)
+"""The fatal lines only (``explain`` shows a death, not every phase of every start)."""
 
 _MATCHERS: Final = tuple((re.compile(line.pattern), line) for line in ENGINE_LINES)
 _ANY: Final = re.compile(ENGINE_REGEX)

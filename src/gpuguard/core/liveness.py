@@ -40,6 +40,9 @@ BUDGET_FACTOR: Final = 1.5
 BUDGET_SLACK_S: Final = 60.0
 """A phase's budget: the longest it took in the remembered starts times 1.5, and at least 60 s more
 than that longest (a 4 s phase that takes 7 s once is not stuck)."""
+ENGINE_DEAD_GRACE_S: Final = 10.0
+"""How long an engine must stay dead before the daemon acts on it (a unit's opt-in): a server
+whose engine dies at start exits within seconds on its own, and systemd handles that run."""
 _ENDS: Final = frozenset(
     {
         EventKind.FAILED,
@@ -188,6 +191,12 @@ class Liveness:
         self._starts: deque[StartRecord] = deque(maxlen=STARTS_KEPT)
         self._deaths = 0
         self._stuck = 0
+        self._learned = 0
+
+    @property
+    def learned(self) -> int:
+        """Starts recorded so far (a change means there is something new to save)."""
+        return self._learned
 
     @property
     def dead(self) -> DeadEngine | None:
@@ -269,6 +278,7 @@ class Liveness:
             if all(s.invocation_id != run.invocation_id for s in self._starts):
                 phases = tuple((p, run.phases[p]) for p in PHASE_ORDER if p in run.phases)
                 self._starts.append(StartRecord(run.invocation_id, run.ready_s, phases))
+                self._learned += 1
 
     def _clean_end(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
         """The main process exited 0: dead engine unless a stop job asked for it."""
