@@ -334,3 +334,28 @@ def test_a_hostile_megabyte_line_costs_its_scan_limit() -> None:
     """The parser scans only the first OUTPUT_SCAN_CHARS: a phrase past them is not seen."""
     event = parse_entry(entry("x" * (1 << 20) + VLLM_FATAL), UNIT)
     assert event is None
+
+
+def test_a_runs_lines_before_its_start_message_are_kept() -> None:
+    """The output and PID 1's messages are two streams: a phase line may come first."""
+    tracker = Liveness(UNIT, "sglang")
+    started(tracker, "old")
+    tracker.observe(output("Load weight begin.", invocation="new", at_s=12.0), live=True)
+    started(tracker, "new", at_s=10.0)
+    tracker.observe(
+        output("The server is fired up and ready to roll!", invocation="new", at_s=40.0), live=True
+    )
+    view = tracker.view(41.0)
+    assert view.state is State.UP
+    assert view.last_start is not None
+    assert view.last_start.ready_s == 30.0
+
+
+def test_a_line_of_an_ended_run_never_opens_it_again() -> None:
+    """Once systemd ended a run, its late fatal lines (a survivor's) are not the unit's news."""
+    tracker = Liveness(UNIT, "vllm")
+    started(tracker)
+    failed = systemd(EventKind.FAILED, at_s=5.0, result="exit-code")
+    tracker.observe(failed, live=True)
+    assert not tracker.observe(output(VLLM_WORKER, at_s=6.0), live=True)
+    assert tracker.view(7.0).state is State.UNKNOWN

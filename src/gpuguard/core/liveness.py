@@ -53,6 +53,9 @@ _ENDS: Final = frozenset(
     }
 )
 """PID 1's words for "this run is over" (a main-process exit is judged by its status)."""
+_OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
+_ENDED_KEPT: Final = 16
+"""Ended runs remembered, so that their late lines never open a run again."""
 
 
 class State(StrEnum):
@@ -192,6 +195,7 @@ class Liveness:
         self._deaths = 0
         self._stuck = 0
         self._learned = 0
+        self._ended_runs: deque[str] = deque(maxlen=_ENDED_KEPT)
 
     @property
     def learned(self) -> int:
@@ -219,16 +223,33 @@ class Liveness:
             self._ended()  # systemd restarts it: the new run is judged afresh
             return False
         if event.kind in {EventKind.STARTING, EventKind.STARTED}:
-            if run is None or run.invocation_id != invocation:
-                self._run = _Run(invocation, event.monotonic_s, phase_since_s=event.monotonic_s)
-                self._dead = None
+            self._started(run, event, invocation)
             return False
-        if run is None and event.kind in {EventKind.ENGINE_FATAL, EventKind.START_PHASE}:
-            # History began mid-run: the run is known from its own lines, its start is not.
-            run = self._run = _Run(invocation, None)
+        if event.kind in _OUTPUT and (run is None or run.invocation_id != invocation):
+            if invocation in self._ended_runs:
+                return False  # an ended run's line says nothing about the current one
+            # A run not seen starting: history began mid-run, or its lines came before PID 1's
+            # "Starting" (the output and PID 1's messages are two journalctl streams).
+            run = self._new_run(invocation, None)
         if run is None or run.invocation_id != invocation:
-            return False  # another run's: an older run's lines say nothing about this one
+            return False
         return self._on_run_event(run, event, live=live)
+
+    def _started(self, run: _Run | None, event: UnitEvent, invocation: str) -> None:
+        if run is None or run.invocation_id != invocation:
+            self._new_run(invocation, event.monotonic_s)
+        elif run.started_s is None:  # its lines came first: the start is known now
+            run.started_s = event.monotonic_s
+            if run.phase_since_s is None:
+                run.phase_since_s = event.monotonic_s
+
+    def _new_run(self, invocation: str, started_s: float | None) -> _Run:
+        """A new run replaces the current one (which is over, whatever it said)."""
+        if self._run is not None:
+            self._ended_runs.append(self._run.invocation_id)
+        self._dead = None
+        self._run = _Run(invocation, started_s, phase_since_s=started_s)
+        return self._run
 
     def _on_run_event(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
         kind = event.kind
@@ -297,6 +318,7 @@ class Liveness:
             before.line if before else event.message,
             unit_inactive=True,
         )
+        self._ended_runs.append(run.invocation_id)
         self._run = None
         if live and before is None:
             self._deaths += 1
@@ -304,6 +326,8 @@ class Liveness:
 
     def _ended(self) -> None:
         """The run is over and systemd knows it: its verdict ends with it."""
+        if self._run is not None:
+            self._ended_runs.append(self._run.invocation_id)
         self._run = None
         self._dead = None
 
