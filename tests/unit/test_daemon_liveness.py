@@ -180,13 +180,14 @@ def test_an_opted_in_unit_is_recovered_once_its_engine_stays_dead(tmp_path: Path
 
 
 def test_an_engine_dead_only_for_seconds_is_not_acted_on_yet(tmp_path: Path) -> None:
-    """Within its grace, the server's own exit may still come: reported, nothing done."""
+    """Within its grace, the server's own exit may still come: neither said nor done yet."""
     harness = build(tmp_path, with_fatal_line(dead_for_s=1.0), on_engine_dead="recover")
 
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    assert _said(harness, "engine dead")
+    assert not _said(harness, "engine dead")
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] != "engine-dead"
 
 
 def test_a_dead_engine_in_replayed_history_is_shown_and_never_acted_on(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from gpuguard.core.enginelines import ENGINE_LINES, ENGINE_REGEX, FATAL_LINES, Phase, match_line
 from gpuguard.core.events import EventKind, UnitEvent, parse_entry
-from gpuguard.core.liveness import MIN_STARTS, Liveness, State
+from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, MIN_STARTS, Liveness, State
 
 UNIT = "vllm.service"
 _cursors = itertools.count()
@@ -73,10 +73,14 @@ def started(tracker: Liveness, invocation: str = "run1", at_s: float = 0.0) -> N
 
 @pytest.mark.parametrize("line", [VLLM_FATAL, VLLM_WORKER, SGLANG_DEAD])
 def test_a_fatal_line_of_a_running_unit_makes_its_engine_dead(line: str) -> None:
-    """A live fatal line from the current run: engine dead since then, the unit still active."""
+    """A live fatal line whose run outlives the grace: engine dead since the line, unit active."""
     tracker = Liveness(UNIT, "vllm")
     started(tracker)
-    assert tracker.observe(output(line, at_s=3723.0), live=True)
+    assert not tracker.observe(output(line, at_s=3723.0), live=True)
+    assert tracker.wake_at == 3723.0 + ENGINE_DEAD_GRACE_S
+    assert not tracker.tick(3725.0)
+    assert tracker.view(3725.0).state is not State.ENGINE_DEAD  # the server may still exit
+    assert tracker.tick(3733.0)
     view = tracker.view(3800.0)
     assert view.state is State.ENGINE_DEAD
     assert view.level == "critical"
@@ -89,7 +93,8 @@ def test_the_summary_names_the_time_and_the_cause() -> None:
     tracker = Liveness(UNIT, "vllm")
     started(tracker)
     tracker.observe(output(VLLM_FATAL, at_s=3600.0), live=True)
-    summary = tracker.view(3601.0).summary
+    tracker.tick(3611.0)
+    summary = tracker.view(3611.0).summary
     # 1_764_590_000 + 3600 s is 2025-12-01 12:53:20 UTC.
     assert summary == "engine dead since 12:53:20 (EngineCore fatal error); unit still active"
 
@@ -99,6 +104,7 @@ def test_replayed_history_rebuilds_a_death_but_never_reports_it_as_news() -> Non
     tracker = Liveness(UNIT, "vllm")
     tracker.observe(systemd(EventKind.STARTED), live=False)
     assert not tracker.observe(output(VLLM_FATAL), live=False)
+    assert not tracker.tick(200.0)
     view = tracker.view(200.0)
     assert view.state is State.ENGINE_DEAD
     assert view.deaths == 0
@@ -136,13 +142,16 @@ def test_death_like_lines_after_a_stop_job_began_are_the_shutdown() -> None:
 
 
 def test_the_runs_end_ends_its_dead_engine_verdict() -> None:
-    """Once the main process failed, systemd sees it: the dead-engine verdict is over."""
+    """A fatal line, then the main process fails within the grace: systemd's to handle, no death."""
     tracker = Liveness(UNIT, "vllm")
     started(tracker)
     tracker.observe(output(SGLANG_DEAD, at_s=5.0), live=True)
     exited = systemd(EventKind.MAIN_EXITED, at_s=6.0, exit_code="exited", exit_status=1)
     tracker.observe(exited, live=True)
-    assert tracker.view(7.0).state is State.UNKNOWN
+    assert not tracker.tick(60.0)
+    view = tracker.view(60.0)
+    assert view.state is State.UNKNOWN
+    assert view.deaths == 0
 
 
 def test_a_clean_exit_no_stop_job_asked_for_is_a_dead_engine() -> None:
@@ -161,8 +170,8 @@ def test_a_fatal_line_then_a_clean_exit_keeps_the_first_cause_and_time() -> None
     """A vLLM fatal error followed by exit status 0 is one death, dated at the fatal line."""
     tracker = Liveness(UNIT, "vllm")
     started(tracker)
-    assert tracker.observe(output(VLLM_FATAL, at_s=50.0), live=True)
-    assert not tracker.observe(systemd(EventKind.DEACTIVATED, at_s=52.0), live=True)
+    assert not tracker.observe(output(VLLM_FATAL, at_s=50.0), live=True)
+    assert tracker.observe(systemd(EventKind.DEACTIVATED, at_s=52.0), live=True)
     view = tracker.view(60.0)
     assert view.dead is not None
     assert view.dead.since_s == 50.0

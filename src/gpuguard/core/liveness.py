@@ -41,8 +41,9 @@ BUDGET_SLACK_S: Final = 60.0
 """A phase's budget: the longest it took in the remembered starts times 1.5, and at least 60 s more
 than that longest (a 4 s phase that takes 7 s once is not stuck)."""
 ENGINE_DEAD_GRACE_S: Final = 10.0
-"""How long an engine must stay dead before the daemon acts on it (a unit's opt-in): a server
-whose engine dies at start exits within seconds on its own, and systemd handles that run."""
+"""A fatal line makes a dead engine once its run still lives this long after it: a server whose
+engine dies (at start, typically) usually exits on its own within seconds, and systemd and the
+restart-loop detector handle that run. A clean exit nobody asked for is dead at once."""
 _ENDS: Final = frozenset(
     {
         EventKind.FAILED,
@@ -191,6 +192,9 @@ class Liveness:
         self._tz = tz
         self._run: _Run | None = None
         self._dead: DeadEngine | None = None
+        """The current run's dead engine, or a fatal line still within its grace."""
+        self._confirmed = False
+        self._dead_live = False
         self._starts: deque[StartRecord] = deque(maxlen=STARTS_KEPT)
         self._deaths = 0
         self._stuck = 0
@@ -204,12 +208,33 @@ class Liveness:
 
     @property
     def dead(self) -> DeadEngine | None:
-        """The current run's dead engine, if it is dead."""
-        return self._dead
+        """The current run's dead engine, once it is dead (past the grace of a fatal line)."""
+        return self._dead if self._confirmed else None
+
+    @property
+    def wake_at(self) -> float | None:
+        """When a fatal line's grace ends (``tick`` is due then), None when none is pending."""
+        if self._dead is None or self._confirmed:
+            return None
+        return self._dead.since_s + ENGINE_DEAD_GRACE_S
+
+    def tick(self, now: float) -> bool:
+        """Confirm a fatal line whose run outlived its grace; True when that makes news.
+
+        News is a line that came live: a death found in replayed history is shown, never news.
+        """
+        due = self.wake_at
+        if due is None or now < due:
+            return False
+        self._confirmed = True
+        if self._dead_live:
+            self._deaths += 1
+        return self._dead_live
 
     def observe(self, event: UnitEvent, *, live: bool) -> bool:
-        """Fold one event in; True when a *live* event just made the engine dead.
+        """Fold one event in; True when a *live* clean exit just made the engine dead.
 
+        A fatal line becomes a dead engine later, in ``tick``, if its run outlives the grace.
         History (``live=False``) rebuilds the same state but never reports a new death: the
         daemon acts only on news, as it does for restart loops.
         """
@@ -247,7 +272,7 @@ class Liveness:
         """A new run replaces the current one (which is over, whatever it said)."""
         if self._run is not None:
             self._ended_runs.append(self._run.invocation_id)
-        self._dead = None
+        self._dead, self._confirmed = None, False
         self._run = _Run(invocation, started_s, phase_since_s=started_s)
         return self._run
 
@@ -280,9 +305,8 @@ class Liveness:
             line.cause if line else "the server's fatal line",
             event.message,
         )
-        if live:
-            self._deaths += 1
-        return live
+        self._confirmed, self._dead_live = False, live
+        return False  # dead once the run outlives the grace (tick)
 
     def _phase(self, run: _Run, event: UnitEvent) -> None:
         line = BY_KEY.get(event.line or "")
@@ -307,6 +331,7 @@ class Liveness:
             self._ended()
             return False
         before = self._dead
+        news = before is None or not self._confirmed
         cause = "main process exited with status 0, no stop job asked for it"
         if before is not None:
             cause = f"{before.cause}; then the {cause}"
@@ -318,18 +343,19 @@ class Liveness:
             before.line if before else event.message,
             unit_inactive=True,
         )
+        self._confirmed = True
         self._ended_runs.append(run.invocation_id)
         self._run = None
-        if live and before is None:
+        if live and news:
             self._deaths += 1
-        return live and before is None
+        return live and news
 
     def _ended(self) -> None:
         """The run is over and systemd knows it: its verdict ends with it."""
         if self._run is not None:
             self._ended_runs.append(self._run.invocation_id)
         self._run = None
-        self._dead = None
+        self._dead, self._confirmed = None, False
 
     def view(self, now: float) -> LivenessView:
         """The unit's liveness at monotonic ``now``."""
@@ -339,7 +365,7 @@ class Liveness:
     def _view(self, now: float) -> LivenessView:
         last = self._starts[-1] if self._starts else None
         dead = self._dead
-        if dead is not None:
+        if dead is not None and (self._confirmed or now >= dead.since_s + ENGINE_DEAD_GRACE_S):
             unit = (
                 "unit inactive: it exited cleanly and nobody asked it to stop"
                 if dead.unit_inactive

@@ -373,6 +373,9 @@ class Daemon:
             and watch.decision.not_before_s is not None
         )
         due.extend(w.dead_due - now for w in self._watches.values() if w.dead_due is not None)
+        due.extend(
+            wake - now for w in self._watches.values() if (wake := w.liveness.wake_at) is not None
+        )
         timeout = max(0.0, min(due))
         fds = self._follower.fds()
         if ports.wakeup_fd is not None:
@@ -567,9 +570,12 @@ class Daemon:
         died = liveness.observe(event, live=live)
         if live and liveness.learned != learned:
             self._save(watch)  # a start came up: its phases teach the next start's budget
-        if not died:
-            return
-        dead = liveness.dead
+        if died:
+            self._said_dead(watch)
+
+    def _said_dead(self, watch: _Watch) -> None:
+        """Say once that a unit's engine died; its action is due after the grace."""
+        dead = watch.liveness.dead
         if dead is None:
             return
         self._ports.log.error(
@@ -580,8 +586,8 @@ class Daemon:
             line=dead.line,
             action=self._settings.units[watch.name].on_engine_dead,
         )
-        # A fatal line at start is followed within seconds by the server's own exit, which
-        # systemd handles (and the detector judges): act only if the engine stays dead.
+        # After an exit 0, systemd's own restart (Restart=always) may still come: wait as long
+        # as for a fatal line (whose grace is over by now).
         watch.dead_due = dead.since_s + ENGINE_DEAD_GRACE_S
 
     def _dead_engines(self) -> None:
@@ -591,6 +597,8 @@ class Daemon:
         """
         now = self._ports.monotonic()
         for watch in self._watches.values():
+            if watch.liveness.tick(now):
+                self._said_dead(watch)
             view = watch.liveness.view(now)
             if view.state is State.STUCK and watch.stuck_said != view.invocation_id:
                 watch.stuck_said = view.invocation_id
