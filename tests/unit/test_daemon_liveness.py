@@ -18,7 +18,14 @@ from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
 
 from gpuguard.adapters import systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
-from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
+from gpuguard.core.status import (
+    DaemonView,
+    Level,
+    StatusContext,
+    UnitView,
+    assess,
+    render_text,
+)
 from gpuguard.daemon.loop import Daemon, Ports
 
 UNIT = "vllm.service"
@@ -136,6 +143,7 @@ def _status(harness: Harness) -> tuple[Level, str]:
         protected_names=(),
         idle_threshold_bytes=16 << 20,
         as_root=True,
+        units=(UnitView(UNIT, "active (running)", "0-3"),),
         daemon=DaemonView("running", harness.snapshots[-1]),
     )
     report = assess(harness.host.gather(), context, datetime.now(timezone.utc))
@@ -257,3 +265,6 @@ def test_a_start_that_came_up_is_saved_phase_by_phase(tmp_path: Path) -> None:
     liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
     assert liveness["state"] == "up"
     assert liveness["last_start"]["ready_s"] == start["ready_s"]
+    level, text = _status(harness)
+    assert level is Level.OK
+    assert f"engine: up (ready 1 min {start['ready_s'] - 60:.0f} s after its start)" in text

@@ -745,7 +745,7 @@ def _watch_lines(daemon: DaemonView | None, unit: str, since: datetime | None) -
         )
     ]
     liveness = _dict(watch.get("liveness"))
-    if liveness.get("summary"):
+    if liveness.get("summary") and liveness.get("state") != "unknown":
         lines.append(f"engine: {escape(str(liveness['summary']))}")
     if watch.get("looping"):
         detail = escape(str(watch.get("cause_detail")))
