@@ -368,3 +368,13 @@ def test_a_line_of_an_ended_run_never_opens_it_again() -> None:
     tracker.observe(failed, live=True)
     assert not tracker.observe(output(VLLM_WORKER, at_s=6.0), live=True)
     assert tracker.view(7.0).state is State.UNKNOWN
+
+
+def test_a_server_that_prints_no_phase_line_is_never_loading_nor_stuck() -> None:
+    """Without a phase line or any start that came up, readiness is unknown, never "loading"."""
+    tracker = Liveness(UNIT, "sglang")
+    started(tracker)
+    view = tracker.view(1_000_000.0)
+    assert view.state is State.UNKNOWN
+    assert view.summary == "running; readiness unknown (no phase line seen yet)"
+    assert view.level is None

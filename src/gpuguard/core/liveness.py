@@ -47,13 +47,13 @@ restart-loop detector handle that run. A clean exit nobody asked for is dead at 
 _ENDS: Final = frozenset(
     {
         EventKind.FAILED,
-        EventKind.DEACTIVATED,
         EventKind.RESTART_SCHEDULED,
         EventKind.STOPPED,
         EventKind.START_FAILED,
     }
 )
-"""PID 1's words for "this run is over" (a main-process exit is judged by its status)."""
+"""PID 1's words for "this run is over" (a main-process exit and "Deactivated successfully" are
+judged apart: a clean end nobody asked for is a death)."""
 _OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
 _ENDED_KEPT: Final = 16
 """Ended runs remembered, so that their late lines never open a run again."""
