@@ -100,6 +100,9 @@ _DAEMON_EVENTS: Final = frozenset(
         "next run started",
         "signal",
         "reap outcome",
+        "engine dead",
+        "engine dead: decision",
+        "start stuck",
     }
 )
 _DAEMON_FIELDS: Final = (
