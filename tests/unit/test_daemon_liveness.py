@@ -268,3 +268,40 @@ def test_a_start_that_came_up_is_saved_phase_by_phase(tmp_path: Path) -> None:
     level, text = _status(harness)
     assert level is Level.OK
     assert f"engine: up (ready 1 min {start['ready_s'] - 60:.0f} s after its start)" in text
+
+
+def exit_0_then_quiet(*, quiet_s: float) -> list[dict[str, object]]:
+    """A start, then an exit 0 no stop job asked for, then ``quiet_s`` of nothing new."""
+    starting, started, output, _stopping, deactivated, _stopped = clean_start_stop()
+    later = dict(output) | {
+        "MESSAGE": "INFO: shutting down",
+        "__CURSOR": str(output["__CURSOR"]) + "0",
+        "__MONOTONIC_TIMESTAMP": str(
+            int(str(deactivated["__MONOTONIC_TIMESTAMP"])) + int(quiet_s * 1e6)
+        ),
+    }
+    return [starting, started, output, deactivated, later]
+
+
+def test_an_opted_in_unit_left_inactive_by_an_exit_0_is_started_again(tmp_path: Path) -> None:
+    """Restart=on-failure saw a success and restarts nothing: the daemon's recovery does."""
+    harness = build(tmp_path, exit_0_then_quiet(quiet_s=30.0), on_engine_dead="recover")
+    harness.unit.active = "inactive"
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    assert harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]["result"] == "restarted"
+
+
+def test_an_exit_0_systemd_restarts_by_itself_is_left_to_systemd(tmp_path: Path) -> None:
+    """Restart=always (the unit in auto-restart): reported, and no systemctl call."""
+    harness = build(tmp_path, exit_0_then_quiet(quiet_s=30.0), on_engine_dead="recover")
+    harness.unit.active = "activating"
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    [(_, decision)] = _said(harness, "engine dead: decision")
+    assert decision["action"] == "report"
+    assert "auto-restart" in str(decision["reason"])

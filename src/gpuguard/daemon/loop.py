@@ -616,6 +616,10 @@ class Daemon:
                 decision = RecoveryDecision(
                     Action.REPORT, f"{watch.name} was stopped: gpuguard does not start it"
                 )
+            elif state.sub_state == "auto-restart":  # Restart=always after an exit 0
+                decision = RecoveryDecision(
+                    Action.REPORT, f"systemd restarts {watch.name} itself (auto-restart)"
+                )
             self._ports.log.warning(
                 "engine dead: decision",
                 unit=watch.name,
