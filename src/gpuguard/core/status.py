@@ -265,7 +265,16 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
                     f"cause {unit.get('cause')}; daemon action {unit.get('action')}",
                 )
             )
+        findings.extend(_liveness_findings(name, _dict(unit.get("liveness"))))
     return findings
+
+
+def _liveness_findings(name: str, liveness: Mapping[str, Any]) -> list[Finding]:
+    """An engine dead while its unit lives (CRITICAL), a start stuck in a phase (WARNING)."""
+    level = {"critical": Level.CRITICAL, "warning": Level.WARNING}.get(str(liveness.get("level")))
+    if level is None:
+        return []
+    return [Finding(level, f"{name}: {escape(str(liveness.get('summary')))}")]
 
 
 def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
@@ -796,6 +805,9 @@ def _watch_lines(daemon: DaemonView | None, unit: str, since: datetime | None) -
             f"restart counter {watch.get('n_restarts')}, action {watch.get('action')})"
         )
     ]
+    liveness = _dict(watch.get("liveness"))
+    if liveness.get("summary") and liveness.get("state") != "unknown":
+        lines.append(f"engine: {escape(str(liveness['summary']))}")
     if watch.get("looping"):
         detail = escape(str(watch.get("cause_detail")))
         lines.append(f"  cause {watch.get('cause')}: {detail}")
