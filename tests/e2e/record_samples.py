@@ -417,8 +417,7 @@ def scenario_restart_counter(rec: Recorder) -> list[str]:
 
 
 SERVING = (
-    'ExecStart=/usr/bin/python3 -u -c \'import time; print("sglang: serving"); '
-    "time.sleep(3600)'\n"
+    "ExecStart=/usr/bin/python3 -u -c 'import time; print(\"sglang: serving\"); time.sleep(3600)'\n"
 )
 
 
@@ -459,9 +458,10 @@ time.sleep(3600)
 
 
 def scenario_left_over_at_start(rec: Recorder) -> list[str]:
-    """(i) KillMode=process, no Restart=: the main process exits 0 leaving its worker; the
-    operator's next `systemctl start` finds it ("Found left-over process ... Ignoring.") and the
-    run comes up: no failure, no scheduled restart.
+    """(i) KillMode=process, no Restart=: the main process exits 0 and leaves its worker.
+
+    The operator's next `systemctl start` finds it ("Found left-over process ... Ignoring.") and
+    the run comes up: no failure, no scheduled restart.
     """
     rec.write("/usr/local/bin/sglang-exiting-server", EXITING_SERVER, mode=0o755)
     install_unit(rec, "ExecStart=/usr/local/bin/sglang-exiting-server\nKillMode=process\n")
@@ -724,8 +724,10 @@ def update_readme(release: str, notes: list[tuple[str, list[str]]]) -> None:
         section += "\nWhat was done (inside the container unless marked, in order):\n\n"
         section += "".join(_indent(step) for step in steps)
         pattern = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-        if pattern.search(text):
-            text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
+        found = pattern.search(text)
+        if found is not None:
+            start, end = found.span()
+            text = (text[:start] + section + "\n" + text[end:]).rstrip("\n") + "\n"
         else:
             text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
