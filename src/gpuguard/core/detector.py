@@ -433,7 +433,7 @@ class Detector:
             if event.realtime_s is not None:
                 self._wall_offset_s = event.realtime_s - event.monotonic_s
             self._forget_before(self._newest_s - horizon)
-        return live and event.kind not in _IGNORED_FOR_VERDICT
+        return live and asks_for_judgement(event.kind)
 
     def reset(self, now: float) -> None:
         """Forget everything up to ``now``: call it once a recovery has restarted the unit.
@@ -625,6 +625,11 @@ class Detector:
                 else:
                     self._oom_kept.pop(event.invocation_id, None)
         del self._events[:count]
+
+
+def asks_for_judgement(kind: EventKind) -> bool:
+    """Whether a live event of this kind makes the daemon judge (``explain`` replays the same)."""
+    return kind not in _IGNORED_FOR_VERDICT
 
 
 def _runs(events: Iterable[UnitEvent]) -> list[_Run]:
