@@ -542,6 +542,7 @@ def test_a_recovery_is_not_promised_for_holders_outside_the_cgroup_without_prove
     assert "would reap nothing" in would
     assert f"gpuguard reap --unit {UNIT} --scope patterns" in would
     assert "it would have recovered" not in would
+    assert any(line.startswith("PID 192: named by the server") for line in found.story.survivors)
 
 
 def test_where_the_daemon_said_otherwise_the_difference_is_printed() -> None:

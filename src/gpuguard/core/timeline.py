@@ -221,13 +221,12 @@ def build(
     rows = sorted(acc.rows, key=_order(acc.rows))
     events = sorted(acc.events, key=_order(acc.events))
     gpuguard_seen = any(row.source == GPUGUARD for row in rows)
-    replayed = _replay(
-        events, unit, loop, limits, holders=_holders_seen(rows, events), daemon=acc.daemon
-    )
+    holders = _holders_seen(rows, events)
+    replayed = _replay(events, unit, loop, limits, holders=holders, daemon=acc.daemon)
     would = () if gpuguard_seen else replayed.would
     rows += [row for row, _ in would]
     rows.sort(key=_order(rows))
-    story = _story(rows, events, tuple(text for _, text in would), replayed)
+    story = _story(rows, events, tuple(text for _, text in would), replayed, holders)
     return Timeline(unit, tuple(rows), story, gpuguard_seen)
 
 
@@ -596,7 +595,11 @@ def _what_it_could_reap(cause: Cause, action: Action, holders: _Holders, unit: s
 
 
 def _story(
-    rows: list[Row], events: list[UnitEvent], would: tuple[str, ...], replayed: _Replayed
+    rows: list[Row],
+    events: list[UnitEvent],
+    would: tuple[str, ...],
+    replayed: _Replayed,
+    holders: _Holders,
 ) -> Story:
     stops = [f"{_short(r.run)}: {r.text}" for r in rows if r.kind == EventKind.STOP_TIMED_OUT]
     killed = [r.text for r in rows if r.kind == "killed"]
@@ -604,7 +607,7 @@ def _story(
     return Story(
         stop_timeouts=tuple(stops),
         sigkilled=tuple(killed),
-        survivors=tuple(_survivors(rows)),
+        survivors=tuple(_survivors(rows, holders)),
         failed_starts=tuple(_failed_starts(rows, events)),
         gpuguard=tuple(ours),
         would=would,
@@ -617,8 +620,12 @@ def _story(
     )
 
 
-def _survivors(rows: list[Row]) -> list[str]:
-    """One line per distinct PID that outlived a run, with everything said about it."""
+def _survivors(rows: list[Row], holders: _Holders) -> list[str]:
+    """One line per distinct PID that outlived a run, with everything said about it.
+
+    A holder only the server's out-of-memory line names (outside the cgroup: systemd never saw
+    it) is one too, said to be the server's word.
+    """
     by_pid: dict[str, list[str]] = {}
     other: list[str] = []
     for row in rows:
@@ -639,6 +646,12 @@ def _survivors(rows: list[Row]) -> list[str]:
         if said not in by_pid.setdefault(pid, []):
             by_pid[pid].append(said)
     lines = [f"PID {pid}: {'; '.join(said)}" for pid, said in by_pid.items()]
+    lines += [
+        f"PID {pid}: named by the server's out-of-memory line as holding GPU memory (its word); "
+        "systemd never saw it in the unit's cgroup"
+        for pid in holders.named_outside
+        if str(pid) not in by_pid
+    ]
     return lines + other
 
 
@@ -665,7 +678,7 @@ def _operator(events: list[UnitEvent]) -> list[str]:
     """The stop jobs: someone asked for the stop (an operator's stop or restart): never a loop."""
     lines: dict[str | None, str] = {}
     for event in events:
-        if event.kind is EventKind.STOPPING and event.job_type == "stop":
+        if event.kind in {EventKind.STOPPING, EventKind.STOPPED} and event.job_type == "stop":
             lines.setdefault(
                 event.invocation_id,
                 f"run {_short(event.invocation_id)}: stopped by a stop job (an operator's "
