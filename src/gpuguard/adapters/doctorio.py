@@ -120,11 +120,18 @@ def history(unit: str) -> tuple[History, str | None]:
         ]
     )
     entries: list[dict[str, object]] = []
+    cursors: set[str] = set()
     for line in [*out.splitlines(), *(swept or "").splitlines()]:
         with contextlib.suppress(ValueError, RecursionError):
             entry = json.loads(line)
-            if isinstance(entry, dict):
-                entries.append(entry)
+            if not isinstance(entry, dict):
+                continue
+            cursor = entry.get("__CURSOR")
+            if isinstance(cursor, str):
+                if cursor in cursors:
+                    continue  # an entry both queries match counts once
+                cursors.add(cursor)
+            entries.append(entry)
     return build_history(entries, unit), None
 
 
