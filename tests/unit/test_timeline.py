@@ -269,6 +269,8 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
         daemon_line(base, 600, event="reap outcome", outcome="killed", pid=191,
                     signals=["SIGTERM", "SIGKILL"], unit="op.scope",
                     reason=f"left over from an earlier run of {UNIT}"),
+        daemon_line(base, 610, event="survivors of an ended run", unit=UNIT, pids=[191],
+                    summary="reaped 1 survivor of run bdab810c within 1.0 s of its end"),
         daemon_line(base, 650, event="recovery: stopping unit", unit=UNIT),
         daemon_line(base, 700, event="recovery finished", unit=UNIT, result="restarted", reaped=1),
         entry_like(base, 800, MESSAGE="Started sglang.service.", INVOCATION_ID=newer_run,
@@ -290,11 +292,15 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
     )
     assert "recovery finished: result=restarted reaped=1" in found.story.gpuguard
     assert "recovery: stopping unit" in found.story.gpuguard  # no fields: no dangling ": "
-    assert "PID 191: reaped by gpuguard" in found.story.survivors
+    # The reaper's outcome and the daemon's sweep name the same PID: one survivor.
+    assert found.story.survivor_pids == 1
+    [tp3] = [line for line in found.story.survivors if line.startswith("PID 191: ")]
+    assert "reaped by gpuguard" in tp3
+    assert "swept by gpuguard's daemon: reaped 1 survivor of run bdab810c" in tp3
     assert found.story.healthy is not None
     assert found.story.healthy.startswith("run bbbbcccc started and has not failed since (60.0 s")
     text = timeline.render_text(found, since=None)
-    assert "what gpuguard decided and did: 3" in text
+    assert "what gpuguard decided and did: 4" in text  # the sweep too
     assert "healthy: run bbbbcccc" in text
 
 

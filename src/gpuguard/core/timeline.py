@@ -110,6 +110,7 @@ _DAEMON_FIELDS: Final = (
     "result",
     "problem",
     "reaped",
+    "pids",
     "summary",
 )
 # The reaper's lines: what was signalled first (the reason is long: it comes last).
@@ -157,6 +158,8 @@ class Story:
     """Stop jobs (an operator's ``stop`` or ``restart``, a conflict, gpuguard): never a loop."""
     findings: tuple[str, ...] = ()
     """What is no loop but worth a look: left-overs found at a start."""
+    survivor_pids: int = 0
+    """How many distinct PIDs ``survivors`` names (its PID-less lines not counted)."""
     verdict: str = ""
     """The detector's verdict on the newest entries, replayed (the daemon's own code)."""
     disagreements: tuple[str, ...] = ()
@@ -222,7 +225,7 @@ def build(
     events = sorted(acc.events, key=_order(acc.events))
     gpuguard_seen = any(row.source == GPUGUARD for row in rows)
     holders = _holders_seen(rows, events)
-    replayed = _replay(events, unit, loop, limits, holders=holders, daemon=acc.daemon)
+    replayed = _replay(events, unit, loop, limits, holders=holders, daemon=acc.daemon, rows=rows)
     would = () if gpuguard_seen else replayed.would
     rows += [row for row, _ in would]
     rows.sort(key=_order(rows))
@@ -474,6 +477,7 @@ def _replay(  # noqa: PLR0913 - the daemon's settings, what the journal shows, w
     *,
     holders: _Holders,
     daemon: Sequence[_DaemonSaid],
+    rows: Sequence[Row],
 ) -> _Replayed:
     """The daemon's detector and planner over these events, as the daemon ran them.
 
@@ -525,12 +529,21 @@ def _replay(  # noqa: PLR0913 - the daemon's settings, what the journal shows, w
         acted = decision.action is Action.RECOVER  # what it would have changed, none can say
     for left in pending:
         _compare(detector, left, differ)
-    final = detector.diagnose(events[-1].monotonic_s, None) if events else None
+    final = detector.diagnose(_newest(events, rows), None) if events else None
     if final is None:
         verdict = "no lifecycle event of the unit in the journal"
     else:
         verdict = ("restart loop: " if final.looping else "no loop: ") + final.reason
     return _Replayed(tuple(said), escape(verdict, _TEXT_LIMIT * 2), tuple(differ), tuple(findings))
+
+
+def _newest(events: Sequence[UnitEvent], rows: Sequence[Row]) -> float:
+    """The newest moment the journal shows in the last event's boot: the verdict is judged then.
+
+    The daemon judges on its timer too: a run that stayed up for ``stable_s`` is healthy.
+    """
+    boot = events[-1].boot_id
+    return max([events[-1].monotonic_s, *(r.monotonic_s for r in rows if r.boot_id == boot)])
 
 
 def _before(said: _DaemonSaid, event: UnitEvent) -> bool:
@@ -604,10 +617,12 @@ def _story(
     stops = [f"{_short(r.run)}: {r.text}" for r in rows if r.kind == EventKind.STOP_TIMED_OUT]
     killed = [r.text for r in rows if r.kind == "killed"]
     ours = [r.text for r in rows if r.source == GPUGUARD and r.kind not in _TABLE_ONLY]
+    survivors = _survivors(rows, holders)
     return Story(
         stop_timeouts=tuple(stops),
         sigkilled=tuple(killed),
-        survivors=tuple(_survivors(rows, holders)),
+        survivors=tuple(survivors),
+        survivor_pids=sum(line.startswith("PID ") for line in survivors),
         failed_starts=tuple(_failed_starts(rows, events)),
         gpuguard=tuple(ours),
         would=would,
@@ -636,15 +651,19 @@ def _survivors(rows: list[Row], holders: _Holders) -> list[str]:
             continue
         if not (systemd or ours):
             continue
-        match = _SURVIVOR_PID.search(row.text)
-        if match is None:
+        swept = _SWEPT_PIDS.search(row.text) if row.kind == "survivors-of-an-ended-run" else None
+        match = _SURVIVOR_PID.search(row.text) if swept is None else None
+        pids = swept["pids"].split(",") if swept else [match[1] or match[2]] if match else []
+        if not pids:
             other.append(row.text)
             continue
-        pid = match[1] or match[2]
         what = _SURVIVOR_WORDS.get(row.kind, row.kind)
+        if swept is not None and (summary := row.text.find("summary=")) >= 0:
+            what = f"swept by gpuguard's daemon: {row.text[summary + len('summary=') :]}"
         said = f"{what} (run {_short(row.run)})" if row.run else what
-        if said not in by_pid.setdefault(pid, []):
-            by_pid[pid].append(said)
+        for pid in pids:
+            if said not in by_pid.setdefault(pid, []):
+                by_pid[pid].append(said)
     lines = [f"PID {pid}: {'; '.join(said)}" for pid, said in by_pid.items()]
     lines += [
         f"PID {pid}: named by the server's out-of-memory line as holding GPU memory (its word); "
@@ -661,6 +680,7 @@ _SURVIVOR_WORDS: Final = {
     "reap-outcome": "reaped by gpuguard",
 }
 _SHOWN_PIDS: Final = 5
+_SWEPT_PIDS = re.compile(r"\bpids=\[(?P<pids>\d{1,10}(?:,\d{1,10}){0,19})\]")
 
 
 def _start_limit(events: list[UnitEvent]) -> list[str]:
@@ -832,7 +852,14 @@ def _story_lines(timeline: Timeline) -> list[str]:
 
     block("stops that timed out", story.stop_timeouts, "none")
     block("processes systemd SIGKILLed", story.sigkilled, "none")
-    block("survivors and left-overs", story.survivors, "none seen in the journal")
+    if story.survivors and story.survivor_pids != len(story.survivors):
+        # Lines without a PID (systemd's "Processes still around after SIGKILL"): not counted.
+        lines.append(f"  survivors and left-overs: {story.survivor_pids} PIDs")
+        lines.extend(f"    {item}" for item in story.survivors[:_STORY_ITEMS])
+        if len(story.survivors) > _STORY_ITEMS:
+            lines.append(f"    … {len(story.survivors) - _STORY_ITEMS} more (see --json)")
+    else:
+        block("survivors and left-overs", story.survivors, "none seen in the journal")
     block("failed starts", story.failed_starts, "none")
     if story.start_limit:
         block("systemd ended a restart loop (start limit)", story.start_limit, "")
@@ -875,6 +902,7 @@ def to_json(timeline: Timeline, *, since: str | None) -> dict[str, object]:
             "stop_timeouts": list(story.stop_timeouts),
             "sigkilled": list(story.sigkilled),
             "survivors": list(story.survivors),
+            "survivor_pids": story.survivor_pids,
             "failed_starts": list(story.failed_starts),
             "gpuguard": list(story.gpuguard),
             "would": list(story.would),
