@@ -112,6 +112,7 @@ _DAEMON_FIELDS: Final = (
     "reaped",
     "pids",
     "summary",
+    "findings",
 )
 # The reaper's lines: what was signalled first (the reason is long: it comes last).
 _REAP_FIELDS: Final = ("signal", "pid", "outcome", "signals", "detail", "command", "reason")
