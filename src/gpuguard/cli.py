@@ -106,10 +106,13 @@ Tell one unit's incident from the journal alone, as a timeline: the stop that ti
 what systemd SIGKILLed, who survived or was left over, each failed start and the
 start-failure signature it printed, what gpuguard decided and did, and when the unit
 came up again. Only journald's trusted fields decide who said what: systemd's rows are
-PID 1's own entries; the unit's output is shown as its word; gpuguard's rows come from
-gpuguard.service as root. With no gpuguard line in the journal (an incident before it
-was installed), gpuguard's detector is replayed over systemd's entries to say what it
-would have done.
+PID 1's own entries; the unit's output is shown as its word (even a line identical to
+the gate's verdict); gpuguard's rows come from gpuguard.service and gpuguard-gate.service
+as root. gpuguard's own detector is replayed over systemd's entries: the story ends with
+its verdict (a start limit systemd hit, stops an operator asked for, left-overs that make
+no loop), and any verdict the daemon logged that the replay does not reach is printed with
+the reason. With no gpuguard line in the journal (an incident before it was installed),
+the replay says what it would have done, and only what its ownership rule would allow.
 
 Exit status: 0 a timeline was printed; 1 the journal had nothing about the unit;
 64 a bad argument; 69 journalctl could not be run; 78 the configuration file is invalid.

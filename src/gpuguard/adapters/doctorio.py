@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.adapters import programs, systemd
-from gpuguard.core.doctor import GpuUseFacts, History, HostFacts, PathFact, UnitFacts, build_history
+from gpuguard.core.doctor import (
+    DAEMON_UNIT,
+    SWEEP_EVENT,
+    GpuUseFacts,
+    History,
+    HostFacts,
+    PathFact,
+    UnitFacts,
+    build_history,
+)
 from gpuguard.core.events import FIELDS_READ
 from gpuguard.core.gpuset import resolve_gpu_set
 from gpuguard.core.mig import mig_indices
@@ -95,12 +104,36 @@ def history(unit: str) -> tuple[History, str | None]:
     )
     if out is None:
         return History(), problem
+    # The daemon's sweeps of an ended run's survivors: the workers that left the unit's cgroup,
+    # which systemd never names (trust is judged again on _SYSTEMD_UNIT and _UID).
+    swept, _ = _run(
+        [
+            "journalctl",
+            "--output=json",
+            "--no-pager",
+            "--quiet",
+            f"--output-fields={','.join(FIELDS_READ)}",
+            f"--since=@{since:.0f}",
+            f"--lines={JOURNAL_MAX_ENTRIES}",
+            f"--grep={SWEEP_EVENT}",
+            "--case-sensitive=yes",
+            f"_SYSTEMD_UNIT={DAEMON_UNIT}",
+            "_UID=0",
+        ]
+    )
     entries: list[dict[str, object]] = []
-    for line in out.splitlines():
+    cursors: set[str] = set()
+    for line in [*out.splitlines(), *(swept or "").splitlines()]:
         with contextlib.suppress(ValueError, RecursionError):
             entry = json.loads(line)
-            if isinstance(entry, dict):
-                entries.append(entry)
+            if not isinstance(entry, dict):
+                continue
+            cursor = entry.get("__CURSOR")
+            if isinstance(cursor, str):
+                if cursor in cursors:
+                    continue  # an entry both queries match counts once
+                cursors.add(cursor)
+            entries.append(entry)
     return build_history(entries, unit), None
 
 

@@ -525,6 +525,8 @@ class Daemon:
             "starts_in_window": diagnosis.starts_in_window,
             "n_restarts": diagnosis.n_restarts,
         }
+        if diagnosis.findings:  # no loop, but worth saying (a left-over at an operator's start)
+            fields["findings"] = list(diagnosis.findings)
         if decision is None:
             self._ports.log.info("verdict", **fields)
             return
