@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
 from gpuguard.core.detector import Cause
+from gpuguard.core.escaping import escape
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpuguard.core.detector import Diagnosis
+    from gpuguard.core.policy import KillPlan
 
 
 class Action(StrEnum):
@@ -220,3 +222,44 @@ def _kind(value: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
         type(value), "a number" if isinstance(value, (int, float)) else "something else"
     )
+
+
+def unfreeable(kill_plan: KillPlan, idle_threshold_bytes: int) -> tuple[str, ...]:
+    """Holders of the unit's GPUs that neither its stop nor its plan would free, one phrase each.
+
+    A recovery stops the unit and reaps what the plan chose; everything else holding memory on
+    the unit's GPUs (NVML lists it with more than the idle threshold, or with no size) stays. A
+    process in the unit's own cgroup goes with the stop. When any such holder remains, stopping
+    the unit cannot help and only risks leaving it down: the daemon asks an operator instead.
+    """
+    request = kill_plan.request
+    wanted = request.gpu_set
+    found = []
+    for decision in kill_plan.spared:
+        holder = decision.holder
+        attribution = holder.attribution
+        if (
+            attribution.unit == request.unit
+            and not attribution.user_unit
+            and attribution.container is None
+            and not attribution.unknown
+        ):
+            continue
+        held = [
+            use
+            for use in holder.gpus
+            if use.listed_by_nvml
+            and (wanted is None or use.gpu_index in wanted)
+            and (use.used_bytes is None or use.used_bytes > idle_threshold_bytes)
+        ]
+        if held:
+            gpus = ",".join(str(use.gpu_index) for use in held)
+            found.append(
+                f"PID {holder.pid} ({escape(holder.comm)}) on GPU {gpus}: {decision.reason}"
+            )
+    return tuple(found)
+
+
+def operator_command(unit: str) -> str:
+    """What an operator runs, after checking the blockers, to free the unit's GPUs by pattern."""
+    return f"gpuguard reap --unit {unit} --scope patterns"

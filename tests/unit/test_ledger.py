@@ -1,0 +1,238 @@
+"""The provenance ledger: what it records, what it forgets, what it proves to the kill policy."""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import replace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuguard.core.adopt import glob_match
+from gpuguard.core.cgroup import Attribution
+from gpuguard.core.inventory import GpuUse, Holder
+from gpuguard.core.ledger import MAX_PROCESSES, MAX_RUNS, Ledger, SeenProcess
+from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
+from gpuguard.core.recovery import operator_command, unfreeable
+from gpuguard.core.values import ProcessIdentity, UnitProvenance
+
+UNIT = "sglang.service"
+LIVE = "a" * 32
+OLD = "b" * 32
+ROOT = (0, 0, 0, 0)
+TENANT = (1000, 1000, 1000, 1000)
+SCOPE = "tp-worker-0.scope"
+SCOPE_ID = "d" * 32  # the transient scope's own INVOCATION_ID
+
+
+def holder(
+    pid: int = 100,
+    *,
+    unit: str = UNIT,
+    invocation: str | None = OLD,
+    uids: tuple[int, ...] = ROOT,
+) -> Holder:
+    """A holder of GPU 0 by its device file, in ``unit``'s cgroup."""
+    return Holder(
+        identity=ProcessIdentity(pid, 5000 + pid),
+        ppid=1,
+        state="S",
+        user="root",
+        comm="python3",
+        cmdline=("python3", "-m", "sglang.launch_server"),
+        attribution=Attribution(unit=unit),
+        invocation_id=invocation,
+        gpus=(GpuUse(0, None, listed_by_nvml=False, holds_device_file=True),),
+        device_files=frozenset({"/dev/nvidia0"}),
+        kernel_thread=False,
+        uids=uids,
+    )
+
+
+def request(*, live: str | None = None, provenance: UnitProvenance | None = None) -> PlanRequest:
+    """The gate's request for the unit (scope unit, GPUs 0-3)."""
+    return PlanRequest(
+        unit=UNIT,
+        scope=Scope.UNIT,
+        patterns=("sglang",),
+        gpu_set=frozenset({0, 1, 2, 3}),
+        protected_names=("nvidia-persistenced",),
+        untouchable_pids=frozenset({4242}),
+        provenance=provenance or UnitProvenance(None, frozenset({OLD}), uid=0),
+        live_invocation=live,
+    )
+
+
+def seen(pid: int, cgroup: str = f"/system.slice/{UNIT}") -> SeenProcess:
+    """A process as the ledger saw it (start times as test_policy's holders have them)."""
+    return SeenProcess(pid, 5000 + pid, ROOT, "python3", cgroup)
+
+
+def recorded(*pids: int, run: str = OLD) -> UnitProvenance:
+    """The provenance systemd gives, with the ledger having seen ``pids`` descend from ``run``."""
+    ledger = Ledger().record(UNIT, run, [seen(pid) for pid in pids], 1.0)
+    return UnitProvenance(None, frozenset({OLD}), uid=0, ledger=ledger.claims(UNIT))
+
+
+def moved(pid: int = 100, uids: tuple[int, ...] = ROOT) -> Holder:
+    """A TP worker that moved into its own scope, with that scope's INVOCATION_ID."""
+    return holder(pid, unit=SCOPE, invocation=SCOPE_ID, uids=uids)
+
+
+def test_a_process_keeps_the_first_run_it_was_seen_in() -> None:
+    """A left-over of run A still in the cgroup when run B starts stays A's."""
+    ledger = Ledger().record(UNIT, OLD, [seen(1)], 1.0).record(UNIT, LIVE, [seen(1), seen(2)], 2.0)
+    assert dict(ledger.claims(UNIT)) == {
+        ProcessIdentity(1, 5001): OLD,
+        ProcessIdentity(2, 5002): LIVE,
+    }
+
+
+def test_gone_processes_and_their_empty_runs_are_forgotten() -> None:
+    """Forgetting keeps the live run even when empty; a PID reused later is a new process."""
+    ledger = Ledger().record(UNIT, OLD, [seen(1)], 1.0).record(UNIT, LIVE, [], 2.0)
+    forgotten = ledger.forget(lambda _identity: False, keep=frozenset({LIVE}))
+    assert [run.invocation_id for run in forgotten.runs] == [LIVE]
+    assert not forgotten.claims(UNIT)
+
+
+def test_the_ledger_is_bounded_in_runs_and_processes() -> None:
+    """The oldest runs go first; a run keeps at most MAX_PROCESSES."""
+    ledger = Ledger()
+    for run in range(MAX_RUNS + 5):
+        ledger = ledger.record(UNIT, f"{run:032x}", [], float(run))
+    assert len(ledger.runs) == MAX_RUNS
+    assert ledger.runs[0].invocation_id == f"{5:032x}"
+    big = Ledger().record(UNIT, OLD, [seen(pid) for pid in range(1, MAX_PROCESSES + 10)], 1.0)
+    assert len(big.runs[0].processes) == MAX_PROCESSES
+
+
+def test_the_file_document_round_trips() -> None:
+    """What is written is read back as the same ledger, with no problem."""
+    ledger = Ledger().record(UNIT, OLD, [seen(1), seen(2, "/system.slice/x.scope")], 1.5)
+    assert Ledger.parse(ledger.to_json()) == (ledger, ())
+
+
+@given(
+    st.recursive(
+        st.none() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)
+    )
+)
+def test_the_parser_is_total(document: object) -> None:
+    """Any JSON value parses to a ledger (maybe empty) and reasons, never an exception."""
+    ledger, problems = Ledger.parse(document)
+    assert isinstance(ledger, Ledger)
+    assert isinstance(problems, tuple)
+
+
+def test_malformed_runs_and_processes_are_dropped() -> None:
+    """A bad id, a negative PID, a bool or too many uids only removes evidence."""
+    good = Ledger().record(UNIT, OLD, [seen(1)], 1.0).to_json()
+    run = good["runs"][0]
+    document = {
+        "schema": 1,
+        "runs": [
+            run | {"invocation_id": "../../etc"},
+            run | {"processes": [[-1, 5, [0], "x", "/"], [True, 5, [0], "x", "/"]]},
+            run | {"processes": [[1, 5001, [0, 0, 0, 0, 0], "x", "/"]]},
+            run,
+        ],
+    }
+    ledger, problems = Ledger.parse(document)
+    assert problems == ("a malformed run was skipped",)
+    assert [len(r.processes) for r in ledger.runs] == [0, 0, 1]
+
+
+def test_a_recorded_worker_of_an_ended_run_is_reaped_in_its_own_scope() -> None:
+    """The ledger saw it descend from the ended run: reaped whatever its scope's INVOCATION_ID."""
+    decision = decide(moved(), request(provenance=recorded(100)))
+    assert decision.verdict is Verdict.REAP
+    assert "the ledger saw it descend from run" in decision.reason
+
+
+def test_without_the_ledger_the_moved_worker_is_kept() -> None:
+    """Today's evidence alone: the scope's own INVOCATION_ID names no run of the unit."""
+    decision = decide(moved(), request(provenance=replace(recorded(100), ledger=frozenset())))
+    assert decision.verdict is Verdict.KEEP
+
+
+def test_a_recorded_process_of_another_uid_is_never_the_units() -> None:
+    """The ledger is no evidence against the uid rule: a tenant's process stays."""
+    decision = decide(moved(uids=TENANT), request(provenance=recorded(100)))
+    assert decision.verdict is Verdict.KEEP
+    assert "uid 1000" in decision.reason
+
+
+def test_a_recorded_process_of_the_live_run_is_kept() -> None:
+    """A worker the ledger saw in the running invocation is live."""
+    decision = decide(moved(), request(live=LIVE, provenance=recorded(100, run=LIVE)))
+    assert decision.verdict is Verdict.KEEP
+    assert "live process" in decision.reason
+
+
+def test_a_reused_pid_is_not_the_recorded_process() -> None:
+    """Same PID, other start time: no evidence."""
+    worker = replace(moved(), identity=ProcessIdentity(100, 1))
+    assert decide(worker, request(provenance=recorded(100))).verdict is Verdict.KEEP
+
+
+def test_the_sweep_of_an_ended_run_takes_its_recorded_workers() -> None:
+    """only_invocation matches the ledger's run as well as an inherited INVOCATION_ID."""
+    sweep = replace(request(provenance=recorded(100)), only_invocation=OLD)
+    assert decide(moved(), sweep).verdict is Verdict.REAP
+    other = replace(request(provenance=recorded(100, run="e" * 32)), only_invocation=OLD)
+    assert decide(moved(), other).verdict is Verdict.KEEP
+
+
+def test_an_adopted_scope_is_the_units_only_while_nothing_of_it_is_live() -> None:
+    """An adopted scope's holder with the unit's uid is reaped only while the unit is down."""
+    adopting = replace(request(), adopt=("tp-worker-*.scope",))
+    assert decide(moved(), adopting).verdict is Verdict.REAP
+    assert decide(moved(uids=TENANT), adopting).verdict is Verdict.KEEP
+    running = replace(adopting, live_invocation=LIVE)
+    kept = decide(moved(), running)
+    assert kept.verdict is Verdict.KEEP
+    assert "ledger does not say" in kept.reason
+    assert decide(moved(), replace(adopting, adopt=("tp-other-*.scope",))).verdict is Verdict.KEEP
+
+
+@given(st.text("ab*", max_size=8), st.text("ab", max_size=10))
+def test_glob_match_agrees_with_fnmatch_on_stars(pattern: str, name: str) -> None:
+    """Only * is special, and it means what fnmatch means by it."""
+    assert glob_match(pattern, name) == fnmatch.fnmatchcase(name, pattern)
+
+
+def test_glob_match_is_linear_on_a_pathological_pattern() -> None:
+    """A pattern that makes a backtracking matcher exponential costs a scan here."""
+    started = time.process_time()
+    assert not glob_match("*a" * 50 + "*b", "a" * 100_000)
+    assert time.process_time() - started < 1.0
+
+
+def test_holders_the_plan_cannot_free_block_a_recovery() -> None:
+    """A stranger holding the unit's GPU is a blocker; the unit's own cgroup is not."""
+    stranger = replace(holder(200, unit="run-r1.scope", invocation=None), gpus=listed(0))
+    own = replace(holder(100), gpus=listed(0))
+    blockers = unfreeable(plan([own, stranger], request(live=LIVE)), 16 * 2**20)
+    assert len(blockers) == 1
+    assert blockers[0].startswith("PID 200 (python3) on GPU 0: not in sglang.service's cgroup")
+    assert operator_command(UNIT) == "gpuguard reap --unit sglang.service --scope patterns"
+
+
+def listed(*gpus: int) -> tuple[GpuUse, ...]:
+    """GPU uses NVML lists with 30 GB each."""
+    return tuple(GpuUse(g, 30 * 2**30, listed_by_nvml=True, holds_device_file=True) for g in gpus)
+
+
+def test_adopt_takes_scope_globs_only() -> None:
+    """A scope glob is taken; every scope, a path or another unit type is refused."""
+    import pytest  # noqa: PLC0415 - only this test raises
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from gpuguard.config import UnitSettings  # noqa: PLC0415
+
+    assert UnitSettings(adopt=("tp-worker-*.scope",)).adopt == ("tp-worker-*.scope",)
+    for bad in ("*.scope", "**.scope", "a/b.scope", "x.service", "tp-worker-[0].scope"):
+        with pytest.raises(ValidationError):
+            UnitSettings(adopt=(bad,))
