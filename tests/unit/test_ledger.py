@@ -6,11 +6,13 @@ import fnmatch
 import time
 from dataclasses import replace
 
+from builders import gpu, inventory, nvml, plan_request, process
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.core.adopt import glob_match
 from gpuguard.core.cgroup import Attribution
+from gpuguard.core.gate import GateSettings, run_gate
 from gpuguard.core.inventory import GpuUse, Holder
 from gpuguard.core.ledger import MAX_PROCESSES, MAX_RUNS, Ledger, SeenProcess
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
@@ -236,3 +238,31 @@ def test_adopt_takes_scope_globs_only() -> None:
     for bad in ("*.scope", "**.scope", "a/b.scope", "x.service", "tp-worker-[0].scope"):
         with pytest.raises(ValidationError):
             UnitSettings(adopt=(bad,))
+
+
+def test_the_gates_refusal_names_what_it_cannot_prove_and_the_command() -> None:
+    """A worker in its own scope without a ledger record: refused, with the operator's command."""
+    worker = replace(
+        process(300, 0, cgroup=f"/system.slice/{SCOPE}", invocation_id=SCOPE_ID),
+        uids=ROOT,
+    )
+    found = inventory(nvml(gpu(0, (300, 30000))), worker)
+    asked = plan_request(gpu_set=frozenset({0}), provenance=UnitProvenance(None, uid=0))
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    def reap(targets: object) -> tuple[()]:
+        raise AssertionError(f"nothing here is provably the unit's: {targets}")
+
+    gate = GateSettings(asked, 16 * 2**20, timeout_s=2.0, poll_s=0.5)
+    refused = run_gate(gate, lambda: found, reap, lambda: clock[0], sleep)
+    assert not refused.passed
+    assert refused.unprovable[0].startswith("PID 300 (python3) on GPU 0: not in sglang.service")
+    assert refused.message.endswith(
+        "after checking them: gpuguard reap --unit sglang.service --scope patterns"
+    )
+    recorded_run = Ledger().record(UNIT, OLD, [SeenProcess(300, 1300, ROOT, "python3", "/")], 1.0)
+    proven = replace(asked, provenance=replace(asked.provenance, ledger=recorded_run.claims(UNIT)))
+    assert [d.holder.pid for d in plan(found.holders, proven).to_reap] == [300]
