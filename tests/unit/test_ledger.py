@@ -18,6 +18,7 @@ from gpuguard.core.ledger import MAX_PROCESSES, MAX_RUNS, Ledger, SeenProcess
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.recovery import operator_command, unfreeable
 from gpuguard.core.values import ProcessIdentity, UnitProvenance
+from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
 UNIT = "sglang.service"
 LIVE = "a" * 32
@@ -266,3 +267,28 @@ def test_the_gates_refusal_names_what_it_cannot_prove_and_the_command() -> None:
     recorded_run = Ledger().record(UNIT, OLD, [SeenProcess(300, 1300, ROOT, "python3", "/")], 1.0)
     proven = replace(asked, provenance=replace(asked.provenance, ledger=recorded_run.claims(UNIT)))
     assert [d.holder.pid for d in plan(found.holders, proven).to_reap] == [300]
+
+
+def test_the_keeper_records_soon_after_a_start_then_at_its_interval_and_stops_at_the_end() -> None:
+    """Records at +1, +2, +4 … s up to every_s; an ended run is read once more, then never."""
+    reads: list[float] = []
+    clock = [0.0]
+
+    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+        reads.append(clock[0])
+        return (seen(1),)
+
+    saved: list[Ledger] = []
+    ports = LedgerPorts(run_processes=read, alive=lambda _i: True, save=saved.append, every_s=5.0)
+    keeper = LedgerKeeper(ports, Ledger(), lambda: clock[0])
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)
+    while clock[0] < 20.0:
+        due = keeper.due_in(clock[0])
+        assert due is not None
+        clock[0] += due
+        keeper.tick(clock[0])
+    assert reads == [0.0, 1.0, 3.0, 7.0, 12.0, 17.0, 22.0]
+    assert len(saved) == 1  # one process, recorded once: nothing new to write after that
+    keeper.run_over(UNIT, OLD, 23.0)
+    assert keeper.due_in(23.0) is None
+    assert dict(keeper.claims(UNIT)) == {ProcessIdentity(1, 5001): OLD}

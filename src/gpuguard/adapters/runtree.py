@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from gpuguard.core.values import ProcessIdentity
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Where a systemd cgroup path is found: cgroup v2, else a hybrid host's unified hierarchy, else
+# its named systemd hierarchy (v1); the first that has the unit's directory is read.
+_HIERARCHIES = ("", "unified", "systemd")
 _MAX_CGROUPS = 256
 _PROCS_LIMIT = 1 << 20
 
@@ -31,7 +34,11 @@ def cgroup_pids(control_group: str, *, cgroup_root: Path = CGROUP_ROOT) -> list[
     relative = control_group.strip("/")
     if not relative or ".." in relative.split("/"):
         return []
-    top = os.fspath(cgroup_root / relative)
+    tops = [cgroup_root / hierarchy / relative for hierarchy in _HIERARCHIES]
+    found = next((top for top in tops if (top / "cgroup.procs").is_file()), None)
+    if found is None:
+        return []
+    top = os.fspath(found)
     pids: list[int] = []
     visited = 0
     for directory, subdirectories, _files in os.walk(top, followlinks=False):

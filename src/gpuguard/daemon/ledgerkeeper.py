@@ -1,7 +1,8 @@
 """The daemon's side of the provenance ledger: record each watched run while it lives.
 
 When a run comes up, when systemd announces its stop (``Stopping …``, before any signal), when
-it ends, and every ``daemon.ledger_every_s`` while it runs, the run's processes are read
+it ends, and while it runs - 1, 2, 4, 8 … s after it came up (a server's workers appear after
+its model load), then every ``daemon.ledger_every_s`` - the run's processes are read
 (runtree: its cgroup and the descendants of every process in it or recorded before) and added
 to the ledger (core.ledger). Processes that exited are forgotten at each record, runs left
 empty with them; the file is rewritten only when what it proves changed, so an idle host costs
@@ -30,11 +31,15 @@ class LedgerPorts:
     every_s: float
 
 
+_FIRST_STEP_S = 1.0
+
+
 @dataclass(slots=True)
 class _Live:
     invocation_id: str
     control_group: str | None
     due_s: float
+    step_s: float = _FIRST_STEP_S
 
 
 class LedgerKeeper:
@@ -76,7 +81,8 @@ class LedgerKeeper:
         ports, live = self._ports, self._live.get(unit)
         if ports is None or live is None:
             return
-        live.due_s = now + ports.every_s
+        live.due_s = now + min(live.step_s, ports.every_s)
+        live.step_s = min(live.step_s * 2, ports.every_s)
         run = self._ledger.run_of(unit, live.invocation_id)
         recorded = [p.identity for p in run.processes] if run is not None else []
         seen = ports.run_processes(live.control_group, recorded)
