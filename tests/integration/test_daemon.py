@@ -498,7 +498,8 @@ def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
     """An OOM line naming GPU 1, from a unit with CUDA_VISIBLE_DEVICES=2,3, means GPU 3.
 
     Another job holds GPU 3 (not the unit's, so not stale): the diagnosis names it as what
-    GPU 3 is held by; nothing is reaped (dry run).
+    GPU 3 is held by; nothing is reaped, and since no recovery could free GPU 3 the unit goes
+    to needs operator instead (never worse).
     """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     other = spawn_holder(in_process_nvml, gpus=(3,), mib=20000, name="trainer")
@@ -529,9 +530,10 @@ def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
 
     assert harness.daemon.run() == 0
 
-    loop = next(f for _, event, f in harness.log.lines if event == "restart loop")
+    loop = next(f for _, event, f in harness.log.lines if event == "needs operator")
     detail = str(loop["cause_detail"])
     assert loop["cause"] == "stale-gpu-holders"
+    assert loop["action"] == "needs-operator"
     assert "GPU 1 has a total capacity" in detail
     assert f"; cuda:1 = GPU 3 (20000 MiB used), held by PID {other.pid} (trainer, " in detail
     assert "(no stale holder found now)" in detail

@@ -10,7 +10,11 @@ with positive evidence that it came from an ended run of this unit: its ``INVOCA
 by systemd for every process of a run and inherited by children) names such a run, and it runs
 as the unit's user, so no tenant can hand its own server to the gate by naming it ``sglang``
 (and a forged id only exposes processes its own user could kill anyway). An invocation id
-belongs to one unit, so two gates never claim one process. Processes whose cgroup is unknown,
+belongs to one unit, so two gates never claim one process. The daemon's provenance ledger
+(core.ledger) is the same evidence for a process that moved to a cgroup of its own while the run
+lived: its (PID, start time) recorded in an ended run, again only with the unit's uid; an
+operator's ``adopt`` globs name scopes whose processes are the unit's while nothing of it is
+live. Processes whose cgroup is unknown,
 and everything in the cgroup while systemd's view of the unit is unknown, are never reaped by
 unit scope. Command-line patterns reach further only with the explicit ``patterns`` scope.
 """
