@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from e2e.container import ContainerError
 from e2e.gpubox import CONFIG, UNIT, GpuBox, daemon_events, install
 from e2e.measure import Timeline
 from e2e.scenario import SAME_STOP_TIMEOUT, SERVING_MIB, SETTLE_S, alive, finish
@@ -186,16 +187,20 @@ def test_o_gate_alone_names_the_escaped_workers_and_the_command(
         serving, workers = serve_escaped(gpubox)
         t0 = restart(gpubox, Timeline(time.time()))
         found: list[str] = []
+        said: list[str] = []
 
         def refused() -> bool:
-            lines = [
+            said[:] = [
                 str(e.get("MESSAGE"))
                 for e in gpubox.box.journal([f"_SYSTEMD_UNIT={UNIT}", f"--since=@{int(t0)}"])
             ]
-            found.extend(line for line in lines if "Start refused" in line and COMMAND in line)
+            found.extend(line for line in said if "Start refused" in line and COMMAND in line)
             return bool(found)
 
-        gpubox.box.wait_for("the gate's refusal", refused, timeout=60)
+        try:
+            gpubox.box.wait_for("the gate's refusal", refused, timeout=60)
+        except ContainerError:
+            raise AssertionError("\n".join(said[-40:])) from None
         assert all(f"PID {pid} (" in found[0] for pid in workers), found[0]
         assert all(alive(gpubox, pid) for pid in workers)  # nothing unproven was signalled
         del serving

@@ -217,7 +217,8 @@ def test_holders_the_plan_cannot_free_block_a_recovery() -> None:
     """A stranger holding the unit's GPU is a blocker; the unit's own cgroup is not."""
     stranger = replace(holder(200, unit="run-r1.scope", invocation=None), gpus=listed(0))
     own = replace(holder(100), gpus=listed(0))
-    blockers = unfreeable(plan([own, stranger], request(live=LIVE)), 16 * 2**20)
+    found = inventory(nvml(gpu(0, (100, 30000), (200, 30000))))
+    blockers = unfreeable(plan([own, stranger], request(live=LIVE)), found, 16 * 2**20)
     assert len(blockers) == 1
     assert blockers[0].startswith("PID 200 (python3) on GPU 0: not in sglang.service's cgroup")
     assert operator_command(UNIT) == "gpuguard reap --unit sglang.service --scope patterns"

@@ -290,7 +290,9 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
                 ()
                 if not blockers
                 else unfreeable(
-                    plan(inventory.holders, settings.request), settings.idle_threshold_bytes
+                    plan(inventory.holders, settings.request),
+                    inventory,
+                    settings.idle_threshold_bytes,
                 )
             )
             return outcome(

@@ -521,7 +521,7 @@ class Daemon:
         """
         request = self._request(watch.name, inventory, state, None)
         blockers = unfreeable(
-            plan(inventory.holders, request), self._settings.idle_threshold_mib * MIB
+            plan(inventory.holders, request), inventory, self._settings.idle_threshold_mib * MIB
         )
         if not blockers:
             return decision
