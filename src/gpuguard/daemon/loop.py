@@ -612,8 +612,8 @@ class Daemon:
         holders = self._gather().holders
         holding = {h.invocation_id for h in holders}
         for watch, _end in ended:  # moved out, with a scope's own INVOCATION_ID
-            claims = dict(self._keeper.claims(watch.name))
-            holding.update(claims[h.identity] for h in holders if h.identity in claims)
+            recorded = dict(self._keeper.claims(watch.name))
+            holding.update(recorded[h.identity] for h in holders if h.identity in recorded)
         in_container = any(container_of(h.attribution.container) for h in holders)
         for watch, end in ended:
             if in_container or end.invocation_id in holding:
