@@ -152,6 +152,7 @@ def test_a_recorded_worker_of_an_ended_run_is_reaped_in_its_own_scope() -> None:
     decision = decide(moved(), request(provenance=recorded(100)))
     assert decision.verdict is Verdict.REAP
     assert "the ledger saw it descend from run" in decision.reason
+    assert f" {UNIT} " in decision.reason  # how explain finds the reaper's line of the unit
 
 
 def test_without_the_ledger_the_moved_worker_is_kept() -> None:

@@ -236,9 +236,10 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
         return Decision(holder, Verdict.KEEP, f"{where}; {problem}")
     uid = request.provenance.uid
     if recorded is not None:
+        # "{unit} " with a space after: explain finds the reaper's lines by the unit's name.
         reason = (
-            f"left over from an earlier run of {unit}: the ledger saw it descend from run "
-            f"{recorded[:12]} (uid {uid}); it moved to {holder.owner}"
+            f"left over from an earlier run of {unit} (the ledger saw it descend from run "
+            f"{recorded[:12]}, uid {uid}; it moved to {holder.owner})"
         )
     else:
         reason = f"left over from {unit} in a cgroup adopted by {glob!r} (uid {uid})"
