@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 
 from gpuguard.core.adopt import glob_match
 from gpuguard.core.cgroup import Attribution
+from gpuguard.core.containment import Containment
 from gpuguard.core.gate import GateSettings, run_gate
-from gpuguard.core.inventory import GpuUse, Holder
+from gpuguard.core.inventory import GpuUse, Holder, build_inventory
 from gpuguard.core.ledger import MAX_PROCESSES, MAX_RUNS, Ledger, SeenProcess
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.recovery import operator_command, unfreeable
-from gpuguard.core.values import ProcessIdentity, UnitProvenance
+from gpuguard.core.values import ProcessIdentity, ProcScan, UnitProvenance
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
 UNIT = "sglang.service"
@@ -294,3 +295,20 @@ def test_the_keeper_records_soon_after_a_start_then_at_its_interval_and_stops_at
     keeper.run_over(UNIT, OLD, 23.0)
     assert keeper.due_in(23.0) is None
     assert dict(keeper.claims(UNIT)) == {ProcessIdentity(1, 5001): OLD}
+
+
+def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() -> None:
+    """NVML names host PIDs there: the memory is its device-file holders', and blocks a stop."""
+    worker = replace(
+        process(300, 0, cgroup=f"/system.slice/{SCOPE}", invocation_id=SCOPE_ID), uids=ROOT
+    )
+    reading = nvml(gpu(0, (987654, 30000)))  # the driver's host PID, nobody here
+    found = build_inventory(
+        reading, ProcScan((worker,)), 16 * 2**20, Containment(container=None, foreign_pids=True)
+    )
+    asked = plan_request(gpu_set=frozenset({0}), provenance=UnitProvenance(None, uid=0))
+    [blocker] = unfreeable(plan(found.holders, asked), found, 16 * 2**20)
+    assert blocker.startswith("PID 300 (python3) on GPU 0: not in sglang.service's cgroup")
+    on_host = build_inventory(reading, ProcScan((worker,)), 16 * 2**20)
+    # On the host NVML would list it: a device file alone (an exporter's) blocks nothing.
+    assert unfreeable(plan(on_host.holders, asked), on_host, 16 * 2**20) == ()
