@@ -198,7 +198,9 @@ def test_an_adopted_scope_is_the_units_only_while_nothing_of_it_is_live() -> Non
     running = replace(adopting, live_invocation=LIVE)
     kept = decide(moved(), running)
     assert kept.verdict is Verdict.KEEP
-    assert "ledger does not say" in kept.reason
+    assert "INVOCATION_ID dddddddddddd names no ended run" in kept.reason
+    old_run = decide(holder(100, unit=SCOPE, invocation=OLD), running)
+    assert old_run.verdict is Verdict.REAP  # its INVOCATION_ID still names the ended run
     assert decide(moved(), replace(adopting, adopt=("tp-other-*.scope",))).verdict is Verdict.KEEP
 
 

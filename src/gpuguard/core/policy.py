@@ -213,8 +213,8 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
     """A holder the ledger recorded or an adopted cgroup holds: its verdict, else None.
 
     The ledger's record of an ended run is evidence wherever the process moved; an adopted
-    cgroup (``adopt``) is, while nothing of the unit is live, or when the ledger names the run.
-    Either way only with the unit's uid.
+    cgroup (``adopt``) is, while nothing of the unit is live (while it runs, the INVOCATION_ID
+    rule decides as for any other cgroup). Either way only with the unit's uid.
     """
     unit = request.unit
     recorded = _recorded_run(holder, request)
@@ -226,11 +226,7 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
     if recorded is not None and recorded == request.live_invocation:
         return Decision(holder, Verdict.KEEP, f"live process of the running {unit} (ledger)")
     if recorded is None and request.live_invocation is not None:
-        why = (
-            f"in a cgroup adopted by {glob!r}, but {unit} is running and the ledger does not say "
-            "which run it came from"
-        )
-        return Decision(holder, Verdict.KEEP, f"{where}; {why}")
+        return None  # adopted, but the unit runs: only its INVOCATION_ID can tell which run
     problem = _uid_problem(holder, request)
     if problem is not None:
         return Decision(holder, Verdict.KEEP, f"{where}; {problem}")
