@@ -13,6 +13,13 @@ There is no running journald here, and ``gpuguard run`` takes no journalctl pref
 finds ``journalctl`` through PATH, where a two-line wrapper execs ``/usr/bin/journalctl
 --directory=<bench journal> "$@"``: a test double for the journal's location only.
 
+The provenance ledger is on: the watched unit runs (a ``systemctl`` double bound over
+/usr/bin/systemctl answers ``show`` with an active unit whose ``ControlGroup`` is a real cgroup
+v2 directory of the bench), with a served tree in it: a server process and four TP workers of
+8 threads each, every worker moved into its own ``tp-worker-N.scope`` cgroup (the escape shape
+of issue 22). The daemon records that tree at start, 1, 2, 4, 8, 16 s later and then every
+``daemon.ledger_every_s``; the report says what its ledger file holds at the end.
+
 Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour.
 Run: ``make bench [IDLE_SECONDS=120]`` or ``.venv/bin/python bench/daemon_idle.py [--seconds N]``.
 """
@@ -47,6 +54,25 @@ Entry = dict[str, object]
 SAMPLES = TESTS / "journal_samples"
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 JOURNALCTL = "/usr/bin/journalctl"
+SYSTEMCTL = "/usr/bin/systemctl"
+BENCH_SLICE = "gpuguard-bench.slice"
+SERVING = "5e7f1a2b3c4d5e6f708192a3b4c5d6e7"
+WORKERS = 4
+# The served tree: a server whose four workers each run 8 threads, then sleep (no CPU).
+TREE = """
+import subprocess, sys, threading, time
+if sys.argv[1:] == ["worker"]:
+    for _ in range(7):
+        threading.Thread(target=time.sleep, args=(10**6,), daemon=True).start()
+    print("ready", flush=True)
+    time.sleep(10**6)
+workers = [subprocess.Popen([sys.executable, "-c", sys.argv[1], "worker"], stdout=subprocess.PIPE)
+           for _ in range(4)]
+for w in workers:
+    w.stdout.readline()
+print(" ".join(str(w.pid) for w in workers), flush=True)
+time.sleep(10**6)
+"""
 UNIT = "sglang.service"
 BOOT = "d4e1d1e0b3c74f6a9e2d5c8b7a6f5e4d"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -309,6 +335,84 @@ def write_config(root: Path, nvml_state: Path) -> Path:
     return config
 
 
+def cgroup2() -> Path:
+    """The cgroup v2 mount: /sys/fs/cgroup, or a hybrid host's unified hierarchy."""
+    unified = Path("/sys/fs/cgroup/unified")
+    return unified if (unified / "cgroup.procs").exists() else Path("/sys/fs/cgroup")
+
+
+@dataclass
+class ServedUnit:
+    """The watched unit's processes in real cgroups: the server in the unit's, workers out."""
+
+    server: subprocess.Popen[bytes]
+    workers: list[int]
+    cgroups: list[Path]
+
+    @classmethod
+    def start(cls) -> ServedUnit:
+        """Spawn the tree and move it: server into the unit's cgroup, each worker into a scope."""
+        base = cgroup2() / BENCH_SLICE
+        unit = base / UNIT
+        scopes = [base / f"tp-worker-{rank}.scope" for rank in range(WORKERS)]
+        for path in (base, unit, *scopes):
+            path.mkdir(exist_ok=True)
+        server = subprocess.Popen(
+            [sys.executable, "-c", TREE, TREE], stdout=subprocess.PIPE, start_new_session=True
+        )
+        assert server.stdout is not None  # noqa: S101 - a PIPE
+        workers = [int(pid) for pid in server.stdout.readline().split()]
+        (unit / "cgroup.procs").write_text(f"{server.pid}\n")
+        for pid, scope in zip(workers, scopes, strict=True):
+            (scope / "cgroup.procs").write_text(f"{pid}\n")
+        return cls(server, workers, [*scopes, unit, base])
+
+    def stop(self) -> None:
+        """Kill the tree, then remove the cgroups."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait()
+        for path in self.cgroups:
+            for _ in range(50):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                    break
+                time.sleep(0.1)
+
+
+def systemctl_double(root: Path) -> Path:
+    """A ``systemctl`` whose ``show`` says the unit is active in the bench's cgroup."""
+    wrapper = root / "bin" / "systemctl"
+    properties = "\n".join(
+        [
+            "LoadState=loaded",
+            "ActiveState=active",
+            "SubState=running",
+            f"InvocationID={SERVING}",
+            f"ControlGroup=/{BENCH_SLICE}/{UNIT}",
+            "NRestarts=0",
+        ]
+    )
+    wrapper.write_text(f"#!/bin/sh\n[ \"$1\" = show ] && printf '%s\\n' '{properties}'\nexit 0\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def ledger_line(path: Path, served: ServedUnit) -> str:
+    """What the daemon's ledger file holds at the end, in one line."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "no ledger file"
+    runs = document.get("runs") or []
+    pids = {p[0] for run in runs for p in run.get("processes", [])}
+    moved = sum(pid in pids for pid in served.workers)
+    return (
+        f"{len(runs)} run(s), {len(pids)} processes recorded, {moved} of the {WORKERS} workers "
+        "that sit in their own scopes"
+    )
+
+
 def journalctl_wrapper(root: Path, journal: Path) -> Path:
     """A ``journalctl`` that runs a copy of the real one, pointed at the bench journal.
 
@@ -389,7 +493,8 @@ def report(  # noqa: PLR0913 - the pieces of one report, passed once
     """Print the table and the ratios."""
     startup_s, startup_cpu = startup
     print(
-        f"daemon idle: gpuguard run watching {UNIT} (idle) next to journalctl --follow alone, "
+        f"daemon idle: gpuguard run watching {UNIT} (serving, idle; ledger on) next to "
+        "journalctl --follow alone, "
         f"{daemon.span_s():.0f} s after ready, sampled every {args.sample_every:g} s; "
         f"{appended} health-check lines appended (every {args.append_every:g} s); "
         f"{os.cpu_count()} CPUs",
@@ -483,10 +588,13 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             env.pop(name, None)
         wrapper = journalctl_wrapper(root, journal.directory)
+        served = ServedUnit.start()
+        binds = f"mount --bind {wrapper} {JOURNALCTL} && "
+        binds += f"mount --bind {systemctl_double(root)} {SYSTEMCTL} && "
         log = root / "daemon.log"
         # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
         argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
-        argv += [f'mount --bind {wrapper} {JOURNALCTL} && exec "$@"', "sh"]
+        argv += [f'{binds}exec "$@"', "sh"]
         argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
         baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
         baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
@@ -518,9 +626,11 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
                     time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
                 snapshot = json.loads((root / "run" / "daemon.json").read_text())
                 metrics = (root / "node-exporter" / "gpuguard.prom").read_text()
+                ledger = ledger_line(root / "run" / "ledger.json", served)
             finally:
                 status = stop(daemon)
                 stop(baseline)
+                served.stop()
         lines, worse = log_summary(log)
         if args.keep_log:
             shutil.copy(log, args.keep_log)
@@ -536,6 +646,7 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         f"  daemon: journal {snapshot['journal']['state']} at the end, exit status {status} on "
         f"SIGTERM, {lines} log lines, warnings/errors: {worse or 'none'}"
     )
+    print(f"  ledger on: {ledger}")
     print(
         f"  metrics on: textfile of {len(metrics.splitlines())} lines, "
         f"{sum(line.startswith('gpuguard_') for line in metrics.splitlines())} samples"

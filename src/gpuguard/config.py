@@ -40,6 +40,7 @@ from gpuguard.adapters.configfile import (
     store_validated,
 )
 from gpuguard.adapters.files import UnsafePathError
+from gpuguard.core.adopt import MAX_GLOB_CHARS
 from gpuguard.core.detector import LoopSettings
 from gpuguard.core.recovery import RecoveryLimits
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
@@ -67,6 +68,7 @@ DEFAULT_PROTECTED = (
 )
 
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]+\.service")
+ADOPT_GLOB = re.compile(r"[A-Za-z0-9:_.@*\\-]+\.scope")
 _MIN_PATTERN_CHARS = 3  # non-space characters: " " or "py" would match nearly any command line
 _MAX_PATTERN_CHARS = 256
 _DAY_S = 86400.0
@@ -137,6 +139,26 @@ class UnitSettings(_Strict):
         "the journal and the metrics, or also recover the unit the usual way (stop, reap, wait "
         "for idle GPUs, start; with its backoff, dry_run and needs-operator).",
     )
+
+    adopt: tuple[str, ...] = Field(
+        default=(),
+        description="Other cgroups (scopes, by a glob where only * is special, e.g. "
+        '"tp-worker-*.scope") the unit\'s processes legitimately move to: a GPU holder there '
+        "that runs as the unit's user is the unit's left-over while nothing of the unit is live.",
+    )
+
+    @field_validator("adopt")
+    @classmethod
+    def _adopt_scopes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            if not ADOPT_GLOB.fullmatch(item) or len(item) > MAX_GLOB_CHARS:
+                raise ValueError(
+                    f"{item!r} is not a scope glob: [A-Za-z0-9:_.@\\-*] ending in .scope, "
+                    f"at most {MAX_GLOB_CHARS} characters"
+                )
+            if item.replace("*", "") == ".scope":
+                raise ValueError(f"{item!r} would adopt every scope (user sessions too)")
+        return value
 
     @field_validator("container")
     @classmethod
@@ -230,6 +252,14 @@ class DaemonSettings(_Strict):
         default=False,
         description="Also reap the GPU-holding survivors of a run that a stop job ended (an "
         "operator's systemctl stop); off: they are only reported.",
+    )
+    ledger_every_s: float = Field(
+        default=30.0,
+        ge=1.0,
+        le=_DAY_S,
+        description="How often the provenance ledger re-reads each running watched unit's "
+        "processes (also at each start and stop); a process forked and moved out between two "
+        "records is not in it.",
     )
     watch_output: bool = Field(
         default=True,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from clirunner import CGROUP2
 from containergate import FakeEngine
 from daemontwins import Recorder, ReplayFollower, UnitTwin, loop_entries
 from fakeholder import process_gone
@@ -30,20 +31,22 @@ from fakestate import fake_library, fake_pci_bus_id, update_gpu, update_state
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.adapters import inventory, reaper, state, systemd
+from gpuguard.adapters import inventory, ledgerstore, procfs, reaper, runtree, state, systemd
 from gpuguard.adapters.containerstop import for_unit
 from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
 from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
 from gpuguard.core import values
+from gpuguard.core.ledger import Ledger
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
 from gpuguard.core.unitcontainers import Engine
 from gpuguard.core.values import MIB
+from gpuguard.daemon import wiring
 from gpuguard.daemon.loop import Daemon, Ports
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from clirunner import Openers, UnitCgroups
 
@@ -495,7 +498,8 @@ def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
     """An OOM line naming GPU 1, from a unit with CUDA_VISIBLE_DEVICES=2,3, means GPU 3.
 
     Another job holds GPU 3 (not the unit's, so not stale): the diagnosis names it as what
-    GPU 3 is held by; nothing is reaped (dry run).
+    GPU 3 is held by; nothing is reaped, and since no recovery could free GPU 3 the unit goes
+    to needs operator instead (never worse).
     """
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
     other = spawn_holder(in_process_nvml, gpus=(3,), mib=20000, name="trainer")
@@ -526,9 +530,10 @@ def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
 
     assert harness.daemon.run() == 0
 
-    loop = next(f for _, event, f in harness.log.lines if event == "restart loop")
+    loop = next(f for _, event, f in harness.log.lines if event == "needs operator")
     detail = str(loop["cause_detail"])
     assert loop["cause"] == "stale-gpu-holders"
+    assert loop["action"] == "needs-operator"
     assert "GPU 1 has a total capacity" in detail
     assert f"; cuda:1 = GPU 3 (20000 MiB used), held by PID {other.pid} (trainer, " in detail
     assert "(no stale holder found now)" in detail
@@ -1344,3 +1349,108 @@ def test_a_textfile_that_cannot_be_written_is_said_once_and_then_recovered(
     gpus = {s.labels["gpu"] for f in found if f.name == "gpuguard_gpu_idle" for s in f.samples}
     assert gpus == {"0", "1", "2", "3"}  # the first publish took an inventory of its own
     assert "WATCHDOG" in recorder.notes
+
+
+def test_a_loop_whose_gpus_a_stranger_holds_is_not_stopped_but_sent_to_the_operator(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never worse: a holder the plan would not reap means no stop, CRITICAL, the command."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stale = earlier_run_worker(spawn_holder, in_process_nvml, unit_cgroups, unit, 0, monkeypatch)
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    stranger = spawn_holder(in_process_nvml, gpus=(1,), mib=30000, name="sglang::scheduler")
+    unit_cgroups.move(stranger.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stale.pid)
+    assert not process_gone(stranger.pid)
+    [critical] = [f for level, _e, f in harness.log.lines if level == "critical"]
+    assert critical["command"] == f"gpuguard reap --unit {unit} --scope patterns"
+    blockers = critical["blockers"]
+    assert isinstance(blockers, list)
+    [blocker] = blockers
+    assert str(blocker).startswith(f"PID {stranger.pid} (sglang::schedu")
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["needs_operator"] is True
+    assert last["action"] == "needs-operator"
+    assert f"gpuguard reap --unit {unit} --scope patterns" in last["action_reason"]
+
+
+def test_a_crashed_runs_worker_that_moved_to_its_own_scope_is_reaped_by_the_ledger(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its INVOCATION_ID is its scope's; the ledger recorded it in the crashed run: swept."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    escaped = run_worker(spawn_holder, in_process_nvml, monkeypatch, "d" * 32, 1)
+    unit_cgroups.move(escaped.pid, f"tp-worker-{uuid.uuid4().hex[:8]}.scope")
+    recorded = Ledger().record(unit, crashed, procfs.descendants([escaped.pid]), 1.0)
+
+    def with_ledger(_settings: Settings, ports: Ports) -> Ports:
+        return replace(ports, load_ledger=lambda: recorded)
+
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False, wrap=with_ledger)
+
+    assert harness.daemon.run() == 0
+
+    assert process_gone(escaped.pid)
+    assert harness.unit.calls == []
+    [said] = sweep_lines(harness)
+    assert said["pids"] == [escaped.pid]
+
+
+def test_the_daemon_records_a_running_units_processes_in_the_ledger_file(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At start-up a running unit's cgroup and descendants go into root's ledger file."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    server = run_worker(spawn_holder, in_process_nvml, monkeypatch, "a" * 32, 0, children=1)
+    unit_cgroups.move(server.pid, unit)
+    scope = f"tp-worker-{uuid.uuid4().hex[:8]}.scope"
+    unit_cgroups.move(server.children[0], scope)
+    running = "e" * 32
+
+    def recording(settings: Settings, ports: Ports) -> Ports:
+        def show(name: str) -> systemd.UnitState:
+            return replace(
+                ports.show_unit(name),
+                active_state="active",
+                sub_state="running",
+                invocation_id=running,
+                control_group=f"/system.slice/{name}",
+            )
+
+        def read(group: str | None, seen: Iterable[values.ProcessIdentity]) -> Any:
+            return runtree.run_processes(group, seen, cgroup_root=CGROUP2)
+
+        real = wiring.ledger_ports(settings, ports.log)
+        return replace(ports, show_unit=show, ledger=replace(real, run_processes=read))
+
+    harness = build(tmp_path, in_process_nvml, unit, [], dry_run=False, wrap=recording)
+
+    assert harness.daemon.run() == 0
+
+    ledger, problems = ledgerstore.load(tmp_path / "run")
+    assert problems == ()
+    [run] = ledger.runs
+    assert (run.unit, run.invocation_id) == (unit, running)
+    where = {p.pid: p.cgroup for p in run.processes}
+    assert where[server.pid] == f"/system.slice/{unit}"
+    assert where[server.children[0]] == f"/system.slice/{scope}"
+    assert not process_gone(server.pid)

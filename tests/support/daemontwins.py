@@ -137,6 +137,10 @@ class Recorder:
         """Keep an error line."""
         self.lines.append(("error", event, fields))
 
+    def critical(self, event: str, **fields: object) -> None:
+        """Keep a critical line."""
+        self.lines.append(("critical", event, fields))
+
     def ready(self, status: str) -> None:
         """Keep READY."""
         self.notes.append(f"READY {status}")

@@ -122,13 +122,14 @@ def test_a_loop_on_an_earlier_runs_workers_is_recovered(tmp_path: Path) -> None:
     assert harness.log.notes[0].startswith("READY")
 
 
-def test_a_job_on_the_units_gpus_is_spared_and_the_recovery_says_why_it_failed(
+def test_a_job_on_the_units_gpus_means_no_stop_and_the_operator_is_told(
     tmp_path: Path,
 ) -> None:
     """The same workers plus a tenant's job on GPU 3 of the unit's set (all GPUs).
 
-    The workers are reaped, the job is not (no evidence it is the unit's), so the set never
-    becomes idle: the recovery ends "failed" and names the job and why it was not touched.
+    The job is no left-over of the unit (no evidence), so a recovery could not free the set:
+    the unit is not stopped, nothing is reaped, and a CRITICAL line names the job and the
+    operator's command (never worse).
     """
     host = GpuHost()
     cgroup = f"/system.slice/{UNIT}"
@@ -138,12 +139,13 @@ def test_a_job_on_the_units_gpus_is_spared_and_the_recovery_says_why_it_failed(
 
     assert harness.daemon.run() == 0
 
-    assert [t.identity.pid for t in host.reaped] == [501]
+    assert harness.unit.calls == []
+    assert host.reaped == []
     assert 900 in host.processes
-    finished = _events(harness, "recovery finished")[0]
-    assert finished["result"] == "failed"
-    assert "PID 900" in str(finished["problem"])
-    assert "not touched" in str(finished["problem"])
+    [critical] = [f for level, _e, f in harness.log.lines if level == "critical"]
+    assert "PID 900" in str(critical["blockers"])
+    assert critical["command"] == f"gpuguard reap --unit {UNIT} --scope patterns"
+    assert harness.snapshots[-1]["units"][UNIT]["needs_operator"] is True
 
 
 def test_a_loop_on_idle_gpus_is_only_reported(tmp_path: Path) -> None:

@@ -124,14 +124,16 @@ def test_a_recovery_stops_waits_for_idle_resets_and_starts() -> None:
     }
 
 
-def test_gpus_that_stay_busy_fail_the_recovery_before_any_start() -> None:
-    """The gate's blockers are the problem; the start is not attempted on busy GPUs."""
+def test_gpus_that_stay_busy_fail_the_recovery_and_the_unit_is_started_again() -> None:
+    """The gate's blockers are the problem, and the unit it stopped is not left stopped."""
     unit, world = Unit(), World(busy_s=1e9)
     done = carry_out(UNIT, steps(unit, world, timeout_s=5.0))
     assert done.result == "failed"
     assert done.problem is not None
     assert "GPU 0" in done.problem
-    assert unit.verbs == ["stop"]
+    assert "started again" in done.problem
+    assert unit.verbs == ["stop", "reset-failed", "start"]
+    assert unit.state == "active"
 
 
 def test_a_unit_that_never_stops_is_named_and_never_started() -> None:

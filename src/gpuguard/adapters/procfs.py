@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard.core.cgroup import parse_cgroup
+from gpuguard.core.ledger import SeenProcess
 from gpuguard.core.values import ProcessFacts, ProcessIdentity, ProcScan
 
 if TYPE_CHECKING:
@@ -816,3 +817,56 @@ def read_cgroup(pid: int, *, proc_root: Path = PROC) -> str | None:
     except OSError:
         return None
     return parse_cgroup(data.decode("utf-8", "backslashreplace"))
+
+
+DESCENDANTS_MAX = 4096
+"""The most processes one ledger walk reads: a fork bomb in a unit costs a bounded walk."""
+
+
+def descendants(roots: Iterable[int], *, proc_root: Path = PROC) -> tuple[SeenProcess, ...]:
+    """``roots`` and every process descending from them, as the ledger records them.
+
+    Children come from ``task/*/children`` (cheap: no walk over every process); on a kernel
+    without it, from every ``stat``. Each process costs a ``stat``, ``status`` and ``cgroup``
+    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). Bounded by
+    DESCENDANTS_MAX; a process whose cgroup cannot be parsed is recorded as ``?``.
+    """
+    root = os.fspath(proc_root)
+    queue = deque(sorted({pid for pid in roots if pid > 0}))
+    seen: set[int] = set()
+    by_ppid: dict[int, list[int]] | None = None
+    found: list[SeenProcess] = []
+    while queue and len(seen) < DESCENDANTS_MAX:
+        pid = queue.popleft()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        process = _seen(pid, f"{root}/{pid}")
+        if process is None:
+            continue
+        found.append(process)
+        if by_ppid is None:
+            try:
+                queue.extend(_children_of(root, pid))
+                continue
+            except _ChildrenUnsupportedError:
+                by_ppid = _children_by_ppid(root)
+        queue.extend(by_ppid.get(pid, ()))
+    return tuple(found)
+
+
+def _seen(pid: int, base: str) -> SeenProcess | None:
+    """One process's identity, uids, name and cgroup; None when it vanished or is a thread."""
+    stat = _read_stat(base)
+    if stat is None or stat.kernel_thread:
+        return None
+    try:
+        status = _read_optional(base + "/status") or b""
+        cgroup = _read_optional(base + "/cgroup") or b""
+    except _VANISHED:
+        return None
+    again = _read_stat(base)
+    if again is None or again.start_time != stat.start_time:
+        return None
+    path = parse_cgroup(cgroup.decode("utf-8", "backslashreplace"))
+    return SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")

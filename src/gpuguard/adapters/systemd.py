@@ -23,6 +23,7 @@ _PROPERTIES = (
     "SubState",
     "MainPID",
     "ControlPID",
+    "ControlGroup",
     "InvocationID",
     "Environment",
     "NRestarts",
@@ -54,6 +55,8 @@ class UnitState:
     load_state: str | None = None
     control_pid: int | None = None
     """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
+    control_group: str | None = None
+    """The unit's cgroup (``/system.slice/sglang.service``) while it has one (the ledger)."""
 
     @property
     def not_found(self) -> bool:
@@ -129,6 +132,7 @@ def parse_show(unit: str, text: str) -> UnitState:
         sub_state=values.get("SubState") or None,
         main_pid=_pid(values.get("MainPID", "")),
         control_pid=_pid(values.get("ControlPID", "")),
+        control_group=values.get("ControlGroup") or None,
         invocation_id=values.get("InvocationID") or None,
         environment=parse_environment(values.get("Environment", "")),
         n_restarts=int(restarts) if restarts.isdecimal() else None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def plan_request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from w
         untouchable_pids=untouchable(caller),
         provenance=provenance,
         live_invocation=live,
+        adopt=unit_settings(settings, unit).adopt,
     )
 
 
@@ -127,9 +128,10 @@ def unit_plan(
     EnvironmentFile= included, and for it the run is over even while systemd still says
     "deactivating": everything else in the cgroup is left over. Anyone else: systemd's
     Environment= only, and the running invocation's processes are kept. Either way systemd
-    names the unit's user and runs, the evidence for its left-overs.
+    names the unit's user and runs, and the daemon's ledger (read from the runtime directory)
+    what descended from each run: the evidence for its left-overs.
     """
-    from gpuguard.adapters import systemd  # noqa: PLC0415 - see the package doc
+    from gpuguard.adapters import ledgerstore, systemd  # noqa: PLC0415 - see the package doc
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     who = asker(caller)
@@ -141,7 +143,10 @@ def unit_plan(
     environment = unit_state.environment if own is None else own
     live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit_settings(settings, unit).gpus, environment, gpus)
-    provenance = systemd.provenance(unit_state, inside=inside)
+    provenance = replace(
+        systemd.provenance(unit_state, inside=inside),
+        ledger=ledgerstore.claims(settings.runtime_dir, unit),
+    )
     request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
     notices = () if problem is None else (problem,)
     return UnitPlan(request, gpu_set, unit_state, environment, notices)

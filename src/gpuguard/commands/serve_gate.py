@@ -75,6 +75,7 @@ def _import_request_path() -> None:
         daemonsnapshot,
         engineapi,
         inventory,
+        ledgerstore,
         logs,
         reaper,
         state,

@@ -17,6 +17,7 @@ from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
+from gpuguard.core.recovery import operator_command, unfreeable
 from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget
 from gpuguard.core.xidfaults import blockers as xid_blockers
 from gpuguard.core.xidstuck import named_by, stuck_phrase
@@ -43,6 +44,9 @@ class GateOutcome:
     blockers: tuple[str, ...]
     hopeless: bool = False
     """Refused without waiting out the timeout: waiting could not have made the GPUs idle."""
+    unprovable: tuple[str, ...] = ()
+    """Holders of the set's memory the ownership rule would not reap (core.recovery.unfreeable):
+    the refusal names the command an operator runs after checking them."""
 
     @property
     def message(self) -> str:
@@ -62,11 +66,17 @@ class GateOutcome:
                 + ". Waiting cannot help; Restart= retries until the unit's start limit ends it"
                 " (gpuguard doctor checks that it does)."
             )
+        way_out = (
+            f" gpuguard cannot prove {len(self.unprovable)} holder(s) are {unit}'s; if they "
+            f"are its left-overs, after checking them: {operator_command(unit)}"
+            if self.unprovable
+            else ""
+        )
         return (
             f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
             + "; ".join(self.blockers)
             + ". Start refused; Restart= retries until the unit's start limit ends it"
-            " (gpuguard doctor checks that it does)."
+            " (gpuguard doctor checks that it does)." + way_out
         )
 
 
@@ -281,8 +291,22 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
             )
         blockers = set_blockers(inventory, settings)
         if not blockers or waited >= settings.timeout_s:
+            unprovable = (
+                ()
+                if not blockers
+                else unfreeable(
+                    plan(inventory.holders, settings.request),
+                    inventory,
+                    settings.idle_threshold_bytes,
+                )
+            )
             return outcome(
-                unit, waited, reaped=reaped, spared=list(spared.values()), blockers=blockers
+                unit,
+                waited,
+                reaped=reaped,
+                spared=list(spared.values()),
+                blockers=blockers,
+                unprovable=unprovable,
             )
         progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
@@ -338,6 +362,7 @@ def outcome(  # noqa: PLR0913 - the pieces of one outcome
     blockers: tuple[str, ...] = (),
     hopeless: bool = False,
     fast_path: bool = False,
+    unprovable: tuple[str, ...] = (),
 ) -> GateOutcome:
     """The gate's outcome, built here only: it passed when nothing blocks the start."""
     return GateOutcome(
@@ -349,6 +374,7 @@ def outcome(  # noqa: PLR0913 - the pieces of one outcome
         spared=tuple(spared),
         blockers=blockers,
         hopeless=hopeless,
+        unprovable=unprovable,
     )
 
 

@@ -10,7 +10,11 @@ with positive evidence that it came from an ended run of this unit: its ``INVOCA
 by systemd for every process of a run and inherited by children) names such a run, and it runs
 as the unit's user, so no tenant can hand its own server to the gate by naming it ``sglang``
 (and a forged id only exposes processes its own user could kill anyway). An invocation id
-belongs to one unit, so two gates never claim one process. Processes whose cgroup is unknown,
+belongs to one unit, so two gates never claim one process. The daemon's provenance ledger
+(core.ledger) is the same evidence for a process that moved to a cgroup of its own while the run
+lived: its (PID, start time) recorded in an ended run, again only with the unit's uid; an
+operator's ``adopt`` globs name scopes whose processes are the unit's while nothing of it is
+live. Processes whose cgroup is unknown,
 and everything in the cgroup while systemd's view of the unit is unknown, are never reaped by
 unit scope. Command-line patterns reach further only with the explicit ``patterns`` scope.
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpuguard.core.adopt import adopting_glob
+from gpuguard.core.ledger import ledger_evidence
 from gpuguard.core.protection import never_signal
 from gpuguard.core.values import StrEnum
 
@@ -79,6 +85,8 @@ class PlanRequest:
     provenance: UnitProvenance
     live_invocation: str | None = None
     only_invocation: str | None = None
+    adopt: tuple[str, ...] = ()
+    """Globs of other cgroups (scopes) the operator says the unit's processes move to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +166,7 @@ def _outside_gpu_set(holder: Holder, request: PlanRequest) -> str | None:
 
 def _other_run(holder: Holder, request: PlanRequest) -> str | None:
     only = request.only_invocation
-    if only is None or holder.invocation_id == only:
+    if only is None or only in {holder.invocation_id, _recorded_run(holder, request)}:
         return None
     invocation = holder.invocation_id[:12] if holder.invocation_id else "unknown"
     return f"not of the ended run {only[:12]} of {request.unit} (invocation {invocation})"
@@ -185,6 +193,55 @@ def _by_scope(holder: Holder, request: PlanRequest) -> Decision:
     return Decision(holder, verdict, reason)
 
 
+def _recorded_run(holder: Holder, request: PlanRequest) -> str | None:
+    """The run of the unit the ledger saw this very process (PID and start time) descend from."""
+    return ledger_evidence(request.provenance.ledger, holder.identity)
+
+
+def _uid_problem(holder: Holder, request: PlanRequest) -> str | None:
+    """Why the holder does not run as the unit's user (every uid of it), or None when it does."""
+    uid = request.provenance.uid
+    if uid is None:
+        return f"{request.unit}'s User= could not be resolved to a uid"
+    if set(holder.uids) != {uid}:
+        uids = "/".join(str(u) for u in holder.uids) or "unknown"
+        return f"it runs as uid {uids}, not as {request.unit}'s user (uid {uid})"
+    return None
+
+
+def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decision | None:
+    """A holder the ledger recorded or an adopted cgroup holds: its verdict, else None.
+
+    The ledger's record of an ended run is evidence wherever the process moved; an adopted
+    cgroup (``adopt``) is, while nothing of the unit is live (while it runs, the INVOCATION_ID
+    rule decides as for any other cgroup). Either way only with the unit's uid.
+    """
+    unit = request.unit
+    recorded = _recorded_run(holder, request)
+    glob = adopting_glob(
+        None if holder.attribution.user_unit else holder.attribution.unit, request.adopt
+    )
+    if recorded is None and glob is None:
+        return None
+    if recorded is not None and recorded == request.live_invocation:
+        return Decision(holder, Verdict.KEEP, f"live process of the running {unit} (ledger)")
+    if recorded is None and request.live_invocation is not None:
+        return None  # adopted, but the unit runs: only its INVOCATION_ID can tell which run
+    problem = _uid_problem(holder, request)
+    if problem is not None:
+        return Decision(holder, Verdict.KEEP, f"{where}; {problem}")
+    uid = request.provenance.uid
+    if recorded is not None:
+        # "{unit} " with a space after: explain finds the reaper's lines by the unit's name.
+        reason = (
+            f"left over from an earlier run of {unit} (the ledger saw it descend from run "
+            f"{recorded[:12]}, uid {uid}; it moved to {holder.owner})"
+        )
+    else:
+        reason = f"left over from {unit} in a cgroup adopted by {glob!r} (uid {uid})"
+    return Decision(holder, Verdict.REAP, reason)
+
+
 def _provenance_decision(holder: Holder, request: PlanRequest, pattern: str | None) -> Decision:
     """A process outside the unit's cgroup: reaped only if it provably came from an ended run."""
     unit = request.unit
@@ -193,6 +250,9 @@ def _provenance_decision(holder: Holder, request: PlanRequest, pattern: str | No
     where = f"not in {unit}'s cgroup ({holder.owner})"
     if pattern is not None:
         where += f"; matching {pattern!r} is no evidence"
+    moved = None if provenance.problem is not None else _moved_decision(holder, request, where)
+    if moved is not None:
+        return moved
     if provenance.problem is not None:
         why = f"systemd's view of {unit} is unknown ({provenance.problem})"
     elif invocation is None:

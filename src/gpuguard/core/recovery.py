@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
 from gpuguard.core.detector import Cause
+from gpuguard.core.escaping import escape
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpuguard.core.detector import Diagnosis
+    from gpuguard.core.inventory import Inventory
+    from gpuguard.core.policy import KillPlan
 
 
 class Action(StrEnum):
@@ -228,3 +231,67 @@ def _kind(value: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
         type(value), "a number" if isinstance(value, (int, float)) else "something else"
     )
+
+
+def unfreeable(
+    kill_plan: KillPlan, inventory: Inventory, idle_threshold_bytes: int
+) -> tuple[str, ...]:
+    """What holds the unit's GPUs that neither its stop nor its plan would free, one phrase each.
+
+    A recovery stops the unit and reaps what the plan chose; everything else holding memory on
+    the unit's GPUs stays: a spared process outside the unit's cgroup that NVML lists with more
+    than the idle threshold (or an unknown amount) - or, inside a PID namespace, where NVML's
+    PIDs name nobody here, one holding the device file of a GPU whose memory is credited to its
+    holders - and memory used from outside the container. A process in the unit's own cgroup
+    goes with the stop. When any remains, stopping the unit cannot help and only risks leaving
+    it down: the daemon asks an operator instead, and the gate's refusal names them.
+    """
+    request = kill_plan.request
+    wanted = request.gpu_set
+    gpus = {
+        g.reading.index: g for g in inventory.gpus if wanted is None or g.reading.index in wanted
+    }
+    in_namespace = inventory.containment.foreign_pids
+    found = []
+    for decision in kill_plan.spared:
+        holder = decision.holder
+        attribution = holder.attribution
+        if (
+            attribution.unit == request.unit
+            and not attribution.user_unit
+            and attribution.container is None
+            and not attribution.unknown
+        ):
+            continue
+        held = [
+            use.gpu_index
+            for use in holder.gpus
+            if use.gpu_index in gpus
+            and (
+                (
+                    use.listed_by_nvml
+                    and (use.used_bytes is None or use.used_bytes > idle_threshold_bytes)
+                )
+                or (
+                    in_namespace
+                    and use.holds_device_file
+                    and bool(gpus[use.gpu_index].container_bytes)
+                )
+            )
+        ]
+        if held:
+            found.append(
+                f"PID {holder.pid} ({escape(holder.comm)}) on GPU "
+                f"{','.join(map(str, held))}: {decision.reason}"
+            )
+    found.extend(
+        f"GPU {index}: {gpu.outside_bytes // 2**20} MiB used from outside this container"
+        for index, gpu in gpus.items()
+        if gpu.outside_bytes
+    )
+    return tuple(found)
+
+
+def operator_command(unit: str) -> str:
+    """What an operator runs, after checking the blockers, to free the unit's GPUs by pattern."""
+    return f"gpuguard reap --unit {unit} --scope patterns"

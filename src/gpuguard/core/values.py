@@ -216,12 +216,15 @@ class UnitProvenance:
     last one systemd names, never the running one. ``uid`` is the uid the unit runs as
     (``User=`` resolved, root when unset), None when it cannot be resolved: a process outside
     the cgroup is the unit's left-over only if its environment names one of ``invocations``
-    and it runs as ``uid``.
+    and it runs as ``uid``. ``ledger`` is what the daemon recorded while the unit's runs lived
+    (core.ledger): each process seen descending from a run, with that run's invocation id; one
+    of an ended run that runs as ``uid`` is a left-over wherever it moved.
     """
 
     problem: str | None
     invocations: frozenset[str] = frozenset()
     uid: int | None = None
+    ledger: frozenset[tuple[ProcessIdentity, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from gpuguard.core.events import EventKind, parse_entry
 from gpuguard.core.gate import GateSettings, reap_targets, set_blockers
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.health import reset_reasons
+from gpuguard.core.ledger import Ledger
 from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, Liveness, State
 from gpuguard.core.oomdevice import device_phrases
 from gpuguard.core.policy import PlanRequest, Scope, plan
@@ -44,7 +45,9 @@ from gpuguard.core.recovery import (
     Interrupted,
     RecoveryDecision,
     RecoveryPlanner,
+    operator_command,
     resume_problem,
+    unfreeable,
 )
 from gpuguard.core.runend import (
     RunEnd,
@@ -63,6 +66,7 @@ from gpuguard.core.xidfaults import FaultLog, LastUp, XidFault, blockers, to_rec
 from gpuguard.core.xidstuck import claims, named_by, stuck_phrase
 from gpuguard.daemon import recover
 from gpuguard.daemon.documents import Snapshot, UnitSnapshot, UnitStateDocument
+from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -134,6 +138,10 @@ class Logger(Protocol):
 
     def error(self, event: str, **fields: object) -> object:
         """Something failed."""
+        ...
+
+    def critical(self, event: str, **fields: object) -> object:
+        """An operator must act now."""
         ...
 
 
@@ -220,6 +228,10 @@ class Ports:
     containers: Callable[[PlanRequest], UnitContainers | None] = lambda _r: None
     """The stopper of a unit's left-over containers, for a recovery's gate and for a sweep
     (containerstop)."""
+    ledger: LedgerPorts | None = None
+    """The provenance ledger's reads and writes (ledgerkeeper); None: no ledger is kept."""
+    load_ledger: Callable[[], Ledger] = Ledger
+    """The ledger a previous daemon of this boot left (ledgerstore)."""
 
 
 @dataclass
@@ -290,6 +302,7 @@ class Daemon:
         self._xids_malformed = 0
         self._faults = FaultLog()
         self._unjudged: dict[str, frozenset[int]] = {}  # MIG GPUs last said per unit
+        self._keeper = LedgerKeeper(ports.ledger, ports.load_ledger(), ports.wall)
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
@@ -313,7 +326,9 @@ class Daemon:
             self._restore(watch)
         inventory = self._gather()
         for watch in self._watches.values():
-            self._note_state(watch, self._show_unit(watch.name))
+            state = self._show_unit(watch.name)
+            self._note_state(watch, state)
+            self._ledger_up(watch.name, state)
         self._follower.start()
         ports.log.info(
             "started",
@@ -335,6 +350,7 @@ class Daemon:
                 ports.log.warning("journal line skipped", reason=problem)
             self._retry_waiting()
             self._refresh()
+            self._keeper.tick(ports.monotonic())
             now = ports.monotonic()
             if ports.watchdog_interval_s is not None and now >= next_ping:
                 ports.notifier.watchdog()  # only from here: a stuck loop stops the pings
@@ -358,9 +374,7 @@ class Daemon:
         due = [MAX_SLEEP_S, self._published_at + SNAPSHOT_EVERY_S - now]
         if ports.watchdog_interval_s is not None:
             due.append(next_ping - now)
-        wake = self._follower.wake_in()
-        if wake is not None:
-            due.append(wake)
+        due.extend(w for w in (self._follower.wake_in(), self._keeper.due_in(now)) if w is not None)
         due.extend(
             watch.refresh_at - now
             for watch in self._watches.values()
@@ -410,6 +424,7 @@ class Daemon:
                 if self._observe(watch, event, live=record.live):
                     touched.add(watch.name)
                 if record.live:
+                    self._ledger_event(watch, event, end)
                     live.append((watch, event))
                     ended.extend([(watch, end)] if end is not None else [])
         if records:
@@ -421,6 +436,22 @@ class Daemon:
         for name in touched:
             self._judge(self._watches[name])
         self._dead_engines()
+
+    def _ledger_event(self, watch: _Watch, event: UnitEvent, end: RunEnd | None) -> None:
+        """Record a run as it comes up, at once when its stop is announced, and as it ends."""
+        now = self._ports.monotonic()
+        if event.kind in {EventKind.STARTING, EventKind.STARTED}:
+            self._ledger_up(watch.name, self._show_unit(watch.name))
+        elif event.kind is EventKind.STOPPING:
+            self._keeper.record(watch.name, now)
+        if end is not None:
+            self._keeper.run_over(watch.name, end.invocation_id, now)
+
+    def _ledger_up(self, unit: str, state: UnitState) -> None:
+        """Start recording the unit's live run (nothing when it is not running)."""
+        if self._ports.ledger is None or not state.running or state.invocation_id is None:
+            return
+        self._keeper.run_up(unit, state.invocation_id, state.control_group, self._ports.monotonic())
 
     def _kernel(self, record: JournalRecord) -> None:
         """Keep a kernel Xid for status (history too: recent faults explain a loop); log news."""
@@ -496,10 +527,42 @@ class Daemon:
                 f"{watch.name} is inactive with no restart pending: it was stopped on purpose, "
                 "and gpuguard does not start it",
             )
+        if decision.action is Action.RECOVER:
+            decision = self._never_worse(watch, inventory, state, decision)
         self._say(watch, diagnosis, decision)
         if decision.action is Action.RECOVER:
             self._recover(watch, diagnosis, inventory, state)
         self._save(watch)
+
+    def _never_worse(
+        self, watch: _Watch, inventory: Inventory, state: UnitState, decision: RecoveryDecision
+    ) -> RecoveryDecision:
+        """Recover only when the plan can free what holds the unit's GPUs; else needs operator.
+
+        Stopping a unit whose GPUs others hold (a left-over gpuguard cannot prove is the unit's)
+        frees nothing and risks an outage: the unit is left as systemd has it, and the operator
+        is told the blockers and the command to run after checking them (CRITICAL).
+        """
+        request = self._request(watch.name, inventory, state, None)
+        blockers = unfreeable(
+            plan(inventory.holders, request), inventory, self._settings.idle_threshold_mib * MIB
+        )
+        if not blockers:
+            return decision
+        command = operator_command(watch.name)
+        reason = (
+            f"{watch.name} is not stopped: its plan cannot free its GPUs, held by "
+            + "; ".join(blockers)
+            + f". After checking them: {command}"
+        )
+        if watch.decision is None or watch.decision.reason != reason:
+            self._ports.log.critical(
+                "needs operator: gpuguard cannot prove who holds the GPUs",
+                unit=watch.name,
+                blockers=list(blockers),
+                command=command,
+            )
+        return RecoveryDecision(Action.NEEDS_OPERATOR, reason)
 
     def _note_state(self, watch: _Watch, state: UnitState) -> None:
         """Remember systemd's view; say once that a watched unit does not exist (a typo?)."""
@@ -556,8 +619,9 @@ class Daemon:
             gpu_set=gpu_set.indices,
             protected_names=settings.protected_processes,
             untouchable_pids=self._ports.untouchable,
-            provenance=self._provenance(state),
+            provenance=replace(self._provenance(state), ledger=self._keeper.claims(unit)),
             live_invocation=live,
+            adopt=unit_settings.adopt,
         )
 
     def _environment(self, unit: str, state: UnitState) -> dict[str, str]:
@@ -658,6 +722,9 @@ class Daemon:
             return
         holders = self._gather().holders
         holding = {h.invocation_id for h in holders}
+        for watch, _end in ended:  # moved out, with a scope's own INVOCATION_ID
+            recorded = dict(self._keeper.claims(watch.name))
+            holding.update(recorded[h.identity] for h in holders if h.identity in recorded)
         in_container = any(container_of(h.attribution.container) for h in holders)
         for watch, end in ended:
             if in_container or end.invocation_id in holding:
@@ -741,7 +808,9 @@ class Daemon:
         found = request.provenance
         return replace(
             request,
-            provenance=UnitProvenance(found.problem, frozenset({end.invocation_id}), found.uid),
+            provenance=UnitProvenance(
+                found.problem, frozenset({end.invocation_id}), found.uid, found.ledger
+            ),
             only_invocation=end.invocation_id,
         )
 

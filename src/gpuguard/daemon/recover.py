@@ -94,7 +94,11 @@ def _reaped_record(result: ReapResult, xid_claims: Sequence[XidClaim]) -> dict[s
 
 
 def carry_out(unit: str, steps: Steps) -> Recovery:
-    """Stop ``unit``, reap its stale holders and wait for idle GPUs, reset-failed, start."""
+    """Stop ``unit``, reap its stale holders and wait for idle GPUs, reset-failed, start.
+
+    Once the unit stopped it is always started again, freed or not: the daemon never leaves
+    stopped a unit it stopped itself.
+    """
     problem = steps.control("stop", unit)
     stopped = problem is None and _wait_stopped(unit, steps)
     outcome: GateOutcome | None = None
@@ -120,12 +124,19 @@ def carry_out(unit: str, steps: Steps) -> Recovery:
     # Forget the loop as of now, before the start: the new run's first entries can carry a
     # timestamp a few ms before `systemctl start` returns, and must not be dropped.
     restarted_at = steps.monotonic()
+    if not stopped:
+        return Recovery(problem, outcome, restarted_at)
+    # Never worse: a unit this recovery stopped is started again even when its GPUs did not
+    # free up, so it is back where systemd had it (restarting) rather than left stopped.
+    reset = None
     if steps.show_unit(unit).active_state == "failed":
         # Only a failed unit has anything to reset; a unit systemd unloaded after the stop
         # (not enabled) answers "not loaded", which is no failure of the recovery.
-        problem = problem or steps.control("reset-failed", unit)
-    problem = problem or steps.control("start", unit)
-    return Recovery(problem, outcome, restarted_at)
+        reset = steps.control("reset-failed", unit)
+    start = steps.control("start", unit)
+    if problem is not None and start is None:
+        problem += f"; {unit} was started again, as systemd had it"
+    return Recovery(problem or reset or start, outcome, restarted_at)
 
 
 def _wait_stopped(unit: str, steps: Steps) -> bool:

@@ -17,20 +17,24 @@ from gpuguard.adapters import (
     containerstop,
     inventory,
     journal,
+    ledgerstore,
     logs,
     metricsio,
     notify,
     procfs,
     reaper,
+    runtree,
     state,
     systemd,
     unitenv,
 )
 from gpuguard.core import enginelines, events, xidevents
 from gpuguard.daemon import loop as daemon
+from gpuguard.daemon.ledgerkeeper import LedgerPorts
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
+    from gpuguard.core.ledger import Ledger
 
 
 def run(settings: Settings) -> int:
@@ -113,12 +117,39 @@ def run(settings: Settings) -> int:
             dry_run=settings.daemon.dry_run,
             logger=lambda: log,
         ),
+        ledger=ledger_ports(settings, log),
+        load_ledger=lambda: load_ledger(settings, log),
     )
     watchdog = daemon.Daemon(settings, follower, ports)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: watchdog.request_stop())
     signal.set_wakeup_fd(wake_write)
     return watchdog.run()
+
+
+def ledger_ports(settings: Settings, log: daemon.Logger) -> LedgerPorts:
+    """The provenance ledger's real reads (runtree) and its file (ledgerstore)."""
+
+    def save(ledger: Ledger) -> None:
+        try:
+            ledgerstore.save(settings.runtime_dir, ledger)
+        except OSError as err:
+            log.warning("cannot write the provenance ledger", error=str(err))
+
+    return LedgerPorts(
+        run_processes=runtree.run_processes,
+        alive=runtree.alive,
+        save=save,
+        every_s=settings.daemon.ledger_every_s,
+    )
+
+
+def load_ledger(settings: Settings, log: daemon.Logger) -> Ledger:
+    """The ledger an earlier daemon of this boot left; what was malformed in it is logged."""
+    ledger, problems = ledgerstore.load(settings.runtime_dir)
+    for problem in problems:
+        log.warning("provenance ledger ignored in part", problem=problem)
+    return ledger
 
 
 def boot_id() -> str | None:

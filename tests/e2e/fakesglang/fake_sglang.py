@@ -27,6 +27,11 @@ What it shares with ``python -m sglang.launch_server --tp-size N`` (README.md be
   bound), then terminates its workers and exits 0. ``--fake-stubborn-worker I`` (or
   ``FAKE_SGLANG_STUBBORN_WORKER=I`` in the unit's environment) makes worker I ignore SIGTERM,
   like a worker stuck in a collective.
+* ``--fake-scope-workers`` (or ``FAKE_SGLANG_SCOPE_WORKERS=1``): each TP worker is started
+  through ``systemd-run --scope --unit=tp-worker-<rank>-<id>``, so it lives in its own transient
+  scope with that scope's ``INVOCATION_ID`` (not the unit's) while the server runs: the shape of
+  workers that left the unit's cgroup (gpuguard issue 22). A stop that ends in SIGKILL then
+  leaves every worker alive, holding its GPU.
 
 GPU memory is allocated through the fake driver (``fakegpu_driver.py``): each process's socket to
 it is its CUDA context, freed when the process is gone. Device files and allocations live in
@@ -53,6 +58,7 @@ GIB = 1 << 30
 READY_LINE = "The server is fired up and ready to roll!"
 _PR_SET_NAME = 15
 _WORKER_FLAG = "--fake-worker"
+_EXEC_AS = "--fake-exec-as"
 _WORKER_STOP_S = 5.0
 _UNBALANCED = 0.9  # SGLang: min free memory of all ranks below 90 % of a rank's own is refused
 
@@ -184,6 +190,12 @@ def _parser() -> argparse.ArgumentParser:
         help="die only when this file does not exist yet, and create it "
         "($FAKE_SGLANG_DEATH_MARKER)",
     )
+    parser.add_argument(
+        "--fake-scope-workers",
+        action="store_true",
+        default=os.environ.get("FAKE_SGLANG_SCOPE_WORKERS") == "1",
+        help="start each TP worker in its own transient scope (systemd-run --scope)",
+    )
     return parser
 
 
@@ -290,13 +302,9 @@ class _Stop:
     requested = False
 
 
-def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[bytes]:
-    """Start the TP worker of ``fact.rank``, named like SGLang's; return once it holds memory."""
-    rank = fact.rank
-    ready_r, ready_w = os.pipe()
+def _worker_args(rank: int, fact: GpuFacts, args: argparse.Namespace, ready_w: int) -> list[str]:
+    """The worker's own options (after the script's path)."""
     argv = [
-        f"sglang::scheduler_TP{rank}",
-        str(Path(__file__).resolve()),
         _WORKER_FLAG,
         str(rank),
         "--fake-gpu",
@@ -312,10 +320,32 @@ def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[
     ]
     if rank == args.fake_stubborn_worker:
         argv.append("--fake-ignore-sigterm")
+    return argv
+
+
+def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[bytes]:
+    """Start the TP worker of ``fact.rank``, named like SGLang's; return once it holds memory."""
+    rank = fact.rank
+    ready_r, ready_w = os.pipe()
+    argv = [
+        f"sglang::scheduler_TP{rank}",
+        str(Path(__file__).resolve()),
+        *_worker_args(rank, fact, args, ready_w),
+    ]
     # argv[0] is not a path, so the interpreter cannot find its prefix itself: point it home.
     env = {**os.environ, "PYTHONHOME": sys.base_prefix, "CUDA_VISIBLE_DEVICES": str(fact.index)}
+    executable = sys.executable
+    if args.fake_scope_workers:
+        # systemd-run execs the worker itself (same PID, still our child) once it sits in the
+        # new scope; the scope, not the unit, names its INVOCATION_ID.
+        env.pop("INVOCATION_ID", None)
+        scope = f"--unit=tp-worker-{rank}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+        argv = ["systemd-run", "--scope", "--quiet", "--collect", scope, "--", sys.executable]
+        argv += [str(Path(__file__).resolve()), _EXEC_AS, f"sglang::scheduler_TP{rank}"]
+        argv += _worker_args(rank, fact, args, ready_w)
+        executable = "/usr/bin/systemd-run"
     proc = subprocess.Popen(
-        argv, executable=sys.executable, pass_fds=(ready_w,), env=env, stdin=subprocess.DEVNULL
+        argv, executable=executable, pass_fds=(ready_w,), env=env, stdin=subprocess.DEVNULL
     )
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
@@ -414,6 +444,9 @@ def _drain(args: argparse.Namespace) -> None:
 def main() -> None:
     """Worker or server, by the first argument."""
     argv = sys.argv[1:]
+    if argv[:1] == [_EXEC_AS] and len(argv) > 1:
+        # Started through systemd-run, whose argv[0] is a path: take SGLang's process title.
+        os.execv(sys.executable, [argv[1], str(Path(__file__).resolve()), *argv[2:]])  # noqa: S606 - our own interpreter
     if argv[:1] == [_WORKER_FLAG]:
         worker_main(argv)
     else:

@@ -1,0 +1,73 @@
+"""Which processes descend from a unit's live run: its cgroup's, and theirs wherever they went.
+
+A unit's cgroup (systemd's ``ControlGroup``, below ``/sys/fs/cgroup``) lists its processes in
+``cgroup.procs``, sub-cgroups (``Delegate=``) included; their descendants are found through
+/proc (procfs.descendants), so a worker that moved into a transient scope is still seen while
+its parent is in the run. Processes the ledger already recorded are roots too: a moved worker's
+own children are found after its parent died.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters import procfs
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from gpuguard.core.ledger import SeenProcess
+    from gpuguard.core.values import ProcessIdentity
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Where a systemd cgroup path is found: cgroup v2, else a hybrid host's unified hierarchy, else
+# its named systemd hierarchy (v1); the first that has the unit's directory is read.
+_HIERARCHIES = ("", "unified", "systemd")
+_MAX_CGROUPS = 256
+_PROCS_LIMIT = 1 << 20
+
+
+def cgroup_pids(control_group: str, *, cgroup_root: Path = CGROUP_ROOT) -> list[int]:
+    """The PIDs in the cgroup and its sub-cgroups (at most _MAX_CGROUPS), empty when none."""
+    relative = control_group.strip("/")
+    if not relative or ".." in relative.split("/"):
+        return []
+    tops = [cgroup_root / hierarchy / relative for hierarchy in _HIERARCHIES]
+    found = next((top for top in tops if (top / "cgroup.procs").is_file()), None)
+    if found is None:
+        return []
+    top = os.fspath(found)
+    pids: list[int] = []
+    visited = 0
+    for directory, subdirectories, _files in os.walk(top, followlinks=False):
+        visited += 1
+        if visited > _MAX_CGROUPS:
+            subdirectories.clear()
+            break
+        try:
+            with open(os.path.join(directory, "cgroup.procs"), "rb") as procs:  # noqa: PTH118, PTH123 - hot path, plain os calls
+                data = procs.read(_PROCS_LIMIT)
+        except OSError:
+            continue
+        pids.extend(int(word) for word in data.split() if word.isdigit())
+    return pids
+
+
+def run_processes(
+    control_group: str | None,
+    recorded: Iterable[ProcessIdentity],
+    *,
+    cgroup_root: Path = CGROUP_ROOT,
+    proc_root: Path = procfs.PROC,
+) -> tuple[SeenProcess, ...]:
+    """The run's processes now: its cgroup's, the ``recorded`` ones still alive, descendants."""
+    roots = cgroup_pids(control_group, cgroup_root=cgroup_root) if control_group else []
+    roots.extend(i.pid for i in recorded if alive(i, proc_root=proc_root))
+    return procfs.descendants(roots, proc_root=proc_root)
+
+
+def alive(identity: ProcessIdentity, *, proc_root: Path = procfs.PROC) -> bool:
+    """Whether this very process (PID and start time) still exists."""
+    return procfs.read_identity(identity.pid, proc_root=proc_root) == identity

@@ -1,0 +1,208 @@
+"""The provenance ledger: which processes descended from each run of a watched unit (pure).
+
+The evidence that a process came from a unit's run is easy to see while the run lives (it sits
+in the unit's cgroup, or descends from a process that does) and gone once the run is over: a TP
+worker that moved into a transient scope (``systemd-run --scope``) carries that scope's
+``INVOCATION_ID`` and cgroup, and after the server's death its parent is PID 1. So the daemon
+records each run's descendants while it lives, and the kill policy later takes a recorded
+(PID, start time) of an *ended* run as positive evidence, still only with the unit's uid.
+
+A process belongs to the first run it was seen in (a left-over from run A that is still in the
+cgroup when run B starts stays A's), so a late record can only make a process look live, never
+stale. A run is forgotten once none of its processes exists any more; the ledger is bounded in
+runs and processes, and what is cut is the oldest, which only ever means "no evidence".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+from gpuguard.core.values import ProcessIdentity
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+LEDGER_SCHEMA = 1
+MAX_RUNS = 64
+"""Runs kept across all units; the oldest record is dropped first."""
+MAX_PROCESSES = 512
+"""Processes kept per run (a TP-8 server with its helpers has a few dozen); with MAX_RUNS
+the file stays under the state store's 4 MiB read limit."""
+_MAX_TEXT = 512
+_INVOCATION_CHARS = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class SeenProcess:
+    """One process as the ledger saw it descend from a run: identity, uids, name and cgroup."""
+
+    pid: int
+    start_time: int
+    uids: tuple[int, ...]
+    comm: str
+    cgroup: str
+    """Where it was first seen (``/system.slice/tp-worker-0.scope``), for people."""
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        """(PID, start time): exactly this process for the life of the boot."""
+        return ProcessIdentity(self.pid, self.start_time)
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """The processes seen descending from one run (invocation) of one unit."""
+
+    unit: str
+    invocation_id: str
+    first_seen: float
+    """Wall-clock seconds of the first record, for people (and which run is oldest)."""
+    last_seen: float
+    processes: tuple[SeenProcess, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ledger:
+    """Every watched unit's recorded runs, oldest first."""
+
+    runs: tuple[RunRecord, ...] = ()
+
+    def record(
+        self, unit: str, invocation_id: str, seen: Iterable[SeenProcess], at: float
+    ) -> Ledger:
+        """Add what was seen of a live run; a process already recorded keeps its first run."""
+        known = {p.identity for run in self.runs for p in run.processes}
+        fresh: dict[ProcessIdentity, SeenProcess] = {}
+        for process in seen:
+            if process.identity not in known:
+                fresh.setdefault(process.identity, process)
+        runs = list(self.runs)
+        index = next(
+            (i for i, r in enumerate(runs) if (r.unit, r.invocation_id) == (unit, invocation_id)),
+            None,
+        )
+        if index is None:
+            runs.append(RunRecord(unit, invocation_id, at, at))
+            index = len(runs) - 1
+        run = runs[index]
+        processes = (*run.processes, *fresh.values())[:MAX_PROCESSES]
+        runs[index] = replace(run, last_seen=at, processes=processes)
+        return Ledger(tuple(runs[-MAX_RUNS:]))
+
+    def forget(self, alive: Callable[[ProcessIdentity], bool], keep: frozenset[str]) -> Ledger:
+        """Drop processes that no longer exist, then runs left empty (except ``keep``, live)."""
+        runs = []
+        for run in self.runs:
+            processes = tuple(p for p in run.processes if alive(p.identity))
+            if processes or run.invocation_id in keep:
+                runs.append(replace(run, processes=processes))
+        return Ledger(tuple(runs))
+
+    def run_of(self, unit: str, invocation_id: str) -> RunRecord | None:
+        """The record of one run, if any."""
+        return next(
+            (r for r in self.runs if (r.unit, r.invocation_id) == (unit, invocation_id)), None
+        )
+
+    def claims(self, unit: str) -> frozenset[tuple[ProcessIdentity, str]]:
+        """Each recorded process of ``unit`` with the invocation it descended from."""
+        return frozenset(
+            (p.identity, run.invocation_id)
+            for run in self.runs
+            if run.unit == unit
+            for p in run.processes
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ledger file's document."""
+        return {
+            "schema": LEDGER_SCHEMA,
+            "runs": [
+                {
+                    "unit": run.unit,
+                    "invocation_id": run.invocation_id,
+                    "first_seen": run.first_seen,
+                    "last_seen": run.last_seen,
+                    "processes": [
+                        [p.pid, p.start_time, list(p.uids), p.comm, p.cgroup] for p in run.processes
+                    ],
+                }
+                for run in self.runs
+            ],
+        }
+
+    @classmethod
+    def parse(cls, document: object) -> tuple[Ledger, tuple[str, ...]]:
+        """The ledger a document holds, and what was skipped and why (total: never raises).
+
+        Anything malformed is dropped, which only ever removes evidence.
+        """
+        if not isinstance(document, dict) or document.get("schema") != LEDGER_SCHEMA:
+            return cls(), ("not a ledger document of schema 1",)
+        raw_runs = document.get("runs")
+        if not isinstance(raw_runs, list):
+            return cls(), ("runs is not a list",)
+        runs: list[RunRecord] = []
+        problems: list[str] = []
+        for raw in raw_runs[-MAX_RUNS:]:
+            run = _parse_run(raw)
+            if run is None:
+                problems.append("a malformed run was skipped")
+            else:
+                runs.append(run)
+        return cls(tuple(runs)), tuple(problems)
+
+
+def _parse_run(raw: object) -> RunRecord | None:
+    if not isinstance(raw, dict):
+        return None
+    unit, invocation = raw.get("unit"), raw.get("invocation_id")
+    first, last = raw.get("first_seen"), raw.get("last_seen")
+    listed = raw.get("processes")
+    if not (
+        _text(unit)
+        and isinstance(invocation, str)
+        and is_invocation_id(invocation)
+        and _number(first)
+        and _number(last)
+        and isinstance(listed, list)
+    ):
+        return None
+    processes = tuple(p for item in listed[:MAX_PROCESSES] if (p := _parse_process(item)))
+    return RunRecord(unit, invocation, float(first), float(last), processes)
+
+
+def _parse_process(raw: object) -> SeenProcess | None:
+    if not isinstance(raw, list) or len(raw) != 5:
+        return None
+    pid, start, uids, comm, cgroup = raw
+    if not (_count(pid) and _count(start) and _text(comm) and _text(cgroup)):
+        return None
+    if not isinstance(uids, list) or len(uids) > 4 or not all(_count(u) for u in uids):
+        return None
+    return SeenProcess(pid, start, tuple(uids), comm, cgroup)
+
+
+def is_invocation_id(text: str) -> bool:
+    """Whether ``text`` is a systemd invocation id (32 lower-case hex digits)."""
+    return len(text) == 32 and set(text) <= _INVOCATION_CHARS
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
+
+
+def ledger_evidence(
+    claims: frozenset[tuple[ProcessIdentity, str]], identity: ProcessIdentity
+) -> str | None:
+    """The run the ledger says ``identity`` descended from, if it recorded it."""
+    return next((run for seen, run in claims if seen == identity), None)

@@ -1,0 +1,116 @@
+"""The daemon's side of the provenance ledger: record each watched run while it lives.
+
+When a run comes up, when systemd announces its stop (``Stopping …``, before any signal), when
+it ends, and while it runs - 1, 2, 4, 8 … s after it came up (a server's workers appear after
+its model load), then every ``daemon.ledger_every_s`` - the run's processes are read
+(runtree: its cgroup and the descendants of every process in it or recorded before) and added
+to the ledger (core.ledger). Processes that exited are forgotten at each record, runs left
+empty with them; the file is rewritten only when what it proves changed, so an idle host costs
+one cgroup read and a few ``stat`` reads per interval, and no write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from gpuguard.core.ledger import Ledger, SeenProcess
+    from gpuguard.core.values import ProcessIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerPorts:
+    """What the keeper reads and writes through (runtree, ledgerstore; twins in tests)."""
+
+    run_processes: Callable[[str | None, Iterable[ProcessIdentity]], tuple[SeenProcess, ...]]
+    alive: Callable[[ProcessIdentity], bool]
+    save: Callable[[Ledger], None]
+    every_s: float
+
+
+_FIRST_STEP_S = 1.0
+
+
+@dataclass(slots=True)
+class _Live:
+    invocation_id: str
+    control_group: str | None
+    due_s: float
+    step_s: float = _FIRST_STEP_S
+
+
+class LedgerKeeper:
+    """The ledger of every watched unit's runs, and which runs are live now."""
+
+    def __init__(
+        self, ports: LedgerPorts | None, initial: Ledger, wall: Callable[[], float]
+    ) -> None:
+        """Start from the ledger on disk (a restarted daemon keeps its evidence)."""
+        self._ports = ports
+        self._ledger = initial
+        self._wall = wall
+        self._live: dict[str, _Live] = {}
+        self._saved = initial.to_json()["runs"]
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger as recorded so far."""
+        return self._ledger
+
+    def claims(self, unit: str) -> frozenset[tuple[ProcessIdentity, str]]:
+        """What the ledger recorded of ``unit``'s runs (PlanRequest.provenance.ledger)."""
+        return self._ledger.claims(unit)
+
+    def run_up(self, unit: str, invocation_id: str, control_group: str | None, now: float) -> None:
+        """A run of ``unit`` is live: record it now and from now on."""
+        self._live[unit] = _Live(invocation_id, control_group, now)
+        self.record(unit, now)
+
+    def run_over(self, unit: str, invocation_id: str, now: float) -> None:
+        """A run ended: one last record (moved workers' own children), then no more."""
+        live = self._live.get(unit)
+        if live is not None and live.invocation_id == invocation_id:
+            self.record(unit, now)
+            del self._live[unit]
+
+    def record(self, unit: str, now: float) -> None:
+        """Read the live run of ``unit`` now (nothing when none is live), then forget the dead."""
+        ports, live = self._ports, self._live.get(unit)
+        if ports is None or live is None:
+            return
+        live.due_s = now + min(live.step_s, ports.every_s)
+        live.step_s = min(live.step_s * 2, ports.every_s)
+        run = self._ledger.run_of(unit, live.invocation_id)
+        recorded = [p.identity for p in run.processes] if run is not None else []
+        seen = ports.run_processes(live.control_group, recorded)
+        ledger = self._ledger.record(unit, live.invocation_id, seen, self._wall())
+        keep = frozenset(v.invocation_id for v in self._live.values())
+        self._ledger = ledger.forget(ports.alive, keep)
+        self._save()
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the next periodic record, None when no run is live."""
+        if self._ports is None or not self._live:
+            return None
+        return max(0.0, min(live.due_s for live in self._live.values()) - now)
+
+    def tick(self, now: float) -> None:
+        """Record every live run whose interval is over."""
+        for unit, live in list(self._live.items()):
+            if now >= live.due_s:
+                self.record(unit, now)
+
+    def _save(self) -> None:
+        """Write the file when what it proves changed (the times of a record alone do not)."""
+        ports = self._ports
+        runs = self._ledger.to_json()["runs"]
+        proves = [(r["unit"], r["invocation_id"], r["processes"]) for r in runs]
+        if ports is None or proves == [
+            (r["unit"], r["invocation_id"], r["processes"]) for r in self._saved
+        ]:
+            return
+        ports.save(self._ledger)
+        self._saved = runs

@@ -1,0 +1,208 @@
+"""Issue 22: TP workers that left the unit's cgroup while the run lived, on a real systemd.
+
+The fake SGLang starts each TP worker through ``systemd-run --scope``
+(``FAKE_SGLANG_SCOPE_WORKERS``): each lives in its own transient scope
+``tp-worker-<rank>-….scope`` with that scope's ``INVOCATION_ID``, not the unit's. A stop that
+ends in SIGKILL (the 30 s drain against ``TimeoutStopSec=3``) or a crash of the main process
+leaves all four alive, holding about 119 GiB of each GPU. Nothing of the unit's cgroup or
+environment ties them to the run any more; the daemon's ledger, recorded while the run lived,
+does.
+
+* (m) the package as shipped (daemon) with the gate: an operator restart, then a crash with
+  ``Restart=always``: 0 failed starts and a healthy start each time.
+* (n) the daemon alone: a crash (0 failed starts), then an operator restart (at most one), and
+  the unit is never left stopped.
+* (o) the gate alone (no daemon, so no ledger): it cannot prove whose the workers are, and its
+  refusal names them and the operator's command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from e2e.container import ContainerError
+from e2e.gpubox import CONFIG, UNIT, GpuBox, daemon_events, install
+from e2e.measure import Timeline
+from e2e.scenario import SAME_STOP_TIMEOUT, SERVING_MIB, SETTLE_S, alive, finish
+
+if TYPE_CHECKING:
+    from e2e.conftest import ContainerFactory
+    from e2e.container import Container
+    from e2e.gpubox import Artifacts
+    from e2e.measure import Measurement
+
+pytestmark = pytest.mark.slow
+
+SCOPED = "[Service]\nEnvironment=FAKE_SGLANG_SCOPE_WORKERS=1\n"
+LEDGER = "/run/gpuguard/ledger.json"
+COMMAND = f"gpuguard reap --unit {UNIT} --scope patterns"
+#: (o): the gate's wait, short so its refusal comes soon (the shipped default is longer).
+GATE_ALONE_CONFIG = CONFIG.replace("gate_timeout_s = 60.0", "gate_timeout_s = 8.0")
+
+
+def serve_escaped(gpubox: GpuBox, *, after_s: float | None = None) -> tuple[str, list[int]]:
+    """Serve (or wait for the run started after ``after_s``); its invocation and TP PIDs.
+
+    Each worker is checked to sit in its own scope with an INVOCATION_ID that is not the run's.
+    """
+    if after_s is None:
+        gpubox.systemctl("enable", UNIT)
+        gpubox.drop_in(UNIT, "e2e-scoped.conf", SCOPED)
+        serving = gpubox.start_server()
+    else:
+        serving = gpubox.wait_fired_up(after_s=after_s, timeout=60)
+    workers = []
+    for rank in range(4):
+        [pid] = gpubox.pids(f"sglang::scheduler_TP{rank}")
+        cgroup = gpubox.box.read_file(f"/proc/{pid}/cgroup")
+        assert f"tp-worker-{rank}-" in cgroup, cgroup
+        environ = gpubox.box.read_file(f"/proc/{pid}/environ")
+        assert f"INVOCATION_ID={serving}" not in environ
+        workers.append(pid)
+    return serving, workers
+
+
+def recorded(gpubox: GpuBox) -> dict[int, str]:
+    """PIDs in the daemon's ledger file, with the invocation each was recorded under."""
+    with contextlib.suppress(Exception):
+        document = json.loads(gpubox.box.read_file(LEDGER))
+        return {p[0]: run["invocation_id"] for run in document["runs"] for p in run["processes"]}
+    return {}
+
+
+def wait_recorded(gpubox: GpuBox, serving: str, workers: list[int]) -> None:
+    """Wait until the daemon's ledger holds every worker under the serving run."""
+    gpubox.box.wait_for(
+        "the ledger records the escaped workers",
+        lambda: all(recorded(gpubox).get(pid) == serving for pid in workers),
+        timeout=30,
+    )
+
+
+def crash(gpubox: GpuBox, timeline: Timeline) -> float:
+    """SIGKILL the server's main process (systemd then kills its cgroup, not the scopes)."""
+    t0 = time.time()
+    timeline.t0 = t0
+    gpubox.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
+    timeline.mark("the main process crashes (SIGKILL); Restart=always, RestartSec=1", t0)
+    return t0
+
+
+def restart(gpubox: GpuBox, timeline: Timeline) -> float:
+    """An operator's restart during the 30 s drain (TimeoutStopSec=3: SIGKILL)."""
+    t0 = time.time()
+    timeline.t0 = t0
+    gpubox.systemctl("--no-block", "restart", UNIT)
+    timeline.mark("systemctl restart sglang.service (drain 30 s > TimeoutStopSec=3)", t0)
+    return t0
+
+
+def measured(
+    gpubox: GpuBox, timeline: Timeline, scenario: str, title: str, gpuguard: str, old: str
+) -> Measurement:
+    """The scenario's numbers from the journal since its trigger (the old run left out)."""
+    time.sleep(SETTLE_S)
+    events = gpubox.daemon_log(timeline.t0)
+    swept = [str(e.get("summary")) for e in daemon_events(events, "survivors of an ended run")]
+    return finish(
+        gpubox,
+        timeline,
+        scenario=scenario,
+        title=title,
+        gpuguard=gpuguard,
+        window_s=round(time.time() - timeline.t0, 1),
+        exclude={old},
+        actions="; ".join(swept) or "gate reaped the escaped workers",
+        notes=["workers in their own transient scopes (systemd-run --scope)"],
+        since_s=timeline.t0 - 1,
+    )
+
+
+def test_m_daemon_and_gate_escaped_workers_restart_and_crash(gpubox: GpuBox) -> None:
+    """The package as shipped with the gate: 0 failed starts after a restart and after a crash."""
+    gpubox.install_gate(extra=SAME_STOP_TIMEOUT)
+    gpubox.start_daemon()
+    serving, workers = serve_escaped(gpubox)
+    wait_recorded(gpubox, serving, workers)
+    timeline = Timeline(time.time())
+    timeline.mark(f"serving (run {serving[:8]}), TP0-TP3 {workers} each in its own scope")
+    t0 = restart(gpubox, timeline)
+    second, new_workers = serve_escaped(gpubox, after_s=t0)
+    m = measured(gpubox, timeline, "m1", "escaped workers, restart, daemon + gate", "both", serving)
+    assert m.failed_starts == 0, m
+    assert m.healthy_s is not None, m
+    assert not any(alive(gpubox, pid) for pid in workers)
+    assert gpubox.allocated() == [SERVING_MIB] * 4  # the new run, alone
+
+    wait_recorded(gpubox, second, new_workers)
+    timeline = Timeline(time.time())
+    timeline.mark(f"serving (run {second[:8]}), TP0-TP3 {new_workers} each in its own scope")
+    t1 = crash(gpubox, timeline)
+    serve_escaped(gpubox, after_s=t1)
+    m = measured(gpubox, timeline, "m2", "escaped workers, crash, daemon + gate", "both", second)
+    assert m.failed_starts == 0, m
+    assert m.healthy_s is not None, m
+    assert not any(alive(gpubox, pid) for pid in new_workers)
+    assert gpubox.allocated() == [SERVING_MIB] * 4
+
+
+def test_n_daemon_alone_escaped_workers_crash_and_restart(gpubox: GpuBox) -> None:
+    """The daemon alone: a crash costs no failed start, a restart at most one; never left down."""
+    gpubox.start_daemon()
+    serving, workers = serve_escaped(gpubox)
+    wait_recorded(gpubox, serving, workers)
+    timeline = Timeline(time.time())
+    timeline.mark(f"serving (run {serving[:8]}), TP0-TP3 {workers} each in its own scope")
+    t0 = crash(gpubox, timeline)
+    second, new_workers = serve_escaped(gpubox, after_s=t0)
+    m = measured(gpubox, timeline, "n1", "escaped workers, crash, daemon alone", "daemon", serving)
+    assert m.failed_starts == 0, m
+    assert not any(alive(gpubox, pid) for pid in workers)
+
+    wait_recorded(gpubox, second, new_workers)
+    timeline = Timeline(time.time())
+    timeline.mark(f"serving (run {second[:8]}), TP0-TP3 {new_workers} each in its own scope")
+    t1 = restart(gpubox, timeline)
+    serve_escaped(gpubox, after_s=t1)
+    m = measured(gpubox, timeline, "n2", "escaped workers, restart, daemon alone", "daemon", second)
+    assert m.failed_starts <= 1, m
+    assert m.healthy_s is not None, m
+    assert gpubox.show(UNIT, "ActiveState") == "active"
+    assert not any(alive(gpubox, pid) for pid in new_workers)
+
+
+def test_o_gate_alone_names_the_escaped_workers_and_the_command(
+    container: ContainerFactory, e2e_artifacts: Artifacts
+) -> None:
+    """No daemon, no ledger: the gate cannot prove whose the workers are; its refusal says so."""
+    booted: Container = container(binds=e2e_artifacts.binds())
+    gpubox = GpuBox(booted, install_s=install(booted, config=GATE_ALONE_CONFIG))
+    try:
+        gpubox.install_gate(extra=SAME_STOP_TIMEOUT)
+        serving, workers = serve_escaped(gpubox)
+        t0 = restart(gpubox, Timeline(time.time()))
+        found: list[str] = []
+        said: list[str] = []
+
+        def refused() -> bool:
+            said[:] = [
+                str(e.get("MESSAGE"))
+                for e in gpubox.box.journal([f"_SYSTEMD_UNIT={UNIT}", f"--since=@{int(t0)}"])
+            ]
+            found.extend(line for line in said if "Start refused" in line and COMMAND in line)
+            return bool(found)
+
+        try:
+            gpubox.box.wait_for("the gate's refusal", refused, timeout=60)
+        except ContainerError:
+            raise AssertionError("\n".join(said[-40:])) from None
+        assert all(f"PID {pid} (" in found[0] for pid in workers), found[0]
+        assert all(alive(gpubox, pid) for pid in workers)  # nothing unproven was signalled
+        del serving
+    finally:
+        gpubox.kill_server()

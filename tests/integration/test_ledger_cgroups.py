@@ -1,0 +1,168 @@
+"""The provenance ledger over real processes that move between real cgroups (root).
+
+A server in the unit's cgroup forks a TP worker that moves into its own transient scope and
+carries that scope's INVOCATION_ID, the shape ``systemd-run --scope`` gives it. The daemon's
+keeper, with the real cgroup and /proc readers, records both while the run lives; after the
+server died the worker is named by nothing but the ledger, and the plan reaps it by that record.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import TYPE_CHECKING
+
+import pytest
+from clirunner import CGROUP2
+from fakeholder import process_gone
+from fakestate import fake_library
+
+from gpuguard.adapters import inventory, ledgerstore, runtree
+from gpuguard.config import Settings, UnitSettings
+from gpuguard.core.ledger import Ledger
+from gpuguard.core.policy import PlanRequest, Scope, Verdict, plan
+from gpuguard.core.values import ProcessIdentity, UnitProvenance
+from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
+
+    from clirunner import UnitCgroups
+    from fakeholder import Holder, HolderSpawner
+
+    from gpuguard.core.ledger import SeenProcess
+
+RUN = "1" * 32  # the unit's run the worker descended from
+SCOPE_ID = "d" * 32  # what its own environment says: the transient scope's INVOCATION_ID
+
+
+def keeper(saved: list[Ledger]) -> LedgerKeeper:
+    """The daemon's keeper with the real readers, over the test's cgroup v2 mount."""
+
+    def read(group: str | None, recorded: Iterable[ProcessIdentity]) -> tuple[SeenProcess, ...]:
+        return runtree.run_processes(group, recorded, cgroup_root=CGROUP2)
+
+    ports = LedgerPorts(run_processes=read, alive=runtree.alive, save=saved.append, every_s=30.0)
+    return LedgerKeeper(ports, Ledger(), lambda: 1.0)
+
+
+def escaped_worker(
+    spawn_holder: HolderSpawner,
+    state: Path,
+    cgroups: UnitCgroups,
+    unit: str,
+    scope: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Holder:
+    """A server in ``unit``'s cgroup whose one worker (holding GPU 0) moved into ``scope``."""
+    monkeypatch.setenv("INVOCATION_ID", SCOPE_ID)
+    server = spawn_holder(
+        state, gpus=(0,), mib=30000, children=1, leave_child=True, name="sglang::server"
+    )
+    monkeypatch.delenv("INVOCATION_ID")
+    cgroups.move(server.pid, unit)
+    cgroups.move(server.children[0], scope)
+    return server
+
+
+def recorded_at(kept: LedgerKeeper) -> dict[int, str]:
+    """The first run's recorded PIDs with the cgroup each was first seen in."""
+    return {p.pid: p.cgroup for p in kept.ledger.runs[0].processes}
+
+
+def request(unit: str, provenance: UnitProvenance) -> PlanRequest:
+    """The gate's request for ``unit`` before its next start (nothing of it is live)."""
+    return PlanRequest(
+        unit=unit,
+        scope=Scope.UNIT,
+        patterns=("sglang",),
+        gpu_set=None,
+        protected_names=(),
+        untouchable_pids=frozenset({os.getpid()}),
+        provenance=provenance,
+    )
+
+
+def test_a_worker_that_moved_to_its_own_scope_is_recorded_and_reaped_after_its_server_died(
+    tmp_path: Path,
+    fake_state: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Recorded while the run lived, the orphaned worker is the unit's; without it, nobody's."""
+    if os.geteuid() != 0:
+        pytest.skip("reads every process's status and writes root's ledger file (root)")
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    scope = f"tp-worker-{uuid.uuid4().hex[:8]}.scope"
+    server = escaped_worker(spawn_holder, fake_state, unit_cgroups, unit, scope, monkeypatch)
+    worker = server.children[0]
+    saved: list[Ledger] = []
+    kept = keeper(saved)
+
+    kept.run_up(unit, RUN, f"/system.slice/{unit}", 0.0)
+
+    [run] = kept.ledger.runs
+    where = {p.pid: p.cgroup for p in run.processes}
+    assert where[server.pid] == f"/system.slice/{unit}"
+    assert where[worker] == f"/system.slice/{scope}"
+    server.terminate()  # the server dies; its worker stays (leave_child)
+    server.wait()
+    kept.run_over(unit, RUN, 1.0)
+    assert {p.pid for p in kept.ledger.runs[0].processes} == {worker}  # the server forgotten
+    ledgerstore.save(tmp_path, saved[-1])
+    assert (ledgerstore.ledger_path(tmp_path).stat().st_mode & 0o777) == 0o600
+
+    settings = Settings(
+        units={unit: UnitSettings()},
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        device_glob=f"{fake_state}/dev/nvidia*",
+    )
+    monkeypatch.setenv("FAKENVML_STATE", str(fake_state))
+    found = inventory.gather(settings)
+    systemd_says = UnitProvenance(None, frozenset({RUN}), uid=0)
+    with_ledger = UnitProvenance(
+        None, frozenset({RUN}), uid=0, ledger=ledgerstore.claims(tmp_path, unit)
+    )
+    [decision] = [
+        d
+        for d in plan(found.holders, request(unit, with_ledger)).decisions
+        if d.holder.pid == worker
+    ]
+    assert decision.verdict is Verdict.REAP, decision.reason
+    assert "the ledger saw it descend from run 111111111111" in decision.reason
+    [before] = [
+        d
+        for d in plan(found.holders, request(unit, systemd_says)).decisions
+        if d.holder.pid == worker
+    ]
+    assert before.verdict is Verdict.KEEP
+    assert not process_gone(worker)
+
+
+def test_descendants_outside_the_cgroup_are_recorded_and_a_repeat_record_writes_nothing(
+    fake_state: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+) -> None:
+    """A child never in the cgroup is the run's by descent; nothing new to prove, no write."""
+    if os.geteuid() != 0:
+        pytest.skip("reads every process's status (root)")
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    scope = f"tp-worker-{uuid.uuid4().hex[:8]}.scope"
+    saved: list[Ledger] = []
+    kept = keeper(saved)
+    kept.run_up(unit, RUN, f"/system.slice/{unit}", 0.0)
+    assert not recorded_at(kept)
+    # The worker came up in the cgroup between records, then moved out with its child.
+    worker = spawn_holder(fake_state, gpus=(0,), children=1, name="sglang::worker")
+    unit_cgroups.move(worker.pid, unit)
+    kept.record(unit, 1.0)
+    unit_cgroups.move(worker.pid, scope)
+    assert set(recorded_at(kept)) == {worker.pid, *worker.children}
+    writes = len(saved)
+    kept.record(unit, 2.0)
+    assert recorded_at(kept)[worker.pid] == f"/system.slice/{unit}"  # where it was first seen
+    assert len(saved) == writes  # nothing new to prove: the file is not rewritten

@@ -1,0 +1,316 @@
+"""The provenance ledger: what it records, what it forgets, what it proves to the kill policy."""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import replace
+
+from builders import gpu, inventory, nvml, plan_request, process
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuguard.core.adopt import glob_match
+from gpuguard.core.cgroup import Attribution
+from gpuguard.core.containment import Containment
+from gpuguard.core.gate import GateSettings, run_gate
+from gpuguard.core.inventory import GpuUse, Holder, build_inventory
+from gpuguard.core.ledger import MAX_PROCESSES, MAX_RUNS, Ledger, SeenProcess
+from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
+from gpuguard.core.recovery import operator_command, unfreeable
+from gpuguard.core.values import ProcessIdentity, ProcScan, UnitProvenance
+from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
+
+UNIT = "sglang.service"
+LIVE = "a" * 32
+OLD = "b" * 32
+ROOT = (0, 0, 0, 0)
+TENANT = (1000, 1000, 1000, 1000)
+SCOPE = "tp-worker-0.scope"
+SCOPE_ID = "d" * 32  # the transient scope's own INVOCATION_ID
+
+
+def holder(
+    pid: int = 100,
+    *,
+    unit: str = UNIT,
+    invocation: str | None = OLD,
+    uids: tuple[int, ...] = ROOT,
+) -> Holder:
+    """A holder of GPU 0 by its device file, in ``unit``'s cgroup."""
+    return Holder(
+        identity=ProcessIdentity(pid, 5000 + pid),
+        ppid=1,
+        state="S",
+        user="root",
+        comm="python3",
+        cmdline=("python3", "-m", "sglang.launch_server"),
+        attribution=Attribution(unit=unit),
+        invocation_id=invocation,
+        gpus=(GpuUse(0, None, listed_by_nvml=False, holds_device_file=True),),
+        device_files=frozenset({"/dev/nvidia0"}),
+        kernel_thread=False,
+        uids=uids,
+    )
+
+
+def request(*, live: str | None = None, provenance: UnitProvenance | None = None) -> PlanRequest:
+    """The gate's request for the unit (scope unit, GPUs 0-3)."""
+    return PlanRequest(
+        unit=UNIT,
+        scope=Scope.UNIT,
+        patterns=("sglang",),
+        gpu_set=frozenset({0, 1, 2, 3}),
+        protected_names=("nvidia-persistenced",),
+        untouchable_pids=frozenset({4242}),
+        provenance=provenance or UnitProvenance(None, frozenset({OLD}), uid=0),
+        live_invocation=live,
+    )
+
+
+def seen(pid: int, cgroup: str = f"/system.slice/{UNIT}") -> SeenProcess:
+    """A process as the ledger saw it (start times as test_policy's holders have them)."""
+    return SeenProcess(pid, 5000 + pid, ROOT, "python3", cgroup)
+
+
+def recorded(*pids: int, run: str = OLD) -> UnitProvenance:
+    """The provenance systemd gives, with the ledger having seen ``pids`` descend from ``run``."""
+    ledger = Ledger().record(UNIT, run, [seen(pid) for pid in pids], 1.0)
+    return UnitProvenance(None, frozenset({OLD}), uid=0, ledger=ledger.claims(UNIT))
+
+
+def moved(pid: int = 100, uids: tuple[int, ...] = ROOT) -> Holder:
+    """A TP worker that moved into its own scope, with that scope's INVOCATION_ID."""
+    return holder(pid, unit=SCOPE, invocation=SCOPE_ID, uids=uids)
+
+
+def test_a_process_keeps_the_first_run_it_was_seen_in() -> None:
+    """A left-over of run A still in the cgroup when run B starts stays A's."""
+    ledger = Ledger().record(UNIT, OLD, [seen(1)], 1.0).record(UNIT, LIVE, [seen(1), seen(2)], 2.0)
+    assert dict(ledger.claims(UNIT)) == {
+        ProcessIdentity(1, 5001): OLD,
+        ProcessIdentity(2, 5002): LIVE,
+    }
+
+
+def test_gone_processes_and_their_empty_runs_are_forgotten() -> None:
+    """Forgetting keeps the live run even when empty; a PID reused later is a new process."""
+    ledger = Ledger().record(UNIT, OLD, [seen(1)], 1.0).record(UNIT, LIVE, [], 2.0)
+    forgotten = ledger.forget(lambda _identity: False, keep=frozenset({LIVE}))
+    assert [run.invocation_id for run in forgotten.runs] == [LIVE]
+    assert not forgotten.claims(UNIT)
+
+
+def test_the_ledger_is_bounded_in_runs_and_processes() -> None:
+    """The oldest runs go first; a run keeps at most MAX_PROCESSES."""
+    ledger = Ledger()
+    for run in range(MAX_RUNS + 5):
+        ledger = ledger.record(UNIT, f"{run:032x}", [], float(run))
+    assert len(ledger.runs) == MAX_RUNS
+    assert ledger.runs[0].invocation_id == f"{5:032x}"
+    big = Ledger().record(UNIT, OLD, [seen(pid) for pid in range(1, MAX_PROCESSES + 10)], 1.0)
+    assert len(big.runs[0].processes) == MAX_PROCESSES
+
+
+def test_the_file_document_round_trips() -> None:
+    """What is written is read back as the same ledger, with no problem."""
+    ledger = Ledger().record(UNIT, OLD, [seen(1), seen(2, "/system.slice/x.scope")], 1.5)
+    assert Ledger.parse(ledger.to_json()) == (ledger, ())
+
+
+@given(
+    st.recursive(
+        st.none() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)
+    )
+)
+def test_the_parser_is_total(document: object) -> None:
+    """Any JSON value parses to a ledger (maybe empty) and reasons, never an exception."""
+    ledger, problems = Ledger.parse(document)
+    assert isinstance(ledger, Ledger)
+    assert isinstance(problems, tuple)
+
+
+def test_malformed_runs_and_processes_are_dropped() -> None:
+    """A bad id, a negative PID, a bool or too many uids only removes evidence."""
+    good = Ledger().record(UNIT, OLD, [seen(1)], 1.0).to_json()
+    run = good["runs"][0]
+    document = {
+        "schema": 1,
+        "runs": [
+            run | {"invocation_id": "../../etc"},
+            run | {"processes": [[-1, 5, [0], "x", "/"], [True, 5, [0], "x", "/"]]},
+            run | {"processes": [[1, 5001, [0, 0, 0, 0, 0], "x", "/"]]},
+            run,
+        ],
+    }
+    ledger, problems = Ledger.parse(document)
+    assert problems == ("a malformed run was skipped",)
+    assert [len(r.processes) for r in ledger.runs] == [0, 0, 1]
+
+
+def test_a_recorded_worker_of_an_ended_run_is_reaped_in_its_own_scope() -> None:
+    """The ledger saw it descend from the ended run: reaped whatever its scope's INVOCATION_ID."""
+    decision = decide(moved(), request(provenance=recorded(100)))
+    assert decision.verdict is Verdict.REAP
+    assert "the ledger saw it descend from run" in decision.reason
+    assert f" {UNIT} " in decision.reason  # how explain finds the reaper's line of the unit
+
+
+def test_without_the_ledger_the_moved_worker_is_kept() -> None:
+    """Today's evidence alone: the scope's own INVOCATION_ID names no run of the unit."""
+    decision = decide(moved(), request(provenance=replace(recorded(100), ledger=frozenset())))
+    assert decision.verdict is Verdict.KEEP
+
+
+def test_a_recorded_process_of_another_uid_is_never_the_units() -> None:
+    """The ledger is no evidence against the uid rule: a tenant's process stays."""
+    decision = decide(moved(uids=TENANT), request(provenance=recorded(100)))
+    assert decision.verdict is Verdict.KEEP
+    assert "uid 1000" in decision.reason
+
+
+def test_a_recorded_process_of_the_live_run_is_kept() -> None:
+    """A worker the ledger saw in the running invocation is live."""
+    decision = decide(moved(), request(live=LIVE, provenance=recorded(100, run=LIVE)))
+    assert decision.verdict is Verdict.KEEP
+    assert "live process" in decision.reason
+
+
+def test_a_reused_pid_is_not_the_recorded_process() -> None:
+    """Same PID, other start time: no evidence."""
+    worker = replace(moved(), identity=ProcessIdentity(100, 1))
+    assert decide(worker, request(provenance=recorded(100))).verdict is Verdict.KEEP
+
+
+def test_the_sweep_of_an_ended_run_takes_its_recorded_workers() -> None:
+    """only_invocation matches the ledger's run as well as an inherited INVOCATION_ID."""
+    sweep = replace(request(provenance=recorded(100)), only_invocation=OLD)
+    assert decide(moved(), sweep).verdict is Verdict.REAP
+    other = replace(request(provenance=recorded(100, run="e" * 32)), only_invocation=OLD)
+    assert decide(moved(), other).verdict is Verdict.KEEP
+
+
+def test_an_adopted_scope_is_the_units_only_while_nothing_of_it_is_live() -> None:
+    """An adopted scope's holder with the unit's uid is reaped only while the unit is down."""
+    adopting = replace(request(), adopt=("tp-worker-*.scope",))
+    assert decide(moved(), adopting).verdict is Verdict.REAP
+    assert decide(moved(uids=TENANT), adopting).verdict is Verdict.KEEP
+    running = replace(adopting, live_invocation=LIVE)
+    kept = decide(moved(), running)
+    assert kept.verdict is Verdict.KEEP
+    assert "INVOCATION_ID dddddddddddd names no ended run" in kept.reason
+    old_run = decide(holder(100, unit=SCOPE, invocation=OLD), running)
+    assert old_run.verdict is Verdict.REAP  # its INVOCATION_ID still names the ended run
+    assert decide(moved(), replace(adopting, adopt=("tp-other-*.scope",))).verdict is Verdict.KEEP
+
+
+@given(st.text("ab*", max_size=8), st.text("ab", max_size=10))
+def test_glob_match_agrees_with_fnmatch_on_stars(pattern: str, name: str) -> None:
+    """Only * is special, and it means what fnmatch means by it."""
+    assert glob_match(pattern, name) == fnmatch.fnmatchcase(name, pattern)
+
+
+def test_glob_match_is_linear_on_a_pathological_pattern() -> None:
+    """A pattern that makes a backtracking matcher exponential costs a scan here."""
+    started = time.process_time()
+    assert not glob_match("*a" * 50 + "*b", "a" * 100_000)
+    assert time.process_time() - started < 1.0
+
+
+def test_holders_the_plan_cannot_free_block_a_recovery() -> None:
+    """A stranger holding the unit's GPU is a blocker; the unit's own cgroup is not."""
+    stranger = replace(holder(200, unit="run-r1.scope", invocation=None), gpus=listed(0))
+    own = replace(holder(100), gpus=listed(0))
+    found = inventory(nvml(gpu(0, (100, 30000), (200, 30000))))
+    blockers = unfreeable(plan([own, stranger], request(live=LIVE)), found, 16 * 2**20)
+    assert len(blockers) == 1
+    assert blockers[0].startswith("PID 200 (python3) on GPU 0: not in sglang.service's cgroup")
+    assert operator_command(UNIT) == "gpuguard reap --unit sglang.service --scope patterns"
+
+
+def listed(*gpus: int) -> tuple[GpuUse, ...]:
+    """GPU uses NVML lists with 30 GB each."""
+    return tuple(GpuUse(g, 30 * 2**30, listed_by_nvml=True, holds_device_file=True) for g in gpus)
+
+
+def test_adopt_takes_scope_globs_only() -> None:
+    """A scope glob is taken; every scope, a path or another unit type is refused."""
+    import pytest  # noqa: PLC0415 - only this test raises
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from gpuguard.config import UnitSettings  # noqa: PLC0415
+
+    assert UnitSettings(adopt=("tp-worker-*.scope",)).adopt == ("tp-worker-*.scope",)
+    for bad in ("*.scope", "**.scope", "a/b.scope", "x.service", "tp-worker-[0].scope"):
+        with pytest.raises(ValidationError):
+            UnitSettings(adopt=(bad,))
+
+
+def test_the_gates_refusal_names_what_it_cannot_prove_and_the_command() -> None:
+    """A worker in its own scope without a ledger record: refused, with the operator's command."""
+    worker = replace(
+        process(300, 0, cgroup=f"/system.slice/{SCOPE}", invocation_id=SCOPE_ID),
+        uids=ROOT,
+    )
+    found = inventory(nvml(gpu(0, (300, 30000))), worker)
+    asked = plan_request(gpu_set=frozenset({0}), provenance=UnitProvenance(None, uid=0))
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    def reap(targets: object) -> tuple[()]:
+        raise AssertionError(f"nothing here is provably the unit's: {targets}")
+
+    gate = GateSettings(asked, 16 * 2**20, timeout_s=2.0, poll_s=0.5)
+    refused = run_gate(gate, lambda: found, reap, lambda: clock[0], sleep)
+    assert not refused.passed
+    assert refused.unprovable[0].startswith("PID 300 (python3) on GPU 0: not in sglang.service")
+    assert refused.message.endswith(
+        "after checking them: gpuguard reap --unit sglang.service --scope patterns"
+    )
+    recorded_run = Ledger().record(UNIT, OLD, [SeenProcess(300, 1300, ROOT, "python3", "/")], 1.0)
+    proven = replace(asked, provenance=replace(asked.provenance, ledger=recorded_run.claims(UNIT)))
+    assert [d.holder.pid for d in plan(found.holders, proven).to_reap] == [300]
+
+
+def test_the_keeper_records_soon_after_a_start_then_at_its_interval_and_stops_at_the_end() -> None:
+    """Records at +1, +2, +4 … s up to every_s; an ended run is read once more, then never."""
+    reads: list[float] = []
+    clock = [0.0]
+
+    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+        reads.append(clock[0])
+        return (seen(1),)
+
+    saved: list[Ledger] = []
+    ports = LedgerPorts(run_processes=read, alive=lambda _i: True, save=saved.append, every_s=5.0)
+    keeper = LedgerKeeper(ports, Ledger(), lambda: clock[0])
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)
+    while clock[0] < 20.0:
+        due = keeper.due_in(clock[0])
+        assert due is not None
+        clock[0] += due
+        keeper.tick(clock[0])
+    assert reads == [0.0, 1.0, 3.0, 7.0, 12.0, 17.0, 22.0]
+    assert len(saved) == 1  # one process, recorded once: nothing new to write after that
+    keeper.run_over(UNIT, OLD, 23.0)
+    assert keeper.due_in(23.0) is None
+    assert dict(keeper.claims(UNIT)) == {ProcessIdentity(1, 5001): OLD}
+
+
+def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() -> None:
+    """NVML names host PIDs there: the memory is its device-file holders', and blocks a stop."""
+    worker = replace(
+        process(300, 0, cgroup=f"/system.slice/{SCOPE}", invocation_id=SCOPE_ID), uids=ROOT
+    )
+    reading = nvml(gpu(0, (987654, 30000)))  # the driver's host PID, nobody here
+    found = build_inventory(
+        reading, ProcScan((worker,)), 16 * 2**20, Containment(container=None, foreign_pids=True)
+    )
+    asked = plan_request(gpu_set=frozenset({0}), provenance=UnitProvenance(None, uid=0))
+    [blocker] = unfreeable(plan(found.holders, asked), found, 16 * 2**20)
+    assert blocker.startswith("PID 300 (python3) on GPU 0: not in sglang.service's cgroup")
+    on_host = build_inventory(reading, ProcScan((worker,)), 16 * 2**20)
+    # On the host NVML would list it: a device file alone (an exporter's) blocks nothing.
+    assert unfreeable(plan(on_host.holders, asked), on_host, 16 * 2**20) == ()
