@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.idle import is_idle
-from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
+from gpuguard.core.leftovers import WatchedUnit, reap_command
+from gpuguard.core.leftovers import blockers as kept_blockers
+from gpuguard.core.policy import Decision, PlanRequest, Scope, Verdict, plan
 from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget
 from gpuguard.core.xidfaults import blockers as xid_blockers
 from gpuguard.core.xidstuck import named_by, stuck_phrase
@@ -43,6 +45,9 @@ class GateOutcome:
     blockers: tuple[str, ...]
     hopeless: bool = False
     """Refused without waiting out the timeout: waiting could not have made the GPUs idle."""
+    way_out: str | None = None
+    """The operator's command that frees what the gate keeps (holders only the unit's patterns
+    tie to it), named after checking them; None when no reap of the unit's would help."""
 
     @property
     def message(self) -> str:
@@ -62,8 +67,15 @@ class GateOutcome:
                 + ". Waiting cannot help; Restart= retries until the unit's start limit ends it"
                 " (gpuguard doctor checks that it does)."
             )
+        # The command first: a cut line (journald's LineMax, the gate's limit) still names it.
+        step = (
+            f" (gpuguard keeps holders that only {unit}'s patterns tie to it: after checking "
+            f"them, `{self.way_out}` frees them)"
+            if self.way_out
+            else ""
+        )
         return (
-            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
+            f"GPUs of {unit} still busy after {self.waited_s:.1f} s{step}: "
             + "; ".join(self.blockers)
             + ". Start refused; Restart= retries until the unit's start limit ends it"
             " (gpuguard doctor checks that it does)."
@@ -277,7 +289,12 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
         blockers = set_blockers(inventory, settings)
         if not blockers or waited >= settings.timeout_s:
             return outcome(
-                unit, waited, reaped=reaped, spared=list(spared.values()), blockers=blockers
+                unit,
+                waited,
+                reaped=reaped,
+                spared=list(spared.values()),
+                blockers=blockers,
+                way_out=operator_command(inventory, settings.request) if blockers else None,
             )
         progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
@@ -333,6 +350,7 @@ def outcome(  # noqa: PLR0913 - the pieces of one outcome
     blockers: tuple[str, ...] = (),
     hopeless: bool = False,
     fast_path: bool = False,
+    way_out: str | None = None,
 ) -> GateOutcome:
     """The gate's outcome, built here only: it passed when nothing blocks the start."""
     return GateOutcome(
@@ -344,7 +362,27 @@ def outcome(  # noqa: PLR0913 - the pieces of one outcome
         spared=tuple(spared),
         blockers=blockers,
         hopeless=hopeless,
+        way_out=way_out,
     )
+
+
+def operator_command(inventory: Inventory, request: PlanRequest) -> str | None:
+    """The patterns reap when every holder the gate keeps on the unit's GPUs matches them.
+
+    ``gpuguard reap --unit U --scope patterns`` (leftovers.blockers); None otherwise.
+
+    The gate knows no other watched unit, so it never proposes ``--scope all``: status does,
+    where it can tell another unit's live run from a stranger.
+    """
+    unit = WatchedUnit(
+        request.unit,
+        request.patterns,
+        request.gpu_set,
+        request.live_invocation,
+        request.provenance,
+    )
+    command = kept_blockers(inventory, unit, (unit,), request.protected_names).command
+    return command if command == reap_command(request.unit, Scope.PATTERNS) else None
 
 
 def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:
