@@ -923,7 +923,7 @@ def _holder_line(holder: Holder, gpu_index: int | None, report: StatusReport) ->
     hidden = "" if holder.files_readable else "  (open files not inspectable without root)"
     # At most 100 characters of command line: one holder stays on one line of a wide terminal;
     # --json has the whole command line.
-    command = escape(holder.command, _COMMAND_WIDTH)
+    command = holder.command_within(_COMMAND_WIDTH)
     return f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {command}{hidden}"
 
 
