@@ -19,7 +19,7 @@ from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import WatchedUnit, reap_command
 from gpuguard.core.leftovers import blockers as kept_blockers
 from gpuguard.core.policy import Decision, PlanRequest, Scope, Verdict, plan
-from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget
+from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget, ReservedSource
 from gpuguard.core.xidfaults import blockers as xid_blockers
 from gpuguard.core.xidstuck import named_by, stuck_phrase
 
@@ -155,6 +155,11 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
             if reading.memory
             else (reading.problem or "memory unreadable")
         )
+        if reading.memory and reading.memory.reserved_source is ReservedSource.UNCONFIRMED:
+            used += (
+                " (the v1 reserve estimate is not confirmed yet: a second idle reading a "
+                "minute after the first confirms it)"
+            )
         holders = [inventory.holder(pid) for pid in gpu.holder_pids]
         named = "; ".join(_holder_phrase(h, settings.request) for h in holders if h is not None)
         phrase = f"GPU {reading.index}: {used}" + (f", held by {named}" if named else "")

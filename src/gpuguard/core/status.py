@@ -11,12 +11,13 @@ from datetime import datetime, timezone
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.core.baseline import CONFIRM_AFTER_S, plausible_max
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import Kind, WatchedUnit, blockers, left_overs
 from gpuguard.core.since import within
-from gpuguard.core.values import MIB, MemoryApi, NvmlHealth
+from gpuguard.core.values import MIB, MemoryApi, NvmlHealth, ReservedSource
 from gpuguard.core.xid import XidClass
 from gpuguard.core.xidevents import normalize_pci
 from gpuguard.core.xidstuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
@@ -316,15 +317,33 @@ def _v1_findings(inventory: Inventory) -> list[Finding]:
         if memory is None or memory.api is not MemoryApi.V1:
             continue
         if memory.reserved_bytes is None:
+            bound = plausible_max(memory)
+            above = (
+                f"; its {_mib(memory.used_bytes)} in use is more than a driver reserves (at most "
+                f"{_mib(bound)}): memory held by something, never learned as the reserve"
+                if memory.used_bytes > bound
+                else ""
+            )
             findings.append(
                 Finding(
                     Level.WARNING,
                     f"GPU {gpu.reading.index}: the v1 memory API counts the driver's reserved "
                     "memory as used and no estimate of it exists yet, so idle cannot be told "
-                    "from busy (set v1_reserved_mib, or run gpuguard as root while it is idle)",
+                    "from busy (set v1_reserved_mib, or run gpuguard as root while it is idle)"
+                    + above,
                 )
             )
         else:
+            if memory.reserved_source is ReservedSource.UNCONFIRMED:
+                findings.append(
+                    Finding(
+                        Level.WARNING,
+                        f"GPU {gpu.reading.index}: the v1 reserve learned for it "
+                        f"({_mib(memory.reserved_bytes)}) is not confirmed yet: an idle reading "
+                        f"{CONFIRM_AFTER_S:.0f} s or more after the first confirms it; until "
+                        "then the GPU is not called idle",
+                    )
+                )
             estimated.append(
                 f"GPU {gpu.reading.index} {_mib(memory.reserved_bytes)} "
                 f"({memory.reserved_source or 'reported'})"
