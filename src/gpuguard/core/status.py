@@ -638,8 +638,8 @@ def _left_over_findings(inventory: Inventory, context: StatusContext) -> list[Fi
         who = f"PID {holder.pid} ({escape(holder.comm)}) holding {_gpu_list(holder)}"
         if left.kind is Kind.PROVEN:
             message = (
-                f"{who} is a left-over of {left.unit} ({left.reason}): its gate reaps it at the "
-                f"next start, or `gpuguard reap --unit {left.unit}` now"
+                f"{who} is a left-over of {left.unit} ({left.reason}): the gate (where installed) "
+                f"and the daemon reap it, or `gpuguard reap --unit {left.unit}` now"
             )
         else:
             message = (
