@@ -232,3 +232,20 @@ def test_the_gates_refusal_names_the_patterns_command() -> None:
         "sglang.service's patterns tie to it: after checking them, "
         "`gpuguard reap --unit sglang.service --scope patterns` frees them): GPU 0:"
     )
+
+
+def test_a_loop_that_does_not_fit_says_the_knob() -> None:
+    """The daemon found a loop out of memory on GPUs nothing holds: status names the setting."""
+    detail = (
+        "run 1234abcd… printed: RuntimeError: Not enough memory. Please try to increase "
+        "--mem-fraction-static.: no process holds the unit's GPUs: the server does not fit as "
+        "configured and every restart fails the same way; change --mem-fraction-static"
+    )
+    unit = {"looping": True, "cause": "does-not-fit", "cause_detail": detail, "action": "report"}
+    idle = inventory(nvml(gpu(0), gpu(1), gpu(2), gpu(3)))
+    text = status_of(
+        idle, two_units(live_a=None), daemon=DaemonView("running", {"units": {A: unit}})
+    )
+    assert text.startswith("1\n"), text
+    assert f"{A} is in a restart loop that no reap can end" in text
+    assert "change --mem-fraction-static" in text

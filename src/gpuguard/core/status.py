@@ -275,6 +275,15 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                     f"{escape(str(unit.get('verdict')))}{way_out}",
                 )
             )
+        elif unit.get("looping") and unit.get("cause") == "does-not-fit":
+            # No reap or restart ends it: the server does not fit as configured; say the knob.
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"{name} is in a restart loop that no reap can end: "
+                    f"{escape(str(unit.get('cause_detail')))}",
+                )
+            )
         elif unit.get("looping"):
             findings.append(
                 Finding(
