@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from builders import STATUS_CONTEXT, gpu, inventory, nvml, plan_request, process
+from builders import STATUS_CONTEXT, gpu, inventory, nvml, plan_request, process, training_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import parse_settings, warnings
@@ -249,3 +249,16 @@ def test_a_loop_that_does_not_fit_says_the_knob() -> None:
     assert text.startswith("1\n"), text
     assert f"{A} is in a restart loop that no reap can end" in text
     assert "change --mem-fraction-static" in text
+
+
+def test_a_gpu_loop_held_by_a_tenants_job_names_no_reap_command() -> None:
+    """A loops while alice's training job holds its GPU 0: CRITICAL, but no command ends her job."""
+    found = inventory(
+        nvml(gpu(0, (40, 100000)), gpu(1), gpu(2), gpu(3)),
+        replace(training_job(40, 0), invocation_id="d" * 32),
+    )
+    text = status_of(found, two_units(live_a=None), daemon=loop_snapshot())
+    headline = text.splitlines()[1]
+    assert text.startswith("2\n"), text
+    assert f"not {A}'s by any evidence, which gpuguard never reaps: PID 40" in headline
+    assert "gpuguard reap" not in headline

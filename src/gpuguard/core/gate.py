@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.idle import is_idle
-from gpuguard.core.leftovers import WatchedUnit, reap_command
+from gpuguard.core.leftovers import WatchedUnit
 from gpuguard.core.leftovers import blockers as kept_blockers
-from gpuguard.core.policy import Decision, PlanRequest, Scope, Verdict, plan
+from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
 from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget, ReservedSource
 from gpuguard.core.xidfaults import blockers as xid_blockers
 from gpuguard.core.xidstuck import named_by, stuck_phrase
@@ -376,8 +376,7 @@ def operator_command(inventory: Inventory, request: PlanRequest) -> str | None:
 
     ``gpuguard reap --unit U --scope patterns`` (leftovers.blockers); None otherwise.
 
-    The gate knows no other watched unit, so it never proposes ``--scope all``: status does,
-    where it can tell another unit's live run from a stranger.
+    Never for a holder that does not look like the unit's: a tenant's job is its owner's.
     """
     unit = WatchedUnit(
         request.unit,
@@ -386,8 +385,7 @@ def operator_command(inventory: Inventory, request: PlanRequest) -> str | None:
         request.live_invocation,
         request.provenance,
     )
-    command = kept_blockers(inventory, unit, (unit,), request.protected_names).command
-    return command if command == reap_command(request.unit, Scope.PATTERNS) else None
+    return kept_blockers(inventory, unit, (unit,), request.protected_names).command
 
 
 def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:

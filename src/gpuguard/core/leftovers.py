@@ -184,8 +184,10 @@ class Blockers:
     """What holds a unit's GPUs that its own gate and the daemon will not free.
 
     ``holders``: kept processes on the unit's GPUs (not its live run's, not protected), each with
-    the policy's reason. ``command``: what an operator runs after checking them, or None when no
-    reap can help (another watched unit's live run holds the GPUs: ``live_elsewhere``).
+    the policy's reason. ``command``: what an operator runs after checking them, only when every
+    one matches the unit's patterns; None when some process is not the unit's by any sign (a
+    tenant's job: no gpuguard command should end it) or another watched unit's live run holds
+    the GPUs (``live_elsewhere``).
     """
 
     unit: str
@@ -209,8 +211,8 @@ def blockers(
 ) -> Blockers:
     """The holders on ``unit``'s GPUs that unit-scope reaping keeps, and the way out.
 
-    ``--scope patterns`` when every one matches the unit's patterns; ``--scope all`` otherwise
-    (it reaps every unprotected holder of the unit's GPUs: the operator checks them first).
+    ``--scope patterns`` when every one matches the unit's patterns. Never ``--scope all``: a
+    holder that does not even look like the unit's is somebody else's, stopped by its owner.
     """
     kept: list[tuple[Holder, str]] = []
     elsewhere: set[str] = set()
@@ -227,12 +229,8 @@ def blockers(
             elsewhere.add(owner)
             continue
         kept.append((holder, decision.reason))
-    if elsewhere or not kept:
-        command = None
-    elif all(matching_pattern(h, unit.patterns) for h, _ in kept):
-        command = reap_command(unit.name, Scope.PATTERNS)
-    else:
-        command = reap_command(unit.name, Scope.ALL)
+    patterns_only = bool(kept) and all(matching_pattern(h, unit.patterns) for h, _ in kept)
+    command = reap_command(unit.name, Scope.PATTERNS) if patterns_only and not elsewhere else None
     return Blockers(unit.name, tuple(kept), command, tuple(sorted(elsewhere)))
 
 

@@ -214,7 +214,8 @@ def _set_idle(inventory: Inventory, unit: WatchedUnit, threshold_bytes: int) -> 
 def _way_out(inventory: Inventory, unit: WatchedUnit, context: StatusContext) -> str:
     """What keeps the unit's GPUs that its gate and the daemon will not free, and the command.
 
-    Empty when nothing is kept: the gate and the daemon can free what there is.
+    Empty when nothing is kept: the gate and the daemon can free what there is. A command only
+    for holders that look like the unit's (its patterns): another tenant's job is its owner's.
     """
     found = blockers(inventory, unit, context.watched_view(), context.protected_names)
     if found.live_elsewhere:
@@ -222,8 +223,14 @@ def _way_out(inventory: Inventory, unit: WatchedUnit, context: StatusContext) ->
             f"; its GPUs are held by the running {', '.join(found.live_elsewhere)}: stop it or "
             "give the units disjoint GPUs (gpus = [...] in the configuration)"
         )
-    if found.command is None:
+    if not found.holders:
         return ""
+    if found.command is None:
+        return (
+            f"; its GPUs are held by processes that are not {unit.name}'s by any evidence, "
+            f"which gpuguard never reaps: {found.phrase()}; their owners must stop them, or "
+            "give the unit other GPUs"
+        )
     return f"; gpuguard will not reap {found.phrase()}; after checking them, run `{found.command}`"
 
 
