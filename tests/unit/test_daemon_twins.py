@@ -157,6 +157,23 @@ def test_a_loop_on_idle_gpus_is_only_reported(tmp_path: Path) -> None:
     assert (loop["cause"], loop["action"]) == ("not-gpu-related", "report")
 
 
+def test_stale_workers_on_a_mig_gpu_are_neither_reaped_nor_waited_for(tmp_path: Path) -> None:
+    """MIG on the unit's GPUs: no stop, no reap; the loop is reported, with one line on MIG."""
+    host = GpuHost(mig=frozenset({0, 1}))
+    host.add(Process(501, (0, 1), 30000, f"/system.slice/{UNIT}", OLD_INVOCATION))
+    harness = build(tmp_path, host, gpus=(0, 1))
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert host.reaped == []
+    assert 501 in host.processes
+    assert _events(harness, "restart loop")[0]["action"] == "report"
+    said = _events(harness, "MIG GPUs not judged")
+    assert len(said) == 1
+    assert "MIG mode on GPU 0,1: not judged" in str(said[0]["gpu_set"])
+
+
 def test_a_dry_run_touches_nothing(tmp_path: Path) -> None:
     """The same stale workers under dry_run: the daemon says what it would do, and does not."""
     host = GpuHost()

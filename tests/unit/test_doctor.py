@@ -287,6 +287,17 @@ def test_persistence_mode_from_nvml_decides_over_the_daemons_presence() -> None:
     assert by_code(diagnose(facts(), {}, on), "persistenced").severity is Severity.OK
 
 
+def test_mig_mode_on_is_a_warning_saying_what_is_not_judged() -> None:
+    """MIG on GPU 0: a warning that gpuguard neither waits on nor reaps from it; none without."""
+    assert not [f for f in diagnose(facts(), {}, HOST) if f.code == "mig"]
+    mig = HostFacts(300.0, nvidia_devices=True, persistenced_running=True, mig_on=(0,))
+    finding = by_code(diagnose(facts(), {}, mig), "mig")
+    assert finding.severity is Severity.WARNING
+    assert finding.title.startswith("MIG mode is on on GPU 0: ")
+    assert "other tenants'" in finding.title
+    assert "neither wait on nor reap from it" in finding.title
+
+
 def test_unknown_when_systemd_cannot_be_asked_and_not_found() -> None:
     """No settings at all: UNKNOWN (exit 3), not a clean bill of health."""
     blind = facts(UnitConfig(UNIT), problems=("systemctl show: Host is down",))

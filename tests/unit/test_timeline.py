@@ -442,3 +442,29 @@ def test_gate_server_acceptance_and_a_neighbours_reap_lines(server_unit: str) ->
         ("signal", "signal: signal=SIGTE"),
     ]
     assert "pid=6 " in found.rows[1].text
+
+
+def test_an_engines_fatal_line_is_the_units_row_once_per_run() -> None:
+    """Explain shows the server's fatal line as the unit's word, with its cause, once per run."""
+    base = sample("bookworm", "clean-start-stop")[0]
+    line = "(EngineCore_DP0 pid=413) ERROR [core.py:710] EngineCore encountered a fatal error."
+    found = timeline.build([unit_output(base, 10, line), unit_output(base, 20, line)], UNIT)
+    assert [(row.source, row.kind) for row in found.rows] == [(timeline.UNIT, "engine-fatal")]
+    assert found.rows[0].text == f"[EngineCore fatal error] {line}"
+
+
+def test_the_daemons_dead_engine_and_stuck_start_lines_are_gpuguard_rows() -> None:
+    """What the daemon said about a dead engine and a stuck start is in the timeline."""
+    base = sample("bookworm", "clean-start-stop")[0]
+    lines = [
+        daemon_line(base, 10, event="engine dead", unit=UNIT, cause="EngineCore fatal error"),
+        daemon_line(base, 20, event="engine dead: decision", unit=UNIT, action="recover"),
+        daemon_line(base, 30, event="start stuck", unit=UNIT, summary="stuck in phase x"),
+    ]
+    found = timeline.build(lines, UNIT)
+    assert kinds(found, timeline.GPUGUARD) == [
+        "engine-dead",
+        "engine-dead-decision",
+        "start-stuck",
+    ]
+    assert found.rows[0].text == "engine dead: cause=EngineCore fatal error"

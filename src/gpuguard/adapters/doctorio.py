@@ -19,6 +19,7 @@ import pwd
 import stat
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -26,6 +27,7 @@ from gpuguard.adapters import programs, systemd
 from gpuguard.core.doctor import GpuUseFacts, History, HostFacts, PathFact, UnitFacts, build_history
 from gpuguard.core.events import FIELDS_READ
 from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.mig import mig_indices
 from gpuguard.core.unitconfig import (
     ENV_FILE_MAX_BYTES,
     PROPERTIES,
@@ -188,7 +190,9 @@ def gpu_use(
         if holder.attribution.unit == unit and not holder.attribution.user_unit
         for use in holder.gpus
     )
-    indices = resolve_gpu_set(configured, environment, gpus).indices
+    # The set as configured: a MIG GPU it leaves out (core/mig.py) is not "outside the set".
+    unmasked = [replace(gpu, mig=None) for gpu in gpus]
+    indices = resolve_gpu_set(configured, environment, unmasked).indices
     return GpuUseFacts(set_indices=indices, held=held, gpu_count=len(gpus))
 
 
@@ -207,6 +211,9 @@ def _uid(user: str | None) -> int | None:
 def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
     """GPUs present, persistence mode per GPU (NVML) or nvidia-persistenced, the gate's timeout."""
     off: tuple[int, ...] | None = None
+    mig: tuple[int, ...] = ()
+    if now is not None:
+        mig = tuple(sorted(mig_indices(now.nvml.gpus)))
     if now is not None and now.nvml.health is NvmlHealth.OK:
         modes = {gpu.index: gpu.persistence_mode for gpu in now.nvml.gpus}
         if modes and None not in modes.values():
@@ -216,6 +223,7 @@ def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
         nvidia_devices=Path("/dev/nvidiactl").exists(),
         persistenced_running=_process_running("nvidia-persiste"),  # comm is cut to 15 chars
         persistence_off=off,
+        mig_on=mig,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Final
 
 from gpuguard.adapters import programs, signals
 from gpuguard.core import timeline
+from gpuguard.core.enginelines import FATAL_REGEX
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX
 from gpuguard.core.xidevents import MARKER
@@ -47,7 +48,7 @@ def queries(unit: str, since: str | None) -> list[list[str]]:
     ]
     base.append(f"--since={since}" if since else "--boot")
     units = [f"UNIT={unit}"]
-    grep_unit = f"{GPU_OOM_REGEX}|(?:{re.escape(timeline.GATE_LINE_PREFIX)})"
+    grep_unit = f"{GPU_OOM_REGEX}|{FATAL_REGEX}|(?:{re.escape(timeline.GATE_LINE_PREFIX)})"
     return [
         [*base, "_PID=1", *units, "+", "_SYSTEMD_CGROUP=/init.scope", *units],
         [*base, f"--grep={grep_unit}", "--case-sensitive=yes", f"_SYSTEMD_UNIT={unit}"],

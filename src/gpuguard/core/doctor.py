@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import EventKind, UnitEvent, decode_message, is_trusted, parse_entry
+from gpuguard.core.mig import UNJUDGED, indices_text
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -162,6 +163,8 @@ class HostFacts:
     persistenced_running: bool
     persistence_off: tuple[int, ...] | None = None
     """GPUs whose persistence mode NVML reports disabled; None: NVML did not say."""
+    mig_on: tuple[int, ...] = ()
+    """GPUs with MIG mode on (core/mig.py): gpuguard does not judge them."""
 
 
 # -- history ------------------------------------------------------------------------------
@@ -296,6 +299,7 @@ def diagnose(
         *_gpu_use(facts),
         *_writable_paths(facts),
         *_persistenced(host),
+        *_mig(host),
     ]
     return tuple(sorted(findings, key=lambda f: -f.severity))
 
@@ -683,6 +687,24 @@ def _writable_by(fact: PathFact, uid: int) -> bool:
         return True
     sticky = fact.is_dir and fact.mode & 0o1000
     return bool(fact.mode & 0o022) and not sticky
+
+
+def _mig(host: HostFacts) -> list[Finding]:
+    """MIG mode on: what gpuguard cannot judge there, so the operator does not rely on it."""
+    if not host.mig_on:
+        return []
+    listed = indices_text(host.mig_on)
+    return [
+        Finding(
+            "mig",
+            Severity.WARNING,
+            f"MIG mode is on on GPU {listed}: {UNJUDGED}; the gate and the daemon neither wait "
+            "on nor reap from it, and a unit's GPU set leaves it out",
+            (f"nvmlDeviceGetMigMode: current mode enabled on GPU {listed}",),
+            advice="check its instances with `nvidia-smi mig -lgi`; stale processes there "
+            "must be found and stopped by hand",
+        )
+    ]
 
 
 def _persistenced(host: HostFacts) -> list[Finding]:

@@ -34,8 +34,10 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.detector import Cause, Detector, LoopSettings
+from gpuguard.core.enginelines import BY_KEY
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import (
+    OUTPUT_KINDS,
     START_FAILURE_SIGNATURES,
     EventKind,
     UnitEvent,
@@ -98,6 +100,9 @@ _DAEMON_EVENTS: Final = frozenset(
         "next run started",
         "signal",
         "reap outcome",
+        "engine dead",
+        "engine dead: decision",
+        "start stuck",
     }
 )
 _DAEMON_FIELDS: Final = (
@@ -253,6 +258,14 @@ def _event_row(event: UnitEvent, acc: _Acc) -> None:
         acc.events.append(event)
         text = f"[{signature}] {event.message}"
         acc.rows.append(_row(event, UNIT, event.kind.value, text))
+        return
+    if event.kind in OUTPUT_KINDS:  # an engine's fatal or phase line (core.enginelines)
+        line = BY_KEY.get(event.line or "")
+        key = (event.kind.value, run, event.line or "")
+        if line is None or key in acc.seen:
+            return  # every rank prints it: the first of each kind per run tells the story
+        acc.seen.add(key)
+        acc.rows.append(_row(event, UNIT, event.kind.value, f"[{line.cause}] {event.message}"))
         return
     acc.events.append(event)
     acc.rows.append(_row(event, SYSTEMD, event.kind.value, event.message))
