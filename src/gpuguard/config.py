@@ -497,10 +497,12 @@ class Settings(_Strict):
 
 
 def warnings(settings: Settings) -> tuple[str, ...]:
-    """What is valid but probably wrong: units whose GPU sets overlap or may overlap.
+    """What is valid but probably wrong: units whose configured GPU lists overlap.
 
     Two units on one GPU wait on each other's processes at every gate; neither is reaped by the
-    other (provenance), so the start that comes second is refused.
+    other (provenance), so the start that comes second is refused. A unit without ``gpus`` may
+    still have its own set from ``CUDA_VISIBLE_DEVICES``, which only systemd knows: ``status``
+    judges the sets as the gate resolves them (core/status.py, shared GPUs).
     """
     found: list[str] = []
     units = list(settings.units.items())
@@ -512,12 +514,6 @@ def warnings(settings: Settings) -> tuple[str, ...]:
             if shared:
                 listed = ", ".join(str(gpu) for gpu in shared)
                 found.append(f"units: {name} and {other} both list GPU {listed}")
-    unset = [name for name, unit in units if unit.gpus is None]
-    if len(units) > 1 and unset:
-        found.append(
-            f"units: {', '.join(unset)} set no gpus: with several units, each may use every GPU "
-            "(unless CUDA_VISIBLE_DEVICES says otherwise); give each unit its own"
-        )
     return tuple(found)
 
 

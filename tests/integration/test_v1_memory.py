@@ -20,6 +20,8 @@ from asnobody import public_dir, run_as_nobody
 from clirunner import Cli, CliResult
 from fakestate import FakeGpu, fake_library, update_gpu, write_state
 
+from gpuguard.core.baseline import CONFIRM_AFTER_S
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -39,7 +41,22 @@ def old_cli(tmp_path: Path, nvml_env: NvmlEnv, fake_nvml_old_dir: Path) -> Cli:
         state, tmp_path / "gpuguard.toml", nvml_env(state, old=True), fake_library(old=True)
     )
     runner.configure()
+    a_minute_later(runner)
     return runner
+
+
+def a_minute_later(cli: Cli) -> None:
+    """Root's first look at the idle GPUs, its learned reserve's first occasion then a minute back.
+
+    The next look is the second occasion, which confirms it (core/baseline.py).
+    """
+    first = cli("status")
+    assert "is not confirmed yet" in first.out, first.out
+    path = cli.config.parent / "lib" / "v1-reserved.json"
+    learned = json.loads(path.read_text())
+    for value in learned.values():
+        value["first_s"] -= CONFIRM_AFTER_S
+    path.write_text(json.dumps(learned))
 
 
 def gate_in_unit(cli: Cli, cgroups: UnitCgroups, unit: str, *args: str) -> CliResult:
@@ -73,7 +90,10 @@ def test_idle_gpus_are_idle_and_status_says_it_estimates(old_cli: Cli) -> None:
     assert {g["memory"]["reserved_source"] for g in doc["gpus"]} == {"learned"}
     assert {g["memory"]["reserved_mib"] for g in doc["gpus"]} == {IDLE_V1_MIB}
     learned = json.loads((old_cli.config.parent / "lib" / "v1-reserved.json").read_text())
-    assert learned == {"NVIDIA H200 143771 MiB": IDLE_V1_MIB << 20}
+    (model,) = learned
+    assert model == "NVIDIA H200 143771 MiB"
+    assert learned[model]["bytes"] == IDLE_V1_MIB << 20
+    assert learned[model]["confirmed"] is True
 
 
 def test_gate_passes_idle_gpus(old_cli: Cli, unit_cgroups: UnitCgroups) -> None:
@@ -139,7 +159,8 @@ def test_without_root_nothing_is_learned_but_roots_estimate_is_used(nvml_env: Nv
         assert "in use by live processes" not in unprivileged.out
         assert "no estimate of it exists yet" in unprivileged.out
         assert not (public / "lib" / "v1-reserved.json").exists()
-        assert cli("status").code == 1  # root learns (and stores) the reserve
+        a_minute_later(cli)  # root learns (and stores) the reserve, on its first occasion
+        assert cli("status").code == 1  # and confirms it on its second
         (public / "lib").chmod(0o755)
         unprivileged = run_as_nobody(["--config", str(cli.config), "status"], cli.env)
         assert unprivileged.out.count("reserved, learned) idle") == 4, unprivileged.out

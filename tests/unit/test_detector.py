@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gpuguard.core.detector import Cause, Detector, Diagnosis, GpuEvidence, LoopSettings
 from gpuguard.core.events import MESSAGE_IDS, EventKind, UnitEvent, parse_entry
+from gpuguard.core.startfailure import FailureClass
 
 if TYPE_CHECKING:
     import random
@@ -100,6 +101,7 @@ class Journal:
             comm=comm,
             final=final,
             job_type=job_type,
+            failure=FailureClass.MEMORY if kind is EventKind.GPU_OOM_OUTPUT else None,
         )
 
     def failed_run(
@@ -710,9 +712,13 @@ def last_time(events: list[UnitEvent]) -> float:
 @pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize("name", ["restart-loop-start-limit", "restart-loop-start-limit-gated"])
 def test_recorded_restart_loop_is_a_loop_with_a_gpu_cause(release: str, name: str) -> None:
-    """The recorded loop up to the start limit is a loop, and its OOM output names the cause."""
+    """The recorded loop up to the start limit is a loop, and its OOM output names the cause.
+
+    Memory on the unit's GPUs while it loops: held by others (stale holders). The same loop on
+    GPUs nothing holds is one that does not fit (test_a_loop_out_of_memory_on_idle_gpus_…).
+    """
     events = sample_events(release, name)
-    diagnosis = fed(events).diagnose(last_time(events) + 1, IDLE)
+    diagnosis = fed(events).diagnose(last_time(events) + 1, GpuEvidence(gpus_busy=True))
     assert diagnosis.looping
     assert not diagnosis.immediate
     assert (diagnosis.starts_in_window, diagnosis.failures_in_window) == (5, 5)
@@ -985,3 +991,16 @@ def test_recorded_left_over_at_an_operators_start_is_a_finding(release: str) -> 
         found += diagnosis.findings
     assert found
     assert all("a finding, not a loop" in line for line in found)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_loop_out_of_memory_on_idle_gpus_does_not_fit_and_names_no_reap(release: str) -> None:
+    """Five OOM failures while nothing holds the unit's GPUs: the server does not fit as set up.
+
+    No reap or restart helps, so the cause is not stale holders (the daemon only reports it).
+    """
+    events = sample_events(release, "restart-loop-start-limit")
+    diagnosis = fed(events).diagnose(last_time(events) + 1, IDLE)
+    assert diagnosis.looping
+    assert diagnosis.cause is Cause.DOES_NOT_FIT
+    assert "no process holds the unit's GPUs: the server does not fit" in diagnosis.cause_detail

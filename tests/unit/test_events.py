@@ -451,7 +451,13 @@ def test_start_failure_signatures_and_their_device(line: str, device: int | None
 
 def test_every_signature_names_its_server_and_source() -> None:
     """The signatures are data with their provenance."""
-    assert {s.server for s in START_FAILURE_SIGNATURES} == {"PyTorch", "SGLang", "vLLM"}
+    assert {s.server for s in START_FAILURE_SIGNATURES} == {
+        "PyTorch",
+        "CUDA",
+        "NVML",
+        "SGLang",
+        "vLLM",
+    }
     assert all(s.source for s in START_FAILURE_SIGNATURES)
     assert tuple(s.pattern for s in START_FAILURE_SIGNATURES) == GPU_OOM_PATTERNS
 

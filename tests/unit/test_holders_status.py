@@ -487,3 +487,17 @@ def test_a_container_name_is_escaped() -> None:
     _, text, _ = judge_containers({"docker:1a2b3c4d5e6f": ("sglang.service", hostile)})
     assert "\x1b" not in text
     assert "\nWARNING: fake" not in text
+
+
+def test_the_cut_counter_counts_what_was_cut_of_the_whole_command_line() -> None:
+    """A 20,000-character command line cut to one status line says how much of it is left out.
+
+    Not what was cut of the 4,096-character form kept for records (``[+4012 chars]``).
+    """
+    argv = ("python3", "-m", "sglang.launch_server", "--model", "x" * 20_000)
+    _, text, _ = judge(nvml(gpu(0, (10, 100))), process(10, 0, cmdline=argv))
+    line = next(line for line in text.splitlines() if line.startswith("    pid 10 "))
+    shown = line[line.index("python3 -m") : line.index("...[+")]
+    cut = int(line[line.index("...[+") + 5 :].removesuffix(" chars]"))
+    assert cut == len(" ".join(argv)) - len(shown)
+    assert cut > 19_900

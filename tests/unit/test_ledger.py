@@ -265,9 +265,9 @@ def test_the_gates_refusal_names_what_it_cannot_prove_and_the_command() -> None:
     gate = GateSettings(asked, 16 * 2**20, timeout_s=2.0, poll_s=0.5)
     refused = run_gate(gate, lambda: found, reap, lambda: clock[0], sleep)
     assert not refused.passed
-    assert refused.unprovable[0].startswith("PID 300 (python3) on GPU 0: not in sglang.service")
-    assert refused.message.endswith(
-        "after checking them: gpuguard reap --unit sglang.service --scope patterns"
+    assert "held by PID 300 (python3, tp-worker-0.scope) - not touched" in refused.message
+    assert "after checking them, `gpuguard reap --unit sglang.service --scope patterns`" in (
+        refused.message
     )
     recorded_run = Ledger().record(UNIT, OLD, [SeenProcess(300, 1300, ROOT, "python3", "/")], 1.0)
     proven = replace(asked, provenance=replace(asked.provenance, ledger=recorded_run.claims(UNIT)))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -63,21 +65,45 @@ def _without_v1_reserve(settings: Settings, reading: NvmlReading, scan: ProcScan
         raw = build_inventory(
             reading, scan, settings.idle_threshold_mib * MIB, containerprobe.probe()
         )
-        learned = baseline.learn(raw, known, settings.protected_processes)
+        learned = baseline.learn(raw, known, settings.protected_processes, time.time())
     if learned != known:
         with contextlib.suppress(OSError):
-            state.write_json(path, learned)
+            state.write_json(path, {model: _document(value) for model, value in learned.items()})
     configured = None if settings.v1_reserved_mib is None else settings.v1_reserved_mib * MIB
     return baseline.apply(reading, configured, learned)
 
 
-def _load_learned(path: Path) -> dict[str, int]:
-    """The learned reserves (GPU model → bytes); anything malformed is dropped, not trusted."""
+def _document(learned: baseline.Learned) -> dict[str, object]:
+    return {"bytes": learned.bytes, "first_s": learned.first_s, "confirmed": learned.confirmed}
+
+
+def _load_learned(path: Path) -> dict[str, baseline.Learned]:
+    """The learned reserves (GPU model → reserve); anything malformed is dropped, not trusted.
+
+    A bare number is a reserve an older gpuguard learned once, at an unknown time: one occasion,
+    which the next plausible reading confirms.
+    """
     document = state.read_json(path)
     if not isinstance(document, dict):
         return {}
-    return {
-        model: value
-        for model, value in document.items()
-        if isinstance(model, str) and type(value) is int and value >= 0
-    }
+    learned = {}
+    for model, value in document.items():
+        if not isinstance(model, str):
+            continue
+        if type(value) is int and value >= 0:
+            learned[model] = baseline.Learned(value, 0.0)
+        elif isinstance(value, dict):
+            found, first, confirmed = (
+                value.get("bytes"),
+                value.get("first_s"),
+                value.get("confirmed"),
+            )
+            if (
+                type(found) is int
+                and found >= 0
+                and isinstance(first, (int, float))
+                and math.isfinite(first)
+                and isinstance(confirmed, bool)
+            ):
+                learned[model] = baseline.Learned(found, float(first), confirmed)
+    return learned

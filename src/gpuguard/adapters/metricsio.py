@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, state
+from gpuguard.adapters import files, state, watched
 from gpuguard.config import listen_address
 from gpuguard.core import metrics
 from gpuguard.core.values import MIB
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.leftovers import WatchedUnit
     from gpuguard.core.values import ReapResult, ReapTarget
 
 INVENTORY_EVERY_S = 300.0
@@ -36,16 +37,16 @@ One inventory (NVML's worker, the /proc walk) and a `systemctl show` per unit co
 (< 1 s/hour, bench/daemon_idle.py); every minute it would be 3-4 s."""
 
 
-def live_invocations(
-    units: Sequence[str], show_unit: Callable[[str], UnitState]
-) -> dict[str, str | None]:
+def watched_units(
+    settings: Settings, inventory: Inventory, show_unit: Callable[[str], UnitState]
+) -> tuple[WatchedUnit, ...]:
+    """Each watched unit as status judges it (adapters/watched.py), for this inventory."""
+    return tuple(look.unit for look in watched.look(settings, inventory, show_unit))
+
+
+def _live(units: Sequence[WatchedUnit]) -> dict[str, str | None]:
     """Each unit systemd answered for, with the invocation running now (None: not running)."""
-    found: dict[str, str | None] = {}
-    for unit in units:
-        unit_state = show_unit(unit)
-        if unit_state.error is None:
-            found[unit] = unit_state.invocation_id if unit_state.running else None
-    return found
+    return {u.name: u.live_invocation for u in units if u.provenance.problem is None}
 
 
 def gate_histories(settings: Settings) -> dict[str, list[dict[str, Any]]]:
@@ -86,7 +87,7 @@ class Exporter:
         self.latest = metrics.Latest()
         self._inventory: Inventory | None = None
         self._inventory_at = float("-inf")
-        self._live: dict[str, str | None] = {}
+        self._watched: tuple[WatchedUnit, ...] = ()
         self._live_for = float("-inf")
         """The inventory time ``_live`` was asked after: asked again only for a newer one."""
         self._write_failed: str | None = None
@@ -145,20 +146,20 @@ class Exporter:
         if running and self._monotonic() - self._inventory_at >= INVENTORY_EVERY_S:
             self._ping()
             self.gather()
-        if running and self._live_for < self._inventory_at:
+        if running and self._inventory is not None and self._live_for < self._inventory_at:
             # After the inventory, never before: a run that started in between must not make
             # its own processes look stale.
             self._ping()  # systemctl has 10 s per unit
-            self._live = live_invocations(list(settings.units), self._show_unit)
+            self._watched = watched_units(settings, self._inventory, self._show_unit)
             self._live_for = self._inventory_at
-        live = self._live if running else {}
+        units = self._watched if running else ()
         observed = metrics.Observed(
             inventory=self._inventory,
             inventory_age_s=None
             if self._inventory is None
             else self._monotonic() - self._inventory_at,
             watched_units=list(settings.units),
-            live_invocations=live,
+            live_invocations=_live(units),
             protected_names=settings.protected_processes,
             idle_threshold_bytes=settings.idle_threshold_mib * MIB,
             snapshot=snapshot,
@@ -166,6 +167,7 @@ class Exporter:
             gate_refused=_last_refused(histories),
             tally=self.tally,
             now_wall=self._wall(),
+            watched=units,
         )
         drawn = metrics.families(observed)
         self.latest.publish(drawn)
@@ -217,12 +219,13 @@ def scrape(
 ) -> bytes:
     """One set of metrics drawn now (``status --prometheus``), with the daemon's counters."""
     histories = gate_histories(settings)
-    units = list(settings.units)
+    units = watched_units(settings, inventory, show_unit)
     observed = metrics.Observed(
         inventory=inventory,
         inventory_age_s=0.0,
-        watched_units=units,
-        live_invocations=live_invocations(units, show_unit),
+        watched_units=list(settings.units),
+        live_invocations=_live(units),
+        watched=units,
         protected_names=settings.protected_processes,
         idle_threshold_bytes=settings.idle_threshold_mib * MIB,
         snapshot=snapshot,

@@ -230,18 +230,20 @@ def logged_invocations(unit: str) -> frozenset[str]:
     return parse_invocations(result.stdout, unit) if result.returncode == 0 else frozenset()
 
 
-def provenance(state: UnitState, *, inside: bool = False) -> UnitProvenance:
+def provenance(state: UnitState, *, inside: bool = False, history: bool = True) -> UnitProvenance:
     """What ties a process to an ended run of the unit, from systemd's answer and its journal.
 
     ``inside``: gpuguard runs in the unit's own cgroup (its ExecStartPre= or ExecStopPost=), so
     no other run of the unit is live whatever systemctl says; its cgroup may be reaped even when
     systemd cannot be asked, but nothing outside it is, for want of the unit's user and runs.
+    ``history`` False: the journal is not read (no holder outside a cgroup names a run), only
+    the last run systemd names counts.
     """
     if state.error is not None:
         return UnitProvenance(None if inside else state.error)
     if state.running and state.invocation_id is None and not inside:
         return UnitProvenance(f"{state.unit} is running but systemd names no invocation id")
-    runs = set(logged_invocations(state.unit))
+    runs = set(logged_invocations(state.unit)) if history else set()
     if state.invocation_id is not None:
         runs.add(state.invocation_id)  # a stopped unit still names its last, ended run
     if state.running and not inside:

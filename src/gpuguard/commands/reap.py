@@ -120,10 +120,10 @@ def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
     if gpu_set.note:
         lines.append(f"  note: {gpu_set.note}")
     for decision in kill_plan.to_reap:
-        command = escape(decision.holder.command, 60)
+        command = decision.holder.command_within(60)
         lines.append(f"  reap  pid {decision.holder.pid:<7} {command}  - {decision.reason}")
     for decision in kill_plan.spared:
-        command = escape(decision.holder.command, 60)
+        command = decision.holder.command_within(60)
         lines.append(
             f"  spare pid {decision.holder.pid:<7} {command}  - "
             f"{decision.verdict.value}: {decision.reason}"

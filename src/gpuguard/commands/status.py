@@ -85,11 +85,9 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
         inventory,
         procfs,
         state,
-        systemd,
-        unitenv,
+        watched,
     )
     from gpuguard.core import status  # noqa: PLC0415
-    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
     from gpuguard.core.since import within  # noqa: PLC0415
 
     now = datetime.now(timezone.utc)
@@ -97,13 +95,10 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
     found = inventory.gather(settings)
     units = []
     live: dict[str, bool] = {}
-    for name, unit in settings.units.items():
-        unit_state = systemd.show_unit(name)
+    looks = watched.look(settings, found)
+    for seen in looks:
+        name, unit_state, gpu_set = seen.unit.name, seen.state, seen.gpu_set
         live[name] = unit_state.error is not None or unit_state.running
-        # The set the gate and the daemon use: the gate's record includes EnvironmentFile=.
-        recorded = unitenv.recorded(settings.runtime_dir, name)
-        environment = unit_state.environment if recorded is None else recorded
-        gpu_set = resolve_gpu_set(unit.gpus, environment, found.nvml.gpus)
         units.append(
             status.UnitView(
                 name=name,
@@ -132,6 +127,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
             since=start,
             unit_containers=_unit_containers(settings, found, live),
+            watched=tuple(seen.unit for seen in looks),
         ),
         now,
     )

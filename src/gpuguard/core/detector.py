@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.events import EventKind, UnitEvent
 from gpuguard.core.oomdevice import describe_device
+from gpuguard.core.startfailure import FailureClass, judge
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
@@ -116,6 +117,9 @@ class Cause(StrEnum):
     """Processes from earlier runs hold the GPUs, or the server said GPU memory was taken."""
     NOT_GPU_RELATED = "not-gpu-related"
     """Every failure looks the same and the GPUs are idle: a config or code problem."""
+    DOES_NOT_FIT = "does-not-fit"
+    """The runs ran out of GPU memory with nothing else on the unit's GPUs: the server does not
+    fit as configured (the detail names the setting); no reap or restart helps."""
     UNKNOWN = "unknown"
     """Not enough evidence either way."""
 
@@ -772,9 +776,43 @@ def _gpu_cause(failed: Sequence[_Run], gpu: GpuEvidence | None) -> tuple[Cause, 
         detail += f" (CUDA device {device} as the server numbers its GPUs)"
     elif device is not None and gpu is not None:
         detail += f"; {describe_device(device, gpu.cuda_devices, gpu.cuda_note)}"
-    if gpu is not None:
-        detail += " (no stale holder found now)"
-    return Cause.STALE_GPU_HOLDERS, detail
+    if gpu is None:
+        return Cause.STALE_GPU_HOLDERS, detail
+    return _judged_cause(oom_runs, gpu, detail)
+
+
+def _judged_cause(oom_runs: Sequence[_Run], gpu: GpuEvidence, detail: str) -> tuple[Cause, str]:
+    """What the start-failure lines of the runs mean, with the inventory to decide memory.
+
+    One out-of-memory run with idle GPUs now may have met a holder that has gone since: it takes
+    two to say the server does not fit.
+    """
+    failure, knob = _failure_of(oom_runs[-1])
+    judged = judge(failure, knob, foreign_holders=gpu.gpus_busy)
+    if judged.failure is FailureClass.HARDWARE:
+        return Cause.GPU_NEEDS_RESET, f"{detail}: {judged.advice}"
+    enough = failure is not FailureClass.MEMORY or len(oom_runs) >= _PATTERN_MIN_FAILURES
+    if judged.failure is FailureClass.DOES_NOT_FIT and enough:
+        return Cause.DOES_NOT_FIT, f"{detail}: {judged.advice}"
+    return Cause.STALE_GPU_HOLDERS, detail + " (no stale holder found now)"
+
+
+def _failure_of(run: _Run) -> tuple[FailureClass, str | None]:
+    """The gravest class a run's start-failure lines show, and the knob they name.
+
+    Hardware first, then a line naming the server's own sizing, then memory taken by others.
+    """
+    order = (
+        FailureClass.HARDWARE,
+        FailureClass.DOES_NOT_FIT,
+        FailureClass.HELD_BY_OTHERS,
+        FailureClass.MEMORY,
+    )
+    failures = [event.failure or FailureClass.MEMORY for event in run.oom]
+    worst = min(failures, key=order.index)
+    knob = next((e.knob for e in run.oom if e.knob and e.failure is worst), None)
+    knob = knob or next((e.knob for e in run.oom if e.knob), None)
+    return worst, knob
 
 
 def _clean_exit(event: UnitEvent) -> bool:

@@ -24,11 +24,15 @@ import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from gpuguard.core import startfailure
 from gpuguard.core.enginelines import match_line
 from gpuguard.core.escaping import escape
 from gpuguard.core.values import StrEnum
+
+if TYPE_CHECKING:
+    from gpuguard.core.startfailure import FailureClass
 
 
 class EventKind(StrEnum):
@@ -114,6 +118,10 @@ class UnitEvent:
     device: int | None = None
     """gpu-oom-output: the CUDA device the line names (``cuda:1``, ``GPU 3``), numbered as the
     process saw its devices (after CUDA_VISIBLE_DEVICES), not NVML's index."""
+    failure: FailureClass | None = None
+    """gpu-oom-output: what the line says about the cause (startfailure.py)."""
+    knob: str | None = None
+    """gpu-oom-output: the server's setting the line names as the way to make it fit."""
     line: str | None = None
     """engine-fatal / start-phase: the key of the line matched (core.enginelines.BY_KEY)."""
 
@@ -138,85 +146,11 @@ MESSAGE_IDS: Final[Mapping[str, EventKind]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Signature:
-    """A line a server prints when GPU memory was already taken at start, and where it is from."""
-
-    pattern: str
-    server: str
-    source: str
-
-
-START_FAILURE_SIGNATURES: Final[tuple[Signature, ...]] = (
-    Signature(
-        r"torch\.(?:cuda\.)?OutOfMemoryError",
-        "PyTorch",
-        "torch.OutOfMemoryError (2.1+), torch.cuda.OutOfMemoryError (1.13-2.0)",
-    ),
-    Signature(
-        r"CUDA out of memory",
-        "PyTorch",
-        "the caching allocator's message: 'CUDA out of memory. Tried to allocate 20.00 MiB. "
-        "GPU 0 has a total capacity of …' (older: '… (GPU 0; 7.93 GiB total capacity; …)')",
-    ),
-    Signature(
-        r"CUDA error: out of memory",
-        "PyTorch",
-        "a CUDA runtime error surfaced as text (cudaErrorMemoryAllocation), current form",
-    ),
-    Signature(
-        r"CUDA error \(2\): out of memory",
-        "PyTorch",
-        "legacy form of the same error (code 2 = cudaErrorMemoryAllocation), e.g. from "
-        "torch.cuda.Stream() on PyTorch 1.x",
-    ),
-    Signature(
-        r"cuda runtime error \(2\) ?: out of memory",
-        "PyTorch",
-        "THC's THCudaCheck before PyTorch 1.5: 'cuda runtime error (2) : out of memory at …'",
-    ),
-    Signature(
-        r"The memory capacity is unbalanced\. Some GPUs may be occupied by other processes",
-        "SGLang",
-        "model runner, TP > 1, before loading weights",
-    ),
-    Signature(
-        r"Not enough memory\. Please try to increase --mem-fraction-static",
-        "SGLang",
-        "KV-cache sizing",
-    ),
-    # vLLM's ValueError "Free memory on device cuda:0 (6.9/79.2 GiB) on startup is less than
-    # desired GPU memory utilization (0.9, 71.3 GiB). …" (older: "on device (6.9/8.0 GiB)"),
-    # often behind a "(EngineCore_DP0 pid=…)" prefix, and seen wrapped after the device name or
-    # after "GPU memory". Two literal patterns cover one line and each wrapped half; no gap.
-    Signature(
-        r"GiB\) on startup is less than desired",
-        "vLLM",
-        "the startup memory check of the GPU worker (one line, or its second half when wrapped "
-        "after the device name)",
-    ),
-    Signature(
-        r"Free memory on device(?: cuda:\d{1,3})?$",
-        "vLLM",
-        "the first line of the same message when wrapped right after the device name",
-    ),
-)
-"""Start-failure signatures (docs/facts.md §7): what servers print when their GPUs are held.
-
-Each is a case-sensitive regex in the syntax Python ``re`` and PCRE2 share (``journalctl --grep``
-with ``--case-sensitive=yes``), so the journal adapter can drop unit output before Python parses
-it. They are matched against the first ``OUTPUT_SCAN_CHARS`` of the decoded MESSAGE with ANSI
-sequences removed: a pre-filter on raw JSON lines must let MESSAGEs that journalctl printed as
-byte arrays through. Every pattern is linear in PCRE2 and ``re`` alike: literals, bounded
-repetitions, no gap (an unbounded ``.*`` between two literals is quadratic on a long line: 212 s
-in PCRE2 for 859 KiB of repeated prefixes).
-"""
-
-GPU_OOM_PATTERNS: Final[tuple[str, ...]] = tuple(s.pattern for s in START_FAILURE_SIGNATURES)
-"""The patterns of ``START_FAILURE_SIGNATURES``."""
-
-GPU_OOM_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in GPU_OOM_PATTERNS)
-"""``GPU_OOM_PATTERNS`` as one alternation."""
+# The start-failure signatures are data of their own (startfailure.py); named here too, where
+# the journal's readers have always found them.
+START_FAILURE_SIGNATURES: Final = startfailure.START_FAILURE_SIGNATURES
+GPU_OOM_PATTERNS: Final = startfailure.GPU_OOM_PATTERNS
+GPU_OOM_REGEX: Final = startfailure.GPU_OOM_REGEX
 
 FIELDS_READ: Final = (
     "MESSAGE",
@@ -422,13 +356,14 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
     text = decode_message(entry.get("MESSAGE"), limit=OUTPUT_SCAN_CHARS)
     if text is None:
         return None
-    match = _GPU_OOM.search(text)
+    # One alternation first (cheap), then which signature it is (startfailure.classify).
+    match = startfailure.classify(text) if _GPU_OOM.search(text) else None
     if match is None:
         return _engine_event(text, entry, unit, where)
     # The device is named near the phrase, before it (vLLM) or after it (PyTorch).
-    device = _DEVICE.search(text, max(0, match.start() - 120), match.start() + 400)
+    device = _DEVICE.search(text, max(0, match.start - 120), match.start + 400)
     # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
-    start = max(0, match.start() - 60)
+    start = max(0, match.start - 60)
     shown = text[start:] if start == 0 else "…" + text[start:]
     return UnitEvent(
         kind=EventKind.GPU_OOM_OUTPUT,
@@ -440,6 +375,8 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
         boot_id=where.boot_id,
         message=_display(shown),
         device=None if device is None else int(device.group(1)),
+        failure=match.signature.failure,
+        knob=match.signature.knob,
     )
 
 

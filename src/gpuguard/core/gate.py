@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.idle import is_idle
+from gpuguard.core.leftovers import WatchedUnit
+from gpuguard.core.leftovers import blockers as kept_blockers
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
-from gpuguard.core.recovery import operator_command, unfreeable
-from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget
+from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget, ReservedSource
 from gpuguard.core.xidfaults import blockers as xid_blockers
 from gpuguard.core.xidstuck import named_by, stuck_phrase
 
@@ -44,9 +45,9 @@ class GateOutcome:
     blockers: tuple[str, ...]
     hopeless: bool = False
     """Refused without waiting out the timeout: waiting could not have made the GPUs idle."""
-    unprovable: tuple[str, ...] = ()
-    """Holders of the set's memory the ownership rule would not reap (core.recovery.unfreeable):
-    the refusal names the command an operator runs after checking them."""
+    way_out: str | None = None
+    """The operator's command that frees what the gate keeps (holders only the unit's patterns
+    tie to it), named after checking them; None when no reap of the unit's would help."""
 
     @property
     def message(self) -> str:
@@ -66,17 +67,18 @@ class GateOutcome:
                 + ". Waiting cannot help; Restart= retries until the unit's start limit ends it"
                 " (gpuguard doctor checks that it does)."
             )
-        way_out = (
-            f" gpuguard cannot prove {len(self.unprovable)} holder(s) are {unit}'s; if they "
-            f"are its left-overs, after checking them: {operator_command(unit)}"
-            if self.unprovable
+        # The command first: a cut line (journald's LineMax, the gate's limit) still names it.
+        step = (
+            f" (gpuguard keeps holders that only {unit}'s patterns tie to it: after checking "
+            f"them, `{self.way_out}` frees them)"
+            if self.way_out
             else ""
         )
         return (
-            f"GPUs of {unit} still busy after {self.waited_s:.1f} s: "
+            f"GPUs of {unit} still busy after {self.waited_s:.1f} s{step}: "
             + "; ".join(self.blockers)
             + ". Start refused; Restart= retries until the unit's start limit ends it"
-            " (gpuguard doctor checks that it does)." + way_out
+            " (gpuguard doctor checks that it does)."
         )
 
 
@@ -158,6 +160,11 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
             if reading.memory
             else (reading.problem or "memory unreadable")
         )
+        if reading.memory and reading.memory.reserved_source is ReservedSource.UNCONFIRMED:
+            used += (
+                " (the v1 reserve estimate is not confirmed yet: a second idle reading a "
+                "minute after the first confirms it)"
+            )
         holders = [inventory.holder(pid) for pid in gpu.holder_pids]
         named = "; ".join(_holder_phrase(h, settings.request) for h in holders if h is not None)
         phrase = f"GPU {reading.index}: {used}" + (f", held by {named}" if named else "")
@@ -291,22 +298,13 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
             )
         blockers = set_blockers(inventory, settings)
         if not blockers or waited >= settings.timeout_s:
-            unprovable = (
-                ()
-                if not blockers
-                else unfreeable(
-                    plan(inventory.holders, settings.request),
-                    inventory,
-                    settings.idle_threshold_bytes,
-                )
-            )
             return outcome(
                 unit,
                 waited,
                 reaped=reaped,
                 spared=list(spared.values()),
                 blockers=blockers,
-                unprovable=unprovable,
+                way_out=operator_command(inventory, settings.request) if blockers else None,
             )
         progress.tell(waited, blockers)
         sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
@@ -362,7 +360,7 @@ def outcome(  # noqa: PLR0913 - the pieces of one outcome
     blockers: tuple[str, ...] = (),
     hopeless: bool = False,
     fast_path: bool = False,
-    unprovable: tuple[str, ...] = (),
+    way_out: str | None = None,
 ) -> GateOutcome:
     """The gate's outcome, built here only: it passed when nothing blocks the start."""
     return GateOutcome(
@@ -374,8 +372,25 @@ def outcome(  # noqa: PLR0913 - the pieces of one outcome
         spared=tuple(spared),
         blockers=blockers,
         hopeless=hopeless,
-        unprovable=unprovable,
+        way_out=way_out,
     )
+
+
+def operator_command(inventory: Inventory, request: PlanRequest) -> str | None:
+    """The patterns reap when every holder the gate keeps on the unit's GPUs matches them.
+
+    ``gpuguard reap --unit U --scope patterns`` (leftovers.blockers); None otherwise.
+
+    Never for a holder that does not look like the unit's: a tenant's job is its owner's.
+    """
+    unit = WatchedUnit(
+        request.unit,
+        request.patterns,
+        request.gpu_set,
+        request.live_invocation,
+        request.provenance,
+    )
+    return kept_blockers(inventory, unit, (unit,), request.protected_names).command
 
 
 def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:

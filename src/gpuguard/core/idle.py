@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpuguard.core.values import ReservedSource
+
 if TYPE_CHECKING:
     from gpuguard.core.inventory import GpuOccupancy, Inventory
     from gpuguard.core.values import GpuReading
@@ -17,9 +19,12 @@ def is_idle(reading: GpuReading, idle_threshold_bytes: int) -> bool:
     merely opened /dev/nvidiaN (an exporter, nvidia-smi) holds no memory and does not count:
     waiting on it would block every start. Memory kept through an inherited fd by a process
     NVML does not list still shows in ``used``. Never idle when NVML could not read the GPU's
-    memory: an error is not evidence of idleness.
+    memory: an error is not evidence of idleness; nor on the strength of a v1 reserve learned
+    on one occasion only (baseline.py): memory leaked before gpuguard first looked reads alike.
     """
     if reading.memory is None or reading.lost or reading.processes:
+        return False
+    if reading.memory.reserved_source is ReservedSource.UNCONFIRMED:
         return False
     return reading.memory.used_bytes <= idle_threshold_bytes
 

@@ -110,7 +110,15 @@ class Holder:
     @property
     def command(self) -> str:
         """The command line for humans: redacted, escaped, at most COMMAND_LIMIT characters."""
-        return display_command(self.cmdline, COMMAND_LIMIT) or f"[{escape(self.comm)}]"
+        return self.command_within(COMMAND_LIMIT)
+
+    def command_within(self, limit: int) -> str:
+        """The command line for humans in at most ``limit`` characters.
+
+        Cut from the whole command line, never from ``command``: a second cut would count only
+        what it cut of the first one (``[+4012 chars]`` where 20,075 were left out).
+        """
+        return display_command(self.cmdline, limit) or escape(f"[{self.comm}]", limit)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,13 +26,13 @@ from prometheus_client.registry import Collector
 from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
-from gpuguard.core.protection import is_protected
-from gpuguard.core.values import NvmlHealth, ReapOutcome
+from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
+from gpuguard.core.values import NvmlHealth, ReapOutcome, UnitProvenance
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
-    from gpuguard.core.inventory import Holder, Inventory
+    from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import GpuReading
 
 HEALTH_STATES = ("ok", "warning", "needs-reset", "needs-reboot")
@@ -157,6 +157,9 @@ class Observed:
     that runs now (None: not running). A unit missing there has no stale holders (no evidence).
     ``snapshot``: the daemon's snapshot document (daemon.json), ``{}`` when there is none.
     ``gate_refused``: per unit, whether the last recorded gate decision refused the start.
+    ``watched``: each unit as status judges it (GPU set, live run, provenance: leftovers.py),
+    so the metrics count left-overs exactly as status names them; None: built from
+    ``live_invocations`` (all GPUs, no ended run known beyond the cgroup).
     """
 
     inventory: Inventory | None
@@ -170,6 +173,23 @@ class Observed:
     gate_refused: Mapping[str, bool]
     tally: Tally
     now_wall: float
+    watched: Sequence[WatchedUnit] | None = None
+
+    def units(self) -> tuple[WatchedUnit, ...]:
+        """The watched units the left-overs are judged against."""
+        if self.watched is not None:
+            return tuple(self.watched)
+        return tuple(
+            WatchedUnit(
+                name,
+                (),
+                live_invocation=self.live_invocations.get(name),
+                provenance=UnitProvenance(None)
+                if name in self.live_invocations
+                else UnitProvenance("systemd did not answer"),
+            )
+            for name in self.watched_units
+        )
 
 
 def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
@@ -197,7 +217,12 @@ def _gpu_families(observed: Observed) -> list[Metric]:
     )
     stale = _gauge(
         "gpuguard_gpu_stale_holders",
-        "Processes of an ended run of a watched unit holding the GPU.",
+        "Left-overs of a watched unit holding the GPU, as status names them.",
+        ["gpu"],
+    )
+    suspected = _gauge(
+        "gpuguard_gpu_suspected_stale_holders",
+        "Of those, the ones only their command line ties to the unit: kept, for an operator.",
         ["gpu"],
     )
     stale_bytes = _gauge(
@@ -224,8 +249,12 @@ def _gpu_families(observed: Observed) -> list[Metric]:
             used.add_metric(label, reading.memory.used_bytes)
             total.add_metric(label, reading.memory.total_bytes)
         idle.add_metric(label, int(is_idle(reading, observed.idle_threshold_bytes)))
-        holders = [h for h in stale_holders if any(u.gpu_index == reading.index for u in h.gpus)]
+        lefts = [
+            x for x in stale_holders if any(u.gpu_index == reading.index for u in x.holder.gpus)
+        ]
+        holders = [x.holder for x in lefts]
         stale.add_metric(label, len(holders))
+        suspected.add_metric(label, sum(x.kind is Kind.SUSPECTED for x in lefts))
         stale_bytes.add_metric(
             label,
             sum(u.used_bytes or 0 for h in holders for u in h.gpus if u.gpu_index == reading.index),
@@ -235,26 +264,19 @@ def _gpu_families(observed: Observed) -> list[Metric]:
         state = _health_state(reading)
         for name in HEALTH_STATES:
             health.add_metric([*label, name], int(name == state))
-    return [used, total, idle, stale, stale_bytes, unattributed, health]
+    return [used, total, idle, stale, suspected, stale_bytes, unattributed, health]
 
 
-def _stale(observed: Observed) -> list[Holder]:
-    """Holders in a watched unit's cgroup whose run is not the unit's current one.
+def _stale(observed: Observed) -> tuple[LeftOver, ...]:
+    """The left-overs status names (leftovers.py): proven by the policy, or suspected by pattern.
 
-    Positive evidence only, as the gate reaps: the process's INVOCATION_ID is known and differs
-    from the running invocation (or the unit is not running), and it is not protected.
+    Positive evidence for the proven ones, as the gate reaps; protected processes never count,
+    nor does a process of any unit's running invocation.
     """
     inventory = observed.inventory
-    stale: list[Holder] = []
-    for holder in inventory.holders if inventory else ():
-        unit = holder.attribution.unit
-        if unit is None or holder.attribution.user_unit or unit not in observed.live_invocations:
-            continue
-        if holder.invocation_id is None or is_protected(holder, observed.protected_names):
-            continue
-        if holder.invocation_id != observed.live_invocations[unit]:
-            stale.append(holder)
-    return stale
+    if inventory is None:
+        return ()
+    return left_overs(inventory, observed.units(), observed.protected_names)
 
 
 def _health_state(reading: GpuReading) -> str:

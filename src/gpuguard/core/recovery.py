@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, TypeGuard
 
 from gpuguard.core.detector import Cause
 from gpuguard.core.escaping import escape
+from gpuguard.core.leftovers import reap_command
+from gpuguard.core.policy import Scope
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
@@ -294,4 +296,4 @@ def unfreeable(
 
 def operator_command(unit: str) -> str:
     """What an operator runs, after checking the blockers, to free the unit's GPUs by pattern."""
-    return f"gpuguard reap --unit {unit} --scope patterns"
+    return reap_command(unit, Scope.PATTERNS)

@@ -11,14 +11,14 @@ from datetime import datetime, timezone
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.core.baseline import CONFIRM_AFTER_S, plausible_max
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle_seen
+from gpuguard.core.leftovers import Kind, WatchedUnit, blockers, left_overs
 from gpuguard.core.mig import UNJUDGED, mig_on, pending_change
-from gpuguard.core.policy import matching_pattern
-from gpuguard.core.protection import is_protected
 from gpuguard.core.since import within
-from gpuguard.core.values import MIB, MemoryApi, NvmlHealth
+from gpuguard.core.values import MIB, MemoryApi, NvmlHealth, ReservedSource
 from gpuguard.core.xid import XidClass
 from gpuguard.core.xidevents import normalize_pci
 from gpuguard.core.xidstuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
@@ -93,6 +93,15 @@ class StatusContext:
     unit_containers: Mapping[str, tuple[str, ContainerVerdict]] = field(default_factory=dict)
     """Containers (``docker:<id12>``) the engine confirms are a watched unit's, as the gate
     confirms them (adapters/containerstop.owners): the unit and the verdict on it."""
+    watched: tuple[WatchedUnit, ...] = ()
+    """Each watched unit with its GPU set, live run and provenance, as the gate would see it;
+    empty: built from ``watched_units`` with nothing asked of systemd (nothing proven)."""
+
+    def watched_view(self) -> tuple[WatchedUnit, ...]:
+        """The units every check of status judges against (one place for the GPU sets)."""
+        if self.watched:
+            return self.watched
+        return tuple(WatchedUnit(name, tuple(p)) for name, p in self.watched_units.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +125,13 @@ class StatusReport:
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
     """Turn evidence into findings; the worst finding sets the level."""
     findings = [
-        *_gate_findings(context.units),
-        *_daemon_findings(context.daemon),
+        *_gate_findings(inventory, context),
+        *_daemon_findings(inventory, context),
         *_nvml_findings(inventory),
         *_gpu_findings(inventory),
         *_xid_findings(inventory, context.daemon, context.since),
         *_holder_findings(inventory, context),
+        *_shared_gpu_findings(context.watched),
         *_container_findings(inventory, context.unit_containers),
         *_partial_findings(inventory),
     ]
@@ -201,8 +211,13 @@ def _partial_findings(inventory: Inventory) -> list[Finding]:
     return findings
 
 
-def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
-    """A watched unit systemd does not know; a unit whose last start the gate refused."""
+def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
+    """A watched unit systemd does not know; a unit whose last start the gate refused.
+
+    A refusal stays the headline only while its cause lasts: once the unit's GPUs are idle it
+    is history (OK), said so rather than hidden.
+    """
+    units = context.units
     findings = [
         Finding(
             Level.WARNING,
@@ -212,22 +227,64 @@ def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
         for unit in units
         if unit.not_found
     ]
+    watched = {w.name: w for w in context.watched_view()}
     for unit in units:
         last = unit.gate_decisions[-1] if unit.gate_decisions else None
-        if last is not None and last.get("result") == "refused":
-            blockers = _list(last.get("blockers"))
-            why = escape(str(blockers[0])) if blockers else "GPUs busy"
-            findings.append(
-                Finding(
-                    Level.CRITICAL,
-                    f"the gate refused the last start of {unit.name} at {last.get('time')}: {why}",
-                )
-            )
+        if last is None or last.get("result") != "refused":
+            continue
+        listed = _list(last.get("blockers"))
+        why = escape(str(listed[0])) if listed else "GPUs busy"
+        said = f"the gate refused the last start of {unit.name} at {last.get('time')}: {why}"
+        seen = watched.get(unit.name)
+        if seen is not None and _set_idle(inventory, seen, context.idle_threshold_bytes):
+            findings.append(Finding(Level.OK, f"{said}; its cause is gone: its GPUs are idle now"))
+            continue
+        way_out = "" if seen is None else _way_out(inventory, seen, context)
+        findings.append(Finding(Level.CRITICAL, said + way_out))
     return findings
 
 
-def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
-    """Loops the daemon found, units it gave up on, and a daemon that died."""
+def _set_idle(inventory: Inventory, unit: WatchedUnit, threshold_bytes: int) -> bool:
+    """Whether NVML answers and every GPU of the unit's set is present and idle."""
+    if inventory.nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return False
+    present = {gpu.reading.index for gpu in inventory.gpus}
+    if unit.gpu_set is not None and not unit.gpu_set <= present:
+        return False
+    wanted = [g for g in inventory.gpus if unit.gpu_set is None or g.reading.index in unit.gpu_set]
+    return bool(wanted) and all(is_idle_seen(inventory, g, threshold_bytes) for g in wanted)
+
+
+def _way_out(inventory: Inventory, unit: WatchedUnit, context: StatusContext) -> str:
+    """What keeps the unit's GPUs that its gate and the daemon will not free, and the command.
+
+    Empty when nothing is kept: the gate and the daemon can free what there is. A command only
+    for holders that look like the unit's (its patterns): another tenant's job is its owner's.
+    """
+    found = blockers(inventory, unit, context.watched_view(), context.protected_names)
+    if found.live_elsewhere:
+        return (
+            f"; its GPUs are held by the running {', '.join(found.live_elsewhere)}: stop it or "
+            "give the units disjoint GPUs (gpus = [...] in the configuration)"
+        )
+    if not found.holders:
+        return ""
+    if found.command is None:
+        return (
+            f"; its GPUs are held by processes that are not {unit.name}'s by any evidence, "
+            f"which gpuguard never reaps: {found.phrase()}; their owners must stop them, or "
+            "give the unit other GPUs"
+        )
+    return f"; gpuguard will not reap {found.phrase()}; after checking them, run `{found.command}`"
+
+
+def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
+    """Loops the daemon found, units it gave up on, and a daemon that died.
+
+    A loop with a GPU cause whose holders gpuguard cannot reap is CRITICAL: nothing will end it
+    but an operator, so the finding names the blockers and the command.
+    """
+    daemon = context.daemon
     if daemon is None or daemon.state == "absent":
         return []
     findings: list[Finding] = []
@@ -239,8 +296,12 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
                 f"snapshot is from {daemon.snapshot.get('updated_at')}",
             )
         )
+    watched = {w.name: w for w in context.watched_view()}
     for name, value in _dict(daemon.snapshot.get("units")).items():
         unit = _dict(value)
+        seen = watched.get(name)
+        gpu_cause = unit.get("cause") == "stale-gpu-holders" and seen is not None
+        way_out = _way_out(inventory, seen, context) if gpu_cause and seen else ""
         if unit.get("needs_operator") and unit.get("cause") == "gpu-needs-reset":
             findings.append(
                 Finding(
@@ -254,7 +315,24 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: recoveries did not break its restart loop "
-                    f"({escape(str(unit.get('verdict')))})",
+                    f"({escape(str(unit.get('verdict')))}){way_out}",
+                )
+            )
+        elif unit.get("looping") and way_out:
+            findings.append(
+                Finding(
+                    Level.CRITICAL,
+                    f"{name} is in a restart loop caused by its GPUs that gpuguard cannot end: "
+                    f"{escape(str(unit.get('verdict')))}{way_out}",
+                )
+            )
+        elif unit.get("looping") and unit.get("cause") == "does-not-fit":
+            # No reap or restart ends it: the server does not fit as configured; say the knob.
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"{name} is in a restart loop that no reap can end: "
+                    f"{escape(str(unit.get('cause_detail')))}",
                 )
             )
         elif unit.get("looping"):
@@ -308,15 +386,33 @@ def _v1_findings(inventory: Inventory) -> list[Finding]:
         if memory is None or memory.api is not MemoryApi.V1:
             continue
         if memory.reserved_bytes is None:
+            bound = plausible_max(memory)
+            above = (
+                f"; its {_mib(memory.used_bytes)} in use is more than a driver reserves (at most "
+                f"{_mib(bound)}): memory held by something, never learned as the reserve"
+                if memory.used_bytes > bound
+                else ""
+            )
             findings.append(
                 Finding(
                     Level.WARNING,
                     f"GPU {gpu.reading.index}: the v1 memory API counts the driver's reserved "
                     "memory as used and no estimate of it exists yet, so idle cannot be told "
-                    "from busy (set v1_reserved_mib, or run gpuguard as root while it is idle)",
+                    "from busy (set v1_reserved_mib, or run gpuguard as root while it is idle)"
+                    + above,
                 )
             )
         else:
+            if memory.reserved_source is ReservedSource.UNCONFIRMED:
+                findings.append(
+                    Finding(
+                        Level.WARNING,
+                        f"GPU {gpu.reading.index}: the v1 reserve learned for it "
+                        f"({_mib(memory.reserved_bytes)}) is not confirmed yet: an idle reading "
+                        f"{CONFIRM_AFTER_S:.0f} s or more after the first confirms it; until "
+                        "then the GPU is not called idle",
+                    )
+                )
             estimated.append(
                 f"GPU {gpu.reading.index} {_mib(memory.reserved_bytes)} "
                 f"({memory.reserved_source or 'reported'})"
@@ -584,19 +680,58 @@ def _holder_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                     f"{who} is a zombie: a thread or its parent keeps its GPU memory",
                 )
             )
-        if is_protected(holder, context.protected_names):
-            continue
-        owner = context.unit_containers.get(holder.attribution.container or "")
-        for unit, patterns in context.watched_units.items():
-            theirs = holder.attribution.unit == unit or (owner is not None and owner[0] == unit)
-            if not theirs and matching_pattern(holder, patterns):
-                findings.append(
-                    Finding(
-                        Level.WARNING,
-                        f"{who} looks like a left-over "
-                        f"of {unit} but runs outside it ({holder.owner})",
-                    )
+    findings.extend(_left_over_findings(inventory, context))
+    return findings
+
+
+def _shared_gpu_findings(units: Sequence[WatchedUnit]) -> list[Finding]:
+    """Two units whose GPU sets, as the gate resolves them, share a GPU (or one has no set).
+
+    Judged on the resolved sets, config or CUDA_VISIBLE_DEVICES alike: each waits on the
+    other's processes at every gate, and neither reaps the other's.
+    """
+    findings = []
+    resolved = [unit for unit in units if unit.gpu_source]
+    for index, unit in enumerate(resolved):
+        for other in resolved[index + 1 :]:
+            if unit.gpu_set is None or other.gpu_set is None:
+                open_one = unit if unit.gpu_set is None else other
+                shared = f"{open_one.name} may use every GPU ({escape(open_one.gpu_source)})"
+            elif unit.gpu_set & other.gpu_set:
+                listed = ",".join(str(i) for i in sorted(unit.gpu_set & other.gpu_set))
+                shared = f"both use GPU {listed}"
+            else:
+                continue
+            findings.append(
+                Finding(
+                    Level.WARNING,
+                    f"units {unit.name} and {other.name} share GPUs: {shared}; each gate waits "
+                    "on the other's processes: give each unit its own GPUs",
                 )
+            )
+    return findings
+
+
+def _left_over_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
+    """Each watched unit's left-overs, once per holder (leftovers.py: the metrics count these)."""
+    findings = []
+    owned = {container: unit for container, (unit, _) in context.unit_containers.items()}
+    found = left_overs(inventory, context.watched_view(), context.protected_names, owned)
+    for left in found:
+        holder = left.holder
+        who = f"PID {holder.pid} ({escape(holder.comm)}) holding {_gpu_list(holder)}"
+        if left.kind is Kind.PROVEN:
+            message = (
+                f"{who} is a left-over of {left.unit} ({left.reason}): the gate (where installed) "
+                f"and the daemon reap it, or `gpuguard reap --unit {left.unit}` now"
+            )
+        else:
+            message = (
+                f"{who} looks like a left-over of {left.unit} but runs outside it "
+                f"({holder.owner}); no evidence ties it to an ended run, so gpuguard keeps it: "
+                f"check it, then `gpuguard reap --unit {left.unit} --scope patterns`"
+            )
+        findings.append(Finding(Level.WARNING, message))
     return findings
 
 
@@ -898,7 +1033,7 @@ def _holder_line(holder: Holder, gpu_index: int | None, report: StatusReport) ->
     hidden = "" if holder.files_readable else "  (open files not inspectable without root)"
     # At most 100 characters of command line: one holder stays on one line of a wide terminal;
     # --json has the whole command line.
-    command = escape(holder.command, _COMMAND_WIDTH)
+    command = holder.command_within(_COMMAND_WIDTH)
     return f"    pid {holder.pid:<7} {holder.state}  {owner:<24} {size:>11}  {command}{hidden}"
 
 

@@ -53,6 +53,8 @@ class ReservedSource(StrEnum):
 
     CONFIGURED = "configured"
     LEARNED = "learned"
+    UNCONFIRMED = "unconfirmed"
+    """Learned on one occasion only: shown, but the GPU is not called idle on its strength."""
 
 
 @dataclass(frozen=True, slots=True)
