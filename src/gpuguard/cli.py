@@ -48,8 +48,10 @@ commands:
 _PRIVILEGES = f"""\
 Privileges: in the drop-in this command runs unprivileged, in the unit's environment, and
 only asks the root gate server (gpuguard-gate.socket, {GATE_SOCKET}), which identifies
-the caller from the kernel and does the work. A process may ask only for its own unit
-(and only scope "unit"); root outside any service may ask for any. Without a socket at
+the caller from the kernel and does the work. A process may ask only for its own unit,
+only scope "unit", and only when gpuguard watches that unit (configured, or its gate
+drop-in installed); the operator (root in a login session: ssh, or sudo from one) may ask
+for any. Without a socket at
 --socket, root runs the work in this process (a developer's install); anyone else, or a
 socket nobody answers, gets one line and exit 1 - for the gate, unless the configuration
 says gate_unreachable = "allow". See /usr/share/doc/gpuguard/security.md.
@@ -168,8 +170,9 @@ environment, on the listening socket gpuguard-gate.socket passes it (/run/gpugua
 fd 3 with LISTEN_PID and LISTEN_FDS). It forks one process per
 connection (at most 64 at once, 16 per caller's UID, 3700 s each), which reads one request
 line (at most 4 KiB, within 10 s), identifies the caller (SO_PEERCRED, a pidfd,
-/proc/PID/cgroup and environ), refuses a request for any unit but the caller's own (except
-from root outside any service), runs the gate or reap and streams its output back, then the
+/proc/PID/cgroup and environ), refuses a request for any unit but the caller's own, or
+from a unit gpuguard does not watch (except from root in a login session), runs the gate or
+reap and streams its output back, then the
 exit status. One line per request goes to its own journal. SIGTERM: it stops accepting and
 waits for the requests in progress.
 

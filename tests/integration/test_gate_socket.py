@@ -137,11 +137,24 @@ def unit_name() -> str:
     return f"sglang-{uuid.uuid4().hex[:8]}.service"
 
 
+def watched_unit(cli: Cli) -> str:
+    """A unique unit named in the configuration: the server serves only watched units."""
+    unit = unit_name()
+    cli.config.write_text(cli.config.read_text() + f'\n[units."{unit}"]\n')
+    return unit
+
+
+def operator_cgroup(unit_cgroups: UnitCgroups, uid: int = 0) -> Path:
+    """A login session's scope (unique: cgroups are shared by the whole machine)."""
+    session = f"session-t{uuid.uuid4().hex[:8]}.scope"
+    return unit_cgroups.ensure(session, f"user.slice/user-{uid}.slice")
+
+
 def test_gate_of_a_unit_runs_in_the_server_with_the_units_real_environment(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
     """ExecStartPre= in the unit: the server passes the start, using the caller's environ."""
-    unit = unit_name()
+    unit = watched_unit(cli)
     done = client(
         cli,
         "gate",
@@ -170,7 +183,7 @@ def test_a_request_for_another_unit_is_refused_in_one_line(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
     """A process of unit A asking for unit B: exit 1, one line, nothing done for B."""
-    mine, other = unit_name(), unit_name()
+    mine, other = watched_unit(cli), watched_unit(cli)
     for command in (["gate"], ["reap", "--yes"]):
         done = client(
             cli,
@@ -199,7 +212,7 @@ def test_the_server_ends_when_systemd_kills_its_client(
     Left running, it would take the unit's next run for left-overs of an earlier one.
     """
     spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
-    unit = unit_name()
+    unit = watched_unit(cli)
     procs = unit_cgroups.ensure(unit) / "cgroup.procs"
     argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit]
     command = shlex.join([*argv, "--timeout", "60", "--socket", str(server.path)])
@@ -222,7 +235,15 @@ def test_the_server_ends_when_systemd_kills_its_client(
     assert "the client has gone: stopping" in server.said()
 
 
-def test_the_installed_command_asks_without_the_full_parser(cli: Cli, server: GateServer) -> None:
+def in_cgroup(argv: list[str], cgroup: Path) -> list[str]:
+    """``argv`` run from ``cgroup`` (a shell moves itself there, then execs it)."""
+    procs = shlex.quote(str(cgroup / "cgroup.procs"))
+    return ["sh", "-c", f"echo $$ > {procs} && exec {shlex.join(argv)}"]
+
+
+def test_the_installed_command_asks_without_the_full_parser(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
     """The command's entry point sends a drop-in's gate request with the socket client alone.
 
     No argparse, no dataclasses, nothing of the CLI: the request before every start stays cheap
@@ -239,14 +260,20 @@ def test_the_installed_command_asks_without_the_full_parser(cli: Cli, server: Ga
         "sys.exit(code)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli.env, check=False
+        in_cgroup([sys.executable, "-c", code], operator_cgroup(unit_cgroups)),
+        capture_output=True,
+        text=True,
+        env=cli.env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
     assert "gate for sglang.service from PID" in server.journal()
 
 
-def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
+def test_the_client_loads_nothing_heavy(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
     """The client runs before every start: no pydantic, structlog, NVML or psutil in it."""
     argv = ["--config", str(cli.config), "gate", "--unit", "sglang.service"]
     code = (
@@ -259,7 +286,11 @@ def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
         "sys.exit(code)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli.env, check=False
+        in_cgroup([sys.executable, "-c", code], operator_cgroup(unit_cgroups)),
+        capture_output=True,
+        text=True,
+        env=cli.env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[]\n", done.stdout
@@ -269,7 +300,7 @@ def test_the_unit_itself_may_not_widen_the_scope(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
     """Scope "all" would reach other users' processes: only root outside any service asks it."""
-    unit = unit_name()
+    unit = watched_unit(cli)
     done = client(
         cli,
         "reap",
@@ -283,7 +314,9 @@ def test_the_unit_itself_may_not_widen_the_scope(
         cgroup=unit_cgroups.ensure(unit),
     )
     assert done.code == 1, done
-    assert "(scope all only from root outside any service)" in done.err, done.err
+    assert "(scope all only from root in a login session (ssh, or sudo from one))" in done.err, (
+        done.err
+    )
 
 
 def test_an_unprivileged_user_outside_any_unit_is_refused(cli: Cli, server: GateServer) -> None:
@@ -299,12 +332,77 @@ def test_an_unprivileged_user_outside_any_unit_is_refused(cli: Cli, server: Gate
     )
 
 
-def test_root_outside_any_unit_is_an_operator(cli: Cli, server: GateServer) -> None:
-    """An operator's `sudo gpuguard reap --yes` goes through the server for any unit."""
-    done = client(cli, "reap", "--unit", "sglang.service", "--yes", "--socket", str(server.path))
-    assert done.code == 0, done.err
-    assert "GPU 0: 0 MiB used" in done.out, done.out
-    assert "reap for sglang.service from PID" in server.journal()
+def test_root_in_a_login_session_is_an_operator(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """`sudo gpuguard reap --yes` from anyone's session (its scope kept) works for any unit."""
+    for uid in (0, 1000):
+        done = client(
+            cli,
+            "reap",
+            "--unit",
+            "sglang.service",
+            "--yes",
+            "--socket",
+            str(server.path),
+            cgroup=operator_cgroup(unit_cgroups, uid),
+        )
+        assert done.code == 0, done.err
+        assert "GPU 0: 0 MiB used" in done.out, done.out
+    assert server.journal().count("reap for sglang.service from PID") == 2
+
+
+def test_root_in_a_scope_that_is_no_login_session_is_refused(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """Root in `systemd-run --scope` or a container runtime's scope is no operator: one line."""
+    for scope in ("run-r0123456789abcdef.scope", "nerdctl-0123456789abcdef0123.scope"):
+        done = client(
+            cli,
+            "reap",
+            "--unit",
+            "sglang.service",
+            "--yes",
+            "--scope",
+            "all",
+            "--socket",
+            str(server.path),
+            cgroup=unit_cgroups.ensure(f"{uuid.uuid4().hex[:6]}-{scope}"),
+        )
+        assert done.code == 1, done
+        [line] = done.err.splitlines()
+        operator = "root in a login session (ssh, or sudo from one)"
+        assert line.endswith(f": refused (root is an operator only as {operator})"), line
+        assert done.out == ""
+    assert "reap for sglang.service from PID" not in server.journal()
+
+
+def test_an_unwatched_units_request_is_refused_in_one_line(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """A shared service nobody configured (cron.service): its jobs' gate and reap are refused."""
+    unit = unit_name()
+    for command in (["gate"], ["reap", "--yes"]):
+        for uid in (0, NOBODY):
+            done = client(
+                cli,
+                *command,
+                "--unit",
+                unit,
+                "--socket",
+                str(server.path),
+                cgroup=unit_cgroups.ensure(unit),
+                uid=None if uid == 0 else uid,
+            )
+            assert done.code == 1, done
+            said = (
+                f"gpuguard: request from a process of {unit}: refused ({unit} is not watched by "
+                "gpuguard: neither configured nor with its gate drop-in installed)"
+            )
+            assert done.err.splitlines() == [said], done.err
+    runtime = cli.config.parent / "run"
+    assert not (runtime / "gate" / f"{unit}.json").exists()
+    assert f"{command[0]} for {unit} from PID" not in server.journal()
 
 
 def test_a_socket_nobody_answers_refuses_the_start(cli: Cli, tmp_path: Path) -> None:
@@ -378,9 +476,9 @@ def test_a_request_imports_nothing_the_server_has_not(
         "import sys\n"
         "from gpuguard.adapters import gateserver\n"
         "serve = gateserver.serve\n"
-        "def counted(conn, handle, log):\n"
+        "def counted(conn, handle, log, **options):\n"
         "    before = set(sys.modules)\n"
-        "    code = serve(conn, handle, log)\n"
+        "    code = serve(conn, handle, log, **options)\n"
         "    log.write(f'imported {sorted(set(sys.modules) - before)}\\n')\n"
         "    return code\n"
         "gateserver.serve = counted\n"
@@ -392,7 +490,7 @@ def test_a_request_imports_nothing_the_server_has_not(
         argv = [sys.executable, "-c", probe, "--config", str(cli.config), "serve-gate"]
         process = activate(listener, argv, cli.env, out)
     try:
-        unit = unit_name()
+        unit = watched_unit(cli)
         cgroup = unit_cgroups.ensure(unit)
         # A changed file misses the validated-config cache: the first gate takes the full path.
         cli.config.write_text(cli.config.read_text() + "# changed\n")
@@ -462,7 +560,7 @@ def test_a_flood_from_one_user_leaves_other_units_their_gate(
     (each until the 10 s request deadline); another unit's gate passes meanwhile. Only a flood
     from four users fills all 64. The parent survives it and reaps every child.
     """
-    cgroup = unit_cgroups.ensure(unit_name())
+    cgroup = unit_cgroups.ensure(watched_unit(cli))
     floods = [flood(server.path, cgroup, NOBODY, 20)]
     try:
         assert floods[0].answers.count(None) == 16, floods[0].answers
@@ -485,7 +583,7 @@ def test_a_flood_from_one_user_leaves_other_units_their_gate(
             uid=NOBODY,
         )
         assert (turned.code, turned.err) == (1, f"gpuguard: {busy}: request refused\n"), turned
-        unit = unit_name()
+        unit = watched_unit(cli)
         done = client(
             cli,
             "gate",
@@ -522,7 +620,7 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
 ) -> None:
     """One request's process may wait for minutes; the parent answers the next one meanwhile."""
     spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
-    unit = unit_name()
+    unit = watched_unit(cli)
     procs = unit_cgroups.ensure(unit) / "cgroup.procs"
     argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit, "--timeout", "60"]
     command = shlex.join([*argv, "--socket", str(server.path)])
@@ -535,7 +633,7 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
         deadline = time.monotonic() + 30
         while "accepted" not in server.said() and time.monotonic() < deadline:
             time.sleep(0.1)
-        other = unit_name()
+        other = watched_unit(cli)
         done = client(
             cli,
             "gate",
@@ -698,7 +796,8 @@ def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
         ours.close()
         own = os.getpid()
         (tmp_path / "proc" / str(own)).symlink_to(f"/proc/{own}")
-        gateserver.serve(theirs, lambda *_: 0, sys.stderr, proc_root=tmp_path / "proc")
+        proc = tmp_path / "proc"
+        gateserver.serve(theirs, lambda *_: 0, sys.stderr, watched=lambda _: True, proc_root=proc)
         os._exit(0)
     theirs.close()
     deadline = time.monotonic() + 10

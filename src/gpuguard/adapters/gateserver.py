@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from gpuguard.adapters import signals
 from gpuguard.adapters.peer import PROC, PeerError, identify
-from gpuguard.core.gateauth import may_ask, refusal
+from gpuguard.core.gateauth import admission, refusal
 from gpuguard.core.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_request
 
 if TYPE_CHECKING:
@@ -366,16 +366,18 @@ def serve(
     handle: Callable[[Request, Caller, TextIO, TextIO], int],
     log: TextIO,
     *,
+    watched: Callable[[str], bool],
     proc_root: Path = PROC,
 ) -> int:
     """Answer the one request on ``conn``; log one line about it to ``log`` (the journal).
 
     ``handle`` does the work, writing to the two streams it is given; its return value is the
-    verdict. Returns the verdict too (the instance's own exit status).
+    verdict. Returns the verdict too (the instance's own exit status). ``watched`` says whether
+    gpuguard watches a unit: only a watched unit's own processes (and operators) are served.
     """
     signal.alarm(UNAUTHORIZED_LIMIT_S)
     try:
-        admitted = _admit(conn, log, proc_root)
+        admitted = _admit(conn, log, proc_root, watched)
     finally:
         signal.alarm(0)
     if isinstance(admitted, int):
@@ -404,14 +406,18 @@ def serve(
     return code
 
 
-def _admit(conn: socket.socket, log: TextIO, proc_root: Path) -> tuple[Request, Caller] | int:
+def _admit(
+    conn: socket.socket, log: TextIO, proc_root: Path, watched: Callable[[str], bool]
+) -> tuple[Request, Caller] | int:
     """The caller and its request once both pass; else the refusal's exit status, answered."""
     try:
         caller = identify(conn, proc_root=proc_root)
     except PeerError as err:
         return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
-    if not may_ask(caller):
-        return _answer(conn, log, f"gpuguard: request from {caller.describe()}: refused", 1)
+    service = caller.system_service
+    refused = admission(caller, watched=service is not None and watched(service))
+    if refused is not None:
+        return _answer(conn, log, f"gpuguard: {refused}", 1)
     line = _read_request(conn)
     request = parse_request(line) if line is not None else "no request line"
     if isinstance(request, str):

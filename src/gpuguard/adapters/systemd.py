@@ -230,8 +230,8 @@ def provenance(state: UnitState, *, inside: bool = False) -> UnitProvenance:
     """What ties a process to an ended run of the unit, from systemd's answer and its journal.
 
     ``inside``: gpuguard runs in the unit's own cgroup (its ExecStartPre= or ExecStopPost=), so
-    no other run of the unit is live whatever systemctl says; its cgroup may be reaped even when
-    systemd cannot be asked, but nothing outside it is, for want of the unit's user and runs.
+    no other run of the unit is live whatever systemctl says. When systemd cannot be asked the
+    unit's user is unknown too, and then nothing is reaped, in its cgroup or outside it.
     """
     if state.error is not None:
         return UnitProvenance(None if inside else state.error)
