@@ -139,7 +139,8 @@ With --yes and --unit (and without --dry-run) the reap goes through the gate ser
 plan that asks for confirmation on a terminal, and --dry-run, run in this process.
 
 Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined, or the request
-was refused or could not be sent); 64 usage; 78 invalid configuration.
+was refused or could not be sent); 64 usage, or an unknown --unit (not configured, not
+gated, and systemd has no such unit: a typo; --force goes ahead); 78 invalid configuration.
 """
 
 _GATE_HELP = """\
@@ -161,7 +162,8 @@ real environment (read by root from the calling process: EnvironmentFile= values
 else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
 
 Exit status: 0 start allowed; 1 GPUs still busy at the timeout, refused at once, the
-request refused, or the gate server unreachable; 78 invalid configuration.
+request refused, or the gate server unreachable; 64 an unknown --unit (not configured, not
+gated, and systemd has no such unit; --force goes ahead); 78 invalid configuration.
 """
 
 _SERVE_GATE_HELP = """\
@@ -293,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument(
         "--timeout", type=float, metavar="S", help="give up after S seconds (config gate_timeout_s)"
     )
+    _force_argument(reap)
+    _force_argument(gate)
     for command in (gate, reap):
         command.epilog = _PRIVILEGES
         command.add_argument(
@@ -320,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     doctor.add_argument("--unit", help="one unit (default: every watched unit)")
+    _force_argument(doctor)
     doctor.add_argument("--json", action="store_true", help="print a versioned JSON document")
     doctor.add_argument(
         "--fix", action="store_true", help="print a drop-in that fixes the findings"
@@ -339,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     for command in commands.choices.values():
         add_global_options(command, after_command=True)
     return parser
+
+
+def _force_argument(command: argparse.ArgumentParser) -> None:
+    """--force: go ahead for a unit neither configured, gated nor known to systemd."""
+    command.add_argument(
+        "--force",
+        action="store_true",
+        help="go ahead for a --unit that is neither configured, gated nor known to systemd "
+        "(refused with exit 64 otherwise, a typo being likelier)",
+    )
 
 
 _INSTALL_GATE_HELP = """\
@@ -376,7 +391,8 @@ fix it; --fix prints one complete drop-in to save by hand (doctor never changes 
 Without --unit every watched unit in the configuration is audited.
 
 Exit status: the worst finding - 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (systemd or the
-journal could not be asked); 78 invalid configuration.
+journal could not be asked); 64 an unknown --unit (not configured, not gated, and systemd
+has no such unit; --force audits it anyway); 78 invalid configuration.
 """
 
 _REMOVE_GATE_HELP = """\
