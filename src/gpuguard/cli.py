@@ -170,7 +170,8 @@ _SERVE_GATE_HELP = """\
 Internal: not for operators to run. gpuguard-gate.service runs it, as root with a clean
 environment, on the listening socket gpuguard-gate.socket passes it (/run/gpuguard/gate.sock,
 fd 3 with LISTEN_PID and LISTEN_FDS). It forks one process per
-connection (at most 64 at once, 16 per caller's UID, 3700 s each), which reads one request
+connection of an operator or a watched unit (one per unit at a time, at most 64 at once of
+which 8 are kept for operators, 16 per caller's UID, 3700 s each), which reads one request
 line (at most 4 KiB, within 10 s), identifies the caller (SO_PEERCRED, a pidfd,
 /proc/PID/cgroup and environ), refuses a request for any unit but the caller's own, or
 from a unit gpuguard does not watch (except from root in a login session), runs the gate or

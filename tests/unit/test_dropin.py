@@ -149,3 +149,15 @@ def test_a_unit_is_gated_while_gpuguards_drop_in_is_there(tmp_path: Path) -> Non
     assert not dropin.installed("cron.service", systemd_dir=tmp_path)
     for odd in ("..", "a/b.service", "", "x" * 300):
         assert not dropin.installed(odd, systemd_dir=tmp_path), odd
+
+
+def test_a_restart_of_the_gate_server_never_kills_a_request() -> None:
+    """gpuguard-gate.service waits longer than the server lets any request run (upgrades)."""
+    from gpuguard.adapters import gateserver  # noqa: PLC0415 - only this test needs it
+
+    unit = (Path(__file__).parents[2] / "systemd" / "gpuguard-gate.service").read_text()
+    settings = dict(
+        line.split("=", 1) for line in unit.splitlines() if "=" in line and line[0] != "#"
+    )
+    assert settings["KillMode"] == "mixed"  # SIGTERM to the parent alone, which lets them finish
+    assert float(settings["TimeoutStopSec"]) > gateserver.REQUEST_LIMIT_S

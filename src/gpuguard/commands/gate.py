@@ -140,6 +140,8 @@ def run(
     first = inventory.gather(settings, reading)
     planned = unit_plan(settings, args.unit, args.scope, caller, first.nvml.gpus)
     timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
+    if caller is not None and not caller.is_operator:
+        timeout = min(timeout, settings.gate_timeout_s)  # a unit may not hold a slot for longer
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     pending = [first]
 

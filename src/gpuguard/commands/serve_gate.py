@@ -63,6 +63,7 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
             listener,
             lambda conn: gateserver.serve(conn, handle, sys.stderr, watched=watched),
             sys.stderr,
+            who=lambda pid, uid: gateserver.classify(pid, uid, watched),
         )
 
 
