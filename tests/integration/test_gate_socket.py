@@ -1003,3 +1003,25 @@ def test_accept_out_of_descriptors_backs_off_instead_of_spinning(
         finally:
             server.terminate()
             server.wait(timeout=30)
+
+
+def test_a_units_own_gate_waits_no_longer_than_gate_timeout_s(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """A unit's request asking --timeout 3600 is held to gate_timeout_s (here 1 s): no slot-hog."""
+    spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
+    cli.configure("gate_timeout_s = 1\n")
+    unit = watched_unit(cli)
+    done = client(
+        cli,
+        "gate",
+        "--unit",
+        unit,
+        "--timeout",
+        "3600",
+        "--socket",
+        str(server.path),
+        cgroup=unit_cgroups.ensure(unit),
+    )
+    assert done.code == 1, done
+    assert f"GPUs of {unit} still busy after 1." in done.err, done.err

@@ -228,6 +228,7 @@ def _loop(server: _Parent, poller: select.poll, stopping: list[int]) -> None:
         elif server.listening and not paused and not polled:
             poller.register(listener, select.POLLIN)
             polled = True
+            server.paused_until = 0.0  # the pause is over: poll() waits for the listener again
         # A signal (SIGCHLD, SIGTERM) arriving from here on writes to wake_read: no lost wakeup.
         ready = poller.poll(server.wait_ms())
         with contextlib.suppress(BlockingIOError):
@@ -302,7 +303,11 @@ class _Parent:
             self._turn_away(conn, "no credentials")
             return
         pid, uid = credentials
-        unit = self.who(pid, uid)
+        try:
+            unit = self.who(pid, uid)
+        except Exception:  # noqa: BLE001 - one peer's oddity must never end the server
+            traceback.print_exc(file=self.log)
+            unit = Refused("gpuguard: request refused: the caller could not be classified")
         if isinstance(unit, Refused):
             self._turn_away(conn, unit.line, refusal=True)
             return
