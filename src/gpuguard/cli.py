@@ -7,6 +7,7 @@ commands that need them, so ``--help`` is instant and the gate's fast path stays
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -353,7 +354,8 @@ def _force_argument(command: argparse.ArgumentParser) -> None:
         "--force",
         action="store_true",
         help="go ahead for a --unit that is neither configured, gated nor known to systemd "
-        "(refused with exit 64 otherwise, a typo being likelier)",
+        "(refused with exit 64 otherwise, a typo being likelier); as root it runs in this "
+        "process, the gate server takes no --force",
     )
 
 
@@ -443,7 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_gate.run(args, _execute)
     signals_unasked = args.command == "reap" and args.yes and not args.dry_run and args.unit
-    if args.command == "gate" or signals_unasked:
+    # --force is root's own decision: the server takes none, so root runs it in this process.
+    forced_here = getattr(args, "force", False) and os.geteuid() == 0
+    if (args.command == "gate" or signals_unasked) and not forced_here:
         from gpuguard.commands import relay  # noqa: PLC0415 - see module doc
         from gpuguard.commands.output import render, say  # noqa: PLC0415 - see module doc
 

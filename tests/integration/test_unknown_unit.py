@@ -65,3 +65,19 @@ def test_force_goes_ahead_and_a_configured_unit_needs_no_systemd(
     configured = cli("reap", "--unit", REAL, "--dry-run", "--socket", absent)
     assert configured.code == 0, configured.err
     assert "unknown unit" not in configured.err
+
+
+def test_root_forces_a_reap_in_its_own_process(
+    cli: Cli, fake_systemd: FakeSystemd, tmp_path: Path
+) -> None:
+    """The gate server takes no --force: root's forced reap runs here, even with a socket there."""
+    import socket  # noqa: PLC0415 - only this test needs a socket
+
+    _configure(cli)
+    fake_systemd(TYPO, load_state="not-found")
+    path = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))  # a socket nobody answers: asking it would refuse
+    done = cli("reap", "--unit", TYPO, "--yes", "--force", "--socket", str(path))
+    assert done.code == 0, done.err
+    assert "cannot reach the gate server" not in done.err
