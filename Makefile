@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # `make bench IDLE_SECONDS=120`).
 IDLE_SECONDS ?= 600
 
-.PHONY: check lint test venv fakenvml bench clean deps
+.PHONY: check lint test venv fakenvml bench hardware-check clean deps
 
 check: lint test
 
@@ -55,6 +55,11 @@ bench: venv fakenvml
 	$(PY) bench/gate.py
 	$(PY) bench/journal_throughput.py
 	$(PY) bench/daemon_idle.py --seconds $(IDLE_SECONDS)
+
+# The fake NVML against this host's GPU (bench/README.md); against the fake where none is.
+# HWCHECK_ARGS: e.g. --backend real --gpu 3 --report /tmp/hw.json
+hardware-check: venv fakenvml
+	$(PY) bench/hardware_check.py $(HWCHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) tests/fakenvml/build .pytest_cache .mypy_cache .ruff_cache

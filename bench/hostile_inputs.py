@@ -12,7 +12,9 @@ MiB, where copying 2 MiB costs more than parsing it - and one that raises (not t
 Baseline, measured on the same input in the same run: ``json.dumps`` of it, one pass in C that
 gpuguard's ``--json`` output makes of such text anyway. Each measurement runs in a child process
 with a time limit (``--limit``, 60 s), so a quadratic parser is reported as a lower bound
-instead of stalling the run. Run: ``.venv/bin/python bench/hostile_inputs.py``.
+instead of stalling the run. Run: ``.venv/bin/python bench/hostile_inputs.py``; ``--floods``
+then measures root's ``status`` under a descriptor flood and a mapping flood against a quiet
+host (bench/proc_floods.py).
 """
 
 from __future__ import annotations
@@ -426,6 +428,9 @@ def main() -> int:
     parser.add_argument("--factor", type=float, default=3.0, help="2 MiB vs 64 KiB flag ratio")
     parser.add_argument("--only", help="measure only parsers whose name contains this")
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--floods", action="store_true", help="then the /proc floods (bench/proc_floods.py, root)"
+    )
     args = parser.parse_args()
     if args.one:
         name, shape, size = args.one
@@ -463,6 +468,10 @@ def main() -> int:
     print("flagged:" if flagged else "flagged: none")
     for line in flagged:
         print(f"  {line}")
+    if args.floods:
+        script = Path(__file__).with_name("proc_floods.py")
+        floods = subprocess.run([sys.executable, str(script)], check=False)
+        flagged.extend(["proc floods"] if floods.returncode else [])
     return 1 if flagged else 0
 
 

@@ -68,13 +68,14 @@ Exit status (monitoring-plugin convention):
   1 WARNING   something needs a look (a left-over of a watched unit, a zombie holder,
               memory used from outside this container,
               a watched unit systemd does not know, NVML partly unusable but /proc
-              shows holders, a GPU health warning, a recent kernel Xid after which
-              no kill helps)
+              shows holders, a GPU health warning, a GPU with MIG mode on, a recent
+              kernel Xid after which no kill helps, a start stuck in one phase past
+              its learned budget)
   2 CRITICAL  a lost GPU, a GPU that needs a reset or reboot (NVML health: a pending
               row remap or page retirement, the driver asks for it), memory no
               visible process explains, a holder stuck in state D in the NVIDIA
               driver or stuck after an Xid (SIGKILL left it alive), NVML not
-              answering
+              answering, a watched unit whose engine is dead while the unit lives
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
 
@@ -108,10 +109,13 @@ Tell one unit's incident from the journal alone, as a timeline: the stop that ti
 what systemd SIGKILLed, who survived or was left over, each failed start and the
 start-failure signature it printed, what gpuguard decided and did, and when the unit
 came up again. Only journald's trusted fields decide who said what: systemd's rows are
-PID 1's own entries; the unit's output is shown as its word; gpuguard's rows come from
-gpuguard.service as root. With no gpuguard line in the journal (an incident before it
-was installed), gpuguard's detector is replayed over systemd's entries to say what it
-would have done.
+PID 1's own entries; the unit's output is shown as its word (even a line identical to
+the gate's verdict); gpuguard's rows come from gpuguard.service and gpuguard-gate.service
+as root. gpuguard's own detector is replayed over systemd's entries: the story ends with
+its verdict (a start limit systemd hit, stops an operator asked for, left-overs that make
+no loop), and any verdict the daemon logged that the replay does not reach is printed with
+the reason. With no gpuguard line in the journal (an incident before it was installed),
+the replay says what it would have done, and only what its ownership rule would allow.
 
 Exit status: 0 a timeline was printed; 1 the journal had nothing about the unit;
 64 a bad argument; 69 journalctl could not be run; 78 the configuration file is invalid.
@@ -204,6 +208,13 @@ line's device (cuda:1) is named as the GPU the unit sees by that number and its 
 Loops without a GPU cause are reported, never acted on. A unit stopped
 by a stop job (an operator's `systemctl stop`) or inactive is never started. With
 `[daemon] dry_run = true` it logs what it would do and does nothing.
+
+It also sees what systemd cannot: an engine dead while its unit lives (the server's own
+fatal lines in the unit's output, such as "EngineCore encountered a fatal error" or "Rank 0
+scheduler is dead", or an exit 0 no stop job asked for), reported as CRITICAL in `gpuguard
+status` and recovered only with the unit's on_engine_dead = "recover"; and the phases of each
+start (weights, CUDA graphs, ready), learned per unit, with a start stuck in one phase past
+its learned budget reported as a WARNING (/usr/share/doc/gpuguard/liveness.md).
 
 History replayed at start rebuilds the detection window but is never acted on; time is the
 journal's monotonic clock, never the wall. A recovery interrupted by its death is resumed
@@ -388,8 +399,9 @@ the drain distribution, a timeout of p99 x 1.5), a KillMode= that leaves workers
 the processes that survived stops, a Restart= policy whose loops the start limit never ends
 (and what a loop costs per hour in model loads, including a refusing gate), the gate missing
 or its timeout above TimeoutStartSec=, GPU sets shared with another watched unit, PATH,
-LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change, and
-nvidia-persistenced not running. Every finding has its evidence and the drop-in lines that
+LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change,
+nvidia-persistenced not running, and GPUs with MIG mode on (gpuguard judges nothing there).
+Every finding has its evidence and the drop-in lines that
 fix it; --fix prints one complete drop-in to save by hand (doctor never changes anything).
 Without --unit every watched unit in the configuration is audited.
 

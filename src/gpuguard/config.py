@@ -130,6 +130,14 @@ class UnitSettings(_Strict):
         "the --name of a `docker run`/`podman run` ExecStart=.",
     )
 
+    on_engine_dead: Literal["report", "recover"] = Field(
+        default="report",
+        description="What the daemon does when the unit's engine is dead while the unit lives "
+        "(a fatal line in its output, or an exit 0 no stop job asked for): report it in status, "
+        "the journal and the metrics, or also recover the unit the usual way (stop, reap, wait "
+        "for idle GPUs, start; with its backoff, dry_run and needs-operator).",
+    )
+
     @field_validator("container")
     @classmethod
     def _container_name(cls, value: str | None) -> str | None:
@@ -227,6 +235,17 @@ class DaemonSettings(_Strict):
         default=True,
         description="Also read the unit's own output for CUDA out-of-memory lines at start "
         "(filtered by journalctl before gpuguard parses anything).",
+    )
+
+    watch_engine_lines: bool = Field(
+        default=True,
+        description="Also read the unit's own output for its server's fatal lines (engine dead "
+        "while the unit lives) and start-phase lines (filtered by journalctl; docs/liveness.md).",
+    )
+    clean_exit_is_death: bool = Field(
+        default=True,
+        description="Count a main-process exit with status 0 that no stop job asked for as a "
+        "dead engine (Restart=on-failure never restarts it).",
     )
 
     def loop(self) -> LoopSettings:

@@ -389,6 +389,91 @@ def scenario_stdout(rec: Recorder) -> list[str]:
     return []
 
 
+CLEAN_EXIT_LOOP = """\
+[Unit]
+Description=SGLang server (gpuguard e2e sample)
+StartLimitIntervalSec=0
+
+[Service]
+ExecStart=/bin/sh -c 'echo "sglang: engine gone, exiting 0"; exit 0'
+Restart=always
+RestartSec=1
+"""
+
+
+def scenario_restart_counter(rec: Recorder) -> list[str]:
+    """(g) The main process exits 0 at once; Restart=always restarts it, no start limit.
+
+    Only systemd's restart counter ("restart counter is at N") tells the loop: every run ends
+    "Deactivated successfully", none fails.
+    """
+    rec.write(UNIT_PATH, CLEAN_EXIT_LOOP)
+    rec.run(["systemctl", "daemon-reload"])
+    rec.run(["systemctl", "start", UNIT])
+    rec.wait_for_message(r"restart counter is at 6\.", timeout=40)
+    rec.run(["systemctl", "stop", UNIT])
+    rec.wait_until("the unit is inactive", lambda: rec.unit_property("ActiveState") == "inactive")
+    return []
+
+
+SERVING = (
+    "ExecStart=/usr/bin/python3 -u -c 'import time; print(\"sglang: serving\"); time.sleep(3600)'\n"
+)
+
+
+def scenario_operator_restart(rec: Recorder) -> list[str]:
+    """(h) An operator's `systemctl restart` twice, then `stop` and `start`: no failure at all."""
+    install_unit(rec, GATE + SERVING)
+    rec.run(["systemctl", "start", UNIT])
+    rec.wait_for_message(r"^sglang: serving$")
+    for count in (2, 3):
+        rec.run(["systemctl", "restart", UNIT])
+        rec.wait_for_message(r"^sglang: serving$", count=count)
+    rec.run(["systemctl", "stop", UNIT])
+    rec.wait_until("the unit is inactive", lambda: rec.unit_property("ActiveState") == "inactive")
+    rec.run(["systemctl", "start", UNIT])
+    rec.wait_for_message(r"^sglang: serving$", count=4)
+    return []
+
+
+EXITING_SERVER = """\
+#!/usr/bin/python3
+# First run: forks a worker (comm "sglang-worker") and exits 0, leaving it (KillMode=process).
+# Later runs fork a worker and serve.
+import ctypes, os, sys, time
+
+first = not os.path.exists("/run/sglang-first-run-done")
+pid = os.fork()
+if pid == 0:
+    ctypes.CDLL(None).prctl(15, b"sglang-worker", 0, 0, 0)  # PR_SET_NAME
+    time.sleep(3600)
+    os._exit(0)
+print(f"sglang: worker {pid} started", flush=True)
+if first:
+    open("/run/sglang-first-run-done", "w").close()
+    print("sglang: main process exits 0, worker stays", flush=True)
+    sys.exit(0)
+time.sleep(3600)
+"""
+
+
+def scenario_left_over_at_start(rec: Recorder) -> list[str]:
+    """(i) KillMode=process, no Restart=: the main process exits 0 and leaves its worker.
+
+    The operator's next `systemctl start` finds it ("Found left-over process ... Ignoring.") and
+    the run comes up: no failure, no scheduled restart.
+    """
+    rec.write("/usr/local/bin/sglang-exiting-server", EXITING_SERVER, mode=0o755)
+    install_unit(rec, "ExecStart=/usr/local/bin/sglang-exiting-server\nKillMode=process\n")
+    rec.run(["systemctl", "start", UNIT])
+    rec.wait_for_message(r"Deactivated successfully")
+    rec.wait_until("the unit is inactive", lambda: rec.unit_property("ActiveState") == "inactive")
+    rec.run(["systemctl", "start", UNIT])
+    rec.wait_for_message(r"Found left-over process")
+    rec.wait_for_message(r"^sglang: worker \d+ started$", count=2)
+    return []
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One recorded sample."""
@@ -407,6 +492,9 @@ SCENARIOS = (
     Scenario("clean-start-stop", scenario_clean),
     Scenario("forged-entries", scenario_forged),
     Scenario("stdout-ansi-long", scenario_stdout, without_all=True),
+    Scenario("restart-counter-clean-exit", scenario_restart_counter),
+    Scenario("operator-restart", scenario_operator_restart),
+    Scenario("left-over-at-start", scenario_left_over_at_start),
 )
 
 # --- what a parser must make of each line ------------------------------------------------------
@@ -627,6 +715,24 @@ def write_readme(release: str, version_line: str, notes: list[tuple[str, list[st
     (SAMPLES / release / "README.md").write_text("".join(parts))
 
 
+def update_readme(release: str, notes: list[tuple[str, list[str]]]) -> None:
+    """Replace (or append) the sections of the scenarios just recorded in an existing README."""
+    path = SAMPLES / release / "README.md"
+    text = path.read_text()
+    for name, steps in notes:
+        section = f"## {name}\n\n{scenario_doc(name)}\n"
+        section += "\nWhat was done (inside the container unless marked, in order):\n\n"
+        section += "".join(_indent(step) for step in steps)
+        pattern = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+        found = pattern.search(text)
+        if found is not None:
+            start, end = found.span()
+            text = (text[:start] + section + "\n" + text[end:]).rstrip("\n") + "\n"
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
 def scenario_doc(name: str) -> str:
     """The scenario's docstring, on one line."""
     for scenario in SCENARIOS:
@@ -660,7 +766,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Container(ensure_rootfs(release)) as box:
             version_line = box.run(["systemctl", "--version"]).stdout.splitlines()[0]
         if args.scenario:
-            LOG.info("%s: README.md not rewritten (only some scenarios recorded)", release)
+            update_readme(release, notes)
+            LOG.info("%s: README.md: only the recorded scenarios' sections rewritten", release)
         else:
             write_readme(release, version_line, notes)
     return 0

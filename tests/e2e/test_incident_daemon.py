@@ -219,8 +219,10 @@ def test_c_explain_tells_the_incident_from_the_journal(daemon_recovery: DaemonRe
     assert any("(python) with signal SIGKILL" in line for line in story["sigkilled"])
     assert doc["gpuguard_seen"]
     assert story["would"] == []
-    tp3 = f"pid={run.tp3} "
-    assert any(tp3 in line and "outcome=" in line for line in story["survivors"]), story
+    tp3 = f"PID {run.tp3}: "
+    assert any(line.startswith(tp3) and "reaped by gpuguard" in line for line in story["survivors"])
+    # The daemon's detector replayed on the same entries reaches each verdict the daemon logged.
+    assert story["disagreements"] == [], story["disagreements"]
     recovered = daemon_events(run.events, "recovery finished")
     if recovered:  # the race of test_c_daemon_alone_detects_and_recovers, lost: a recovery
         assert any(

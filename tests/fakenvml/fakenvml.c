@@ -690,6 +690,8 @@ struct gpu_cfg {
     long long remapped_rows_failure;
     long long ecc_volatile_uncorrected; /* -1: NOT_SUPPORTED (ECC off or absent) */
     long long recovery_action;          /* -1: the field is NOT_SUPPORTED (older driver) */
+    long long mig_mode;                 /* -1: NOT_SUPPORTED (no MIG); 0 disabled; 1 enabled */
+    long long mig_pending;              /* -1: as mig_mode; else the mode after the next reset */
     bool lost;
     bool no_permission;
     bool memory_not_supported;
@@ -727,6 +729,7 @@ static void gpu_defaults(struct gpu_cfg *g, unsigned int index)
     g->pci_device_id = 0x233510DE;    /* device 0x2335 (H200), vendor 0x10DE */
     g->pci_subsystem_id = 0x18D310DE;
     g->retired_pages_pending = -1; /* an H200 remaps rows instead of retiring pages */
+    g->mig_pending = -1;
 }
 
 /* Load gpus.json from $FAKENVML_STATE. NULL when unset, unreadable or malformed. */
@@ -800,6 +803,8 @@ static struct state *load_state(void)
         get_int(&j, item, "remapped_rows_failure", &g->remapped_rows_failure);
         get_int(&j, item, "ecc_volatile_uncorrected", &g->ecc_volatile_uncorrected);
         get_int(&j, item, "recovery_action", &g->recovery_action);
+        get_int(&j, item, "mig_mode", &g->mig_mode);
+        get_int(&j, item, "mig_pending", &g->mig_pending);
         if (g->minor < 0 || g->minor > 0xFFFF) {
             g->minor = st->ngpus - 1;
         }
@@ -1468,9 +1473,12 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode
     if (rc == NVML_SUCCESS) {
         if (currentMode == NULL || pendingMode == NULL) {
             rc = NVML_ERROR_INVALID_ARGUMENT;
+        } else if (g->mig_mode < 0) {
+            rc = NVML_ERROR_NOT_SUPPORTED; /* nvml.h: "device doesn't support MIG mode" */
         } else {
-            *currentMode = 0; /* NVML_DEVICE_MIG_DISABLE */
-            *pendingMode = 0;
+            /* NVML_DEVICE_MIG_DISABLE 0, NVML_DEVICE_MIG_ENABLE 1 */
+            *currentMode = g->mig_mode != 0;
+            *pendingMode = g->mig_pending < 0 ? *currentMode : g->mig_pending != 0;
         }
     }
     free(st);

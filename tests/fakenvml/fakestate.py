@@ -84,6 +84,10 @@ class FakeGpu:
     """-1: NOT_SUPPORTED (ECC off); else the volatile uncorrected count."""
     recovery_action: int = 0
     """-1: the field is NOT_SUPPORTED (older driver); else an nvmlDeviceGpuRecoveryAction_t."""
+    mig_mode: int = 0
+    """nvmlDeviceGetMigMode's current mode: -1 NOT_SUPPORTED (no MIG); 0 disabled; 1 enabled."""
+    mig_pending: int = -1
+    """The pending mode: -1 the same as ``mig_mode``; else 0 or 1 (after the next reset)."""
 
     def to_json(self, index: int) -> dict[str, Any]:
         """The ``gpus.json`` object for this GPU at position ``index`` (all keys explicit)."""
@@ -128,6 +132,8 @@ class GpuChanges(TypedDict, total=False):
     remapped_rows_failure: int
     ecc_volatile_uncorrected: int
     recovery_action: int
+    mig_mode: int
+    mig_pending: int
 
 
 # driver_version is left out unless given: each library then answers its own default

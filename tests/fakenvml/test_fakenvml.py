@@ -682,6 +682,26 @@ def test_health_calls_answer_the_knobs(fake_state: Path, nvml_env: NvmlEnv) -> N
     ]
 
 
+def test_mig_mode_knobs(fake_state: Path, nvml_env: NvmlEnv) -> None:
+    """mig_mode/mig_pending answer [current, pending]; -1 is NOT_SUPPORTED, as a GPU without MIG."""
+    update_gpu(fake_state, 1, mig_mode=1)
+    update_gpu(fake_state, 2, mig_mode=0, mig_pending=1)
+    update_gpu(fake_state, 3, mig_mode=-1)
+    answer = run_py(
+        nvml_env(fake_state),
+        """
+        pynvml.nvmlInit()
+        def mig(i):
+            try:
+                return pynvml.nvmlDeviceGetMigMode(pynvml.nvmlDeviceGetHandleByIndex(i))
+            except pynvml.NVMLError as err:
+                return type(err).__name__
+        out([mig(i) for i in range(4)])
+        """,
+    )
+    assert answer == [[0, 0], [1, 1], [0, 1], "NVMLError_NotSupported"]
+
+
 def test_old_driver_has_no_recovery_action_field(fake_state: Path, nvml_env: NvmlEnv) -> None:
     """A driver older than the recovery action field answers NOT_SUPPORTED in its slot."""
     update_gpu(fake_state, 0, recovery_action=2)

@@ -142,6 +142,22 @@ def test_a_container_the_unit_does_not_name_is_never_stopped(
     assert f"is not {UNIT}'s container sglang" in str(log.lines[0][1]["reason"])
 
 
+def test_a_hex_looking_name_never_stops_a_container_by_id_prefix(
+    engine: FakeEngine, containers: Containers
+) -> None:
+    """The unit names ``cafe``; a tenant's container whose id begins so is not the unit's."""
+    theirs = "cafe" + "b2" * 30
+    holder = containers.run(theirs)
+    engine.containers["tenant"] = (theirs, holder.pid)
+    log = Log()
+    claim = (Claim("cafe", "the unit's container key"),)
+    outcome = gate(f"{containers.gpu.parent}/nvidia*", stopper(engine, log, claim), 0.3)
+    assert not outcome.passed
+    assert engine.stops == []
+    assert holder.poll() is None
+    assert log.events() == ["container not stopped"]
+
+
 def test_the_running_units_live_container_is_kept(
     engine: FakeEngine, containers: Containers
 ) -> None:

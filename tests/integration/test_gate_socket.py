@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -172,6 +173,11 @@ def test_gate_of_a_unit_runs_in_the_server_with_the_units_real_environment(
     journal = server.journal()
     assert f"gate for {unit} from PID " in journal, journal
     assert f"a process of {unit}): accepted" in journal, journal
+    # The root side logs the verdict itself (explain believes only these lines, never the
+    # unit's own output, which can print the same words).
+    said = rf"gate for {re.escape(unit)} from PID \d+: "
+    assert re.search(said + r"gpuguard gate: .*\[GPUs 1,2 \(CUDA_VISIBLE", journal), journal
+    assert re.search(said + r"exit 0$", journal, re.MULTILINE), journal
     runtime = cli.config.parent / "run"
     assert unitenv.recorded(runtime, unit) == {"CUDA_VISIBLE_DEVICES": "1,2"}
     [decision] = json.loads((runtime / "gate" / f"{unit}.json").read_text())
@@ -349,7 +355,7 @@ def test_root_in_a_login_session_is_an_operator(
         )
         assert done.code == 0, done.err
         assert "GPU 0: 0 MiB used" in done.out, done.out
-    assert server.journal().count("reap for sglang.service from PID") == 2
+    assert server.journal().count("): accepted") == 2
 
 
 def test_root_in_a_scope_that_is_no_login_session_is_refused(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pip
 import pytest
+from floods import Flood
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_ENV = ROOT / "packaging/make-env"
@@ -137,11 +138,11 @@ def test_a_wheel_the_hashes_do_not_name_is_refused(tmp_path: Path, pip_wheel: Pa
 def test_upgrade_switches_atomically_and_keeps_what_processes_run_from(
     tmp_path: Path, pip_wheel: Path
 ) -> None:
-    """A running gpuguard keeps importing from its environment; envs in use are not deleted.
+    """A running gpuguard keeps importing from its environment, which is not deleted under it.
 
     The process is /usr/bin/gpuguard (packaging/gpuguard) started through LIB/venv; it imports
-    gpuguard.late only after two upgrades. A second process maps a file of the first environment
-    (as an imported extension module is mapped) and keeps it from being deleted.
+    gpuguard.late only after two upgrades, and maps no file of its environment (pure Python):
+    its lock on the environment, not /proc, keeps it.
     """
     ship(tmp_path, pip_wheel, "1.0")
     make_env(tmp_path)
@@ -150,36 +151,48 @@ def test_upgrade_switches_atomically_and_keeps_what_processes_run_from(
     running = subprocess.Popen(
         [python, "-IB", WRAPPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    blob = next(first.glob("lib/python3*/site-packages/gpuguard/blob.bin"))
-    hold = (
-        f"import mmap, time\nf = open({str(blob)!r}, 'rb')\n"
-        "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\nprint('mapped', flush=True)\n"
-        "time.sleep(300)\n"
-    )
-    mapper = subprocess.Popen(
-        [first / "bin/python", "-I", "-c", hold], stdout=subprocess.PIPE, text=True
-    )
     try:
-        assert mapper.stdout is not None
         assert running.stdout is not None
-        assert mapper.stdout.readline() == "mapped\n"
         assert running.stdout.readline() == "ready\n", "the wrapper pinned its path, waits"
         ship(tmp_path, pip_wheel, "2.0")
         make_env(tmp_path)
         second = (tmp_path / "venv").readlink()
         ship(tmp_path, pip_wheel, "3.0")
         done = make_env(tmp_path)
-        assert f"keeping {first}" in done.stderr, "the mapped first environment stays"
+        assert f"keeping {first}" in done.stderr, "the first environment in use stays"
         third = (tmp_path / "venv").readlink()
         assert environments(tmp_path) == {first.name, Path(second).name, Path(third).name}
         out, _ = running.communicate("\n", timeout=60)
         assert out.strip() == "1.0", "the running process imports from the environment it began in"
     finally:
-        for process in (running, mapper):
-            process.kill()
-            process.communicate()
+        running.kill()
+        running.communicate()
     make_env(tmp_path)  # the same package again: reuses its environment, deletes unused ones
     assert environments(tmp_path) == {Path((tmp_path / "venv").readlink()).name}
+
+
+def test_another_users_mappings_neither_slow_nor_steer_the_cleanup(
+    tmp_path: Path, pip_wheel: Path
+) -> None:
+    """A process that maps a file of an old environment, and maps 20,000 regions, keeps nothing.
+
+    make-env reads no process's maps (a user decides their size, up to 262 MB): an old
+    environment goes unless a gpuguard process holds its lock.
+    """
+    ship(tmp_path, pip_wheel, "1.0")
+    make_env(tmp_path)
+    first = tmp_path / (tmp_path / "venv").readlink()
+    blob = next(first.glob("lib/python3*/site-packages/gpuguard/blob.bin"))
+    flood = Flood("maps", 20_000, blob)
+    try:
+        ship(tmp_path, pip_wheel, "2.0")
+        make_env(tmp_path)
+        ship(tmp_path, pip_wheel, "3.0")
+        done = make_env(tmp_path)
+        assert "keeping" not in done.stderr
+        assert not first.exists()
+    finally:
+        flood.kill()
 
 
 def test_a_half_made_environment_is_made_again(tmp_path: Path, pip_wheel: Path) -> None:

@@ -6,6 +6,7 @@ import json
 import shlex
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,34 @@ class FakeSystemd:
             path = self.bin_dir / name
             path.write_text(f"#!/bin/sh\n{body}")
             path.chmod(0o755)
+
+
+def unit_name() -> str:
+    """A unit name unique to one test (cgroups are shared by the whole machine)."""
+    return f"sglang-{uuid.uuid4().hex[:8]}.service"
+
+
+def gate_in_unit(
+    cli: Cli, cgroups: UnitCgroups, unit: str, *args: str, timeout: float = 60
+) -> CliResult:
+    """Run the gate the way systemd runs ExecStartPre=: as a process inside the unit's cgroup.
+
+    Without a gate server the gate runs in-process after a note about where it runs; the note
+    is not part of its answer and is left out of ``err``.
+    """
+    procs = cgroups.ensure(unit) / "cgroup.procs"
+    command = shlex.join(cli.command("gate", "--unit", unit, *args))
+    done = subprocess.run(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        capture_output=True,
+        text=True,
+        env={**cli.env, "INVOCATION_ID": uuid.uuid4().hex},
+        timeout=timeout,
+        check=False,
+    )
+    err = "".join(
+        line
+        for line in done.stderr.splitlines(keepends=True)
+        if not line.startswith("gpuguard gate: no gate server at ")
+    )
+    return CliResult(done.returncode, done.stdout, err)

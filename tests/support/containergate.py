@@ -125,10 +125,17 @@ class FakeEngine:
                 pass
 
             def do_GET(self) -> None:
-                name = self.path.removeprefix("/containers/").removesuffix("/json")
-                found = engine.containers.get(name)
+                asked = self.path.removeprefix("/containers/").removesuffix("/json")
+                # As dockerd resolves it: the exact name, else a unique id prefix.
+                by_prefix = [
+                    n for n, (cid, _) in engine.containers.items() if cid.startswith(asked)
+                ]
+                name = asked if asked in engine.containers else "".join(by_prefix[:1])
+                found = (
+                    engine.containers.get(name) if len(by_prefix) <= 1 or name == asked else None
+                )
                 if found is None:
-                    self.answer(404, {"message": f"No such container: {name}"})
+                    self.answer(404, {"message": f"No such container: {asked}"})
                     return
                 answer = json.loads(json.dumps(engine.recorded))
                 answer["State"]["Running"] = True

@@ -22,7 +22,7 @@ from builders import gpu, nvml
 from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
 from gpuguard.adapters.systemd import UnitState
 from gpuguard.core.inventory import build_inventory
-from gpuguard.core.values import ProcScan, ReapOutcome, ReapResult
+from gpuguard.core.values import MigMode, ProcScan, ReapOutcome, ReapResult
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -184,6 +184,8 @@ class GpuHost:
     processes: dict[int, Process] = field(default_factory=dict)
     unkillable: set[int] = field(default_factory=set)
     reaped: list[ReapTarget] = field(default_factory=list)
+    mig: frozenset[int] = frozenset()
+    """GPUs with MIG mode on."""
 
     def add(self, process: Process) -> Process:
         """Start ``process`` on its GPUs."""
@@ -212,7 +214,10 @@ class GpuHost:
         return tuple(results)
 
     def _reading(self, index: int) -> GpuReading:
-        return gpu(index, *((p.pid, p.mib) for p in self.processes.values() if index in p.gpus))
+        reading = gpu(index, *((p.pid, p.mib) for p in self.processes.values() if index in p.gpus))
+        if index in self.mig:
+            return replace(reading, mig=MigMode(current=True, pending=True))
+        return reading
 
 
 def _facts(process: Process) -> ProcessFacts:

@@ -78,6 +78,7 @@ def test_the_snapshot_writes_the_documented_fields() -> None:
         "recovery_in_progress",
         "survivors",
         "reset_xids",
+        "liveness",
     }
     assert unit["reset_xids"] == [{"code": 79}]
     assert unit["evidence"] == ["GPU 0: PID 4242 holds 4000 MiB"]

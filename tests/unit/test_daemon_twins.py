@@ -8,18 +8,17 @@ tests/integration/test_daemon.py runs the same scenarios with real processes and
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from daemontwins import GpuHost, Process, Recorder, ReplayFollower, UnitTwin, loop_entries
 
 from gpuguard.adapters import systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
 from gpuguard.daemon.loop import Daemon, Ports
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 UNIT = "sglang.service"
 OLD_INVOCATION = "0" * 32
@@ -44,9 +43,10 @@ def build(
     *,
     dry_run: bool = False,
     gpus: tuple[int | str, ...] | None = None,
+    journal: list[dict[str, object]] | None = None,
 ) -> Harness:
-    """A daemon watching UNIT through a replayed restart loop; it stops after a few idle turns."""
-    entries: list[dict[str, object]] = [dict(e) for e in loop_entries(UNIT)]
+    """A daemon watching UNIT through a replayed restart loop (or ``journal``), a few turns."""
+    entries = [dict(e) for e in (journal or loop_entries(UNIT))]
     settings = Settings(
         units={UNIT: UnitSettings(gpus=gpus)},
         runtime_dir=tmp_path / "run",
@@ -58,7 +58,8 @@ def build(
     newest = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
     newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
     shift = newest_mono + 1.0 - time.monotonic()  # the journal's clock, a second later
-    twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]))
+    invocation = next(e["INVOCATION_ID"] for e in reversed(entries) if "INVOCATION_ID" in e)
+    twin = UnitTwin(invocation=str(invocation))
     recorder = Recorder()
     snapshots: list[dict[str, Any]] = []
     saved: dict[str, dict[str, Any]] = {}
@@ -157,6 +158,23 @@ def test_a_loop_on_idle_gpus_is_only_reported(tmp_path: Path) -> None:
     assert (loop["cause"], loop["action"]) == ("not-gpu-related", "report")
 
 
+def test_stale_workers_on_a_mig_gpu_are_neither_reaped_nor_waited_for(tmp_path: Path) -> None:
+    """MIG on the unit's GPUs: no stop, no reap; the loop is reported, with one line on MIG."""
+    host = GpuHost(mig=frozenset({0, 1}))
+    host.add(Process(501, (0, 1), 30000, f"/system.slice/{UNIT}", OLD_INVOCATION))
+    harness = build(tmp_path, host, gpus=(0, 1))
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert host.reaped == []
+    assert 501 in host.processes
+    assert _events(harness, "restart loop")[0]["action"] == "report"
+    said = _events(harness, "MIG GPUs not judged")
+    assert len(said) == 1
+    assert "MIG mode on GPU 0,1: not judged" in str(said[0]["gpu_set"])
+
+
 def test_a_dry_run_touches_nothing(tmp_path: Path) -> None:
     """The same stale workers under dry_run: the daemon says what it would do, and does not."""
     host = GpuHost()
@@ -181,3 +199,24 @@ def test_the_gpu_host_twin_frees_memory_when_a_holder_is_reaped() -> None:
     assert before.gpus[1].reading.memory.used_bytes == 1000 * 1024 * 1024
     host.processes.clear()
     assert host.gather().holders == ()
+
+
+def test_a_left_over_at_an_operators_start_is_logged_as_a_finding_not_a_loop(
+    tmp_path: Path,
+) -> None:
+    """The recorded left-over at an operator's start: the daemon logs the finding, no loop."""
+    sample = Path(__file__).resolve().parents[1] / "journal_samples/bookworm/left-over-at-start"
+    journal = [json.loads(line) for line in sample.with_suffix(".jsonl").read_text().splitlines()]
+    harness = build(tmp_path, GpuHost(), journal=journal)
+
+    assert harness.daemon.run() == 0
+
+    assert _events(harness, "restart loop") == []
+    assert harness.unit.calls == []
+    found: list[str] = []
+    for fields in _events(harness, "verdict"):
+        said = fields.get("findings")
+        if isinstance(said, list):
+            found += [str(line) for line in said]
+    assert found
+    assert all("a finding, not a loop" in line for line in found)

@@ -157,9 +157,10 @@ def test_survivors_are_named_escaped_and_kill_mode_process_is_critical(release: 
     assert kill.fix[-1] == "KillMode=mixed"
     assert str(by_code(findings, "survivors").advice).startswith("KillMode=mixed")
     mixed = by_code(diagnose(facts(config(), hostile), {}, HOST), "survivors")
-    assert (
-        mixed.advice == "install the gate: its ExecStopPost= reap and its check before each start"
+    assert str(mixed.advice).startswith(
+        "install the gate: its ExecStopPost= reap and its check before each start"
     )
+    assert f"`gpuguard reap --unit {UNIT} --dry-run`" in str(mixed.advice)
     text = render_text({UNIT: findings})
     assert "\x1b" not in text
     (names,) = [line for line in text.splitlines() if "names:" in line]
@@ -287,6 +288,17 @@ def test_persistence_mode_from_nvml_decides_over_the_daemons_presence() -> None:
     assert by_code(diagnose(facts(), {}, on), "persistenced").severity is Severity.OK
 
 
+def test_mig_mode_on_is_a_warning_saying_what_is_not_judged() -> None:
+    """MIG on GPU 0: a warning that gpuguard neither waits on nor reaps from it; none without."""
+    assert not [f for f in diagnose(facts(), {}, HOST) if f.code == "mig"]
+    mig = HostFacts(300.0, nvidia_devices=True, persistenced_running=True, mig_on=(0,))
+    finding = by_code(diagnose(facts(), {}, mig), "mig")
+    assert finding.severity is Severity.WARNING
+    assert finding.title.startswith("MIG mode is on on GPU 0: ")
+    assert "other tenants'" in finding.title
+    assert "neither wait on nor reap from it" in finding.title
+
+
 def test_unknown_when_systemd_cannot_be_asked_and_not_found() -> None:
     """No settings at all: UNKNOWN (exit 3), not a clean bill of health."""
     blind = facts(UnitConfig(UNIT), problems=("systemctl show: Host is down",))
@@ -371,3 +383,31 @@ def test_nothing_held_or_nvml_unknown_says_nothing_about_use() -> None:
     idle = GpuUseFacts(set_indices=frozenset({0}), held=frozenset(), gpu_count=4)
     for use in (idle, None):
         assert not [f for f in diagnose(facts(use=use), {}, HOST) if f.code == "gpu-use"]
+
+
+def test_survivors_the_daemon_swept_outside_the_cgroup_are_a_finding_with_the_command() -> None:
+    """Workers that left the cgroup: systemd names none, the daemon's sweep line makes the finding.
+
+    Only gpuguard.service as root counts: the unit printing the same JSON makes nothing.
+    """
+    base = json.loads(
+        (SAMPLES / "bookworm" / "stop-sigterm-timeout.jsonl").read_text().split("\n")[0]
+    )
+    line = json.dumps(
+        {
+            "event": "survivors of an ended run",
+            "unit": UNIT,
+            "pids": [192, 193],
+            "summary": "reaped 2 survivors of run 0959ecc2 within 1.7 s of its end; GPUs idle",
+        }
+    )
+    daemon = {**base, "MESSAGE": line, "_SYSTEMD_UNIT": "gpuguard.service", "_UID": "0",
+              "_PID": "300", "__CURSOR": "daemon"}  # fmt: skip
+    forged = {**daemon, "_SYSTEMD_UNIT": UNIT, "_UID": "1000", "__CURSOR": "forged"}
+    assert build_history([forged], UNIT).swept == ()
+    history = build_history([daemon, forged], UNIT)
+    assert history.swept == (((192, 193), json.loads(line)["summary"]),)
+    finding = by_code(diagnose(facts(config(), history), {}, HOST), "survivors")
+    assert finding.title.startswith("2 processes survived a stop")
+    assert any("reaped 2 survivors of run 0959ecc2" in e for e in finding.evidence)
+    assert f"`gpuguard reap --unit {UNIT}`" in str(finding.advice)

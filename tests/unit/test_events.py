@@ -469,7 +469,9 @@ def test_every_signature_names_its_server_and_source() -> None:
 def test_ordinary_output_is_not_gpu_oom(line: str) -> None:
     """Ordinary server output (and a differently cased phrase) is not GPU OOM evidence."""
     assert re.search(GPU_OOM_REGEX, line) is None
-    assert parse_entry(output_entry(line), UNIT) is None
+    event = parse_entry(output_entry(line), UNIT)
+    # Phase lines are start-phase events (core.enginelines), never GPU OOM evidence.
+    assert event is None or event.kind is EventKind.START_PHASE
 
 
 FIELD_NAMES = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from builders import gpu
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from gpuguard.adapters.systemd import is_control_process, parse_environment, parse_show
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.unitconfig import shell_words
+from gpuguard.core.values import MigMode
 
 if TYPE_CHECKING:
     from gpuguard.core.values import GpuReading
@@ -160,3 +162,34 @@ def test_a_huge_ordinal_is_no_crash_for_the_gpu_set_either() -> None:
     """5000 digits used to reach int() (ValueError past 4300 digits): now an invalid entry."""
     result = resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": "1," + "9" * 5000}, EIGHT)
     assert result.indices == frozenset({1})
+
+
+def _with_mig(readings: list[GpuReading], *indices: int) -> list[GpuReading]:
+    return [
+        replace(r, mig=MigMode(current=True, pending=True)) if r.index in indices else r
+        for r in readings
+    ]
+
+
+def test_mig_gpus_leave_every_set_and_are_named() -> None:
+    """A MIG-enabled GPU is never judged: "all GPUs" and a configured set both lose it, visibly."""
+    readings = _with_mig(gpus(*["NVIDIA H200"] * 4), 1)
+    everything = resolve_gpu_set(None, None, readings)
+    assert everything.indices == frozenset({0, 2, 3})
+    assert everything.unjudged == frozenset({1})
+    assert "MIG mode on GPU 1: not judged" in everything.describe()
+    configured = resolve_gpu_set((1,), None, readings)
+    assert configured.indices == frozenset()
+    assert configured.describe().startswith("GPUs none (from config); MIG mode on GPU 1")
+    visible = resolve_gpu_set(None, {"CUDA_VISIBLE_DEVICES": "2,3"}, readings)
+    assert visible.indices == frozenset({2, 3})
+    assert visible.unjudged == frozenset()
+
+
+def test_mig_pending_or_unknown_is_still_judged() -> None:
+    """Only MIG mode in effect now exempts a GPU; a pending change or an unknown mode does not."""
+    readings = gpus("NVIDIA H200", "NVIDIA H200")
+    readings[0] = replace(readings[0], mig=MigMode(current=False, pending=True))
+    result = resolve_gpu_set(None, None, readings)
+    assert result.indices is None
+    assert result.unjudged == frozenset()

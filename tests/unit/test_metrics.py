@@ -194,7 +194,7 @@ def test_labels_are_bounded_and_names_follow_the_conventions() -> None:
             tally=tally,
         )
     )
-    allowed = {"gpu", "unit", "state", "result", "reaper", "outcome", "error"}
+    allowed = {"gpu", "unit", "state", "result", "reaper", "outcome", "error", "phase"}
     for name, labels in found:
         assert {key for key, _ in labels} <= allowed, name
         assert not any("4242" in value or "sglang.launch" in value for _, value in labels)
@@ -206,6 +206,8 @@ def test_labels_are_bounded_and_names_follow_the_conventions() -> None:
         "gpuguard_gate_decisions_total",
         "gpuguard_reaped_processes_total",
         "gpuguard_nvml_errors_total",
+        "gpuguard_unit_engine_deaths_total",
+        "gpuguard_unit_stuck_starts_total",
     }
     assert 'gpuguard_reaped_processes_total{outcome="killed",reaper="daemon"} 1.0' in text
 

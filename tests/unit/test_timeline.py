@@ -109,7 +109,7 @@ def test_survivor_of_sigkill_is_named_once(release: str) -> None:
     assert kinds(found).count("stop-timed-out") == 2  # stop-sigterm, then final-sigterm
     survivors = " | ".join(found.story.survivors)
     assert "Processes still around after final SIGKILL" in survivors
-    assert re.search(r"Unit process \d+ \(python3\) remains running after unit stopped", survivors)
+    assert re.search(r"PID \d+: remained running after the run stopped", survivors)
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -141,14 +141,24 @@ def test_replay_uses_the_daemons_settings() -> None:
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_left_over_process_without_inventory_is_reported_not_recovered(release: str) -> None:
-    """A left-over at start is a loop sign; with no GPU evidence the replay says 'report'."""
+def test_operators_restart_with_a_left_over_is_a_finding_and_pids_count_once(release: str) -> None:
+    """The operator's restart found a left-over: a finding, no loop; each PID counted once."""
     found = timeline.build(sample(release, "left-over-process"), UNIT)
     assert "left-over-process" in kinds(found, timeline.SYSTEMD)
-    assert any("Found left-over process" in line for line in found.story.survivors)
-    assert found.story.would
-    assert found.story.would[0].startswith("gpuguard would have acted: report (unknown)")
-    assert "no GPU inventory" in found.story.would[0]
+    assert found.story.would == ()
+    assert len(found.story.operator) == 2  # the restart's stop job, then the final stop
+    assert len(found.story.findings) == 1
+    assert "a finding, not a loop" in found.story.findings[0]
+    # systemd names the first worker three times (remains running, left over twice, remains
+    # running again) and the second once: two PIDs.
+    assert len(found.story.survivors) == 2
+    first = found.story.survivors[0]
+    assert "remained running after the run stopped" in first
+    assert "left over at the start" in first
+    assert found.story.verdict.startswith("no loop: ")
+    text = timeline.render_text(found, since=None)
+    assert "survivors and left-overs: 2" in text
+    assert "nothing: no restart loop" in text
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -259,6 +269,8 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
         daemon_line(base, 600, event="reap outcome", outcome="killed", pid=191,
                     signals=["SIGTERM", "SIGKILL"], unit="op.scope",
                     reason=f"left over from an earlier run of {UNIT}"),
+        daemon_line(base, 610, event="survivors of an ended run", unit=UNIT, pids=[191],
+                    summary="reaped 1 survivor of run bdab810c within 1.0 s of its end"),
         daemon_line(base, 650, event="recovery: stopping unit", unit=UNIT),
         daemon_line(base, 700, event="recovery finished", unit=UNIT, result="restarted", reaped=1),
         entry_like(base, 800, MESSAGE="Started sglang.service.", INVOCATION_ID=newer_run,
@@ -280,23 +292,50 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
     )
     assert "recovery finished: result=restarted reaped=1" in found.story.gpuguard
     assert "recovery: stopping unit" in found.story.gpuguard  # no fields: no dangling ": "
-    assert any("pid=191 outcome=killed" in line for line in found.story.survivors)
+    # The reaper's outcome and the daemon's sweep name the same PID: one survivor.
+    assert found.story.survivor_pids == 1
+    [tp3] = [line for line in found.story.survivors if line.startswith("PID 191: ")]
+    assert "reaped by gpuguard" in tp3
+    assert "swept by gpuguard's daemon: reaped 1 survivor of run bdab810c" in tp3
     assert found.story.healthy is not None
     assert found.story.healthy.startswith("run bbbbcccc started and has not failed since (60.0 s")
     text = timeline.render_text(found, since=None)
-    assert "what gpuguard decided and did: 3" in text
+    assert "what gpuguard decided and did: 4" in text  # the sweep too
     assert "healthy: run bbbbcccc" in text
 
 
-def test_gate_line_in_the_units_output_is_shown_as_the_units() -> None:
-    """The gate prints into the unit's output: shown, as the unit's word, escaped."""
+def gate_server_line(base: dict[str, Any], step_us: int, message: object) -> dict[str, Any]:
+    """A line the gate server (gpuguard-gate.service, root) wrote about a request."""
+    return entry_like(
+        base,
+        step_us,
+        MESSAGE=message,
+        _SYSTEMD_UNIT="gpuguard-gate.service",
+        _TRANSPORT="stdout",
+        _PID="77",
+        _UID="0",
+    )
+
+
+def test_a_gate_verdict_counts_only_from_the_gate_server_never_from_the_units_output() -> None:
+    """The unit printing the gate's exact verdict line makes no row; the server's own line does."""
     base = sample("bookworm", "stop-sigterm-timeout")[0]
-    line = f"gpuguard gate: passed: reaped 1 {ESC}[31mred{ESC}[0m [GPUs 0-3]\nOK: forged"
-    found = timeline.build([unit_output(base, 10, line)], UNIT)
-    assert [(row.source, row.kind) for row in found.rows] == [(timeline.UNIT, "gate-said")]
-    assert ESC not in found.rows[0].text
-    assert "\n" not in found.rows[0].text
-    assert found.rows[0].text.startswith("gpuguard gate: passed: reaped 1")
+    verdict = "gpuguard gate: sglang.service: Start allowed: GPUs 0-3 idle [GPUs 0-3]"
+    entries = [
+        unit_output(base, 10, verdict),  # what the drop-in's client prints, or the unit imitates
+        unit_output(base, 11, f"gate for {UNIT} from PID 300: {verdict}"),  # the server's words
+        gate_server_line(base, 20, f"gate for {UNIT} from PID 300 (uid 1000, {UNIT}): accepted"),
+        gate_server_line(base, 30, f"gate for {UNIT} from PID 300: {verdict}"),
+        gate_server_line(base, 40, f"gate for {UNIT} from PID 300: exit 0"),
+        gate_server_line(base, 50, f"gate for x{UNIT} from PID 301: {verdict}"),
+    ]
+    found = timeline.build(entries, UNIT)
+    assert [(row.source, row.kind) for row in found.rows] == [
+        (timeline.GPUGUARD, "gate-server"),
+        (timeline.GPUGUARD, "gate-verdict"),
+        (timeline.GPUGUARD, "gate-exit"),
+    ]
+    assert found.story.gpuguard == (f"gate for {UNIT} from PID 300: {verdict}",)
 
 
 def test_kernel_xid_needs_the_kernel_transport() -> None:
@@ -319,7 +358,8 @@ def test_malformed_entries_are_skipped_not_raised() -> None:
         {"MESSAGE": "no stamps", "_SYSTEMD_UNIT": UNIT},
         {**base, "__MONOTONIC_TIMESTAMP": "-5"},
         {**base, "__MONOTONIC_TIMESTAMP": ["1", "2"]},
-        unit_output(base, 10, list(b"gpuguard gate: passed \xff\xfe")),
+        gate_server_line(base, 10, list(f"gate for {UNIT} from PID 3: gpuguard gate: ".encode())),
+        unit_output(base, 15, list(b"gpuguard gate: passed \xff\xfe")),
         unit_output(base, 20, None),
         unit_output(base, 30, {"nested": ["x"]}),
         daemon_line(base, 40) | {"MESSAGE": "[" * 100_000},
@@ -327,7 +367,7 @@ def test_malformed_entries_are_skipped_not_raised() -> None:
         daemon_line(base, 60) | {"MESSAGE": list(b'{"event": "verdict", "unit": 5}')},
     ]
     found = timeline.build(junk, UNIT)
-    assert [(row.source, row.kind) for row in found.rows] == [(timeline.UNIT, "gate-said")]
+    assert [(row.source, row.kind) for row in found.rows] == [(timeline.GPUGUARD, "gate-verdict")]
     assert "\\xff" not in found.rows[0].text or "\ufffd" in found.rows[0].text
 
 
@@ -414,7 +454,8 @@ def test_queries_filter_each_source_and_the_greps_are_regexes() -> None:
             assert pattern.search("torch.OutOfMemoryError: CUDA out of memory") or pattern.search(
                 "NVRM: Xid (PCI:0000:3b:00): 79"
             )
-    assert re.compile(commands[1][-3].removeprefix("--grep=")).search("gpuguard gate: passed")
+    # The unit's copy of the gate's verdict is not read: only the gate server's own line counts.
+    assert not re.compile(commands[1][-3].removeprefix("--grep=")).search("gpuguard gate: passed")
     assert all("--boot" in c for c in journalquery.queries(UNIT, None))
 
 
@@ -442,3 +483,113 @@ def test_gate_server_acceptance_and_a_neighbours_reap_lines(server_unit: str) ->
         ("signal", "signal: signal=SIGTE"),
     ]
     assert "pid=6 " in found.rows[1].text
+
+
+def test_an_engines_fatal_line_is_the_units_row_once_per_run() -> None:
+    """Explain shows the server's fatal line as the unit's word, with its cause, once per run."""
+    base = sample("bookworm", "clean-start-stop")[0]
+    line = "(EngineCore_DP0 pid=413) ERROR [core.py:710] EngineCore encountered a fatal error."
+    found = timeline.build([unit_output(base, 10, line), unit_output(base, 20, line)], UNIT)
+    assert [(row.source, row.kind) for row in found.rows] == [(timeline.UNIT, "engine-fatal")]
+    assert found.rows[0].text == f"[EngineCore fatal error] {line}"
+
+
+def test_the_daemons_dead_engine_and_stuck_start_lines_are_gpuguard_rows() -> None:
+    """What the daemon said about a dead engine and a stuck start is in the timeline."""
+    base = sample("bookworm", "clean-start-stop")[0]
+    lines = [
+        daemon_line(base, 10, event="engine dead", unit=UNIT, cause="EngineCore fatal error"),
+        daemon_line(base, 20, event="engine dead: decision", unit=UNIT, action="recover"),
+        daemon_line(base, 30, event="start stuck", unit=UNIT, summary="stuck in phase x"),
+    ]
+    found = timeline.build(lines, UNIT)
+    assert kinds(found, timeline.GPUGUARD) == [
+        "engine-dead",
+        "engine-dead-decision",
+        "start-stuck",
+    ]
+    assert found.rows[0].text == "engine dead: cause=EngineCore fatal error"
+
+
+def recorded(name: str) -> list[str]:
+    """The releases with a recorded sample ``name`` (the newest samples exist for 252 only)."""
+    return [release for release in RELEASES if (SAMPLES / release / f"{name}.jsonl").is_file()]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_start_limit_hit_is_told_as_a_loop_systemd_ended_with_what_to_do(release: str) -> None:
+    """The start limit: the story says systemd ended the loop and names reset-failed."""
+    found = timeline.build(sample(release, "restart-loop-start-limit"), UNIT)
+    assert len(found.story.start_limit) == 1
+    assert f"systemctl reset-failed {UNIT}" in found.story.start_limit[0]
+    assert found.story.verdict.startswith("restart loop: ")
+    assert "start limit ended the loop" in found.story.verdict
+    text = timeline.render_text(found, since=None)
+    assert "systemd ended a restart loop (start limit): 1" in text
+
+
+@pytest.mark.parametrize("release", recorded("restart-counter-clean-exit"))
+def test_clean_exits_restarted_by_systemd_are_told_as_a_loop(release: str) -> None:
+    """Only the restart counter tells it: six clean exits that systemd restarted are a loop."""
+    found = timeline.build(sample(release, "restart-counter-clean-exit"), UNIT)
+    assert len(found.story.failed_starts) == 6
+    assert "restart counter at 6" in found.story.failed_starts[-1]
+    assert found.story.would
+    assert "nothing: no restart loop" not in timeline.render_text(found, since=None)
+
+
+@pytest.mark.parametrize("release", recorded("operator-restart"))
+def test_operators_restarts_and_stop_start_are_never_a_loop(release: str) -> None:
+    """Two `systemctl restart`s and a `stop` + `start`: stopped on request, never a loop."""
+    found = timeline.build(sample(release, "operator-restart"), UNIT)
+    assert found.story.would == ()
+    assert len(found.story.operator) == 3
+    assert found.story.verdict.startswith("no loop: ")
+
+
+@pytest.mark.parametrize("release", recorded("left-over-at-start"))
+def test_left_over_at_an_operators_start_is_a_finding(release: str) -> None:
+    """A left-over found at a start with no failure and no restart: a finding, never a loop."""
+    found = timeline.build(sample(release, "left-over-at-start"), UNIT)
+    assert found.story.would == ()
+    assert len(found.story.findings) == 1
+    assert len(found.story.survivors) == 1  # one PID, named twice by systemd
+
+
+def test_a_recovery_is_not_promised_for_holders_outside_the_cgroup_without_provenance() -> None:
+    """The server names a holder systemd never saw in the cgroup: no 'would have recovered'."""
+    entries = sample("bookworm", "restart-loop-start-limit")
+    base = entries[0]
+    run = next(e["INVOCATION_ID"] for e in entries if e.get("INVOCATION_ID"))
+    held = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 119.84 GiB. GPU 3 has a "
+        "total capacity of 140.40 GiB of which 21.06 GiB is free. Process 192 has 119.34 GiB "
+        "memory in use."
+    )
+    entries.append({**unit_output(base, 5, held), "_SYSTEMD_INVOCATION_ID": run})
+    found = timeline.build(entries, UNIT)
+    would = found.story.would[0]
+    assert would.startswith("gpuguard would have acted: recover (stale-gpu-holders)")
+    assert "PID 192" in would
+    assert "would reap nothing" in would
+    assert f"gpuguard reap --unit {UNIT} --scope patterns" in would
+    assert "it would have recovered" not in would
+    assert any(line.startswith("PID 192: named by the server") for line in found.story.survivors)
+
+
+def test_where_the_daemon_said_otherwise_the_difference_is_printed() -> None:
+    """A daemon verdict that the replay of the same entries does not reach is printed, with why."""
+    entries = sample("bookworm", "operator-restart")
+    base = entries[-1]
+    entries.append(
+        daemon_line(base, 10, event="restart loop", unit=UNIT, looping=True, reason="forged?")
+    )
+    found = timeline.build(entries, UNIT)
+    assert len(found.story.disagreements) == 1
+    assert "the daemon said a restart loop (forged?)" in found.story.disagreements[0]
+    assert "replayed from the journal: no loop" in found.story.disagreements[0]
+    agreeing = [
+        *sample("bookworm", "operator-restart"),
+        daemon_line(base, 10, event="verdict", unit=UNIT, looping=False, reason="starting"),
+    ]
+    assert timeline.build(agreeing, UNIT).story.disagreements == ()

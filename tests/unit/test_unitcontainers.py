@@ -204,13 +204,13 @@ def test_started_during_the_running_invocation_is_live() -> None:
         (
             {
                 "facts": ContainerFacts(
-                    FULL, "g", running=True, pid=4242, unit_label="other.service"
+                    FULL, "ggtest", running=True, pid=4242, unit_label="other.service"
                 )
             },
             "label",
         ),
         (
-            {"facts": ContainerFacts(FULL, "g", running=False, pid=None, unit_label=None)},
+            {"facts": ContainerFacts(FULL, "ggtest", running=False, pid=None, unit_label=None)},
             "not running",
         ),
         ({"init_container": "docker:ffffffffffff"}, "not in its cgroup"),
@@ -223,6 +223,23 @@ def test_anything_unconfirmed_is_kept(changes: dict[str, object], why: str) -> N
     verdict = judge(UNIT, evidence(**changes))
     assert not verdict.stop
     assert why in verdict.reason
+
+
+def test_a_hex_looking_claim_never_matches_a_container_by_id_prefix() -> None:
+    """The engine answers ``cafe`` with the container whose id starts so: its Name must match."""
+    other = "cafe" + FULL[4:]
+    verdict = judge(
+        UNIT,
+        evidence(
+            short_id=other[:12],
+            claim=Claim("cafe", "the unit's container key"),
+            facts=ContainerFacts(other, "tenant-job", running=True, pid=4242, unit_label=None),
+            init_container=f"docker:{other[:12]}",
+        ),
+    )
+    assert not verdict.stop
+    assert not verdict.owned
+    assert "the container named tenant-job (an id prefix, not its name)" in verdict.reason
 
 
 def test_a_label_naming_the_unit_itself_is_no_veto() -> None:
@@ -257,7 +274,11 @@ def test_recorded_podman_compat_inspect() -> None:
     answer = json.loads((SAMPLES / "podman-4.3-compat-inspect-created.json").read_text())
     facts = parse_inspect(answer)
     assert facts == ContainerFacts(answer["Id"], "ggp", running=False, pid=None, unit_label=None)
-    verdict = judge(UNIT, evidence(engine=Engine.PODMAN, short_id=answer["Id"][:12], facts=facts))
+    claim = Claim("ggp", "the unit's container key")
+    verdict = judge(
+        UNIT,
+        evidence(engine=Engine.PODMAN, short_id=answer["Id"][:12], claim=claim, facts=facts),
+    )
     assert not verdict.stop
     assert "not running" in verdict.reason
 
@@ -290,9 +311,12 @@ def test_an_unconfirmed_container_is_nobodys() -> None:
 
 
 def test_the_name_is_the_claimed_checked_one() -> None:
-    """The engine's Name field is foreign text; the name shown is the claim it was asked by."""
+    """The engine's Name is foreign text: one that is not the claim confirms nothing, escaped."""
     facts = ContainerFacts(FULL, "other\nname", running=True, pid=4242, unit_label=None)
-    assert judge(UNIT, evidence(facts=facts)).name == "ggtest"
+    verdict = judge(UNIT, evidence(facts=facts))
+    assert verdict.name is None
+    assert "\n" not in verdict.reason
+    assert judge(UNIT, evidence()).name == "ggtest"
 
 
 @pytest.mark.parametrize(

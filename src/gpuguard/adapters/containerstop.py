@@ -129,8 +129,8 @@ class ContainerJudge:
         first: tuple[Claim | None, ContainerFacts | None] = (None, None)
         for claim in names:
             facts = parse_inspect(client.inspect(claim.name))
-            if facts is None:
-                continue
+            if facts is None or facts.name != claim.name:
+                continue  # none, or another container whose id begins with the claimed name
             if facts.id[:12] == short_id:
                 return claim, facts
             if first[1] is None:

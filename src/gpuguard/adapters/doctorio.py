@@ -19,13 +19,24 @@ import pwd
 import stat
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.adapters import programs, systemd
-from gpuguard.core.doctor import GpuUseFacts, History, HostFacts, PathFact, UnitFacts, build_history
+from gpuguard.core.doctor import (
+    DAEMON_UNIT,
+    SWEEP_EVENT,
+    GpuUseFacts,
+    History,
+    HostFacts,
+    PathFact,
+    UnitFacts,
+    build_history,
+)
 from gpuguard.core.events import FIELDS_READ
 from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.mig import mig_indices
 from gpuguard.core.unitconfig import (
     ENV_FILE_MAX_BYTES,
     PROPERTIES,
@@ -93,12 +104,36 @@ def history(unit: str) -> tuple[History, str | None]:
     )
     if out is None:
         return History(), problem
+    # The daemon's sweeps of an ended run's survivors: the workers that left the unit's cgroup,
+    # which systemd never names (trust is judged again on _SYSTEMD_UNIT and _UID).
+    swept, _ = _run(
+        [
+            "journalctl",
+            "--output=json",
+            "--no-pager",
+            "--quiet",
+            f"--output-fields={','.join(FIELDS_READ)}",
+            f"--since=@{since:.0f}",
+            f"--lines={JOURNAL_MAX_ENTRIES}",
+            f"--grep={SWEEP_EVENT}",
+            "--case-sensitive=yes",
+            f"_SYSTEMD_UNIT={DAEMON_UNIT}",
+            "_UID=0",
+        ]
+    )
     entries: list[dict[str, object]] = []
-    for line in out.splitlines():
+    cursors: set[str] = set()
+    for line in [*out.splitlines(), *(swept or "").splitlines()]:
         with contextlib.suppress(ValueError, RecursionError):
             entry = json.loads(line)
-            if isinstance(entry, dict):
-                entries.append(entry)
+            if not isinstance(entry, dict):
+                continue
+            cursor = entry.get("__CURSOR")
+            if isinstance(cursor, str):
+                if cursor in cursors:
+                    continue  # an entry both queries match counts once
+                cursors.add(cursor)
+            entries.append(entry)
     return build_history(entries, unit), None
 
 
@@ -188,7 +223,9 @@ def gpu_use(
         if holder.attribution.unit == unit and not holder.attribution.user_unit
         for use in holder.gpus
     )
-    indices = resolve_gpu_set(configured, environment, gpus).indices
+    # The set as configured: a MIG GPU it leaves out (core/mig.py) is not "outside the set".
+    unmasked = [replace(gpu, mig=None) for gpu in gpus]
+    indices = resolve_gpu_set(configured, environment, unmasked).indices
     return GpuUseFacts(set_indices=indices, held=held, gpu_count=len(gpus))
 
 
@@ -207,6 +244,9 @@ def _uid(user: str | None) -> int | None:
 def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
     """GPUs present, persistence mode per GPU (NVML) or nvidia-persistenced, the gate's timeout."""
     off: tuple[int, ...] | None = None
+    mig: tuple[int, ...] = ()
+    if now is not None:
+        mig = tuple(sorted(mig_indices(now.nvml.gpus)))
     if now is not None and now.nvml.health is NvmlHealth.OK:
         modes = {gpu.index: gpu.persistence_mode for gpu in now.nvml.gpus}
         if modes and None not in modes.values():
@@ -216,6 +256,7 @@ def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
         nvidia_devices=Path("/dev/nvidiactl").exists(),
         persistenced_running=_process_running("nvidia-persiste"),  # comm is cut to 15 chars
         persistence_off=off,
+        mig_on=mig,
     )
 
 

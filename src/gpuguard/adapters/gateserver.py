@@ -75,6 +75,10 @@ REQUEST_LIMIT_S = 3700.0
 ACCEPT_BACKOFF_S = (0.05, 2.0)
 #: /proc/PID/cgroup is one line on cgroup v2; more than this is no cgroup path to trust.
 MAX_CGROUP_BYTES = 8192
+#: What the server copies into its own journal of the lines a request sends the client's
+#: standard error (the gate's verdict, the reaper's signals): per request, and per line.
+JOURNAL_LINES = 200
+JOURNAL_LINE_CHARS = 2048
 #: sd_listen_fds(3): the first passed descriptor.
 LISTEN_FDS_START = 3
 #: At most one line a second about turned-away connections: a flood must not flood the journal
@@ -482,10 +486,13 @@ class _Frames(io.RawIOBase):
     is recorded, the output is dropped.
     """
 
-    def __init__(self, conn: socket.socket, fd: int) -> None:
+    def __init__(
+        self, conn: socket.socket, fd: int, copy: Callable[[str], None] | None = None
+    ) -> None:
         super().__init__()
         self._conn = conn
         self._fd = fd
+        self._copy = copy
         self._pending = b""
         self._gone = False
 
@@ -507,18 +514,23 @@ class _Frames(io.RawIOBase):
             self._pending = b""
 
     def _send(self, line: bytes) -> None:
+        text = line.decode("utf-8", "backslashreplace")
+        if self._copy is not None:
+            self._copy(text)  # the journal gets it even when the client has gone
         if self._gone:
             return
         try:
-            self._conn.sendall(frame_text(self._fd, line.decode("utf-8", "backslashreplace")))
+            self._conn.sendall(frame_text(self._fd, text))
         except OSError:
             self._gone = True
 
 
 @contextlib.contextmanager
-def _stream(conn: socket.socket, fd: int) -> Iterator[TextIO]:
+def _stream(
+    conn: socket.socket, fd: int, copy: Callable[[str], None] | None = None
+) -> Iterator[TextIO]:
     """A text stream over _Frames, flushed line by line and finished at the end."""
-    frames = _Frames(conn, fd)
+    frames = _Frames(conn, fd, copy)
     text = io.TextIOWrapper(
         io.BufferedWriter(frames), encoding="utf-8", errors="backslashreplace", line_buffering=True
     )
@@ -537,11 +549,16 @@ def serve(
     watched: Callable[[str], bool],
     proc_root: Path = PROC,
 ) -> int:
-    """Answer the one request on ``conn``; log one line about it to ``log`` (the journal).
+    """Answer the one request on ``conn``; log what it decided to ``log`` (the journal).
 
     ``handle`` does the work, writing to the two streams it is given; its return value is the
-    verdict. Returns the verdict too (the instance's own exit status). ``watched`` says whether
-    gpuguard watches a unit: only a watched unit's own processes (and operators) are served.
+    verdict. Returns the verdict too (the instance's own exit status). Every line ``handle``
+    sends the client's standard error (the gate's verdict, the reaper's signals) is also
+    written to ``log``, behind "<command> for <unit> from PID <pid>: ", and the exit status
+    last: the unit's own output can print the same words, but only these lines carry the
+    journal's trusted fields of gpuguard-gate.service as root (``explain`` shows only them).
+    ``watched`` says whether gpuguard watches a unit: only a watched unit's own processes (and
+    operators) are served.
     """
     signal.alarm(UNAUTHORIZED_LIMIT_S)
     try:
@@ -560,13 +577,15 @@ def serve(
     answered = threading.Event()
     watcher = threading.Thread(target=_end_with_the_client, args=(conn, log, answered), daemon=True)
     watcher.start()
-    with _stream(conn, 1) as out, _stream(conn, 2) as errors:
+    said = _JournalCopy(log, f"{request.command} for {request.unit} from PID {caller.pid}: ")
+    with _stream(conn, 1) as out, _stream(conn, 2, said.line) as errors:
         try:
             code = handle(request, caller, out, errors)
         except Exception:  # noqa: BLE001 - the client must get a verdict, the journal the trace
             traceback.print_exc(file=log)
             errors.write(f"gpuguard {request.command}: the gate server failed (see its journal)\n")
             code = 1
+    said.line(f"exit {code}", last=True)
     answered.set()
     with contextlib.suppress(OSError):
         conn.sendall(frame_exit(code))
@@ -594,6 +613,26 @@ def _admit(
     if refused is not None:
         return _answer(conn, log, f"gpuguard {request.command}: {refused}", 1)
     return request, caller
+
+
+class _JournalCopy:
+    """The root side's own record of a request's verdict: its lines, bounded, into the journal."""
+
+    def __init__(self, log: TextIO, prefix: str) -> None:
+        self._log = log
+        self._prefix = prefix
+        self._left = JOURNAL_LINES
+
+    def line(self, text: str, *, last: bool = False) -> None:
+        """Log one line (escaped and cut); past JOURNAL_LINES, one note and then only the last."""
+        if not last:
+            if self._left <= 0:
+                return
+            self._left -= 1
+            if self._left == 0:
+                text = f"(further lines not logged, at most {JOURNAL_LINES}) {text}"
+        self._log.write(self._prefix + escape(text, JOURNAL_LINE_CHARS) + "\n")
+        self._log.flush()
 
 
 def _end_with_the_client(conn: socket.socket, log: TextIO, done: threading.Event) -> None:

@@ -31,15 +31,17 @@ def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
     if reading is None:
         reading = nvml.read_gpus(settings.nvml_timeout_s, settings.nvml_library)
     scan = procfs.scan_device_holders(settings.device_glob)
-    found = {facts.identity.pid for facts in scan.processes}
+    # A process a budget cut short that showed no device file was only named: read it in full
+    # when NVML lists it.
+    found = {f.identity.pid for f in scan.processes if f.device_files or f.partial is None}
     listed = {p.pid for gpu in reading.gpus for p in gpu.processes} - found
     if listed:
         extra = procfs.read_listed(listed, settings.device_glob)
+        again = {facts.identity.pid for facts in extra.processes}
+        kept = (facts for facts in scan.processes if facts.identity.pid not in again)
         scan = replace(
             scan,
-            processes=tuple(
-                sorted((*scan.processes, *extra.processes), key=lambda f: f.identity.pid)
-            ),
+            processes=tuple(sorted((*kept, *extra.processes), key=lambda f: f.identity.pid)),
             hidden=extra.hidden,
         )
     threshold = settings.idle_threshold_mib * MIB

@@ -26,6 +26,7 @@ from gpuguard.core.values import (
     GpuMemory,
     GpuReading,
     MemoryApi,
+    MigMode,
     NvmlHealth,
     NvmlProcess,
     NvmlReading,
@@ -90,6 +91,7 @@ _INSUFFICIENT_SIZE = 7
 _UNCORRECTED = 1
 _VOLATILE = 0
 _FI_GPU_RECOVERY_ACTION = 230
+_MIG_ENABLE = 1  # nvml.h NVML_DEVICE_MIG_ENABLE
 _RECOVERY_ACTIONS = (
     RecoveryAction.NONE,
     RecoveryAction.GPU_RESET,
@@ -379,6 +381,7 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
         lost=lost,
         health=health,
         persistence_mode=_enabled(_optional(nvml, nvml.nvmlDeviceGetPersistenceMode, handle)),
+        mig=_mig_mode(nvml, handle),
     )
     if lost:
         reading = _mark_lost(reading)
@@ -496,6 +499,21 @@ def _with_retries(
             if err.value != _INSUFFICIENT_SIZE:
                 raise
     return call(handle)
+
+
+def _mig_mode(nvml: ModuleType, handle: object) -> MigMode | None:
+    """MIG mode, current and pending; off on a GPU or driver without MIG; None when unknown.
+
+    nvml.h: NOT_SUPPORTED "if device doesn't support MIG mode" (every GPU before Ampere, and
+    the Ampere-or-later ones without MIG); a driver older than MIG lacks the symbol.
+    """
+    try:
+        current, pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError as err:
+        if err.value in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+            return MigMode(current=False, pending=False)
+        return None
+    return MigMode(current=int(current) == _MIG_ENABLE, pending=int(pending) == _MIG_ENABLE)
 
 
 def _pci_bus_id(nvml: ModuleType, handle: object) -> str | None:

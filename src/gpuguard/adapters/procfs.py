@@ -21,6 +21,16 @@ the wall clock; psutil has no cgroup, no kernel-thread flag, no filesystem uid, 
 environment whole with the last repeated name winning, decodes command lines into strings that
 cannot be printed, and walks every process to find one's children. It gives the boot time.
 
+Every read has a budget (``ScanBudget``, docs/security.md "Budgets of the /proc walk"): how
+many descriptors of one process and of the whole scan are read, how many bytes of one ``maps``,
+how many processes and how many seconds one scan takes. Any user may open millions of
+descriptors or map 64,000 regions with 4 KiB paths, and an unbounded walk then takes seconds
+and hundreds of MB. A process a budget cut short is returned with ``partial`` naming the budget,
+never as one that holds nothing; processes a scan did not reach are counted in
+``ProcScan.not_visited``. The full walk reads processes in order of their descriptor count
+(``stat`` of ``/proc/PID/fd`` gives it in one call since Linux 6.2, 0 before), so a flood
+spends only what is left after every ordinary process was read.
+
 ``device_glob`` is an absolute fnmatch pattern compared with readlink targets and mapped paths
 (``*`` also matches ``/``, so ``/dev/nvidia*`` covers ``/dev/nvidia-caps/nvidia-cap1``).
 ``proc_root`` is a parameter everywhere so tests can point it at a fake tree.
@@ -37,6 +47,7 @@ import fnmatch
 import os
 import pwd
 import re
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -62,6 +73,45 @@ _INVOCATION_KEY = b"INVOCATION_ID="
 # limit): only this much is read. An INVOCATION_ID beyond it is not found, which only ever
 # spares a process.
 ENVIRON_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ScanBudget:
+    """How much of /proc one walk may read (docs/security.md, "Budgets of the /proc walk").
+
+    Defaults: 16,384 descriptors of one process and 32,768 in all (at 1.1 to 6 us a descriptor,
+    0.04 to 0.2 s: every descriptor of an ordinary host), 8 MiB of one ``maps`` (65,530 mappings,
+    the kernel's default ``vm.max_map_count``, at 128 bytes a line), 65,536 processes and 2 s
+    per scan.
+    """
+
+    fds_per_process: int = 16_384
+    fds_per_scan: int = 32_768
+    maps_bytes: int = 8 << 20
+    processes: int = 65_536
+    seconds: float = 2.0
+
+
+DEFAULT_BUDGET = ScanBudget()
+
+
+class _Spend:
+    """What is left of one scan's budget (descriptors, time), charged as the walk reads."""
+
+    __slots__ = ("budget", "deadline", "fds_left")
+
+    def __init__(self, budget: ScanBudget) -> None:
+        self.budget = budget
+        self.fds_left = budget.fds_per_scan
+        self.deadline = time.monotonic() + budget.seconds
+
+    def fds_allowed(self) -> int:
+        """How many descriptors the next process may have read."""
+        return max(0, min(self.budget.fds_per_process, self.fds_left))
+
+    def expired(self) -> bool:
+        """Whether the scan's time is spent: no further process is read."""
+        return time.monotonic() >= self.deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,60 +197,131 @@ def _read(path: str, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def _fd_devices(base: str, matcher: _DeviceMatcher) -> list[str] | None:
-    """Return the device files among a process's open fds; None when they cannot be read.
+def _fd_devices(
+    base: str, matcher: _DeviceMatcher, spend: _Spend
+) -> tuple[list[str] | None, str | None]:
+    """The device files among a process's open fds, and why the list is partial.
 
+    The list is None when the fds cannot be read; the reason None when every one was read.
     The fd directory is opened once and each link read relative to it (readlinkat), which
-    spares the kernel a full path walk per fd: about 15% of the whole scan.
+    spares the kernel a full path walk per fd: about 15% of the whole scan. It is read lazily
+    (``scandir``): a listing of 10 M entries would itself cost 600 MB. At most
+    ``spend.fds_allowed()`` links are read; the rest of a larger table stays unknown.
     """
     try:
         dir_fd = os.open(base + "/fd", _DIR_FLAGS)
     except _VANISHED:
-        return []
+        return [], None
     except OSError:
-        return None
+        return None, None
+    allowed = spend.fds_allowed()
+    read = 0
+    try:
+        # The kernel's count (Linux >= 6.2; 0 before): a table too large is not read at all,
+        # which leaves its mappings (read next) as the cheap check for device files.
+        count = os.fstat(dir_fd).st_size
+        if count > allowed:
+            return [], _fds_partial(spend, count)
+        found, read, cut = _walk_fds(dir_fd, matcher, allowed)
+    except _VANISHED:
+        return [], None
+    except OSError:
+        return None, None
+    finally:
+        spend.fds_left -= read
+        os.close(dir_fd)
+    return found, _fds_partial(spend, None) if cut else None
+
+
+def _walk_fds(dir_fd: int, matcher: _DeviceMatcher, allowed: int) -> tuple[list[str], int, bool]:
+    """Readlink at most ``allowed`` fds: the device files, how many were read, whether cut."""
     prefix = matcher.prefix
     found: list[str] = []
     readlink = os.readlink
-    try:
-        for name in os.listdir(dir_fd):
+    read = 0
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if read >= allowed:
+                return found, read, True
+            read += 1
             try:
-                target = readlink(name, dir_fd=dir_fd)
+                target = readlink(entry.name, dir_fd=dir_fd)
             except OSError:
-                continue  # closed since listdir (ENOENT) or the process exited
+                continue  # closed since it was listed (ENOENT) or the process exited
             if target.startswith(prefix):
                 target = target.removesuffix(_DELETED)
                 if matcher.matches(target):
                     found.append(target)
-    except _VANISHED:
-        return []
-    except OSError:
-        return None
-    finally:
-        os.close(dir_fd)
-    return found
+    return found, read, False
 
 
-def _read_maps(base: str) -> bytes | None:
-    """Read ``base/maps``; None when we may not, empty when it vanished or has no address space."""
+def _fds_partial(spend: _Spend, count: int | None) -> str:
+    """Which descriptor budget stopped the read of a process's fds (``count``: its size)."""
+    if spend.fds_left < spend.budget.fds_per_process:
+        return f"the scan's budget of {spend.budget.fds_per_scan:,} descriptors was spent"
+    if count is None:
+        return f"more than {spend.budget.fds_per_process:,} open descriptors"
+    return f"{count:,} open descriptors, more than the {spend.budget.fds_per_process:,} read"
+
+
+def _mapped_devices(
+    base: str, matcher: _DeviceMatcher, limit: int
+) -> tuple[list[str] | None, str | None, bool]:
+    """The device files named in ``base/maps``, why the list is partial, whether maps was empty.
+
+    The list is None when we may not read it, the reason None when the whole file was read;
+    empty means no address space, or the process vanished. Read in chunks and searched as it
+    arrives, at most ``limit`` bytes: a process decides the
+    size of its maps (64,000 mappings of a file with a 4 KiB path make 262 MB), and a huge one
+    is itself worth naming. Each line is ``address perms offset dev inode pathname``; the path
+    is the 6th column and may hold spaces. Linear: each byte is looked at a bounded number of
+    times, and a line cut by a chunk's end is carried into the next.
+    """
     try:
-        return _read(base + "/maps")
+        fd = os.open(base + "/maps", _READ_FLAGS)
     except _VANISHED:
-        return b""
+        return [], None, True
     except OSError:
-        return None
-
-
-def _mapped_devices(maps: bytes, matcher: _DeviceMatcher) -> list[str]:
-    """Return the device files named in a process's ``maps``."""
+        return None, None, False
     prefix = matcher.prefix_bytes
-    if prefix not in maps:
-        return []
     found: list[str] = []
-    for line in maps.split(b"\n"):
+    carry = b""
+    size = 0
+    try:
+        while True:
+            chunk = os.read(fd, _CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                return found, f"a maps file larger than {_kib(limit)}", False
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1
+            carry = data[cut:]
+            if prefix in data[:cut]:
+                found.extend(_device_lines(data[:cut], prefix, matcher))
+    except _VANISHED:
+        return [], None, True
+    except OSError:
+        return None, None, False
+    finally:
+        os.close(fd)
+    if carry and prefix in carry:
+        found.extend(_device_lines(carry, prefix, matcher))
+    return found, None, size == 0
+
+
+def _kib(size: int) -> str:
+    """A budget in bytes for people: MiB when whole, else KiB."""
+    return f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
+
+
+def _device_lines(lines: bytes, prefix: bytes, matcher: _DeviceMatcher) -> list[str]:
+    """The device paths of whole ``maps`` lines that contain ``prefix``."""
+    found: list[str] = []
+    for line in lines.split(b"\n"):
         if prefix not in line:
             continue
-        # address perms offset dev inode pathname: the path is the 6th column, may hold spaces.
         columns = line.split(None, 5)
         if len(columns) == 6:
             path = os.fsdecode(columns[5]).removesuffix(_DELETED)
@@ -231,19 +352,33 @@ def _live_thread(base: str) -> str | None:
     return None
 
 
-def _device_files(base: str, matcher: _DeviceMatcher) -> tuple[list[str], bool]:
-    """Return the device files a process holds (fds, then mappings), and whether both could be read.
+@dataclass(frozen=True, slots=True)
+class _Files:
+    """What the fd and maps reads of one process found."""
+
+    devices: list[str]
+    readable: bool
+    partial: str | None
+
+
+def _device_files(base: str, matcher: _DeviceMatcher, spend: _Spend) -> _Files:
+    """The device files a process holds (fds, then mappings), and how complete that answer is.
 
     A process without an address space (empty ``maps``) is a kernel thread, a zombie, or a
     process whose main thread exited before the others: for the last its files are read through
     a live thread. The extra look costs one ``stat`` for each process without an address space.
     """
-    fds = _fd_devices(base, matcher)
-    maps = _read_maps(base)
-    if maps == b"" and not fds and (thread := _live_thread(base)) is not None:
-        fds, maps = _fd_devices(thread, matcher), _read_maps(thread)
-    found = (fds or []) + ([] if maps is None else _mapped_devices(maps, matcher))
-    return found, fds is not None and maps is not None
+    fds, fds_partial = _fd_devices(base, matcher, spend)
+    maps, maps_partial, empty = _mapped_devices(base, matcher, spend.budget.maps_bytes)
+    if empty and not fds and (thread := _live_thread(base)) is not None:
+        fds, fds_partial = _fd_devices(thread, matcher, spend)
+        maps, maps_partial, _empty = _mapped_devices(thread, matcher, spend.budget.maps_bytes)
+    reasons = [reason for reason in (fds_partial, maps_partial) if reason is not None]
+    return _Files(
+        devices=(fds or []) + (maps or []),
+        readable=fds is not None and maps is not None,
+        partial="; ".join(reasons) if reasons else None,
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -317,6 +452,38 @@ def _read_optional(path: str, limit: int | None = None) -> bytes | None:
         return None
 
 
+def _named(pid: int, base: str, partial: str) -> ProcessFacts | None:
+    """Who a process a budget cut short is (stat and status only), to name it; None if gone.
+
+    Its part read showed no device file, so nothing is decided about it: its command line and
+    environment (up to 2 MiB and 1 MiB, the process's to choose) are not read, so that a flood
+    of such processes costs a few small reads each. One NVML lists is read in full afterwards
+    (read_listed).
+    """
+    stat = _read_stat(base)
+    try:
+        uids = parse_uids(_read_optional(base + "/status") or b"")
+        uid = uids[0] if uids else os.stat(base).st_uid
+    except _VANISHED:
+        return None
+    again = _read_stat(base)
+    if stat is None or again is None or again.start_time != stat.start_time:
+        return None
+    return ProcessFacts(
+        identity=ProcessIdentity(pid=pid, start_time=stat.start_time),
+        ppid=stat.ppid,
+        state=stat.state,
+        comm=stat.comm,
+        cmdline=(),
+        uid=uid,
+        uids=uids,
+        user=_user_name(uid),
+        cgroup=None,
+        kernel_thread=stat.kernel_thread,
+        partial=partial,
+    )
+
+
 def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
     """Build the full facts of one process; None when it vanished or its PID was reused."""
     stat = _read_stat(base)
@@ -385,46 +552,76 @@ def _is_kernel_thread(base: str) -> bool:
     return stat is not None and stat.kernel_thread
 
 
-def _read_process(pid: int, root: str, matcher: _DeviceMatcher) -> tuple[ProcessFacts | None, bool]:
+def _read_process(
+    pid: int, root: str, matcher: _DeviceMatcher, spend: _Spend
+) -> tuple[ProcessFacts | None, bool]:
     """Read one process with its device files; also say whether its fds and maps were readable."""
     base = f"{root}/{pid}"
-    devices, readable = _device_files(base, matcher)
-    facts = _facts(pid, base, frozenset(devices))
-    return facts, readable or (facts is not None and facts.kernel_thread)
+    files = _device_files(base, matcher, spend)
+    facts = _facts(pid, base, frozenset(files.devices))
+    if facts is not None and files.partial is not None:
+        facts = replace(facts, partial=files.partial)
+    return facts, files.readable or (facts is not None and facts.kernel_thread)
 
 
-def read_process(pid: int, device_glob: str, *, proc_root: Path = PROC) -> ProcessFacts | None:
+def read_process(
+    pid: int, device_glob: str, *, proc_root: Path = PROC, budget: ScanBudget = DEFAULT_BUDGET
+) -> ProcessFacts | None:
     """Return what /proc says about ``pid`` and which ``device_glob`` files it holds.
 
     None when the process does not exist (or vanished while we read it). Device files that
     could not be read (another user's process, without root) are simply missing.
     """
-    facts, _readable = _read_process(pid, os.fspath(proc_root), _DeviceMatcher(device_glob))
+    matcher = _DeviceMatcher(device_glob)
+    facts, _readable = _read_process(pid, os.fspath(proc_root), matcher, _Spend(budget))
     return facts
 
 
-def scan_device_holders(device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+def _fd_count(root: str, pid: int) -> int:
+    """How many descriptors ``pid`` has open, from one ``stat`` (0 when the kernel does not say)."""
+    try:
+        return os.stat(f"{root}/{pid}/fd").st_size
+    except OSError:
+        return 0
+
+
+def scan_device_holders(
+    device_glob: str, *, proc_root: Path = PROC, budget: ScanBudget = DEFAULT_BUDGET
+) -> ProcScan:
     """Walk every process and return those holding a file that matches ``device_glob``.
 
-    ``unreadable`` counts processes (not kernel threads) whose fds or maps we may not read.
+    ``unreadable`` counts processes (not kernel threads) whose fds or maps we may not read. A
+    process a budget cut short is returned whether or not the part read shows a device file,
+    with ``partial`` saying why (one that shows none is only named: see ``_named``); the
+    processes past the budget's count or time are counted in ``not_visited``. Fewest
+    descriptors first: a flood is read last, with what is left.
     """
     matcher = _DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
+    spend = _Spend(budget)
+    pids = [int(name) for name in os.listdir(root) if name.isdecimal()]
+    visit = sorted(pids[: budget.processes], key=lambda pid: (_fd_count(root, pid), pid))
+    not_visited = len(pids) - len(visit)
     found: list[ProcessFacts] = []
     unreadable = 0
-    for name in os.listdir(root):
-        if not name.isdecimal():
-            continue
-        base = f"{root}/{name}"
-        devices, readable = _device_files(base, matcher)
-        if not readable and not _is_kernel_thread(base):
+    for index, pid in enumerate(visit):
+        if spend.expired():
+            not_visited += len(visit) - index
+            break
+        base = f"{root}/{pid}"
+        files = _device_files(base, matcher, spend)
+        if not files.readable and not _is_kernel_thread(base):
             unreadable += 1
-        if devices:
-            facts = _facts(int(name), base, frozenset(devices))
+        if files.devices:
+            facts = _facts(pid, base, frozenset(files.devices))
             if facts is not None:
-                found.append(facts)
+                found.append(replace(facts, partial=files.partial))
+        elif files.partial is not None and (named := _named(pid, base, files.partial)):
+            found.append(named)
     found.sort(key=lambda facts: facts.identity.pid)
-    return ProcScan(processes=tuple(found), unreadable=unreadable, method="full")
+    return ProcScan(
+        processes=tuple(found), unreadable=unreadable, method="full", not_visited=not_visited
+    )
 
 
 class _ChildrenUnsupportedError(Exception):
@@ -463,15 +660,23 @@ def _children_by_ppid(root: str) -> dict[int, list[int]]:
     return children
 
 
-def scan_pids(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+def scan_pids(
+    pids: Iterable[int],
+    device_glob: str,
+    *,
+    proc_root: Path = PROC,
+    budget: ScanBudget = DEFAULT_BUDGET,
+) -> ProcScan:
     """Read the processes NVML named and all their descendants (fork inherits device fds).
 
     Every listed PID that exists is returned, with or without device files (NVML named it);
     a descendant only when it holds a file matching ``device_glob``. PIDs that do not exist
-    here (gone, or from another PID namespace) are left out.
+    here (gone, or from another PID namespace) are left out. A descendant a budget cut short
+    is returned too (``partial``).
     """
     matcher = _DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
+    spend = _Spend(budget)
     listed = {pid for pid in pids if pid > 0}
     queue = deque(sorted(listed))
     seen: set[int] = set()
@@ -483,11 +688,11 @@ def scan_pids(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) 
         if pid in seen:
             continue
         seen.add(pid)
-        facts, readable = _read_process(pid, root, matcher)
+        facts, readable = _read_process(pid, root, matcher, spend)
         if facts is None:
             continue
         unreadable += not readable
-        if pid in listed or facts.device_files:
+        if pid in listed or facts.device_files or facts.partial is not None:
             found.append(facts)
         if by_ppid is None:
             try:
@@ -500,14 +705,21 @@ def scan_pids(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) 
     return ProcScan(processes=tuple(found), unreadable=unreadable, method="nvml-first")
 
 
-def read_listed(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC) -> ProcScan:
+def read_listed(
+    pids: Iterable[int],
+    device_glob: str,
+    *,
+    proc_root: Path = PROC,
+    budget: ScanBudget = DEFAULT_BUDGET,
+) -> ProcScan:
     """Read PIDs NVML named that the device walk did not find, to tell "gone" from "hidden".
 
     Without root another user's fds cannot be read, so a live GPU job is missing from the walk.
     Such a process is returned with ``files_readable`` False; one whose /proc entry exists but
     cannot be read at all is listed in ``hidden``. A process whose fds we can read and that holds
     no device file is returned too, so the merge can say NVML's PID names an unrelated process
-    here (another PID namespace's, or a reused one) rather than none.
+    here (another PID namespace's, or a reused one) rather than none. NVML named each of them,
+    so each is read with a budget of its own (they are few: one per GPU process).
     """
     matcher = _DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
@@ -516,7 +728,7 @@ def read_listed(pids: Iterable[int], device_glob: str, *, proc_root: Path = PROC
     for pid in sorted(set(pids)):
         if pid <= 0:
             continue
-        facts, readable = _read_process(pid, root, matcher)
+        facts, readable = _read_process(pid, root, matcher, _Spend(budget))
         if facts is not None:
             found.append(facts if readable else replace(facts, files_readable=False))
         elif facts is None and Path(f"{root}/{pid}").exists():

@@ -32,9 +32,17 @@ Rules (``diagnose``), over the events of the last ``window_s`` seconds:
   so it ends the series like an OK run and a STOPPED newest run is never a loop, whatever its
   stop looked like (a stop that timed out fails the run too) — the daemon must not start a
   unit an operator just stopped. systemd's own restarts say ``JOB_TYPE=restart``;
-* immediate loop, whether the newest run failed or is still starting (it will fail too): the
-  newest run found a left-over process in its control group while starting, or the first start
-  after a stop timeout failed;
+* a run that ended cleanly ("Deactivated successfully") within ``stable_s`` of its start and
+  that systemd restarted ("Scheduled restart job", ``Restart=always``) counts as failed: only
+  the restart counter tells such a loop, and a server that exits 0 at once is not serving;
+* immediate loop, whether the newest run failed or is still starting: the newest run found a
+  left-over process in its control group while starting and it failed, or the series already
+  holds a failure (systemd restarted it); or the first start after a stop timeout failed. A
+  left-over at a start with no failure and no scheduled restart (an operator's start after a
+  ``KillMode=process`` run) is a finding (``Diagnosis.findings``), not a loop;
+* a loop whose newest run hit the start limit ("Start request repeated too quickly") was ended
+  by systemd: ``Diagnosis.start_limit_hit``, and the reason says what to do (fix the cause, then
+  ``systemctl reset-failed U``);
 * cause: ``gpu-needs-reset`` when a GPU of the unit's set needs a reset or reboot (NVML health:
   lost, a pending row remap or page retirement, the driver asks for it) - first, because no kill
   can help then; ``stale-gpu-holders`` when the GPU inventory names stale holders or a failed run
@@ -161,6 +169,12 @@ class Diagnosis:
     oom_device: int | None = None
     """The CUDA device the newest out-of-memory line of the current failures names, as the
     server numbers its GPUs (foreign text: only ever mapped onto the unit's own GPUs)."""
+    start_limit_hit: bool = False
+    """The newest run hit systemd's start limit: systemd ended the loop and will not start the
+    unit again until ``systemctl reset-failed``."""
+    findings: tuple[str, ...] = ()
+    """What is worth saying that is no loop: a left-over process found at a start that neither
+    failed nor was a restart."""
 
 
 class _Outcome(StrEnum):
@@ -207,6 +221,10 @@ class _Run:
     deactivated_s: float | None = None
     start_limit_s: float | None = None
     stop_requested_s: float | None = None
+    restart_s: float | None = None
+    """When systemd scheduled a restart after this run ("Scheduled restart job")."""
+    clean_restart: bool = False
+    """It ended cleanly within stable_s of its start and systemd restarted it: counted failed."""
     left_over: list[UnitEvent] = field(default_factory=list)
     oom: list[UnitEvent] = field(default_factory=list)
 
@@ -245,8 +263,23 @@ class _Run:
                     self._fail(event.monotonic_s)
             case EventKind.STOPPING | EventKind.STOPPED if event.job_type == "stop":
                 self.stop_requested_s = _earliest(self.stop_requested_s, event.monotonic_s)
+            case EventKind.RESTART_SCHEDULED:
+                self.restart_s = _earliest(self.restart_s, event.monotonic_s)
             case _:
                 pass
+
+    def settle(self, stable_s: float) -> None:
+        """Count a clean end that systemd restarted within ``stable_s`` of the start as failed."""
+        if (
+            self.failure_s is None
+            and self.stop_requested_s is None
+            and self.restart_s is not None
+            and self.deactivated_s is not None
+            and self.started_s is not None
+            and self.deactivated_s - self.started_s < stable_s
+        ):
+            self.clean_restart = True
+            self.failure_s = self.restart_s
 
     def _fail(self, at_s: float) -> None:
         self.failure_s = _earliest(self.failure_s, at_s)
@@ -273,12 +306,16 @@ class _Run:
         before the start limit also gets "Failed to start", the others do not.
         """
         result = self.result or (f"start job {self.job_result}" if self.job_result else None)
+        if self.clean_restart:
+            result = "clean exit, restarted"
         if self.exit is None:
             return (result, None, None)
         return (result, self.exit.exit_code, self.exit.exit_status)
 
     def describe_failure(self) -> str:
         """The failure in a few words: "exit-code (status 1)", "signal (killed by SIGSEGV)"."""
+        if self.clean_restart:
+            return "exited cleanly and systemd restarted it"
         if self.result is None and self.job_result is not None:
             text = f"start job {self.job_result}"
         else:
@@ -396,7 +433,7 @@ class Detector:
             if event.realtime_s is not None:
                 self._wall_offset_s = event.realtime_s - event.monotonic_s
             self._forget_before(self._newest_s - horizon)
-        return live and event.kind not in _IGNORED_FOR_VERDICT
+        return live and asks_for_judgement(event.kind)
 
     def reset(self, now: float) -> None:
         """Forget everything up to ``now``: call it once a recovery has restarted the unit.
@@ -434,12 +471,17 @@ class Detector:
             immediate=verdict.immediate,
             good_start_s=max(good, default=None),
             oom_device=next((run.oom[0].device for run in reversed(view.failed) if run.oom), None),
+            start_limit_hit=verdict.looping and _newest_hit_start_limit(view),
+            findings=() if verdict.looping else _left_over_findings(view),
         )
 
     def _view(self, now: float) -> _View:
         since = now - self.settings.window_s
         events = tuple(event for event in self._events if event.monotonic_s >= since)
-        runs = tuple((run, run.outcome(now, self.settings.stable_s)) for run in _runs(events))
+        grouped = _runs(events)
+        for run in grouped:
+            run.settle(self.settings.stable_s)
+        runs = tuple((run, run.outcome(now, self.settings.stable_s)) for run in grouped)
         known = tuple(pair for pair in runs if pair[1] is not _Outcome.UNKNOWN)
         good = [index for index, (_, out) in enumerate(known) if out in _ENDS_SERIES]
         episode = known[good[-1] + 1 :] if good else known
@@ -460,7 +502,14 @@ class Detector:
         if held:
             # The first rule that holds gives the reason; any immediate sign makes it immediate.
             immediate = any(verdict.immediate for verdict in held)
-            return _looping(held[0].reason, immediate=immediate)
+            reason = held[0].reason
+            if run.start_limit_s is not None:
+                reason += (
+                    f"; systemd's start limit ended the loop at {self._clock(run.start_limit_s)} "
+                    f"(start request repeated too quickly): it will not start {self.unit} again "
+                    f"until, once the cause is fixed, `systemctl reset-failed {self.unit}`"
+                )
+            return _looping(reason, immediate=immediate)
         if outcome is _Outcome.PENDING:
             return _not_looping(f"run {_abbrev(run)} is starting")
         streak = view.streak
@@ -507,9 +556,14 @@ class Detector:
         )
 
     @staticmethod
-    def _left_over_rule(_view: _View, run: _Run, _outcome: _Outcome) -> _Verdict | None:
-        """The newest run found processes of an earlier run in its control group."""
+    def _left_over_rule(view: _View, run: _Run, outcome: _Outcome) -> _Verdict | None:
+        """The newest run found an earlier run's processes in its cgroup, and failed or restarted.
+
+        Alone (no failure, no scheduled restart), a left-over at start is a finding.
+        """
         if not run.left_over:
+            return None
+        if outcome is not _Outcome.FAILED and not view.failed:
             return None
         first = run.left_over[0]
         return _looping(
@@ -573,6 +627,11 @@ class Detector:
         del self._events[:count]
 
 
+def asks_for_judgement(kind: EventKind) -> bool:
+    """Whether a live event of this kind makes the daemon judge (``explain`` replays the same)."""
+    return kind not in _IGNORED_FOR_VERDICT
+
+
 def _runs(events: Iterable[UnitEvent]) -> list[_Run]:
     """Events grouped into runs by invocation, oldest run first.
 
@@ -595,6 +654,26 @@ def _runs(events: Iterable[UnitEvent]) -> list[_Run]:
         if owners:
             owners[-1].add(event)
     return runs
+
+
+def _newest_hit_start_limit(view: _View) -> bool:
+    newest = view.newest
+    return newest is not None and newest[0].start_limit_s is not None
+
+
+def _left_over_findings(view: _View) -> tuple[str, ...]:
+    """The newest run's left-over processes at start, when they made no loop."""
+    newest = view.newest
+    if newest is None:
+        return ()
+    run = newest[0]
+    seen = dict.fromkeys((event.pid, event.comm) for event in run.left_over)
+    return tuple(
+        f"run {_abbrev(run)} found left-over process {pid} ({comm}) of an earlier run in its "
+        "control group at start, with no failure and no scheduled restart: a finding, not a "
+        "loop (KillMode=process or none leaves processes behind)"
+        for pid, comm in seen
+    )
 
 
 def _run_lines(run: _Run, outcome: _Outcome) -> list[tuple[float, str]]:

@@ -13,6 +13,7 @@ escaped where it is rendered (``_show``), never here in the facts.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import EventKind, UnitEvent, decode_message, is_trusted, parse_entry
+from gpuguard.core.mig import UNJUDGED, indices_text
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -106,6 +108,9 @@ class History:
     """"Started" → main process exit of runs that failed without being stopped."""
     survivors: tuple[tuple[int, str], ...] = ()
     """Distinct (PID, name) of processes that stayed after a stop or were left over at a start."""
+    swept: tuple[tuple[tuple[int, ...], str], ...] = ()
+    """The daemon's sweeps of an ended run's survivors (its PIDs, its summary): the workers that
+    left the unit's cgroup, which systemd never names, are seen only here."""
     restarts: int = 0
     start_limit_hits: int = 0
 
@@ -162,6 +167,8 @@ class HostFacts:
     persistenced_running: bool
     persistence_off: tuple[int, ...] | None = None
     """GPUs whose persistence mode NVML reports disabled; None: NVML did not say."""
+    mig_on: tuple[int, ...] = ()
+    """GPUs with MIG mode on (core/mig.py): gpuguard does not judge them."""
 
 
 # -- history ------------------------------------------------------------------------------
@@ -176,9 +183,13 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
     """
     events: list[UnitEvent] = []
     survivors: list[tuple[int, str]] = []
+    swept: list[tuple[tuple[int, ...], str]] = []
     count = 0
     for entry in entries:
         count += 1
+        if (sweep := _daemon_sweep(entry, unit)) is not None:
+            swept.append(sweep)
+            continue
         event = parse_entry(entry, unit)
         if event is not None and event.kind is not EventKind.GPU_OOM_OUTPUT:
             events.append(event)
@@ -194,9 +205,36 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
         load_times_s=tuple(_between(events, EventKind.STARTING, EventKind.STARTED)),
         failed_runs_s=tuple(_failed_runs(events)),
         survivors=tuple(dict.fromkeys(survivors)),  # one left-over is logged once per step
+        swept=tuple(swept),
         restarts=sum(e.kind is EventKind.RESTART_SCHEDULED for e in events),
         start_limit_hits=sum(e.kind is EventKind.START_LIMIT_HIT for e in events),
     )
+
+
+DAEMON_UNIT: Final = "gpuguard.service"
+SWEEP_EVENT: Final = "survivors of an ended run"
+
+
+def _daemon_sweep(entry: Mapping[str, object], unit: str) -> tuple[tuple[int, ...], str] | None:
+    """The daemon's "survivors of an ended run" line about ``unit``, else None.
+
+    Only from gpuguard.service as root (journald's fields): the unit's output can print the same
+    JSON.
+    """
+    if entry.get("_SYSTEMD_UNIT") != DAEMON_UNIT or entry.get("_UID") != "0":
+        return None
+    text = decode_message(entry.get("MESSAGE"), limit=64 * 1024)
+    if not text or not text.startswith("{"):
+        return None
+    try:
+        line = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(line, dict) or line.get("event") != SWEEP_EVENT or line.get("unit") != unit:
+        return None
+    raw = line.get("pids")
+    pids = tuple(p for p in raw if isinstance(p, int))[:100] if isinstance(raw, list) else ()
+    return pids, _show(str(line.get("summary", "")), 300)
 
 
 def _run_key(event: UnitEvent) -> tuple[str | None, str | None]:
@@ -296,6 +334,7 @@ def diagnose(
         *_gpu_use(facts),
         *_writable_paths(facts),
         *_persistenced(host),
+        *_mig(host),
     ]
     return tuple(sorted(findings, key=lambda f: -f.severity))
 
@@ -413,24 +452,42 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
                 ),
             )
         )
-    survivors = facts.history.survivors
-    if survivors:
-        names = sorted({_show(comm, _NAME_CHARS) for _, comm in survivors})
-        listed = ", ".join(names[:_MAX_NAMES]) + (" …" if len(names) > _MAX_NAMES else "")
-        found.append(
-            Finding(
-                "survivors",
-                Severity.WARNING,
-                f"{len(survivors)} processes survived a stop or were left over at a start",
-                (f"names: {listed}",),
-                advice=(
-                    "install the gate: its ExecStopPost= reap and its check before each start"
-                    if mode in SAFE_KILL_MODES
-                    else "KillMode=mixed or control-group, and the gate's ExecStopPost= reap"
-                ),
-            )
-        )
+    found.extend(_survivors(facts))
     return found
+
+
+def _survivors(facts: UnitFacts) -> list[Finding]:
+    """Processes that outlived a stop of the unit: systemd's word, and the daemon's sweeps."""
+    history, unit, mode = facts.history, facts.config.unit, facts.config.kill_mode
+    pids = {pid for pid, _ in history.survivors} | {p for ps, _ in history.swept for p in ps}
+    if not history.survivors and not history.swept:
+        return []
+    evidence: list[str] = []
+    if history.survivors:
+        names = sorted({_show(comm, _NAME_CHARS) for _, comm in history.survivors})
+        listed = ", ".join(names[:_MAX_NAMES]) + (" …" if len(names) > _MAX_NAMES else "")
+        evidence.append(f"names: {listed}")
+    evidence += [f"gpuguard's daemon: {summary}" for _, summary in history.swept[-_MAX_NAMES:]]
+    prevent = (
+        "install the gate: its ExecStopPost= reap and its check before each start"
+        if mode in SAFE_KILL_MODES
+        else "KillMode=mixed or control-group, and the gate's ExecStopPost= reap"
+    )
+    count = len(pids) or len(history.swept)
+    return [
+        Finding(
+            "survivors",
+            Severity.WARNING,
+            f"{count} processes survived a stop or were left over at a start",
+            tuple(evidence),
+            advice=(
+                f"{prevent}; to see what holds the GPUs now: `gpuguard status`, then "
+                f"`gpuguard reap --unit {_show(unit, 300)} --dry-run` and, after checking the "
+                f"plan, `gpuguard reap --unit {_show(unit, 300)}` (workers that left the unit's "
+                "cgroup with no provenance need `--scope patterns`, after checking them)"
+            ),
+        )
+    ]
 
 
 def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
@@ -683,6 +740,24 @@ def _writable_by(fact: PathFact, uid: int) -> bool:
         return True
     sticky = fact.is_dir and fact.mode & 0o1000
     return bool(fact.mode & 0o022) and not sticky
+
+
+def _mig(host: HostFacts) -> list[Finding]:
+    """MIG mode on: what gpuguard cannot judge there, so the operator does not rely on it."""
+    if not host.mig_on:
+        return []
+    listed = indices_text(host.mig_on)
+    return [
+        Finding(
+            "mig",
+            Severity.WARNING,
+            f"MIG mode is on on GPU {listed}: {UNJUDGED}; the gate and the daemon neither wait "
+            "on nor reap from it, and a unit's GPU set leaves it out",
+            (f"nvmlDeviceGetMigMode: current mode enabled on GPU {listed}",),
+            advice="check its instances with `nvidia-smi mig -lgi`; stale processes there "
+            "must be found and stopped by hand",
+        )
+    ]
 
 
 def _persistenced(host: HostFacts) -> list[Finding]:

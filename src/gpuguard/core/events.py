@@ -7,10 +7,12 @@ forged entry. Everything in a journal entry without a leading underscore (``MESS
 lifecycle event counts only when journald's trusted fields say PID 1 wrote it (``is_trusted``).
 
 The unit's own output is a second, weaker source: it can only ever yield ``gpu-oom-output``,
-when a line matches what servers print when GPU memory is already taken (``GPU_OOM_PATTERNS``).
+when a line matches what servers print when GPU memory is already taken (``GPU_OOM_PATTERNS``),
+and ``engine-fatal`` / ``start-phase`` for the lines of ``core.enginelines`` (docs/liveness.md).
 ``_SYSTEMD_UNIT`` proves which unit wrote the line, but the text itself is free: such an event is
-evidence for a cause, never a trigger on its own (the detector uses it only to explain runs that
-PID 1 reported as failed).
+evidence about the run that printed it (``_SYSTEMD_INVOCATION_ID``), never about another (the
+detector uses OOM lines only to explain runs that PID 1 reported as failed; core.liveness judges
+only the run that printed a line).
 
 Facts: docs/facts.md §4 (trusted fields, MESSAGE_IDs, restart sequences), docs/daemon.md;
 golden samples in tests/journal_samples (systemd 252 and 257).
@@ -24,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from gpuguard.core.enginelines import match_line
 from gpuguard.core.escaping import escape
 from gpuguard.core.values import StrEnum
 
@@ -59,6 +62,10 @@ class EventKind(StrEnum):
     """``Start request repeated too quickly.`` (text only; systemd stops restarting the unit)."""
     GPU_OOM_OUTPUT = "gpu-oom-output"
     """The unit's own output says GPU memory was not available: evidence, never a trigger."""
+    ENGINE_FATAL = "engine-fatal"
+    """The unit's own output says its engine died (core.enginelines; ``line`` names which)."""
+    START_PHASE = "start-phase"
+    """The unit's own output marks a phase of its start (core.enginelines; ``line``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +114,14 @@ class UnitEvent:
     device: int | None = None
     """gpu-oom-output: the CUDA device the line names (``cuda:1``, ``GPU 3``), numbered as the
     process saw its devices (after CUDA_VISIBLE_DEVICES), not NVML's index."""
+    line: str | None = None
+    """engine-fatal / start-phase: the key of the line matched (core.enginelines.BY_KEY)."""
+
+
+OUTPUT_KINDS: Final = frozenset(
+    {EventKind.GPU_OOM_OUTPUT, EventKind.ENGINE_FATAL, EventKind.START_PHASE}
+)
+"""The kinds read from the unit's own output, not from systemd."""
 
 
 # MESSAGE_IDs from sd-messages.h (identical in systemd 252, 254 and 257; docs/facts.md §4.1).
@@ -409,7 +424,7 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
         return None
     match = _GPU_OOM.search(text)
     if match is None:
-        return None
+        return _engine_event(text, entry, unit, where)
     # The device is named near the phrase, before it (vLLM) or after it (PyTorch).
     device = _DEVICE.search(text, max(0, match.start() - 120), match.start() + 400)
     # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
@@ -425,6 +440,26 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
         boot_id=where.boot_id,
         message=_display(shown),
         device=None if device is None else int(device.group(1)),
+    )
+
+
+def _engine_event(
+    text: str, entry: Mapping[str, object], unit: str, where: _Where
+) -> UnitEvent | None:
+    """An engine-fatal or start-phase event when the line is in core.enginelines, else None."""
+    line = match_line(text)
+    if line is None:
+        return None
+    return UnitEvent(
+        kind=EventKind.START_PHASE if line.phase else EventKind.ENGINE_FATAL,
+        unit=unit,
+        monotonic_s=where.monotonic_s,
+        realtime_s=where.realtime_s,
+        cursor=where.cursor,
+        invocation_id=_string(entry.get("_SYSTEMD_INVOCATION_ID")) or None,
+        boot_id=where.boot_id,
+        message=_display(text),
+        line=line.key,
     )
 
 

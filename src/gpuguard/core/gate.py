@@ -135,6 +135,11 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
     missing = sorted((gpu_set or frozenset()) - {g.reading.index for g in inventory.gpus})
     blockers = [f"GPU {index} is not present" for index in missing]
     for gpu in wanted:
+        blockers.extend(
+            f"GPU {gpu.reading.index}: PID {other.pid} ({escape(other.comm)}, "
+            f"{escape(other.user)}) could hold it and was not fully inspected: {other.reason}"
+            for other in inventory.partial_on(gpu.reading.index)
+        )
         if is_idle(gpu.reading, settings.idle_threshold_bytes):
             continue
         reading = gpu.reading

@@ -6,8 +6,10 @@ set, so one server's live use never blocks, and is never reaped by, the other's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from gpuguard.core.mig import indices_text, mig_indices
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -22,13 +24,23 @@ class GpuSet:
     indices: frozenset[int] | None
     source: str
     note: str | None = None
+    unjudged: frozenset[int] = frozenset()
+    """GPUs of the set left out because MIG mode is on there (core/mig.py): ``indices`` lacks
+    them, so the gate neither waits on nor reaps from them."""
 
     def describe(self) -> str:
         """For status lines: "GPUs 0,1,2,3 (from config)"."""
         if self.indices is None:
-            return f"all GPUs ({self.source})"
-        listed = ",".join(str(i) for i in sorted(self.indices)) or "none"
-        return f"GPUs {listed} ({self.source})"
+            text = f"all GPUs ({self.source})"
+        else:
+            listed = ",".join(str(i) for i in sorted(self.indices)) or "none"
+            text = f"GPUs {listed} ({self.source})"
+        if self.unjudged:
+            text += (
+                f"; MIG mode on GPU {indices_text(self.unjudged)}: not judged, whole-GPU "
+                "figures cover other MIG instances"
+            )
+        return text
 
 
 def resolve_gpu_set(
@@ -36,7 +48,18 @@ def resolve_gpu_set(
     environment: dict[str, str] | None,
     gpus: Sequence[GpuReading],
 ) -> GpuSet:
-    """The unit's GPU set from config, else from its CUDA_VISIBLE_DEVICES, else all GPUs."""
+    """The unit's GPU set from config, else from its CUDA_VISIBLE_DEVICES, else all GPUs.
+
+    GPUs with MIG mode on are left out (and named in ``unjudged``): see core/mig.py.
+    """
+    return _without_mig(_resolve(configured, environment, gpus), gpus)
+
+
+def _resolve(
+    configured: Sequence[int | str] | None,
+    environment: dict[str, str] | None,
+    gpus: Sequence[GpuReading],
+) -> GpuSet:
     if configured is not None:
         indices, unknown = _match(configured, list(gpus))
         note = f"configured GPUs not present: {', '.join(unknown)}" if unknown else None
@@ -46,6 +69,16 @@ def resolve_gpu_set(
         return GpuSet(None, "no GPUs configured and no CUDA_VISIBLE_DEVICES")
     order = (environment or {}).get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
     return _from_cuda_visible(visible, order, gpus)
+
+
+def _without_mig(gpu_set: GpuSet, gpus: Sequence[GpuReading]) -> GpuSet:
+    """The set less its MIG-enabled GPUs; "all GPUs" becomes the GPUs without MIG."""
+    mig = mig_indices(gpus)
+    wanted = frozenset(g.index for g in gpus) if gpu_set.indices is None else gpu_set.indices
+    unjudged = mig & wanted
+    if not unjudged:
+        return gpu_set
+    return replace(gpu_set, indices=wanted - unjudged, unjudged=unjudged)
 
 
 def _from_cuda_visible(visible: str, order: str, gpus: Sequence[GpuReading]) -> GpuSet:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gpuguard.core.inventory import GpuOccupancy, Inventory
     from gpuguard.core.values import GpuReading
 
 
@@ -21,3 +22,14 @@ def is_idle(reading: GpuReading, idle_threshold_bytes: int) -> bool:
     if reading.memory is None or reading.lost or reading.processes:
         return False
     return reading.memory.used_bytes <= idle_threshold_bytes
+
+
+def is_idle_seen(inventory: Inventory, gpu: GpuOccupancy, idle_threshold_bytes: int) -> bool:
+    """Idle by NVML's memory, and no process the /proc walk could not read in full may hold it.
+
+    An exhausted budget never reads as clean (inventory.py says which GPUs such a process could
+    hold). The gate's fast path, which reads no /proc, decides on memory alone (``is_idle``).
+    """
+    return is_idle(gpu.reading, idle_threshold_bytes) and not inventory.partial_on(
+        gpu.reading.index
+    )

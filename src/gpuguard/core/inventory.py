@@ -13,6 +13,14 @@ one, and the PID is one from another PID namespace (``foreign``): never shown as
 namespace's process, so never reaped on NVML's word. Inside a PID namespace (containment.py) the
 driver's per-process figures name nobody here, so a GPU's memory is credited to the processes
 here that hold its device files as a whole, or, when none does, reported as used from outside.
+
+A process whose files a budget of the /proc walk cut short (``partial``) is never read as one
+that holds nothing: it is listed in ``Inventory.partial`` with the GPUs it could hold, and no
+GPU among them counts as idle (idle.py). It could hold a GPU when NVML lists it there or the part
+read shows that GPU's device file; when the part read shows only a control node (nvidiactl,
+nvidia-uvm) it could hold any. One whose part read shows no NVIDIA file at all and that NVML does
+not list holds no GPU memory (NVML would list it or the memory would be unexplained): it is named,
+and blocks nothing, so that opening many descriptors does not let a user refuse every start.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ class Holder:
     kernel_wait: tuple[str, ...] = ()
     uids: tuple[int, ...] = ()
     """Real, effective, saved and filesystem uid; empty when /proc did not say."""
+    partial: str | None = None
+    """Why its files were not read in full (a budget ran out); None when they were."""
 
     @property
     def pid(self) -> int:
@@ -135,6 +145,18 @@ class UninspectableProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class PartialProcess:
+    """A process whose files a budget of the /proc walk cut short: not fully inspected."""
+
+    pid: int
+    user: str
+    comm: str
+    reason: str
+    gpus: tuple[int, ...]
+    """The GPUs it could hold, on which no idle verdict is given (see the module's docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GpuOccupancy:
     """One GPU with the evidence about who uses it."""
 
@@ -160,10 +182,15 @@ class Inventory:
     uninspectable: tuple[UninspectableProcess, ...] = ()
     foreign: tuple[ForeignProcess, ...] = ()
     containment: Containment = HOST
+    partial: tuple[PartialProcess, ...] = ()
 
     def holder(self, pid: int) -> Holder | None:
         """The holder with this PID, if any."""
         return next((h for h in self.holders if h.pid == pid), None)
+
+    def partial_on(self, gpu_index: int) -> tuple[PartialProcess, ...]:
+        """The processes not fully inspected that could hold this GPU: it is not idle."""
+        return tuple(p for p in self.partial if gpu_index in p.gpus)
 
 
 def gpu_minor_of(path: str) -> int | None:
@@ -212,8 +239,41 @@ def build_inventory(
         )
         for gpu in nvml.gpus
     )
+    partial = tuple(
+        _partial(facts, listed.get(facts.identity.pid, {}), nvml, index_of_minor)
+        for facts in sorted(facts_by_pid.values(), key=lambda f: f.identity.pid)
+        if facts.partial is not None
+    )
     return Inventory(
-        nvml, scan, gpus, holders, tuple(vanished), tuple(hidden), tuple(foreign), containment
+        nvml,
+        scan,
+        gpus,
+        holders,
+        tuple(vanished),
+        tuple(hidden),
+        tuple(foreign),
+        containment,
+        partial,
+    )
+
+
+def _partial(
+    facts: ProcessFacts,
+    listed_on: Mapping[int, int | None],
+    nvml: NvmlReading,
+    index_of_minor: Mapping[int, int],
+) -> PartialProcess:
+    """A process not fully inspected, with the GPUs it could hold (the module's docstring)."""
+    minors = {gpu_minor_of(path) for path in facts.device_files}
+    gpus = set(listed_on) | {index for minor, index in index_of_minor.items() if minor in minors}
+    if None in minors:
+        gpus |= {gpu.index for gpu in nvml.gpus}
+    return PartialProcess(
+        pid=facts.identity.pid,
+        user=facts.user,
+        comm=facts.comm,
+        reason=facts.partial or "",
+        gpus=tuple(sorted(gpus)),
     )
 
 
@@ -221,10 +281,11 @@ def _backs_claim(facts: ProcessFacts, gpu: GpuReading, index_of_minor: Mapping[i
     """Whether a process here is the one NVML lists on ``gpu``: it holds that GPU's device file.
 
     Whose open files cannot be read (not root) cannot be checked and is taken at NVML's word:
-    only root reaps, and root reads every process's files. A GPU whose minor NVML did not give
-    is backed by any GPU device file that is not another known GPU's.
+    only root reaps, and root reads every process's files. So is one whose files a budget cut
+    short: the device file may be among those not read. A GPU whose minor NVML did not give is
+    backed by any GPU device file that is not another known GPU's.
     """
-    if not facts.files_readable:
+    if not facts.files_readable or facts.partial is not None:
         return True
     minors = {gpu_minor_of(path) for path in facts.device_files} - {None}
     if gpu.minor is not None:
@@ -268,6 +329,7 @@ def _holder(
         files_readable=facts.files_readable,
         kernel_wait=facts.kernel_wait,
         uids=facts.uids,
+        partial=facts.partial,
     )
 
 

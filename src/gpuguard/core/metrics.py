@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.protection import is_protected
@@ -40,6 +41,8 @@ RECOVERY_RESULTS = ("restarted", "failed", "dry-run", "abandoned")
 GATE_RESULTS = ("passed", "refused")
 REAPERS = ("daemon", "gate")
 REAP_OUTCOMES = tuple(outcome.value for outcome in ReapOutcome)
+PHASE_LABELS = frozenset(phase.value for phase in Phase)
+"""The ``phase`` label's values: a bounded enum, never text from the journal."""
 _NVML_ERRORS = tuple(h.value for h in NvmlHealth if h is not NvmlHealth.OK)
 _HISTORY_KEPT = 64
 """Entries remembered per history (gate log, recoveries): more than either keeps (20, 10)."""
@@ -178,6 +181,7 @@ def families(observed: Observed) -> list[Metric]:
     return [
         *_gpu_families(observed),
         *_unit_families(observed),
+        *_liveness_families(observed),
         *_counter_families(observed.tally, observed.watched_units),
         *_daemon_families(observed),
     ]
@@ -301,6 +305,59 @@ def _unit_families(observed: Observed) -> list[Metric]:
         recovering.add_metric([name], int(unit.get("recovery_in_progress") is True))
         refused.add_metric([name], int(observed.gate_refused.get(name, False)))
     return [looping, gpu_cause, failed, operator, recovering, refused]
+
+
+def _liveness_families(observed: Observed) -> list[Metric]:
+    """The engine behind each unit (core.liveness): dead, stuck, and how long starts take."""
+    labels = ["unit"]
+    dead = _gauge("gpuguard_unit_engine_dead", "1 while the unit's engine is dead.", labels)
+    stuck = _gauge(
+        "gpuguard_unit_start_stuck",
+        "1 while the unit's start is past its learned budget in one phase.",
+        labels,
+    )
+    deaths = CounterMetricFamily(
+        "gpuguard_unit_engine_deaths",
+        "Dead engines the daemon saw happen (a fatal line, or an exit 0 nobody asked for).",
+        labels=labels,
+    )
+    stuck_starts = CounterMetricFamily(
+        "gpuguard_unit_stuck_starts", "Starts the daemon saw stuck in a phase.", labels=labels
+    )
+    ready = _gauge(
+        "gpuguard_unit_start_ready_seconds",
+        "Seconds from systemd's start to the server's ready line, of the last start that came up.",
+        labels,
+    )
+    phase = _gauge(
+        "gpuguard_unit_start_phase_seconds",
+        "Seconds the last start that came up spent in each phase.",
+        ["unit", "phase"],
+    )
+    units = observed.snapshot.get("units")
+    for name in observed.watched_units:
+        seen = units.get(name) if isinstance(units, dict) else None
+        unit = seen if isinstance(seen, dict) else {}
+        live = unit.get("liveness")
+        liveness = live if isinstance(live, dict) else {}
+        dead.add_metric([name], int(liveness.get("state") == "engine-dead"))
+        stuck.add_metric([name], int(liveness.get("state") == "stuck"))
+        for family, key in ((deaths, "engine_deaths"), (stuck_starts, "stuck_starts")):
+            count = liveness.get(key)
+            family.add_metric([name], count if type(count) is int else 0)
+        last = liveness.get("last_start")
+        start = last if isinstance(last, dict) else {}
+        if _is_number(start.get("ready_s")):
+            ready.add_metric([name], start["ready_s"])
+        phases = start.get("phases")
+        for label, seconds in phases.items() if isinstance(phases, dict) else ():
+            if label in PHASE_LABELS and _is_number(seconds):
+                phase.add_metric([name, label], seconds)
+    return [dead, stuck, deaths, stuck_starts, ready, phase]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:

@@ -89,6 +89,16 @@ class RecoveryPlanner:
                 f"restart loop without a GPU cause ({diagnosis.cause.value}: "
                 f"{diagnosis.cause_detail}); gpuguard does not act on it",
             )
+        return self._limited(now) or RecoveryDecision(
+            Action.RECOVER, f"restart loop caused by stale GPU holders: {diagnosis.reason}"
+        )
+
+    def decide_engine_dead(self, summary: str, now: float) -> RecoveryDecision:
+        """The action for a unit that opted in to recovery of a dead engine (core.liveness)."""
+        return self._limited(now) or RecoveryDecision(Action.RECOVER, summary)
+
+    def _limited(self, now: float) -> RecoveryDecision | None:
+        """Needs operator after max_attempts, or wait out the backoff; None: may recover now."""
         if self.needs_operator or self._unhelped >= self._limits.max_attempts:
             self.needs_operator = True
             return RecoveryDecision(
@@ -104,9 +114,7 @@ class RecoveryPlanner:
                     f"last recovery {now - self._last_s:.0f} s ago; next not before {wait:.0f} s",
                     self._last_s + wait,
                 )
-        return RecoveryDecision(
-            Action.RECOVER, f"restart loop caused by stale GPU holders: {diagnosis.reason}"
-        )
+        return None
 
     def recovered(self, now: float) -> None:
         """A recovery was carried out at ``now`` (whatever its outcome)."""

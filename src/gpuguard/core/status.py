@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
-from gpuguard.core.idle import is_idle
+from gpuguard.core.idle import is_idle_seen
+from gpuguard.core.mig import UNJUDGED, mig_on, pending_change
 from gpuguard.core.policy import matching_pattern
 from gpuguard.core.protection import is_protected
 from gpuguard.core.since import within
@@ -122,6 +123,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *_xid_findings(inventory, context.daemon, context.since),
         *_holder_findings(inventory, context),
         *_container_findings(inventory, context.unit_containers),
+        *_partial_findings(inventory),
     ]
     if inventory.scan.unreadable and not context.as_root:
         findings.append(
@@ -134,7 +136,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
     idle = frozenset(
         gpu.reading.index
         for gpu in inventory.gpus
-        if is_idle(gpu.reading, context.idle_threshold_bytes)
+        if is_idle_seen(inventory, gpu, context.idle_threshold_bytes)
     )
     level = max((f.level for f in findings), default=Level.OK)
     if level is Level.OK:
@@ -155,6 +157,48 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.since,
         context.unit_containers,
     )
+
+
+_PARTIAL_NAMED = 10
+
+
+def _partial_findings(inventory: Inventory) -> list[Finding]:
+    """A budget of the /proc walk ran out: never "clean", so say whom and what it may hide.
+
+    The first ten are named (a flood may be hundreds of processes; ``--json`` lists them all).
+    """
+    findings = [
+        Finding(
+            Level.WARNING,
+            f"PID {other.pid} ({escape(other.comm)}, {escape(other.user)}) not fully inspected: "
+            f"{other.reason}"
+            + (
+                "; GPU " + ", ".join(map(str, other.gpus)) + " not reported idle"
+                if other.gpus
+                else "; it shows no NVIDIA file in what was read and NVML does not list it"
+            ),
+        )
+        for other in inventory.partial[:_PARTIAL_NAMED]
+    ]
+    if len(inventory.partial) > _PARTIAL_NAMED:
+        rest = inventory.partial[_PARTIAL_NAMED:]
+        gpus = sorted({index for other in rest for index in other.gpus})
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"{len(rest)} more processes not fully inspected"
+                + ("; GPU " + ", ".join(map(str, gpus)) + " not reported idle" if gpus else ""),
+            )
+        )
+    if inventory.scan.not_visited:
+        findings.append(
+            Finding(
+                Level.WARNING,
+                f"{inventory.scan.not_visited} processes not inspected: the /proc walk's "
+                "budget of processes or time ran out (docs/security.md)",
+            )
+        )
+    return findings
 
 
 def _gate_findings(units: Sequence[UnitView]) -> list[Finding]:
@@ -221,7 +265,16 @@ def _daemon_findings(daemon: DaemonView | None) -> list[Finding]:
                     f"cause {unit.get('cause')}; daemon action {unit.get('action')}",
                 )
             )
+        findings.extend(_liveness_findings(name, _dict(unit.get("liveness"))))
     return findings
+
+
+def _liveness_findings(name: str, liveness: Mapping[str, Any]) -> list[Finding]:
+    """An engine dead while its unit lives (CRITICAL), a start stuck in a phase (WARNING)."""
+    level = {"critical": Level.CRITICAL, "warning": Level.WARNING}.get(str(liveness.get("level")))
+    if level is None:
+        return []
+    return [Finding(level, f"{name}: {escape(str(liveness.get('summary')))}")]
 
 
 def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
@@ -292,6 +345,12 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
             Finding(Level.WARNING, f"GPU {reading.index}: {warning}")
             for warning in health_warnings(reading)
         )
+        if mig_on(reading):
+            # Its unattributed memory may well be another tenant's instance: said here, once.
+            findings.append(Finding(Level.WARNING, _mig_finding(reading)))
+            continue
+        if change := pending_change(reading):
+            findings.append(Finding(Level.OK, f"GPU {reading.index}: {change}"))
         if gpu.unattributed_bytes:
             findings.append(
                 Finding(
@@ -313,6 +372,15 @@ def _gpu_findings(inventory: Inventory) -> list[Finding]:
         for hidden in inventory.uninspectable
     )
     return findings
+
+
+def _mig_finding(reading: GpuReading) -> str:
+    change = pending_change(reading)
+    return (
+        f"GPU {reading.index}: MIG mode is on: {UNJUDGED}; the gate and the daemon neither wait "
+        "on nor reap from it (check its instances with `nvidia-smi mig -lgi` and "
+        "`nvidia-smi`)" + (f"; {change}" if change else "")
+    )
 
 
 def _namespace_findings(gpu: GpuOccupancy) -> list[Finding]:
@@ -700,6 +768,8 @@ def render_text(report: StatusReport) -> str:
     lines.append(
         f"/proc: {scan.method} scan, {len(inventory.holders)} holders"
         + (f", {scan.unreadable} processes not readable" if scan.unreadable else "")
+        + (f", {len(inventory.partial)} not fully inspected" if inventory.partial else "")
+        + (f", {scan.not_visited} not visited" if scan.not_visited else "")
     )
     lines.extend(f"{f.level.name}: {f.message}" for f in report.findings)
     # Every line is escaped once more as a whole: whatever foreign text reached it (a process
@@ -735,6 +805,9 @@ def _watch_lines(daemon: DaemonView | None, unit: str, since: datetime | None) -
             f"restart counter {watch.get('n_restarts')}, action {watch.get('action')})"
         )
     ]
+    liveness = _dict(watch.get("liveness"))
+    if liveness.get("summary") and liveness.get("state") != "unknown":
+        lines.append(f"engine: {escape(str(liveness['summary']))}")
     if watch.get("looping"):
         detail = escape(str(watch.get("cause_detail")))
         lines.append(f"  cause {watch.get('cause')}: {detail}")
@@ -793,6 +866,8 @@ def _gpu_lines(gpu: GpuOccupancy, report: StatusReport) -> list[str]:
     tag = " idle" if reading.index in idle else ""
     if reset_reasons(reading):
         tag = " NEEDS REBOOT" if needs_reboot(reading) else " NEEDS RESET"
+    if mig_on(reading):
+        tag = " MIG (not judged)"
     if reading.lost:
         tag = " LOST"
     if reading.memory is not None and reading.memory.reserved_source is not None:
@@ -904,7 +979,21 @@ def to_json(report: StatusReport) -> dict[str, Any]:
         "daemon": None
         if report.daemon is None
         else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},
-        "scan": {"method": inventory.scan.method, "unreadable": inventory.scan.unreadable},
+        "scan": {
+            "method": inventory.scan.method,
+            "unreadable": inventory.scan.unreadable,
+            "not_visited": inventory.scan.not_visited,
+            "partial": [
+                {
+                    "pid": other.pid,
+                    "user": other.user,
+                    "comm": other.comm,
+                    "reason": other.reason,
+                    "gpus": list(other.gpus),
+                }
+                for other in inventory.partial
+            ],
+        },
         "findings": [{"level": f.level.name, "message": f.message} for f in report.findings],
     }
 
@@ -933,6 +1022,9 @@ def _gpu_json(gpu: GpuOccupancy, idle: frozenset[int]) -> dict[str, Any]:
         "lost": reading.lost,
         "problem": reading.problem,
         "health": _health_json(reading),
+        "mig": None
+        if reading.mig is None
+        else {"current": reading.mig.current, "pending": reading.mig.pending},
         "holder_pids": list(gpu.holder_pids),
         "unattributed_mib": _opt_mib(gpu.unattributed_bytes),
         "container_mib": _opt_mib(gpu.container_bytes),

@@ -9,20 +9,29 @@ what it may say (docs/security.md):
   SIGKILL." and "Unit process N (comm) remains running after unit stopped." name what systemd
   killed and what outlived the run.
 * **unit**: the unit's own output (``_SYSTEMD_UNIT``, not PID 1), kept only when it matches a
-  start-failure signature (``events.START_FAILURE_SIGNATURES``) or is the gate's verdict line
-  (``gpuguard gate: …``, which the gate prints into the unit's output). The unit chooses that
-  text: it is shown as the unit's word, never as systemd's or gpuguard's.
+  start-failure signature (``events.START_FAILURE_SIGNATURES``). The unit chooses that text: it
+  is shown as the unit's word, never as systemd's or gpuguard's. The gate's verdict reaches the
+  unit's output too (the drop-in's client prints it), but there the unit could print the same
+  words: it is never read from there.
 * **gpuguard**: the daemon's structured JSON lines, only from ``gpuguard.service`` running as
-  root (``_SYSTEMD_UNIT``, ``_UID``: journald's fields), and the gate server's "accepted" lines
-  for gate and reap requests from ``gpuguard-gate.service`` (``gpuguard-gate@….service``, one
-  instance per request, before 0.1.0-3).
+  root (``_SYSTEMD_UNIT``, ``_UID``: journald's fields), and the gate server's own lines about
+  gate and reap requests from ``gpuguard-gate.service`` (``gpuguard-gate@….service``, one
+  instance per request, before 0.1.0-3): "accepted", each line it sent the client (the gate's
+  verdict, the reaper's signals) and the exit status.
 * **kernel**: Xids (``xidevents``), only with ``_TRANSPORT=kernel``.
 
 Every text shown is escaped (``gpuguard.escaping``) and cut; every parser is bounded and never
 raises. Time is the journal's per-boot monotonic stamp; rows of several boots are told boot by
-boot, each in its own order. When gpuguard left no line at all (it was not installed yet, or
-not running), the pure detector and recovery planner are replayed over systemd's events to say
-what gpuguard would have decided.
+boot, each in its own order.
+
+The incident is judged by the daemon's own pure detector and recovery planner, replayed over
+systemd's events (``_replay``): the same code on the same entries gives the same verdict. When
+gpuguard left no line at all (it was not installed yet, or not running), the replay says what
+gpuguard would have decided, and only what the ownership rule (``core.policy``) would have let it
+do: a recovery is said to free the GPUs only when the journal shows a holder the rule allows (a
+process systemd saw in the unit's cgroup), never for holders outside it with no provenance. When
+the daemon's verdicts are in the journal, each is compared with the replay at the same moment,
+and a difference is printed with its reason.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.detector import Cause, Detector, LoopSettings
+from gpuguard.core.detector import Cause, Detector, LoopSettings, asks_for_judgement
+from gpuguard.core.enginelines import BY_KEY
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import (
+    OUTPUT_KINDS,
     START_FAILURE_SIGNATURES,
     EventKind,
     UnitEvent,
@@ -72,17 +83,10 @@ _KILLING = re.compile(
 _REMAINS = re.compile(
     r"Unit process (?P<pid>\d{1,10}) \((?P<comm>.{0,64}?)\) remains running after unit stopped\."
 )
+# After "<command> for U from PID ": the PID, then the acceptance or a line the request said.
+_GATE_SERVER_LINE = re.compile(r"\d{1,10}(?: \(uid \d{1,10}, .{0,400}\): accepted$|: (?P<said>.+))")
+_GATE_EXIT = re.compile(r"exit \d{1,3}")
 _FAILED_RUN_KINDS: Final = frozenset({EventKind.FAILED, EventKind.START_FAILED})
-_JUDGED_AT: Final = frozenset(
-    {
-        EventKind.FAILED,
-        EventKind.START_FAILED,
-        EventKind.MAIN_EXITED,
-        EventKind.START_LIMIT_HIT,
-        EventKind.LEFT_OVER_PROCESS,
-        EventKind.STARTED,
-    }
-)
 # The daemon's log events worth a row, and the fields that say what it decided or did.
 _DAEMON_EVENTS: Final = frozenset(
     {
@@ -98,6 +102,9 @@ _DAEMON_EVENTS: Final = frozenset(
         "next run started",
         "signal",
         "reap outcome",
+        "engine dead",
+        "engine dead: decision",
+        "start stuck",
     }
 )
 _DAEMON_FIELDS: Final = (
@@ -108,12 +115,20 @@ _DAEMON_FIELDS: Final = (
     "result",
     "problem",
     "reaped",
+    "pids",
     "summary",
+    "findings",
 )
 # The reaper's lines: what was signalled first (the reason is long: it comes last).
 _REAP_FIELDS: Final = ("signal", "pid", "outcome", "signals", "detail", "command", "reason")
 _REAP_EVENTS: Final = frozenset({"signal", "reap outcome"})
 _FIELD_CHARS: Final = 100
+# gpuguard's rows told in the table only: single signals, the daemon's every-event verdicts, the
+# gate server's acceptances, exits and the reaper lines it copied (its verdicts are the story).
+_TABLE_ONLY: Final = frozenset(
+    {"signal", "reap-outcome", "verdict", "gate-server", "gate-said", "reap-said"}
+    | {"gate-exit", "reap-exit"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +152,24 @@ class Story:
     stop_timeouts: tuple[str, ...]
     sigkilled: tuple[str, ...]
     survivors: tuple[str, ...]
+    """One line per distinct PID systemd or gpuguard saw outlive a run (a PID systemd names
+    three times is one line), then gpuguard's sweep summaries, which name no PID."""
     failed_starts: tuple[str, ...]
     gpuguard: tuple[str, ...]
     would: tuple[str, ...]
     healthy: str | None
+    start_limit: tuple[str, ...] = ()
+    """Each start-limit hit: a loop systemd ended, and what to do."""
+    operator: tuple[str, ...] = ()
+    """Stop jobs (an operator's ``stop`` or ``restart``, a conflict, gpuguard): never a loop."""
+    findings: tuple[str, ...] = ()
+    """What is no loop but worth a look: left-overs found at a start."""
+    survivor_pids: int = 0
+    """How many distinct PIDs ``survivors`` names (its PID-less lines not counted)."""
+    verdict: str = ""
+    """The detector's verdict on the newest entries, replayed (the daemon's own code)."""
+    disagreements: tuple[str, ...] = ()
+    """Where a verdict the daemon logged differs from the replay at the same moment, and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +190,20 @@ class _Acc:
     rows: list[Row] = field(default_factory=list)
     events: list[UnitEvent] = field(default_factory=list)
     seen: set[tuple[str, str | None, str]] = field(default_factory=set)
+    daemon: list[_DaemonSaid] = field(default_factory=list)
+    """The daemon's verdicts (looping or not) and its finished recoveries, for the replay."""
+
+
+@dataclass(frozen=True, slots=True)
+class _DaemonSaid:
+    """A daemon line the replay compares with (``looping``) or follows (a recovery's reset)."""
+
+    monotonic_s: float
+    realtime_s: float | None
+    boot_id: str | None
+    looping: bool | None
+    """None: a finished recovery that restarted the unit (the daemon then resets its count)."""
+    reason: str
 
 
 def build(
@@ -187,23 +230,25 @@ def build(
     rows = sorted(acc.rows, key=_order(acc.rows))
     events = sorted(acc.events, key=_order(acc.events))
     gpuguard_seen = any(row.source == GPUGUARD for row in rows)
-    would = () if gpuguard_seen else _replay(events, unit, loop, limits)
+    holders = _holders_seen(rows, events)
+    replayed = _replay(events, unit, loop, limits, holders=holders, daemon=acc.daemon, rows=rows)
+    would = () if gpuguard_seen else replayed.would
     rows += [row for row, _ in would]
     rows.sort(key=_order(rows))
-    story = _story(rows, events, tuple(text for _, text in would))
+    story = _story(rows, events, tuple(text for _, text in would), replayed, holders)
     return Timeline(unit, tuple(rows), story, gpuguard_seen)
 
 
 def _order(
-    items: Sequence[Row | UnitEvent],
-) -> Callable[[Row | UnitEvent], tuple[float, str, float]]:
+    items: Sequence[Row | UnitEvent | _DaemonSaid],
+) -> Callable[[Row | UnitEvent | _DaemonSaid], tuple[float, str, float]]:
     """A sort key: boots in the order of their first wall-clock stamp, then monotonic time."""
     first: dict[str | None, float] = {}
     for item in items:
         stamp = item.realtime_s if item.realtime_s is not None else float("inf")
         first[item.boot_id] = min(first.get(item.boot_id, stamp), stamp)
 
-    def key(item: Row | UnitEvent) -> tuple[float, str, float]:
+    def key(item: Row | UnitEvent | _DaemonSaid) -> tuple[float, str, float]:
         return (first.get(item.boot_id, float("inf")), item.boot_id or "", item.monotonic_s)
 
     return key
@@ -224,12 +269,6 @@ def _read(entry: Mapping[str, object], unit: str, acc: _Acc) -> None:
         _kernel_row(entry, where, acc)
     elif is_trusted(entry, unit):
         _systemd_text_row(entry, where, acc)
-    elif _string(entry, "_SYSTEMD_UNIT") == unit and _string(entry, "_PID") != "1":
-        text = decode_message(entry.get("MESSAGE"), limit=_SCAN) or ""
-        at = text.find(GATE_LINE_PREFIX, 0, 200)
-        if at >= 0:
-            run = _string(entry, "_SYSTEMD_INVOCATION_ID")
-            acc.rows.append(Row(*where, UNIT, "gate-said", escape(text[at:], _TEXT_LIMIT), run))
     elif _string(entry, "_UID") == "0" and _string(entry, "_PID") != "1":
         _gpuguard_row(entry, unit, where, acc)
 
@@ -253,6 +292,14 @@ def _event_row(event: UnitEvent, acc: _Acc) -> None:
         acc.events.append(event)
         text = f"[{signature}] {event.message}"
         acc.rows.append(_row(event, UNIT, event.kind.value, text))
+        return
+    if event.kind in OUTPUT_KINDS:  # an engine's fatal or phase line (core.enginelines)
+        line = BY_KEY.get(event.line or "")
+        key = (event.kind.value, run, event.line or "")
+        if line is None or key in acc.seen:
+            return  # every rank prints it: the first of each kind per run tells the story
+        acc.seen.add(key)
+        acc.rows.append(_row(event, UNIT, event.kind.value, f"[{line.cause}] {event.message}"))
         return
     acc.events.append(event)
     acc.rows.append(_row(event, SYSTEMD, event.kind.value, event.message))
@@ -310,9 +357,9 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
     if text is None:
         return
     if owner == GATE_SERVER_UNIT or owner.startswith(GATE_SERVER_PREFIX):
-        asked = text.startswith((f"gate for {unit} from PID ", f"reap for {unit} from PID "))
-        if asked and len(text) < _TEXT_LIMIT:
-            acc.rows.append(Row(*where, GPUGUARD, "gate-server", escape(text, _TEXT_LIMIT)))
+        kind = _gate_server_kind(text, unit)
+        if kind is not None:
+            acc.rows.append(Row(*where, GPUGUARD, kind, escape(text, _TEXT_LIMIT)))
         return
     if owner != DAEMON_UNIT or not text.startswith("{"):
         return
@@ -329,11 +376,53 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
     named = isinstance(reason, str) and f" {unit} " in f" {reason[:_SCAN]} "
     if line.get("unit") != unit and not named:
         return
+    _note_daemon(line, unit, where, acc)
     keys = _REAP_FIELDS if event in _REAP_EVENTS else _DAEMON_FIELDS
     parts = [f"{key}={_shown(line[key])}" for key in keys if line.get(key) is not None]
     kind = event.replace(": ", "-").replace(" ", "-")
     said = f"{event}: {' '.join(parts)}" if parts else event
     acc.rows.append(Row(*where, GPUGUARD, kind, escape(said, _TEXT_LIMIT)))
+
+
+def _note_daemon(
+    line: Mapping[str, object],
+    unit: str,
+    where: tuple[float, float | None, str | None],
+    acc: _Acc,
+) -> None:
+    """Keep the daemon's verdicts on ``unit`` and its restarting recoveries for the replay."""
+    if line.get("unit") != unit:
+        return
+    looping = line.get("looping")
+    if isinstance(looping, bool):
+        acc.daemon.append(_DaemonSaid(*where, looping, _shown(line.get("reason", ""))))
+    elif line.get("event") == "recovery finished" and line.get("result") == "restarted":
+        acc.daemon.append(_DaemonSaid(*where, None, "recovery finished: restarted"))
+
+
+def _gate_server_kind(text: str, unit: str) -> str | None:
+    """What a gate server line about ``unit`` is; None when it is about another unit.
+
+    Its acceptance, the verdict, the exit, or another line it sent the client (the reaper's).
+    The server writes "<gate|reap> for U from PID N (uid …): accepted", then each line the
+    request sent the client's standard error as "… from PID N: <line>", then "… : exit N".
+    """
+    for command in ("gate", "reap"):
+        head = f"{command} for {unit} from PID "
+        if not text.startswith(head):
+            continue
+        match = _GATE_SERVER_LINE.match(text, len(head))
+        if match is None:
+            return None
+        said = match["said"]
+        if said is None:
+            return "gate-server"
+        if _GATE_EXIT.fullmatch(said):
+            return f"{command}-exit"
+        if said.startswith((GATE_LINE_PREFIX, "gpuguard reap")):
+            return f"{command}-verdict"
+        return f"{command}-said"
+    return None
 
 
 def _kernel_row(
@@ -350,27 +439,86 @@ def _kernel_row(
     acc.rows.append(Row(*where, KERNEL, "xid", escape(text, _TEXT_LIMIT)))
 
 
-def _replay(
+@dataclass(frozen=True, slots=True)
+class _Holders:
+    """Who the journal shows holding on after a run, as the ownership rule would see them."""
+
+    in_cgroup: tuple[int, ...]
+    """PIDs systemd saw in the unit's cgroup after a run (remains running, left over at start):
+    the unit's, if they run as its ``User=``."""
+    named_outside: tuple[int, ...]
+    """PIDs the server's out-of-memory lines name as holders that systemd never saw in the
+    cgroup: outside it, and without gpuguard's ledger nothing proves they are the unit's."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    """What the replay concluded: the would-rows, the final verdict, the disagreements."""
+
+    would: tuple[tuple[Row, str], ...]
+    verdict: str
+    disagreements: tuple[str, ...]
+    findings: tuple[str, ...]
+
+
+_HOLDER_PID = re.compile(r"\bProcess (\d{1,10}) has ")
+_SURVIVOR_PID = re.compile(r"(?:process|Process) (\d{1,10}) \(|\bpid=(\d{1,10})\b")
+
+
+def _holders_seen(rows: Sequence[Row], events: Sequence[UnitEvent]) -> _Holders:
+    in_cgroup = dict.fromkeys(
+        event.pid
+        for event in events
+        if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None
+    )
+    for row in rows:
+        if row.kind == "remains-running" and (match := _SURVIVOR_PID.search(row.text)):
+            in_cgroup[int(match[1])] = None
+    named: dict[int, None] = {}
+    for event in events:
+        if event.kind is EventKind.GPU_OOM_OUTPUT:
+            for match in _HOLDER_PID.finditer(event.message):
+                if int(match[1]) not in in_cgroup:
+                    named[int(match[1])] = None
+    return _Holders(tuple(in_cgroup), tuple(named))
+
+
+def _replay(  # noqa: PLR0913 - the daemon's settings, what the journal shows, what it said
     events: list[UnitEvent],
     unit: str,
     loop: LoopSettings | None,
     limits: RecoveryLimits | None,
-) -> tuple[tuple[Row, str], ...]:
-    """What the daemon would have decided on these events: its first decision to act, if any.
+    *,
+    holders: _Holders,
+    daemon: Sequence[_DaemonSaid],
+    rows: Sequence[Row],
+) -> _Replayed:
+    """The daemon's detector and planner over these events, as the daemon ran them.
 
+    Its first decision to act, if any, its verdict at the end, and where the daemon's own
+    logged verdicts differ.
     The detector judges at each event that ends or starts a run, as the daemon would; with no
     GPU inventory (the journal has none) a loop has a GPU cause only when the unit printed a
-    start-failure signature.
+    start-failure signature. A finished recovery of the daemon resets the count, as it does.
     """
     detector = Detector(unit, loop)
     planner = RecoveryPlanner(limits or RecoveryLimits())
     said: list[tuple[Row, str]] = []
     last: tuple[bool, Action | None] = (False, None)
+    pending = sorted(daemon, key=_order(daemon))
+    differ: list[str] = []
+    findings: dict[str, None] = {}
+    acted = False
     for event in events:
+        while pending and _before(pending[0], event):
+            _compare(detector, pending.pop(0), differ)
         detector.observe(event, live=False)
-        if event.kind not in _JUDGED_AT:
+        if not asks_for_judgement(event.kind):
             continue
         diagnosis = detector.diagnose(event.monotonic_s, None)
+        findings.update(dict.fromkeys(diagnosis.findings))
+        if acted:
+            continue
         decision = planner.decide(diagnosis, event.monotonic_s)
         now = (diagnosis.looping, decision.action)
         if now == last or not diagnosis.looping:
@@ -380,51 +528,197 @@ def _replay(
         text = (
             f"gpuguard would have acted: {decision.action.value} ({diagnosis.cause.value}): "
             f"{decision.reason}"
-        )
-        if diagnosis.cause is Cause.UNKNOWN:
-            text += (
-                "; the journal holds no GPU inventory: had stale holders held the unit's GPUs "
-                "then, it would have recovered"
-            )
+        ) + _what_it_could_reap(diagnosis.cause, decision.action, holders, unit)
         row = Row(
             event.monotonic_s,
             event.realtime_s,
             event.boot_id,
             WOULD,
             decision.action.value,
-            escape(text, _TEXT_LIMIT),
+            escape(text, _TEXT_LIMIT * 2),
             event.invocation_id,
         )
-        said.append((row, row.text))
-        if decision.action is Action.RECOVER:
-            break  # what a recovery would have changed, the journal cannot say
-    return tuple(said)
+        if all(row.text != earlier for _, earlier in said):  # a loop judged again says it once
+            said.append((row, row.text))
+        acted = decision.action is Action.RECOVER  # what it would have changed, none can say
+    for left in pending:
+        _compare(detector, left, differ)
+    final = detector.diagnose(_newest(events, rows), None) if events else None
+    if final is None:
+        verdict = "no lifecycle event of the unit in the journal"
+    else:
+        verdict = ("restart loop: " if final.looping else "no loop: ") + final.reason
+    return _Replayed(tuple(said), escape(verdict, _TEXT_LIMIT * 2), tuple(differ), tuple(findings))
 
 
-def _story(rows: list[Row], events: list[UnitEvent], would: tuple[str, ...]) -> Story:
+def _newest(events: Sequence[UnitEvent], rows: Sequence[Row]) -> float:
+    """The newest moment the journal shows in the last event's boot: the verdict is judged then.
+
+    The daemon judges on its timer too: a run that stayed up for ``stable_s`` is healthy.
+    """
+    boot = events[-1].boot_id
+    return max([events[-1].monotonic_s, *(r.monotonic_s for r in rows if r.boot_id == boot)])
+
+
+def _before(said: _DaemonSaid, event: UnitEvent) -> bool:
+    """Whether the daemon's line comes before ``event`` (same boot: by the monotonic clock)."""
+    return said.boot_id != event.boot_id or said.monotonic_s < event.monotonic_s
+
+
+def _compare(detector: Detector, said: _DaemonSaid, differ: list[str]) -> None:
+    """Judge as the daemon did at its line; note a different verdict, or reset as it did."""
+    if said.looping is None:
+        detector.reset(said.monotonic_s)
+        return
+    mine = detector.diagnose(said.monotonic_s, None)
+    if mine.looping == said.looping:
+        return
+    differ.append(
+        f"at {_clock(said.realtime_s)} the daemon said {'a' if said.looping else 'no'} restart "
+        f"loop ({said.reason}); replayed from the journal: "
+        f"{'a' if mine.looping else 'no'} loop ({mine.reason}). Why they can differ: the daemon "
+        "had entries the journal range here does not (set --since earlier), or its settings "
+        "differ from this configuration's"
+    )
+
+
+def _what_it_could_reap(cause: Cause, action: Action, holders: _Holders, unit: str) -> str:
+    """What a recovery could have freed under the ownership rule, from what the journal shows."""
+    if action is not Action.RECOVER and cause is not Cause.UNKNOWN:
+        return ""
+    check = (
+        f"check them (`gpuguard reap --unit {unit} --dry-run`), then "
+        f"`gpuguard reap --unit {unit} --scope patterns`"
+    )
+    if holders.in_cgroup:
+        pids = ", ".join(str(pid) for pid in holders.in_cgroup[:_SHOWN_PIDS])
+        proven = (
+            f"; systemd saw PID {pids} in the unit's cgroup after a run: the ownership rule lets "
+            "gpuguard reap those if they run as the unit's User="
+        )
+        if action is Action.RECOVER:
+            return proven
+        return proven + ", had they held the unit's GPUs then, it would have recovered"
+    if holders.named_outside:
+        pids = ", ".join(str(pid) for pid in holders.named_outside[:_SHOWN_PIDS])
+        return (
+            f"; but the server names PID {pids} as holding GPU memory and systemd never saw it "
+            "in the unit's cgroup: outside it, with no provenance (gpuguard's ledger records a "
+            "run's processes only while it runs), no rule lets gpuguard reap it, so a recovery "
+            "would reap nothing: it would not stop the unit, it would need an operator: " + check
+        )
+    if action is Action.RECOVER:
+        return (
+            "; the journal shows no holder the ownership rule would let it reap (none systemd "
+            "saw in the unit's cgroup): it would recover only if its inventory then proved the "
+            "holders the unit's; holders outside the cgroup with no provenance it never touches: "
+            + check
+        )
+    return (
+        "; the journal holds no GPU inventory: had the unit's own left-overs (in its cgroup, or "
+        "recorded by gpuguard while the run lived) held its GPUs then, it would have recovered; "
+        "holders outside the cgroup with no provenance it never touches"
+    )
+
+
+def _story(
+    rows: list[Row],
+    events: list[UnitEvent],
+    would: tuple[str, ...],
+    replayed: _Replayed,
+    holders: _Holders,
+) -> Story:
     stops = [f"{_short(r.run)}: {r.text}" for r in rows if r.kind == EventKind.STOP_TIMED_OUT]
     killed = [r.text for r in rows if r.kind == "killed"]
-    survivors = [
-        r.text
-        for r in rows
-        if r.kind in {"remains-running", EventKind.LEFT_OVER_PROCESS, EventKind.SURVIVED_SIGKILL}
-        or (r.source == GPUGUARD and r.kind in {"reap-outcome", "survivors-of-an-ended-run"})
-    ]
-    failed = _failed_starts(rows, events)
-    ours = [
-        r.text
-        for r in rows
-        if r.source == GPUGUARD and r.kind not in {"signal", "reap-outcome", "verdict"}
-    ]
+    ours = [r.text for r in rows if r.source == GPUGUARD and r.kind not in _TABLE_ONLY]
+    survivors = _survivors(rows, holders)
     return Story(
         stop_timeouts=tuple(stops),
         sigkilled=tuple(killed),
         survivors=tuple(survivors),
-        failed_starts=tuple(failed),
+        survivor_pids=sum(line.startswith("PID ") for line in survivors),
+        failed_starts=tuple(_failed_starts(rows, events)),
         gpuguard=tuple(ours),
         would=would,
         healthy=_healthy(events, rows),
+        start_limit=tuple(_start_limit(events)),
+        operator=tuple(_operator(events)),
+        findings=replayed.findings,
+        verdict=replayed.verdict,
+        disagreements=replayed.disagreements,
     )
+
+
+def _survivors(rows: list[Row], holders: _Holders) -> list[str]:
+    """One line per distinct PID that outlived a run, with everything said about it.
+
+    A holder only the server's out-of-memory line names (outside the cgroup: systemd never saw
+    it) is one too, said to be the server's word.
+    """
+    by_pid: dict[str, list[str]] = {}
+    other: list[str] = []
+    for row in rows:
+        systemd = row.kind in {"remains-running", EventKind.LEFT_OVER_PROCESS}
+        ours = row.source == GPUGUARD and row.kind in {"reap-outcome", "survivors-of-an-ended-run"}
+        if row.kind == EventKind.SURVIVED_SIGKILL:
+            other.append(f"run {_short(row.run)}: {row.text}")
+            continue
+        if not (systemd or ours):
+            continue
+        swept = _SWEPT_PIDS.search(row.text) if row.kind == "survivors-of-an-ended-run" else None
+        match = _SURVIVOR_PID.search(row.text) if swept is None else None
+        pids = swept["pids"].split(",") if swept else [match[1] or match[2]] if match else []
+        if not pids:
+            other.append(row.text)
+            continue
+        what = _SURVIVOR_WORDS.get(row.kind, row.kind)
+        if swept is not None and (summary := row.text.find("summary=")) >= 0:
+            what = f"swept by gpuguard's daemon: {row.text[summary + len('summary=') :]}"
+        said = f"{what} (run {_short(row.run)})" if row.run else what
+        for pid in pids:
+            if said not in by_pid.setdefault(pid, []):
+                by_pid[pid].append(said)
+    lines = [f"PID {pid}: {'; '.join(said)}" for pid, said in by_pid.items()]
+    lines += [
+        f"PID {pid}: named by the server's out-of-memory line as holding GPU memory (its word); "
+        "systemd never saw it in the unit's cgroup"
+        for pid in holders.named_outside
+        if str(pid) not in by_pid
+    ]
+    return lines + other
+
+
+_SURVIVOR_WORDS: Final = {
+    "remains-running": "remained running after the run stopped",
+    EventKind.LEFT_OVER_PROCESS.value: "left over at the start",
+    "reap-outcome": "reaped by gpuguard",
+}
+_SHOWN_PIDS: Final = 5
+_SWEPT_PIDS = re.compile(r"\bpids=\[(?P<pids>\d{1,10}(?:,\d{1,10}){0,19})\]")
+
+
+def _start_limit(events: list[UnitEvent]) -> list[str]:
+    """Each start-limit hit: systemd ended a loop; what the operator does next."""
+    return [
+        f"run {_short(event.invocation_id)}: start request repeated too quickly: systemd ended "
+        f"the loop and will not start {escape(event.unit)} again; fix the cause, then "
+        f"`systemctl reset-failed {escape(event.unit)}` (and start it)"
+        for event in events
+        if event.kind is EventKind.START_LIMIT_HIT
+    ]
+
+
+def _operator(events: list[UnitEvent]) -> list[str]:
+    """The stop jobs: someone asked for the stop (an operator's stop or restart): never a loop."""
+    lines: dict[str | None, str] = {}
+    for event in events:
+        if event.kind in {EventKind.STOPPING, EventKind.STOPPED} and event.job_type == "stop":
+            lines.setdefault(
+                event.invocation_id,
+                f"run {_short(event.invocation_id)}: stopped by a stop job (an operator's "
+                "`systemctl stop` or `restart`, a conflicting unit, or gpuguard): not a failure",
+            )
+    return list(lines.values())
 
 
 def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
@@ -435,7 +729,21 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
             said[row.run] = row.text
     lines: list[str] = []
     done: set[str | None] = set()
+    clean = {e.invocation_id for e in events if e.kind is EventKind.DEACTIVATED}
+    asked = {e.invocation_id for e in events if e.job_type == "stop"}
     for event in events:
+        restarted = (
+            event.kind is EventKind.RESTART_SCHEDULED
+            and event.invocation_id in clean
+            and event.invocation_id not in asked
+        )
+        if restarted and event.invocation_id not in done:
+            done.add(event.invocation_id)
+            lines.append(
+                f"run {_short(event.invocation_id)}: exited cleanly and systemd restarted it "
+                f"(restart counter at {event.n_restarts}): a server that exits is not serving"
+            )
+            continue
         if event.kind not in _FAILED_RUN_KINDS or event.invocation_id in done:
             continue
         done.add(event.invocation_id)
@@ -512,8 +820,8 @@ def render_text(timeline: Timeline, *, since: str | None) -> str:
         f"gpuguard explain: {unit}{span}: {len(timeline.rows)} rows",
         (
             "  systemd = PID 1 (journald's trusted fields); unit = the unit's own output, its "
-            "word only; gpuguard = gpuguard.service as root; kernel = Xids; would = gpuguard's "
-            "detector replayed"
+            "word only; gpuguard = gpuguard.service or gpuguard-gate.service as root; "
+            "kernel = Xids; would = gpuguard's detector replayed"
         ),
         "",
         f"  {'TIME (UTC)':<12} {'+S':>8}  {'SOURCE':<8}  {'KIND':<22}  TEXT",
@@ -558,13 +866,28 @@ def _story_lines(timeline: Timeline) -> list[str]:
 
     block("stops that timed out", story.stop_timeouts, "none")
     block("processes systemd SIGKILLed", story.sigkilled, "none")
-    block("survivors and left-overs", story.survivors, "none seen in the journal")
+    if story.survivors and story.survivor_pids != len(story.survivors):
+        # Lines without a PID (systemd's "Processes still around after SIGKILL"): not counted.
+        lines.append(f"  survivors and left-overs: {story.survivor_pids} PIDs")
+        lines.extend(f"    {item}" for item in story.survivors[:_STORY_ITEMS])
+        if len(story.survivors) > _STORY_ITEMS:
+            lines.append(f"    … {len(story.survivors) - _STORY_ITEMS} more (see --json)")
+    else:
+        block("survivors and left-overs", story.survivors, "none seen in the journal")
     block("failed starts", story.failed_starts, "none")
+    if story.start_limit:
+        block("systemd ended a restart loop (start limit)", story.start_limit, "")
+    block("stopped on request (never a loop)", story.operator, "none")
+    if story.findings:
+        block("findings (no loop)", story.findings, "")
     if timeline.gpuguard_seen:
         block("what gpuguard decided and did", story.gpuguard, "only verdicts and signals")
     else:
         lines.append("  gpuguard: left no line in this journal (not installed or not running)")
         block("what gpuguard would have done", story.would, "nothing: no restart loop")
+    lines.append(f"  verdict (gpuguard's detector on these entries): {story.verdict}")
+    if story.disagreements:
+        block("where the daemon's logged verdict differs", story.disagreements, "")
     lines.append(f"  healthy: {story.healthy or 'no run started and stayed up in the journal'}")
     return lines
 
@@ -593,10 +916,16 @@ def to_json(timeline: Timeline, *, since: str | None) -> dict[str, object]:
             "stop_timeouts": list(story.stop_timeouts),
             "sigkilled": list(story.sigkilled),
             "survivors": list(story.survivors),
+            "survivor_pids": story.survivor_pids,
             "failed_starts": list(story.failed_starts),
             "gpuguard": list(story.gpuguard),
             "would": list(story.would),
             "healthy": story.healthy,
+            "start_limit": list(story.start_limit),
+            "operator": list(story.operator),
+            "findings": list(story.findings),
+            "verdict": story.verdict,
+            "disagreements": list(story.disagreements),
         },
     }
 

@@ -6,9 +6,11 @@ is neither in the unit's cgroup nor carries its ``INVOCATION_ID``. What ties it 
 only what root wrote and the engine (root) confirms: the container's name, from the unit's
 ``container`` key or from ``--name`` in its ``ExecStart=`` (root's unit file, parsed with the
 total shell-word parser, never a pattern over a command line), and the engine's own answer that
-the container of that name is the very one whose cgroup holds the GPU. Stale or current is told
-by the kernel's clock, not the engine's wall-clock ``StartedAt``: the start time of the
-container's init process (``State.Pid``) against the start of the unit's running invocation.
+the container of that name is the very one whose cgroup holds the GPU, its ``Name`` equal to the
+claim (the engine also answers a name that is an id prefix with that container). Stale or
+current is told by the kernel's clock, not the engine's wall-clock ``StartedAt``: the start
+time of the container's init process (``State.Pid``) against the start of the unit's running
+invocation.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Final
 
+from gpuguard.core.escaping import escape
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
@@ -328,6 +331,15 @@ def _not_confirmed(unit: str, evidence: Evidence, facts: ContainerFacts, named: 
     here = f"{evidence.engine}:{evidence.short_id}"
     if facts.id[:12] != evidence.short_id:
         return f"{here} is not {unit}'s container {facts.name} ({facts.id[:12]})"
+    claimed = evidence.claim.name if evidence.claim is not None else None
+    if facts.name != claimed:
+        # The engine resolves GET /containers/NAME/json by name, then by id prefix: a claim
+        # that looks like hex (``cafe``) can fetch another container whose id begins so.
+        return (
+            f"{here} is not {unit}'s container {claimed}: the engine answered for that name "
+            f"with the container named {escape(facts.name) or '(none)'} (an id prefix, not its "
+            "name)"
+        )
     if facts.unit_label is not None and facts.unit_label != unit:
         return f"{named}: its {UNIT_LABEL} label names another unit"
     if not facts.running or facts.pid is None:

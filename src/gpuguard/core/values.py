@@ -120,6 +120,18 @@ class GpuHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class MigMode:
+    """A GPU's MIG mode as nvmlDeviceGetMigMode answers it (docs/facts.md §2.5).
+
+    ``current`` is in effect now; ``pending`` takes effect at the next GPU reset. A GPU that
+    cannot do MIG answers NOT_SUPPORTED, read as off.
+    """
+
+    current: bool
+    pending: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GpuReading:
     """Everything NVML told us about one GPU; ``problem`` says what could not be read and why."""
 
@@ -135,6 +147,9 @@ class GpuReading:
     health: GpuHealth = field(default_factory=GpuHealth)
     persistence_mode: bool | None = None
     """Whether the driver keeps the GPU initialised without clients; None: unknown."""
+    mig: MigMode | None = None
+    """MIG mode; None: unknown (the call failed). With MIG on, the whole-GPU memory and
+    process lists sum every MIG instance, other tenants' too (core/mig.py)."""
 
 
 class NvmlHealth(StrEnum):
@@ -185,6 +200,10 @@ class ProcessFacts:
     kernel_wait: tuple[str, ...] = ()
     """In state D only: where the kernel says it sleeps (wchan, then the stack frames root may
     read), which tells a wait in the NVIDIA driver from ordinary I/O or a vfork() parent."""
+    partial: str | None = None
+    """Why its files were not read in full (a budget of the /proc walk ran out: millions of
+    descriptors, a huge ``maps``); None when they were. ``device_files`` is then what the part
+    read shows, never proof that it holds nothing more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +233,8 @@ class ProcScan:
     method: str = "full"
     hidden: frozenset[int] = frozenset()
     """PIDs that exist in /proc but whose details this user may not read (hidepid=)."""
+    not_visited: int = 0
+    """Processes the walk did not read at all: its budget of processes or time ran out."""
 
 
 @dataclass(frozen=True, slots=True)

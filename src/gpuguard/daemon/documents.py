@@ -45,6 +45,8 @@ class UnitSnapshot:
     survivors: tuple[dict[str, Any], ...]
     reset_xids: tuple[dict[str, Any], ...]
     """Reset-class Xids since the unit last came up: its gate refuses (core.xidfaults)."""
+    liveness: dict[str, Any] | None = None
+    """The engine's liveness and start phase (core.liveness.LivenessView, docs/liveness.md)."""
 
     def to_json(self) -> dict[str, Any]:
         """The unit's object in the snapshot."""
@@ -67,6 +69,7 @@ class UnitSnapshot:
             "recovery_in_progress": self.recovery_in_progress,
             "survivors": list(self.survivors),
             "reset_xids": list(self.reset_xids),
+            "liveness": self.liveness,
         }
 
 
@@ -110,6 +113,8 @@ class UnitStateDocument:
     planner: Mapping[str, object] | None
     recoveries: tuple[dict[str, Any], ...]
     in_progress: dict[str, Any] | None
+    liveness: dict[str, Any] | None = None
+    """The starts that came up, phase by phase (core.liveness export/restore)."""
 
     def to_json(self) -> dict[str, Any]:
         """The saved document, ``schema_version`` UNIT_STATE_SCHEMA."""
@@ -119,6 +124,7 @@ class UnitStateDocument:
             "planner": dict(self.planner) if self.planner is not None else None,
             "recoveries": list(self.recoveries),
             "in_progress": self.in_progress,
+            "liveness": self.liveness,
         }
 
     @classmethod
@@ -150,6 +156,12 @@ class UnitStateDocument:
         if in_progress is not None and not isinstance(in_progress, dict):
             problems.append("in_progress is not an object")
             in_progress = None
+        liveness = saved.get("liveness")
+        if liveness is not None and not isinstance(liveness, dict):
+            problems.append("liveness is not an object")
+            liveness = None
         boot_id = saved.get("boot_id")
-        document = cls(boot_id if isinstance(boot_id, str) else None, planner, kept, in_progress)
+        document = cls(
+            boot_id if isinstance(boot_id, str) else None, planner, kept, in_progress, liveness
+        )
         return document, problems

@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 from gpuguard.adapters.journal import KERNEL
 from gpuguard.core.detector import Detector, GpuEvidence
 from gpuguard.core.escaping import escape
-from gpuguard.core.events import parse_entry
+from gpuguard.core.events import EventKind, parse_entry
 from gpuguard.core.gate import GateSettings, reap_targets, set_blockers
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.health import reset_reasons
+from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, Liveness, State
 from gpuguard.core.oomdevice import device_phrases
 from gpuguard.core.policy import PlanRequest, Scope, plan
 from gpuguard.core.records import bound_record
@@ -230,6 +231,8 @@ class _Watch:
     planner: RecoveryPlanner
     ends: RunEnds
     """Which runs are over, for the sweep of their survivors."""
+    liveness: Liveness
+    """Its engine: dead while the unit lives, its start phases (core.liveness)."""
     diagnosis: Diagnosis | None = None
     decision: RecoveryDecision | None = None
     systemd_state: str = "unknown"
@@ -242,6 +245,10 @@ class _Watch:
     """The newest sweep still waiting for the next run's start, to say whether it was in time."""
     up: LastUp = field(default_factory=LastUp)
     """When the unit last came up: reset-class Xids before it no longer count (xidfaults)."""
+    stuck_said: str | None = None
+    """The run whose stuck start was logged (once per run)."""
+    dead_due: float | None = None
+    """When to act on an engine seen dying live (its grace, or a recovery backoff's end)."""
 
 
 class Daemon:
@@ -254,8 +261,18 @@ class Daemon:
         self._ports = ports
         loop, limits = settings.daemon.loop(), settings.daemon.recovery_limits()
         self._watches = {
-            name: _Watch(name, Detector(name, loop), RecoveryPlanner(limits), RunEnds(name))
-            for name in settings.units
+            name: _Watch(
+                name,
+                Detector(name, loop),
+                RecoveryPlanner(limits),
+                RunEnds(name),
+                Liveness(
+                    name,
+                    unit.server,
+                    clean_exit_is_death=settings.daemon.clean_exit_is_death,
+                ),
+            )
+            for name, unit in settings.units.items()
         }
         self._gather = self._fed(settings.nvml_timeout_s, ports.gather)
         self._show_unit = self._fed(0.0, ports.show_unit)
@@ -272,6 +289,7 @@ class Daemon:
         self._xids: deque[XidEvent] = deque(maxlen=XIDS_KEPT)
         self._xids_malformed = 0
         self._faults = FaultLog()
+        self._unjudged: dict[str, frozenset[int]] = {}  # MIG GPUs last said per unit
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
@@ -355,6 +373,10 @@ class Daemon:
             and watch.decision.action is Action.WAIT
             and watch.decision.not_before_s is not None
         )
+        due.extend(w.dead_due - now for w in self._watches.values() if w.dead_due is not None)
+        due.extend(
+            wake - now for w in self._watches.values() if (wake := w.liveness.wake_at) is not None
+        )
         timeout = max(0.0, min(due))
         fds = self._follower.fds()
         if ports.wakeup_fd is not None:
@@ -385,7 +407,7 @@ class Daemon:
                     continue
                 end = watch.ends.observe(event)  # history too: a replayed end is not swept again
                 watch.up.observe(event)
-                if watch.detector.observe(event, live=record.live):
+                if self._observe(watch, event, live=record.live):
                     touched.add(watch.name)
                 if record.live:
                     live.append((watch, event))
@@ -398,6 +420,7 @@ class Daemon:
             self._note_next_start(watch, event)
         for name in touched:
             self._judge(self._watches[name])
+        self._dead_engines()
 
     def _kernel(self, record: JournalRecord) -> None:
         """Keep a kernel Xid for status (history too: recent faults explain a loop); log news."""
@@ -427,6 +450,7 @@ class Daemon:
         so history replayed at start is still never acted on.
         """
         now = self._ports.monotonic()
+        self._dead_engines()
         for watch in self._watches.values():
             if watch.diagnosis is None or now < watch.refresh_at:
                 continue
@@ -501,6 +525,8 @@ class Daemon:
             "starts_in_window": diagnosis.starts_in_window,
             "n_restarts": diagnosis.n_restarts,
         }
+        if diagnosis.findings:  # no loop, but worth saying (a left-over at an operator's start)
+            fields["findings"] = list(diagnosis.findings)
         if decision is None:
             self._ports.log.info("verdict", **fields)
             return
@@ -517,6 +543,12 @@ class Daemon:
         unit_settings = settings.units[unit]
         environment = self._environment(unit, state)
         gpu_set = resolve_gpu_set(unit_settings.gpus, environment, inventory.nvml.gpus)
+        if gpu_set.unjudged != self._unjudged.get(unit, frozenset()):
+            self._unjudged[unit] = gpu_set.unjudged
+            if gpu_set.unjudged:  # core/mig.py: said once, not on every look
+                self._ports.log.warning(
+                    "MIG GPUs not judged", unit=unit, gpu_set=gpu_set.describe()
+                )
         return PlanRequest(
             unit=unit,
             scope=Scope.UNIT,
@@ -532,6 +564,85 @@ class Daemon:
         """The unit's GPU variables: the gate's record includes EnvironmentFile= values."""
         recorded = self._ports.gate_environment(unit)
         return state.environment if recorded is None else recorded
+
+    # -- a dead engine (core.liveness; docs/liveness.md) ---------------------------------------
+
+    def _observe(self, watch: _Watch, event: UnitEvent, *, live: bool) -> bool:
+        """Feed the unit's liveness, then its detector; whether the detector wants a judgement."""
+        self._observe_liveness(watch, event, live=live)
+        return event.kind not in _LIVENESS_ONLY and watch.detector.observe(event, live=live)
+
+    def _observe_liveness(self, watch: _Watch, event: UnitEvent, *, live: bool) -> None:
+        """An engine seen dying live is said at once, and acted on after its grace."""
+        liveness = watch.liveness
+        learned = liveness.learned
+        died = liveness.observe(event, live=live)
+        if live and liveness.learned != learned:
+            self._save(watch)  # a start came up: its phases teach the next start's budget
+        if died:
+            self._said_dead(watch)
+
+    def _said_dead(self, watch: _Watch) -> None:
+        """Say once that a unit's engine died; its action is due after the grace."""
+        dead = watch.liveness.dead
+        if dead is None:
+            return
+        self._ports.log.error(
+            "engine dead",
+            unit=watch.name,
+            invocation_id=dead.invocation_id,
+            cause=dead.cause,
+            line=dead.line,
+            action=self._settings.units[watch.name].on_engine_dead,
+        )
+        # After an exit 0, systemd's own restart (Restart=always) may still come: wait as long
+        # as for a fatal line (whose grace is over by now).
+        watch.dead_due = dead.since_s + ENGINE_DEAD_GRACE_S
+
+    def _dead_engines(self) -> None:
+        """Recover each unit whose engine is still dead after its grace, if it opted in.
+
+        Also says once per run that a start is stuck in a phase (reported only).
+        """
+        now = self._ports.monotonic()
+        for watch in self._watches.values():
+            if watch.liveness.tick(now):
+                self._said_dead(watch)
+            view = watch.liveness.view(now)
+            if view.state is State.STUCK and watch.stuck_said != view.invocation_id:
+                watch.stuck_said = view.invocation_id
+                self._ports.log.warning("start stuck", unit=watch.name, summary=view.summary)
+            if watch.dead_due is None or now < watch.dead_due:
+                continue
+            watch.dead_due = None
+            view = watch.liveness.view(now)
+            if view.dead is None or self._settings.units[watch.name].on_engine_dead != "recover":
+                continue
+            state = self._show_unit(watch.name)
+            self._note_state(watch, state)
+            decision = watch.planner.decide_engine_dead(view.summary, now)
+            if state.active_state == "inactive" and not view.dead.unit_inactive:
+                decision = RecoveryDecision(
+                    Action.REPORT, f"{watch.name} was stopped: gpuguard does not start it"
+                )
+            elif state.sub_state == "auto-restart":  # Restart=always after an exit 0
+                decision = RecoveryDecision(
+                    Action.REPORT, f"systemd restarts {watch.name} itself (auto-restart)"
+                )
+            self._ports.log.warning(
+                "engine dead: decision",
+                unit=watch.name,
+                action=decision.action.value,
+                reason=decision.reason,
+            )
+            watch.decision = decision
+            if decision.action is Action.WAIT and decision.not_before_s is not None:
+                watch.dead_due = decision.not_before_s
+            elif decision.action is Action.RECOVER:
+                quick = watch.detector.diagnose(now, None)
+                cause = replace(quick, reason=view.summary, evidence=(view.dead.line,))
+                self._recover(watch, cause, self._gather(), state)
+                self._save(watch)
 
     # -- survivors of a run that just ended -----------------------------------------------------
 
@@ -946,6 +1057,7 @@ class Daemon:
             planner=watch.planner.export(),
             recoveries=tuple(watch.recoveries),
             in_progress=watch.in_progress,
+            liveness=watch.liveness.export(),
         )
         self._ports.save_unit_state(watch.name, document.to_json())
 
@@ -965,6 +1077,8 @@ class Daemon:
             ]
         watch.recoveries.extend(document.recoveries)
         watch.in_progress = document.in_progress
+        if document.liveness is not None:
+            problems += watch.liveness.restore(document.liveness)
         for problem in problems:
             self._ports.log.warning("saved state ignored in part", unit=watch.name, problem=problem)
 
@@ -977,6 +1091,8 @@ class Daemon:
                 parts.append(f"{watch.name}: NEEDS OPERATOR")
             elif watch.diagnosis is not None and watch.diagnosis.looping:
                 parts.append(f"{watch.name}: restart loop ({_action(watch.decision)})")
+            elif watch.liveness.dead is not None:
+                parts.append(f"{watch.name}: engine dead")
             elif watch.not_found:
                 parts.append(f"{watch.name}: unit not found")
             else:
@@ -998,7 +1114,10 @@ class Daemon:
             journal_state=health.state,
             journal_reason=health.reason,
             units={
-                name: _unit_snapshot(watch, self._reset_xids(watch))
+                name: replace(
+                    _unit_snapshot(watch, self._reset_xids(watch)),
+                    liveness=watch.liveness.view(ports.monotonic()).to_json(),
+                )
                 for name, watch in self._watches.items()
             },
             xids=tuple(_xid_snapshot(event) for event in self._xids),
@@ -1019,6 +1138,10 @@ class Daemon:
             to_record(event, _iso_or_none(event.realtime_s))
             for event in self._faults.since(watch.up.since_s)
         ]
+
+
+_LIVENESS_ONLY = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
+"""Output events only core.liveness reads (the detector keeps its window for restarts)."""
 
 
 def _unit_snapshot(watch: _Watch, reset_xids: list[dict[str, Any]]) -> UnitSnapshot:

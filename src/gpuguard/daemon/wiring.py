@@ -26,7 +26,7 @@ from gpuguard.adapters import (
     systemd,
     unitenv,
 )
-from gpuguard.core import events, xidevents
+from gpuguard.core import enginelines, events, xidevents
 from gpuguard.daemon import loop as daemon
 
 if TYPE_CHECKING:
@@ -61,7 +61,10 @@ def run(settings: Settings) -> int:
     follower = journal.JournalFollower(
         list(settings.units),
         settings.state_dir / "journal-cursor.json",
-        output_patterns=events.GPU_OOM_PATTERNS if settings.daemon.watch_output else (),
+        output_patterns=(
+            *(events.GPU_OOM_PATTERNS if settings.daemon.watch_output else ()),
+            *(enginelines.ENGINE_PATTERNS if settings.daemon.watch_engine_lines else ()),
+        ),
         kernel_patterns=(re.escape(xidevents.MARKER),),
         replay_s=settings.daemon.loop_window_s,
         fields=events.FIELDS_READ,

@@ -16,6 +16,13 @@ What it shares with ``python -m sglang.launch_server --tp-size N`` (README.md be
   GPU, named ``sglang::scheduler_TP0`` … (cmdline and comm, as setproctitle makes them), each
   holding ``mem-fraction-static`` of its GPU and the ``/dev/nvidia*`` stand-ins open; then it
   prints ``The server is fired up and ready to roll!``.
+* Start phases as SGLang logs them: ``Load weight begin`` / ``Load weight end``, ``Capture cuda
+  graph begin`` / ``end`` (``--fake-graph-s`` seconds between them), then ready.
+* Engine death (``--fake-engine-death-s N``): N seconds after ready, the TP0 scheduler "hits an
+  exception" (``Scheduler hit an exception: …``) and dies, while the main process keeps running
+  and serving nothing, as SGLang's HTTP server outlives its scheduler; with
+  ``--fake-exit-0-after-death`` the main process then shuts down and exits 0, as vLLM's did in
+  its issue #48966. ``--fake-death-marker PATH`` makes the death happen once (PATH is created).
 * SIGTERM: it drains pending requests for ``--fake-drain-s`` seconds (SGLang's drain has no upper
   bound), then terminates its workers and exits 0. ``--fake-stubborn-worker I`` (or
   ``FAKE_SGLANG_STUBBORN_WORKER=I`` in the unit's environment) makes worker I ignore SIGTERM,
@@ -149,6 +156,34 @@ def _parser() -> argparse.ArgumentParser:
         "--fake-state", type=Path, default=Path(os.environ.get("FAKENVML_STATE", "/nonexistent"))
     )
     parser.add_argument("--fake-driver", type=Path, default=Path("/run/fakegpu/driver.sock"))
+    parser.add_argument(
+        "--fake-graph-s",
+        type=float,
+        default=float(os.environ.get("FAKE_SGLANG_GRAPH_S", "0")),
+        help="CUDA-graph capture time (default: $FAKE_SGLANG_GRAPH_S or 0)",
+    )
+    parser.add_argument(
+        "--fake-engine-death-s",
+        type=float,
+        default=float(os.environ.get("FAKE_SGLANG_ENGINE_DEATH_S", "-1")),
+        help="the TP0 scheduler dies this long after ready (default: "
+        "$FAKE_SGLANG_ENGINE_DEATH_S; negative: never)",
+    )
+    parser.add_argument(
+        "--fake-exit-0-after-death",
+        action="store_true",
+        default=os.environ.get("FAKE_SGLANG_EXIT_0_AFTER_DEATH") == "1",
+        help="after the engine death, shut down and exit 0 ($FAKE_SGLANG_EXIT_0_AFTER_DEATH=1)",
+    )
+    parser.add_argument(
+        "--fake-death-marker",
+        type=Path,
+        default=Path(os.environ["FAKE_SGLANG_DEATH_MARKER"])
+        if os.environ.get("FAKE_SGLANG_DEATH_MARKER")
+        else None,
+        help="die only when this file does not exist yet, and create it "
+        "($FAKE_SGLANG_DEATH_MARKER)",
+    )
     return parser
 
 
@@ -302,6 +337,7 @@ def server_main(argv: list[str]) -> None:
     log(f"Load weight begin. GPUs {gpus}", 0)
     time.sleep(args.fake_load_s)
     log("Loading safetensors checkpoint shards: 100% Completed", 0)
+    log("Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16", 0)
     facts = gpu_facts(gpus, args.mem_fraction_static, args.fake_main_mib)
     if any(fact.short for fact in facts):
         _report_oom(facts, args.tp_size)
@@ -310,11 +346,20 @@ def server_main(argv: list[str]) -> None:
     context = _create_context(args.fake_driver, [(f.minor, args.fake_main_mib) for f in facts])
     workers = [_spawn_worker(args, fact) for fact in facts]
     signal.signal(signal.SIGTERM, lambda *_: setattr(_Stop, "requested", True))
+    log("Capture cuda graph begin. This can take up to several minutes.", 0)
+    _serve_until(time.monotonic() + args.fake_graph_s)
+    log(f"Capture cuda graph end. Time elapsed: {args.fake_graph_s:.2f} s.", 0)
     log(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
     log(READY_LINE)
-    while not _Stop.requested:
-        time.sleep(0.1)
-    _drain(args)
+    if args.fake_engine_death_s >= 0 and _dies(args.fake_death_marker):
+        _serve_until(time.monotonic() + args.fake_engine_death_s)
+        if not _Stop.requested:
+            _engine_dies(workers[0])
+            if args.fake_exit_0_after_death:
+                _Stop.requested = True
+    _serve_until(float("inf"))
+    if not args.fake_exit_0_after_death:
+        _drain(args)
     for proc in workers:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -325,6 +370,32 @@ def server_main(argv: list[str]) -> None:
     context.close()
     log("Server shut down.")
     sys.exit(0)
+
+
+def _serve_until(deadline: float) -> None:
+    """Serve (do nothing) until ``deadline`` on the monotonic clock or a SIGTERM."""
+    while not _Stop.requested and time.monotonic() < deadline:
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _dies(marker: Path | None) -> bool:
+    """Whether the engine dies in this run: always, or once per ``marker`` file."""
+    if marker is None:
+        return True
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _engine_dies(scheduler: subprocess.Popen[bytes]) -> None:
+    """The TP0 scheduler hits an exception and dies; the main process lives on, serving nothing."""
+    log("Scheduler hit an exception: Traceback (most recent call last):", 0, err=True)
+    log("RuntimeError: CUDA error: an illegal memory access was encountered", 0, err=True)
+    with contextlib.suppress(ProcessLookupError):
+        scheduler.kill()
+    scheduler.wait()
 
 
 def _drain(args: argparse.Namespace) -> None:

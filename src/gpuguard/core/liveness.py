@@ -1,0 +1,518 @@
+"""Is a watched unit's engine alive, dead while its unit lives, or stuck starting (pure).
+
+systemd sees a unit's main process, not its engine: vLLM's API server keeps running after its
+EngineCore died, SGLang's HTTP server outlives its scheduler, and a server that exits with status
+0 after its engine died leaves ``Restart=on-failure`` nothing to do. ``Liveness`` follows one
+unit's runs from systemd's trusted events and from the lines its own output printed
+(``core.enginelines``), and says per unit, at a given monotonic time: up, starting (in which
+phase, for how long, against the phases of earlier starts), stuck in a phase past the budget
+those starts taught, or engine dead since T (cause). What is at risk: calling a healthy run
+dead. So a line counts only for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
+never once a stop job for that run began (servers print death-like lines while shutting down),
+and a run's end (systemd now sees it) ends its dead-engine verdict. A budget is learned, never
+guessed: with fewer than ``MIN_STARTS`` starts that came up, a slow start is only "starting".
+
+Time is the journal's per-boot monotonic clock, passed in; the wall clock only labels times.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone, tzinfo
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuguard.core.enginelines import BY_KEY, PHASE_ORDER, PHASE_WORDS, Phase
+from gpuguard.core.events import EventKind
+from gpuguard.core.values import StrEnum
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from gpuguard.core.events import UnitEvent
+
+MIN_STARTS: Final = 3
+"""Starts that came up before a phase has a budget: fewer teach nothing about a slow disk."""
+STARTS_KEPT: Final = 20
+"""Starts remembered per unit (the newest): the budget follows the host as it changes."""
+BUDGET_FACTOR: Final = 1.5
+BUDGET_SLACK_S: Final = 60.0
+"""A phase's budget: the longest it took in the remembered starts times 1.5, and at least 60 s more
+than that longest (a 4 s phase that takes 7 s once is not stuck)."""
+ENGINE_DEAD_GRACE_S: Final = 10.0
+"""A fatal line makes a dead engine once its run still lives this long after it: a server whose
+engine dies (at start, typically) usually exits on its own within seconds, and systemd and the
+restart-loop detector handle that run. A clean exit nobody asked for is dead at once."""
+_ENDS: Final = frozenset(
+    {
+        EventKind.FAILED,
+        EventKind.RESTART_SCHEDULED,
+        EventKind.STOPPED,
+        EventKind.START_FAILED,
+    }
+)
+"""PID 1's words for "this run is over" (a main-process exit and "Deactivated successfully" are
+judged apart: a clean end nobody asked for is a death)."""
+_OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
+_ENDED_KEPT: Final = 16
+"""Ended runs remembered, so that their late lines never open a run again."""
+
+
+class State(StrEnum):
+    """What ``status`` says about a unit's engine."""
+
+    UNKNOWN = "unknown"
+    """No run seen yet (nothing in the replayed journal), or the last one ended."""
+    STARTING = "starting"
+    UP = "up"
+    STUCK = "stuck"
+    """Starting, in one phase for longer than that phase's learned budget."""
+    ENGINE_DEAD = "engine-dead"
+
+
+@dataclass(frozen=True, slots=True)
+class DeadEngine:
+    """Why and since when a run's engine is dead."""
+
+    invocation_id: str
+    since_s: float
+    since_wall_s: float | None
+    cause: str
+    """"EngineCore fatal error", or the unasked clean exit."""
+    line: str
+    """The line that said so (escaped by the parser), or PID 1's message."""
+    unit_inactive: bool = False
+    """The main process exited (status 0, no stop job): systemd has nothing left to restart."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartRecord:
+    """One start that came up: seconds to ready, and in each phase it went through."""
+
+    invocation_id: str
+    ready_s: float
+    phases: tuple[tuple[Phase, float], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """As the unit's saved state keeps it."""
+        return {
+            "invocation_id": self.invocation_id,
+            "ready_s": round(self.ready_s, 3),
+            "phases": {phase.value: round(seconds, 3) for phase, seconds in self.phases},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTimes:
+    """How long one phase took in the remembered starts: typical and longest, and the budget."""
+
+    usual_s: float
+    longest_s: float
+    starts: int
+
+    @property
+    def budget_s(self) -> float | None:
+        """Past this, a start in the phase is stuck; None until MIN_STARTS taught it."""
+        if self.starts < MIN_STARTS:
+            return None
+        return max(self.longest_s * BUDGET_FACTOR, self.longest_s + BUDGET_SLACK_S)
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessView:
+    """One unit's liveness at one moment, with the line ``status`` prints."""
+
+    state: State
+    summary: str
+    level: str | None
+    """"critical" (engine dead), "warning" (stuck) or None: how ``status`` rates it."""
+    invocation_id: str | None = None
+    dead: DeadEngine | None = None
+    phase: Phase | None = None
+    phase_for_s: float | None = None
+    budget_s: float | None = None
+    last_start: StartRecord | None = None
+    deaths: int = 0
+    """Dead engines seen live by this daemon process (a counter for the metrics)."""
+    stuck_starts: int = 0
+    """Starts seen stuck by this daemon process."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The unit's ``liveness`` object in the daemon's snapshot (docs/liveness.md)."""
+        dead = self.dead
+        return {
+            "state": self.state.value,
+            "summary": self.summary,
+            "level": self.level,
+            "invocation_id": self.invocation_id,
+            "dead_since_s": None if dead is None else dead.since_s,
+            "dead_cause": None if dead is None else dead.cause,
+            "dead_line": None if dead is None else dead.line,
+            "phase": None if self.phase is None else self.phase.value,
+            "phase_for_s": _round(self.phase_for_s),
+            "budget_s": _round(self.budget_s),
+            "last_start": None if self.last_start is None else self.last_start.to_json(),
+            "engine_deaths": self.deaths,
+            "stuck_starts": self.stuck_starts,
+        }
+
+
+@dataclass
+class _Run:
+    """The run being watched (mutable, private)."""
+
+    invocation_id: str
+    started_s: float | None
+    phase: Phase = Phase.STARTING
+    phase_since_s: float | None = None
+    phases: dict[Phase, float] = field(default_factory=dict)
+    ready: bool = False
+    ready_s: float | None = None
+    """Seconds from systemd's start to the ready line (None when the start was not seen)."""
+    stop_asked: bool = False
+    stuck_counted: bool = False
+
+
+class Liveness:
+    """One watched unit's runs, as far as liveness goes; feed it every event of the unit."""
+
+    def __init__(
+        self,
+        unit: str,
+        server: str,
+        *,
+        clean_exit_is_death: bool = True,
+        tz: tzinfo = timezone.utc,
+    ) -> None:
+        """Watch ``unit``, which runs ``server`` ("sglang" or "vllm": its phase lines count)."""
+        self.unit = unit
+        self._server = server
+        self._clean_exit = clean_exit_is_death
+        self._tz = tz
+        self._run: _Run | None = None
+        self._dead: DeadEngine | None = None
+        """The current run's dead engine, or a fatal line still within its grace."""
+        self._confirmed = False
+        self._dead_live = False
+        self._starts: deque[StartRecord] = deque(maxlen=STARTS_KEPT)
+        self._deaths = 0
+        self._stuck = 0
+        self._learned = 0
+        self._ended_runs: deque[str] = deque(maxlen=_ENDED_KEPT)
+
+    @property
+    def learned(self) -> int:
+        """Starts recorded so far (a change means there is something new to save)."""
+        return self._learned
+
+    @property
+    def dead(self) -> DeadEngine | None:
+        """The current run's dead engine, once it is dead (past the grace of a fatal line)."""
+        return self._dead if self._confirmed else None
+
+    @property
+    def wake_at(self) -> float | None:
+        """When a fatal line's grace ends (``tick`` is due then), None when none is pending."""
+        if self._dead is None or self._confirmed:
+            return None
+        return self._dead.since_s + ENGINE_DEAD_GRACE_S
+
+    def tick(self, now: float) -> bool:
+        """Confirm a fatal line whose run outlived its grace; True when that makes news.
+
+        News is a line that came live: a death found in replayed history is shown, never news.
+        """
+        due = self.wake_at
+        if due is None or now < due:
+            return False
+        self._confirmed = True
+        if self._dead_live:
+            self._deaths += 1
+        return self._dead_live
+
+    def observe(self, event: UnitEvent, *, live: bool) -> bool:
+        """Fold one event in; True when a *live* clean exit just made the engine dead.
+
+        A fatal line becomes a dead engine later, in ``tick``, if its run outlives the grace.
+        History (``live=False``) rebuilds the same state but never reports a new death: the
+        daemon acts only on news, as it does for restart loops.
+        """
+        invocation = event.invocation_id
+        if event.unit != self.unit or invocation is None:
+            return False
+        run = self._run
+        dead = self._dead
+        restarting = event.kind is EventKind.RESTART_SCHEDULED
+        if restarting and dead is not None and dead.invocation_id == invocation:
+            self._ended()  # systemd restarts it: the new run is judged afresh
+            return False
+        if event.kind in {EventKind.STARTING, EventKind.STARTED}:
+            self._started(run, event, invocation)
+            return False
+        if event.kind in _OUTPUT and (run is None or run.invocation_id != invocation):
+            if invocation in self._ended_runs:
+                return False  # an ended run's line says nothing about the current one
+            # A run not seen starting: history began mid-run, or its lines came before PID 1's
+            # "Starting" (the output and PID 1's messages are two journalctl streams).
+            run = self._new_run(invocation, None)
+        if run is None or run.invocation_id != invocation:
+            return False
+        return self._on_run_event(run, event, live=live)
+
+    def _started(self, run: _Run | None, event: UnitEvent, invocation: str) -> None:
+        if run is None or run.invocation_id != invocation:
+            self._new_run(invocation, event.monotonic_s)
+        elif run.started_s is None:  # its lines came first: the start is known now
+            run.started_s = event.monotonic_s
+            if run.phase_since_s is None:
+                run.phase_since_s = event.monotonic_s
+
+    def _new_run(self, invocation: str, started_s: float | None) -> _Run:
+        """A new run replaces the current one (which is over, whatever it said)."""
+        if self._run is not None:
+            self._ended_runs.append(self._run.invocation_id)
+        self._dead, self._confirmed = None, False
+        self._run = _Run(invocation, started_s, phase_since_s=started_s)
+        return self._run
+
+    def _on_run_event(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
+        kind = event.kind
+        if kind is EventKind.STOPPING:
+            run.stop_asked = True  # a stop or restart job: what follows was asked for
+        elif kind is EventKind.ENGINE_FATAL:
+            return self._fatal(run, event, live=live)
+        elif kind is EventKind.START_PHASE:
+            self._phase(run, event)
+        elif kind is EventKind.MAIN_EXITED:
+            if event.exit_code == "exited" and event.exit_status == 0:
+                return self._clean_end(run, event, live=live)
+            self._ended()
+        elif kind is EventKind.DEACTIVATED:
+            return self._clean_end(run, event, live=live)
+        elif kind in _ENDS:
+            self._ended()
+        return False
+
+    def _fatal(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
+        if run.stop_asked or self._dead is not None:
+            return False
+        line = BY_KEY.get(event.line or "")
+        self._dead = DeadEngine(
+            run.invocation_id,
+            event.monotonic_s,
+            event.realtime_s,
+            line.cause if line else "the server's fatal line",
+            event.message,
+        )
+        self._confirmed, self._dead_live = False, live
+        return False  # dead once the run outlives the grace (tick)
+
+    def _phase(self, run: _Run, event: UnitEvent) -> None:
+        line = BY_KEY.get(event.line or "")
+        if line is None or line.phase is None or line.server != self._server:
+            return
+        if run.ready or PHASE_ORDER.index(line.phase) <= PHASE_ORDER.index(run.phase):
+            return  # every rank prints it; only progress counts
+        if run.phase_since_s is not None:
+            run.phases[run.phase] = event.monotonic_s - run.phase_since_s
+        run.phase, run.phase_since_s = line.phase, event.monotonic_s
+        run.ready = line.phase is Phase.READY
+        if run.ready and run.started_s is not None:
+            run.ready_s = event.monotonic_s - run.started_s
+            if all(s.invocation_id != run.invocation_id for s in self._starts):
+                phases = tuple((p, run.phases[p]) for p in PHASE_ORDER if p in run.phases)
+                self._starts.append(StartRecord(run.invocation_id, run.ready_s, phases))
+                self._learned += 1
+
+    def _clean_end(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
+        """The main process exited 0: dead engine unless a stop job asked for it."""
+        if run.stop_asked or not self._clean_exit:
+            self._ended()
+            return False
+        before = self._dead
+        news = before is None or not self._confirmed
+        cause = "main process exited with status 0, no stop job asked for it"
+        if before is not None:
+            cause = f"{before.cause}; then the {cause}"
+        self._dead = DeadEngine(
+            run.invocation_id,
+            before.since_s if before else event.monotonic_s,
+            before.since_wall_s if before else event.realtime_s,
+            cause,
+            before.line if before else event.message,
+            unit_inactive=True,
+        )
+        self._confirmed = True
+        self._ended_runs.append(run.invocation_id)
+        self._run = None
+        if live and news:
+            self._deaths += 1
+        return live and news
+
+    def _ended(self) -> None:
+        """The run is over and systemd knows it: its verdict ends with it."""
+        if self._run is not None:
+            self._ended_runs.append(self._run.invocation_id)
+        self._run = None
+        self._dead, self._confirmed = None, False
+
+    def view(self, now: float) -> LivenessView:
+        """The unit's liveness at monotonic ``now``."""
+        found = self._view(now)
+        return replace(found, deaths=self._deaths, stuck_starts=self._stuck)
+
+    def _view(self, now: float) -> LivenessView:
+        last = self._starts[-1] if self._starts else None
+        dead = self._dead
+        if dead is not None and (self._confirmed or now >= dead.since_s + ENGINE_DEAD_GRACE_S):
+            unit = (
+                "unit inactive: it exited cleanly and nobody asked it to stop"
+                if dead.unit_inactive
+                else "unit still active"
+            )
+            return LivenessView(
+                State.ENGINE_DEAD,
+                f"engine dead since {self._clock(dead.since_wall_s)} ({dead.cause}); {unit}",
+                "critical",
+                dead.invocation_id,
+                dead,
+                last_start=last,
+            )
+        run = self._run
+        if run is None:
+            summary = "no run seen in the journal's recent history"
+            return LivenessView(State.UNKNOWN, summary, None, last_start=last)
+        if run.ready:
+            took = "" if run.ready_s is None else f" {_duration(run.ready_s)} after its start"
+            return LivenessView(
+                State.UP,
+                f"up (ready{took})",
+                None,
+                run.invocation_id,
+                phase=Phase.READY,
+                last_start=last,
+            )
+        return self._starting(run, now, last)
+
+    def _starting(self, run: _Run, now: float, last: StartRecord | None) -> LivenessView:
+        if run.phase is Phase.STARTING and not self._starts:
+            # No phase line yet and no start ever seen to come up: a server that prints none
+            # of the table's lines would otherwise read as "loading" for as long as it runs.
+            summary = "running; readiness unknown (no phase line seen yet)"
+            return LivenessView(State.UNKNOWN, summary, None, run.invocation_id, last_start=last)
+        if run.phase_since_s is None:  # a run known only from its lines: its start is unknown
+            summary = f"starting: {PHASE_WORDS[run.phase]} (since before the daemon looked)"
+            return LivenessView(
+                State.STARTING, summary, None, run.invocation_id, phase=run.phase, last_start=last
+            )
+        elapsed = max(0.0, now - run.phase_since_s)
+        times = self.phase_times(run.phase)
+        budget = times.budget_s if times else None
+        words = PHASE_WORDS[run.phase]
+        usual = (
+            f" (usual {_duration(times.usual_s)}, longest {_duration(times.longest_s)})"
+            if times
+            else " (no earlier start to compare with)"
+        )
+        stuck = budget is not None and elapsed > budget
+        if stuck and not run.stuck_counted:
+            run.stuck_counted = True
+            self._stuck += 1
+        if stuck and budget is not None:
+            return LivenessView(
+                State.STUCK,
+                f"stuck in phase {words} for {_duration(elapsed)}, past its budget of "
+                f"{_duration(budget)}{usual}; no phase progress",
+                "warning",
+                run.invocation_id,
+                phase=run.phase,
+                phase_for_s=elapsed,
+                budget_s=budget,
+                last_start=last,
+            )
+        return LivenessView(
+            State.STARTING,
+            f"loading: {words} for {_duration(elapsed)}{usual}",
+            None,
+            run.invocation_id,
+            phase=run.phase,
+            phase_for_s=elapsed,
+            budget_s=budget,
+            last_start=last,
+        )
+
+    def phase_times(self, phase: Phase) -> PhaseTimes | None:
+        """The remembered starts' times in ``phase``; None when none went through it."""
+        seen = [seconds for start in self._starts for p, seconds in start.phases if p is phase]
+        if not seen:
+            return None
+        return PhaseTimes(statistics.median(seen), max(seen), len(seen))
+
+    def _clock(self, wall_s: float | None) -> str:
+        if wall_s is None:
+            return "?"
+        try:
+            return datetime.fromtimestamp(wall_s, self._tz).strftime("%H:%M:%S")
+        except (ValueError, OverflowError, OSError):
+            return "?"
+
+    # -- what survives a restart of the daemon --------------------------------------------------
+
+    def export(self) -> dict[str, Any]:
+        """The remembered starts, for the unit's saved state."""
+        return {"starts": [start.to_json() for start in self._starts]}
+
+    def restore(self, saved: Mapping[str, Any]) -> list[str]:
+        """Take back what ``export`` saved; each malformed start is left out and named."""
+        starts = saved.get("starts")
+        if not isinstance(starts, list):
+            return [] if starts is None else ["liveness starts is not a list"]
+        problems: list[str] = []
+        for item in starts[-STARTS_KEPT:]:
+            start = _start_from_json(item)
+            if start is None:
+                problems.append("a remembered start is malformed")
+            else:
+                self._starts.append(start)
+        return problems
+
+
+def _start_from_json(item: object) -> StartRecord | None:
+    if not isinstance(item, dict):
+        return None
+    invocation, ready, phases = item.get("invocation_id"), item.get("ready_s"), item.get("phases")
+    if not isinstance(invocation, str) or not isinstance(phases, dict):
+        return None
+    if not isinstance(ready, (int, float)) or not _is_seconds(ready):
+        return None
+    kept: list[tuple[Phase, float]] = []
+    for name, seconds in phases.items():
+        if name not in Phase.__members__.values() or not _is_seconds(seconds):
+            return None
+        kept.append((Phase(name), float(seconds)))
+    return StartRecord(invocation, float(ready), tuple(kept))
+
+
+def _is_seconds(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value < 10**7  # about four months: no start takes longer
+    )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _duration(seconds: float) -> str:
+    """A duration for people: "42 s", "4 min 10 s", "1 h 5 min"."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s" if secs else f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if minutes else f"{hours} h"

@@ -1,0 +1,307 @@
+"""The daemon and a dead engine: reported by default, recovered only for a unit that opted in.
+
+The journal is systemd 252's own record of a clean start (tests/journal_samples), with one line
+of the unit's output changed into a server's fatal line; every other port is an in-memory twin
+(tests/support/daemontwins.py). What decides is the real code: events, liveness, planner.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
+
+from gpuguard.adapters import systemd
+from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.core.status import (
+    DaemonView,
+    Level,
+    StatusContext,
+    UnitView,
+    assess,
+    render_text,
+)
+from gpuguard.daemon.loop import Daemon, Ports
+
+UNIT = "vllm.service"
+BOOT = "b" * 32
+SAMPLE = Path(__file__).resolve().parents[1] / "journal_samples" / "bookworm"
+FATAL = (
+    "(EngineCore_DP0 pid=413) ERROR 11-10 12:30:57 [core.py:710] EngineCore encountered a fatal "
+    "error."
+)
+
+
+def clean_start_stop() -> list[dict[str, object]]:
+    """The entries systemd 252 wrote for a clean start, output and stop, renamed to UNIT."""
+    entries = []
+    for line in (SAMPLE / "clean-start-stop.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        for key in ("UNIT", "_SYSTEMD_UNIT"):
+            if entry.get(key) == "sglang.service":
+                entry[key] = UNIT
+        entries.append(entry)
+    return entries
+
+
+def with_fatal_line(*, dead_for_s: float) -> list[dict[str, object]]:
+    """Started, then the unit's output says its engine died ``dead_for_s`` before the newest entry.
+
+    The sample's own output line ("sglang: serving") becomes the fatal line; its stop is cut.
+    """
+    starting, started, output = clean_start_stop()[:3]
+    fatal = dict(output) | {"MESSAGE": FATAL}
+    newest = int(str(fatal["__MONOTONIC_TIMESTAMP"])) + int(dead_for_s * 1e6)
+    later = dict(output) | {
+        "MESSAGE": "INFO: 127.0.0.1 GET /version 200",
+        "__CURSOR": str(output["__CURSOR"]) + "0",
+        "__MONOTONIC_TIMESTAMP": str(newest),
+    }
+    return [starting, started, fatal, later]
+
+
+@dataclass
+class Harness:
+    """One daemon over the twins, and what it produced."""
+
+    daemon: Daemon
+    host: GpuHost
+    unit: UnitTwin
+    log: Recorder
+    snapshots: list[dict[str, Any]]
+    saved: dict[str, dict[str, Any]]
+
+
+def build(
+    tmp_path: Path,
+    entries: list[dict[str, object]],
+    *,
+    on_engine_dead: Literal["report", "recover"] = "report",
+    live: bool = True,
+) -> Harness:
+    """A daemon watching UNIT (a vLLM unit) over ``entries``; it stops after a few idle turns."""
+    settings = Settings(
+        units={UNIT: UnitSettings(server="vllm", on_engine_dead=on_engine_dead)},
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "lib",
+        reap_grace_s=1.0,
+        gate_timeout_s=5.0,
+        daemon=DaemonSettings(),
+    )
+    newest = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
+    newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
+    shift = newest_mono + 1.0 - time.monotonic()  # the journal's clock, a second later
+    host = GpuHost()
+    twin = UnitTwin(invocation=str(entries[0]["INVOCATION_ID"]), active="active")
+    recorder = Recorder()
+    snapshots: list[dict[str, Any]] = []
+    saved: dict[str, dict[str, Any]] = {}
+    daemons: list[Daemon] = []
+    turns = [0]
+
+    def sleep(seconds: float) -> None:
+        del seconds
+        turns[0] += 1
+        if turns[0] > 3:
+            daemons[0].request_stop()
+
+    ports = Ports(
+        gather=host.gather,
+        show_unit=twin.show,
+        control=twin.control,
+        reap=host.reap,
+        notifier=recorder,
+        log=recorder,
+        wall=lambda: newest + 1.0,
+        monotonic=lambda: time.monotonic() + shift,
+        sleep=sleep,
+        write_snapshot=snapshots.append,
+        load_unit_state=saved.get,
+        save_unit_state=saved.__setitem__,
+        untouchable=frozenset(),
+        provenance=systemd.provenance,
+        boot_id=BOOT,
+    )
+    daemon = Daemon(settings, ReplayFollower(entries, live=live), ports)
+    daemons.append(daemon)
+    return Harness(daemon, host, twin, recorder, snapshots, saved)
+
+
+def _said(harness: Harness, name: str) -> list[tuple[str, dict[str, object]]]:
+    return [(level, fields) for level, event, fields in harness.log.lines if event == name]
+
+
+def _status(harness: Harness) -> tuple[Level, str]:
+    """What `gpuguard status` makes of the daemon's last snapshot."""
+    context = StatusContext(
+        watched_units={UNIT: ()},
+        protected_names=(),
+        idle_threshold_bytes=16 << 20,
+        as_root=True,
+        units=(UnitView(UNIT, "active (running)", "0-3"),),
+        daemon=DaemonView("running", harness.snapshots[-1]),
+    )
+    report = assess(harness.host.gather(), context, datetime.now(timezone.utc))
+    return report.level, render_text(report)
+
+
+def test_a_dead_engine_is_reported_critical_and_left_alone_by_default(tmp_path: Path) -> None:
+    """The fatal line of a running vLLM unit: CRITICAL in status, an error line, no systemctl."""
+    harness = build(tmp_path, with_fatal_line(dead_for_s=30.0))
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    [(log_level, said)] = _said(harness, "engine dead")
+    assert (log_level, said["cause"], said["action"]) == (
+        "error",
+        "EngineCore fatal error",
+        "report",
+    )
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert liveness["state"] == "engine-dead"
+    assert liveness["engine_deaths"] == 1
+    level, text = _status(harness)
+    assert level is Level.CRITICAL
+    assert "(EngineCore fatal error); unit still active" in text
+    assert any(note.startswith("STATUS") and "engine dead" in note for note in harness.log.notes)
+
+
+def test_an_opted_in_unit_is_recovered_once_its_engine_stays_dead(tmp_path: Path) -> None:
+    """A unit that opted in is recovered the usual way once its grace is over."""
+    harness = build(tmp_path, with_fatal_line(dead_for_s=30.0), on_engine_dead="recover")
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    [(_, decision)] = _said(harness, "engine dead: decision")
+    assert decision["action"] == "recover"
+    record = harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]
+    assert record["result"] == "restarted"
+    assert str(record["reason"]).startswith("engine dead since ")
+    assert record["evidence"] == [FATAL]
+
+
+def test_an_engine_dead_only_for_seconds_is_not_acted_on_yet(tmp_path: Path) -> None:
+    """Within its grace, the server's own exit may still come: neither said nor done yet."""
+    harness = build(tmp_path, with_fatal_line(dead_for_s=1.0), on_engine_dead="recover")
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not _said(harness, "engine dead")
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] != "engine-dead"
+
+
+def test_a_dead_engine_in_replayed_history_is_shown_and_never_acted_on(tmp_path: Path) -> None:
+    """History at start rebuilds the verdict for status; even an opted-in unit is not touched."""
+    harness = build(
+        tmp_path, with_fatal_line(dead_for_s=30.0), on_engine_dead="recover", live=False
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not _said(harness, "engine dead")
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "engine-dead"
+
+
+def test_an_exit_0_no_stop_job_asked_for_is_a_dead_engine(tmp_path: Path) -> None:
+    """A recorded "Deactivated successfully" without its "Stopping" is reported as dead."""
+    starting, started, output, _stopping, deactivated, _stopped = clean_start_stop()
+    harness = build(tmp_path, [starting, started, output, deactivated])
+
+    assert harness.daemon.run() == 0
+
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert liveness["state"] == "engine-dead"
+    assert "no stop job asked for it" in liveness["summary"]
+    assert "unit inactive" in liveness["summary"]
+
+
+def test_an_operators_stop_is_no_dead_engine(tmp_path: Path) -> None:
+    """The whole recorded start and stop: a stop job asked for that exit."""
+    harness = build(tmp_path, clean_start_stop())
+
+    assert harness.daemon.run() == 0
+
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] != "engine-dead"
+    level, _ = _status(harness)
+    assert level is Level.OK
+
+
+def test_a_start_that_came_up_is_saved_phase_by_phase(tmp_path: Path) -> None:
+    """The phase lines of a vLLM start reach the unit's saved state, second by second."""
+    starting, started, output = clean_start_stop()[:3]
+    base = int(str(output["__MONOTONIC_TIMESTAMP"]))
+    lines = [
+        (0, "Starting to load model meta-llama/Llama-3.1-70B..."),
+        (40, "Loading weights took 38.51 seconds"),
+        (42, "Model loading took 131.4 GiB and 41.2 seconds"),
+        (100, "init engine (profile, create kv cache, warmup model) took 57.90 seconds"),
+        (103, "INFO:     Application startup complete."),
+    ]
+    phases = [
+        dict(output)
+        | {
+            "MESSAGE": text,
+            "__CURSOR": f"{output['__CURSOR']}{n}",
+            "__MONOTONIC_TIMESTAMP": str(base + int(at * 1e6)),
+        }
+        for n, (at, text) in enumerate(lines)
+    ]
+    harness = build(tmp_path, [starting, started, *phases])
+
+    assert harness.daemon.run() == 0
+
+    [start] = harness.saved[UNIT]["liveness"]["starts"]
+    assert start["phases"]["loading-weights"] == 40.0
+    assert start["phases"]["warming-up"] == 3.0
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert liveness["state"] == "up"
+    assert liveness["last_start"]["ready_s"] == start["ready_s"]
+    level, text = _status(harness)
+    assert level is Level.OK
+    assert f"engine: up (ready 1 min {start['ready_s'] - 60:.0f} s after its start)" in text
+
+
+def exit_0_then_quiet(*, quiet_s: float) -> list[dict[str, object]]:
+    """A start, then an exit 0 no stop job asked for, then ``quiet_s`` of nothing new."""
+    starting, started, output, _stopping, deactivated, _stopped = clean_start_stop()
+    later = dict(output) | {
+        "MESSAGE": "INFO: shutting down",
+        "__CURSOR": str(output["__CURSOR"]) + "0",
+        "__MONOTONIC_TIMESTAMP": str(
+            int(str(deactivated["__MONOTONIC_TIMESTAMP"])) + int(quiet_s * 1e6)
+        ),
+    }
+    return [starting, started, output, deactivated, later]
+
+
+def test_an_opted_in_unit_left_inactive_by_an_exit_0_is_started_again(tmp_path: Path) -> None:
+    """Restart=on-failure saw a success and restarts nothing: the daemon's recovery does."""
+    harness = build(tmp_path, exit_0_then_quiet(quiet_s=30.0), on_engine_dead="recover")
+    harness.unit.active = "inactive"
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    assert harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]["result"] == "restarted"
+
+
+def test_an_exit_0_systemd_restarts_by_itself_is_left_to_systemd(tmp_path: Path) -> None:
+    """Restart=always (the unit in auto-restart): reported, and no systemctl call."""
+    harness = build(tmp_path, exit_0_then_quiet(quiet_s=30.0), on_engine_dead="recover")
+    harness.unit.active = "activating"
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    [(_, decision)] = _said(harness, "engine dead: decision")
+    assert decision["action"] == "report"
+    assert "auto-restart" in str(decision["reason"])
