@@ -7,6 +7,7 @@ commands that need them, so ``--help`` is instant and the gate's fast path stays
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,8 +49,10 @@ commands:
 _PRIVILEGES = f"""\
 Privileges: in the drop-in this command runs unprivileged, in the unit's environment, and
 only asks the root gate server (gpuguard-gate.socket, {GATE_SOCKET}), which identifies
-the caller from the kernel and does the work. A process may ask only for its own unit
-(and only scope "unit"); root outside any service may ask for any. Without a socket at
+the caller from the kernel and does the work. A process may ask only for its own unit,
+only scope "unit", and only when gpuguard watches that unit (configured, or its gate
+drop-in installed); the operator (root in a login session: ssh, or sudo from one) may ask
+for any. Without a socket at
 --socket, root runs the work in this process (a developer's install); anyone else, or a
 socket nobody answers, gets one line and exit 1 - for the gate, unless the configuration
 says gate_unreachable = "allow". See /usr/share/doc/gpuguard/security.md.
@@ -141,7 +144,8 @@ With --yes and --unit (and without --dry-run) the reap goes through the gate ser
 plan that asks for confirmation on a terminal, and --dry-run, run in this process.
 
 Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined, or the request
-was refused or could not be sent); 64 usage; 78 invalid configuration.
+was refused or could not be sent); 64 usage, or an unknown --unit (not configured, not
+gated, and systemd has no such unit: a typo; --force goes ahead); 78 invalid configuration.
 """
 
 _GATE_HELP = """\
@@ -163,17 +167,20 @@ real environment (read by root from the calling process: EnvironmentFile= values
 else all GPUs. Keep the unit's TimeoutStartSec above --timeout.
 
 Exit status: 0 start allowed; 1 GPUs still busy at the timeout, refused at once, the
-request refused, or the gate server unreachable; 78 invalid configuration.
+request refused, or the gate server unreachable; 64 an unknown --unit (not configured, not
+gated, and systemd has no such unit; --force goes ahead); 78 invalid configuration.
 """
 
 _SERVE_GATE_HELP = """\
 Internal: not for operators to run. gpuguard-gate.service runs it, as root with a clean
 environment, on the listening socket gpuguard-gate.socket passes it (/run/gpuguard/gate.sock,
 fd 3 with LISTEN_PID and LISTEN_FDS). It forks one process per
-connection (at most 64 at once, 16 per caller's UID, 3700 s each), which reads one request
+connection of an operator or a watched unit (one per unit at a time, at most 64 at once of
+which 8 are kept for operators, 16 per caller's UID, 3700 s each), which reads one request
 line (at most 4 KiB, within 10 s), identifies the caller (SO_PEERCRED, a pidfd,
-/proc/PID/cgroup and environ), refuses a request for any unit but the caller's own (except
-from root outside any service), runs the gate or reap and streams its output back, then the
+/proc/PID/cgroup and environ), refuses a request for any unit but the caller's own, or
+from a unit gpuguard does not watch (except from root in a login session), runs the gate or
+reap and streams its output back, then the
 exit status. One line per request goes to its own journal. SIGTERM: it stops accepting and
 waits for the requests in progress.
 
@@ -301,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument(
         "--timeout", type=float, metavar="S", help="give up after S seconds (config gate_timeout_s)"
     )
+    _force_argument(reap)
+    _force_argument(gate)
     for command in (gate, reap):
         command.epilog = _PRIVILEGES
         command.add_argument(
@@ -328,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     doctor.add_argument("--unit", help="one unit (default: every watched unit)")
+    _force_argument(doctor)
     doctor.add_argument("--json", action="store_true", help="print a versioned JSON document")
     doctor.add_argument(
         "--fix", action="store_true", help="print a drop-in that fixes the findings"
@@ -347,6 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
     for command in commands.choices.values():
         add_global_options(command, after_command=True)
     return parser
+
+
+def _force_argument(command: argparse.ArgumentParser) -> None:
+    """--force: go ahead for a unit neither configured, gated nor known to systemd."""
+    command.add_argument(
+        "--force",
+        action="store_true",
+        help="go ahead for a --unit that is neither configured, gated nor known to systemd "
+        "(refused with exit 64 otherwise, a typo being likelier); as root it runs in this "
+        "process, the gate server takes no --force",
+    )
 
 
 _INSTALL_GATE_HELP = """\
@@ -385,7 +406,8 @@ fix it; --fix prints one complete drop-in to save by hand (doctor never changes 
 Without --unit every watched unit in the configuration is audited.
 
 Exit status: the worst finding - 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (systemd or the
-journal could not be asked); 78 invalid configuration.
+journal could not be asked); 64 an unknown --unit (not configured, not gated, and systemd
+has no such unit; --force audits it anyway); 78 invalid configuration.
 """
 
 _REMOVE_GATE_HELP = """\
@@ -435,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_gate.run(args, _execute)
     signals_unasked = args.command == "reap" and args.yes and not args.dry_run and args.unit
-    if args.command == "gate" or signals_unasked:
+    # --force is root's own decision: the server takes none, so root runs it in this process.
+    forced_here = getattr(args, "force", False) and os.geteuid() == 0
+    if (args.command == "gate" or signals_unasked) and not forced_here:
         from gpuguard.commands import relay  # noqa: PLC0415 - see module doc
         from gpuguard.commands.output import render, say  # noqa: PLC0415 - see module doc
 

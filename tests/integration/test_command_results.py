@@ -116,6 +116,7 @@ def test_gate_refusal_is_a_verdict_with_its_blockers_and_its_record(
     args = argparse.Namespace(unit=UNIT, scope="unit", timeout=0.5, grace=1.0)
     progress: list[str] = []
     verdict = gate.run(settings, args, None, None, progress.append)
+    assert isinstance(verdict, gate.GateVerdict)
     assert verdict.exit_status == 1
     assert not verdict.outcome.passed
     assert any(str(holder.pid) in blocker for blocker in verdict.outcome.blockers)
@@ -137,6 +138,7 @@ def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_
     unwritable = settings.model_copy(update={"runtime_dir": blocked / "run"})
     args = argparse.Namespace(unit=UNIT, scope="unit", timeout=5.0, grace=1.0)
     verdict = gate.run(unwritable, args, None, None, pytest.fail)
+    assert isinstance(verdict, gate.GateVerdict)
     assert verdict.exit_status == 0
     (unrecorded,) = verdict.problems
     assert unrecorded.startswith(f"gpuguard gate: cannot record the decision in {blocked}")

@@ -138,11 +138,24 @@ def unit_name() -> str:
     return f"sglang-{uuid.uuid4().hex[:8]}.service"
 
 
+def watched_unit(cli: Cli) -> str:
+    """A unique unit named in the configuration: the server serves only watched units."""
+    unit = unit_name()
+    cli.config.write_text(cli.config.read_text() + f'\n[units."{unit}"]\n')
+    return unit
+
+
+def operator_cgroup(unit_cgroups: UnitCgroups, uid: int = 0) -> Path:
+    """A login session's scope (unique: cgroups are shared by the whole machine)."""
+    session = f"session-t{uuid.uuid4().hex[:8]}.scope"
+    return unit_cgroups.ensure(session, f"user.slice/user-{uid}.slice")
+
+
 def test_gate_of_a_unit_runs_in_the_server_with_the_units_real_environment(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
     """ExecStartPre= in the unit: the server passes the start, using the caller's environ."""
-    unit = unit_name()
+    unit = watched_unit(cli)
     done = client(
         cli,
         "gate",
@@ -176,7 +189,7 @@ def test_a_request_for_another_unit_is_refused_in_one_line(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
     """A process of unit A asking for unit B: exit 1, one line, nothing done for B."""
-    mine, other = unit_name(), unit_name()
+    mine, other = watched_unit(cli), watched_unit(cli)
     for command in (["gate"], ["reap", "--yes"]):
         done = client(
             cli,
@@ -205,7 +218,7 @@ def test_the_server_ends_when_systemd_kills_its_client(
     Left running, it would take the unit's next run for left-overs of an earlier one.
     """
     spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
-    unit = unit_name()
+    unit = watched_unit(cli)
     procs = unit_cgroups.ensure(unit) / "cgroup.procs"
     argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit]
     command = shlex.join([*argv, "--timeout", "60", "--socket", str(server.path)])
@@ -228,7 +241,15 @@ def test_the_server_ends_when_systemd_kills_its_client(
     assert "the client has gone: stopping" in server.said()
 
 
-def test_the_installed_command_asks_without_the_full_parser(cli: Cli, server: GateServer) -> None:
+def in_cgroup(argv: list[str], cgroup: Path) -> list[str]:
+    """``argv`` run from ``cgroup`` (a shell moves itself there, then execs it)."""
+    procs = shlex.quote(str(cgroup / "cgroup.procs"))
+    return ["sh", "-c", f"echo $$ > {procs} && exec {shlex.join(argv)}"]
+
+
+def test_the_installed_command_asks_without_the_full_parser(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
     """The command's entry point sends a drop-in's gate request with the socket client alone.
 
     No argparse, no dataclasses, nothing of the CLI: the request before every start stays cheap
@@ -245,14 +266,20 @@ def test_the_installed_command_asks_without_the_full_parser(cli: Cli, server: Ga
         "sys.exit(code)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli.env, check=False
+        in_cgroup([sys.executable, "-c", code], operator_cgroup(unit_cgroups)),
+        capture_output=True,
+        text=True,
+        env=cli.env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
     assert "gate for sglang.service from PID" in server.journal()
 
 
-def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
+def test_the_client_loads_nothing_heavy(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
     """The client runs before every start: no pydantic, structlog, NVML or psutil in it."""
     argv = ["--config", str(cli.config), "gate", "--unit", "sglang.service"]
     code = (
@@ -265,7 +292,11 @@ def test_the_client_loads_nothing_heavy(cli: Cli, server: GateServer) -> None:
         "sys.exit(code)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli.env, check=False
+        in_cgroup([sys.executable, "-c", code], operator_cgroup(unit_cgroups)),
+        capture_output=True,
+        text=True,
+        env=cli.env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[]\n", done.stdout
@@ -275,7 +306,7 @@ def test_the_unit_itself_may_not_widen_the_scope(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
     """Scope "all" would reach other users' processes: only root outside any service asks it."""
-    unit = unit_name()
+    unit = watched_unit(cli)
     done = client(
         cli,
         "reap",
@@ -289,7 +320,9 @@ def test_the_unit_itself_may_not_widen_the_scope(
         cgroup=unit_cgroups.ensure(unit),
     )
     assert done.code == 1, done
-    assert "(scope all only from root outside any service)" in done.err, done.err
+    assert "(scope all only from root in a login session (ssh, or sudo from one))" in done.err, (
+        done.err
+    )
 
 
 def test_an_unprivileged_user_outside_any_unit_is_refused(cli: Cli, server: GateServer) -> None:
@@ -305,12 +338,77 @@ def test_an_unprivileged_user_outside_any_unit_is_refused(cli: Cli, server: Gate
     )
 
 
-def test_root_outside_any_unit_is_an_operator(cli: Cli, server: GateServer) -> None:
-    """An operator's `sudo gpuguard reap --yes` goes through the server for any unit."""
-    done = client(cli, "reap", "--unit", "sglang.service", "--yes", "--socket", str(server.path))
-    assert done.code == 0, done.err
-    assert "GPU 0: 0 MiB used" in done.out, done.out
-    assert "reap for sglang.service from PID" in server.journal()
+def test_root_in_a_login_session_is_an_operator(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """`sudo gpuguard reap --yes` from anyone's session (its scope kept) works for any unit."""
+    for uid in (0, 1000):
+        done = client(
+            cli,
+            "reap",
+            "--unit",
+            "sglang.service",
+            "--yes",
+            "--socket",
+            str(server.path),
+            cgroup=operator_cgroup(unit_cgroups, uid),
+        )
+        assert done.code == 0, done.err
+        assert "GPU 0: 0 MiB used" in done.out, done.out
+    assert server.journal().count("): accepted") == 2
+
+
+def test_root_in_a_scope_that_is_no_login_session_is_refused(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """Root in `systemd-run --scope` or a container runtime's scope is no operator: one line."""
+    for scope in ("run-r0123456789abcdef.scope", "nerdctl-0123456789abcdef0123.scope"):
+        done = client(
+            cli,
+            "reap",
+            "--unit",
+            "sglang.service",
+            "--yes",
+            "--scope",
+            "all",
+            "--socket",
+            str(server.path),
+            cgroup=unit_cgroups.ensure(f"{uuid.uuid4().hex[:6]}-{scope}"),
+        )
+        assert done.code == 1, done
+        [line] = done.err.splitlines()
+        operator = "root in a login session (ssh, or sudo from one)"
+        assert line.endswith(f": refused (root is an operator only as {operator})"), line
+        assert done.out == ""
+    assert "reap for sglang.service from PID" not in server.journal()
+
+
+def test_an_unwatched_units_request_is_refused_in_one_line(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """A shared service nobody configured (cron.service): its jobs' gate and reap are refused."""
+    unit = unit_name()
+    for command in (["gate"], ["reap", "--yes"]):
+        for uid in (0, NOBODY):
+            done = client(
+                cli,
+                *command,
+                "--unit",
+                unit,
+                "--socket",
+                str(server.path),
+                cgroup=unit_cgroups.ensure(unit),
+                uid=None if uid == 0 else uid,
+            )
+            assert done.code == 1, done
+            said = (
+                f"gpuguard: request from a process of {unit}: refused ({unit} is not watched by "
+                "gpuguard: neither configured nor with its gate drop-in installed)"
+            )
+            assert done.err.splitlines() == [said], done.err
+    runtime = cli.config.parent / "run"
+    assert not (runtime / "gate" / f"{unit}.json").exists()
+    assert f"{command[0]} for {unit} from PID" not in server.journal()
 
 
 def test_a_socket_nobody_answers_refuses_the_start(cli: Cli, tmp_path: Path) -> None:
@@ -384,9 +482,9 @@ def test_a_request_imports_nothing_the_server_has_not(
         "import sys\n"
         "from gpuguard.adapters import gateserver\n"
         "serve = gateserver.serve\n"
-        "def counted(conn, handle, log):\n"
+        "def counted(conn, handle, log, **options):\n"
         "    before = set(sys.modules)\n"
-        "    code = serve(conn, handle, log)\n"
+        "    code = serve(conn, handle, log, **options)\n"
         "    log.write(f'imported {sorted(set(sys.modules) - before)}\\n')\n"
         "    return code\n"
         "gateserver.serve = counted\n"
@@ -398,7 +496,7 @@ def test_a_request_imports_nothing_the_server_has_not(
         argv = [sys.executable, "-c", probe, "--config", str(cli.config), "serve-gate"]
         process = activate(listener, argv, cli.env, out)
     try:
-        unit = unit_name()
+        unit = watched_unit(cli)
         cgroup = unit_cgroups.ensure(unit)
         # A changed file misses the validated-config cache: the first gate takes the full path.
         cli.config.write_text(cli.config.read_text() + "# changed\n")
@@ -413,7 +511,7 @@ def test_a_request_imports_nothing_the_server_has_not(
 
 
 FLOODER = """
-import json, os, socket, sys, time
+import json, os, socket, sys
 path, uid, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 held = []
@@ -421,13 +519,13 @@ for _ in range(count):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     held.append(conn)
-time.sleep(1)
+print("connected", flush=True)
+sys.stdin.readline()  # the test's event: the server has dealt with every connection
 answers = []
 for conn in held:
-    conn.settimeout(0.2)
     try:
-        answers.append(conn.recv(4096).decode())
-    except TimeoutError:
+        answers.append(conn.recv(4096, socket.MSG_DONTWAIT).decode())
+    except BlockingIOError:
         answers.append(None)
 print(json.dumps(answers), flush=True)
 sys.stdin.read()
@@ -439,11 +537,15 @@ class Flood:
     """A process of a unit, as one user, holding connections it sends nothing on."""
 
     process: subprocess.Popen[str]
-    answers: list[str | None]
 
-    def refused(self) -> list[str]:
-        """The answers that came at once: the server's turning away."""
-        return [answer for answer in self.answers if answer is not None]
+    def answers(self) -> list[str | None]:
+        """What each connection has been told so far (None: nothing yet, it is held)."""
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self.process.stdin.write("report\n")
+        self.process.stdin.flush()
+        answers: list[str | None] = json.loads(self.process.stdout.readline())
+        return answers
 
 
 def flood(path: Path, cgroup: Path, uid: int, count: int) -> Flood:
@@ -456,42 +558,42 @@ def flood(path: Path, cgroup: Path, uid: int, count: int) -> Flood:
         text=True,
     )
     assert process.stdout is not None
-    return Flood(process, json.loads(process.stdout.readline()))
+    assert process.stdout.readline() == "connected\n"
+    return Flood(process)
+
+
+def _told(answer: str | None) -> str | None:
+    """The first line a connection was told, None when it was told nothing yet."""
+    if answer is None:
+        return None
+    frame = parse_frame(answer.splitlines()[0].encode())
+    assert frame is not None, answer
+    return frame.text
 
 
 def test_a_flood_from_one_user_leaves_other_units_their_gate(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
 ) -> None:
-    """16 requests at once per user, 64 in all; the rest are turned away at once, in one line.
+    """Four users' 64 connections that send nothing: a watched unit's gate passes meanwhile.
 
-    A tenant's unit opening connections and sending nothing holds at most 16 request processes
-    (each until the 10 s request deadline); another unit's gate passes meanwhile. Only a flood
-    from four users fills all 64. The parent survives it and reaps every child.
+    Only a watched unit's processes and operators get a slot, one request per unit at a time
+    (a second waits): a watched unit's flood holds one request and one waiting connection,
+    the rest are told so at once; an unwatched unit's and a login session's connections get
+    their one refusal line before a process is forked. The parent survives it, starts no
+    thread and reaps every child. Event-bound: the answers are read once the gate that
+    connected after the whole flood has been served (the parent takes connections in order).
     """
-    cgroup = unit_cgroups.ensure(unit_name())
-    floods = [flood(server.path, cgroup, NOBODY, 20)]
+    flooding = watched_unit(cli)
+    unwatched = unit_name()
+    sessions = (operator_cgroup(unit_cgroups, NOBODY - 2), operator_cgroup(unit_cgroups, 0))
+    floods = [
+        flood(server.path, unit_cgroups.ensure(flooding), NOBODY, 16),
+        flood(server.path, unit_cgroups.ensure(unwatched), NOBODY - 1, 16),
+        flood(server.path, sessions[0], NOBODY - 2, 16),
+        flood(server.path, unit_cgroups.ensure(flooding), NOBODY - 3, 16),
+    ]
+    unit = watched_unit(cli)
     try:
-        assert floods[0].answers.count(None) == 16, floods[0].answers
-        busy = f"the gate server is busy (16 requests of uid {NOBODY} in progress)"
-        for answer in floods[0].refused():
-            frames = [parse_frame(line.encode()) for line in answer.splitlines()]
-            assert frames[0] is not None, answer
-            assert frames[0].text == f"gpuguard: {busy}: request refused"
-            assert frames[-1] is not None
-            assert frames[-1].exit == 1
-        # A real client of that user gets the line (its request, sent unread, does not reset it).
-        turned = client(
-            cli,
-            "gate",
-            "--unit",
-            "x.service",
-            "--socket",
-            str(server.path),
-            cgroup=cgroup,
-            uid=NOBODY,
-        )
-        assert (turned.code, turned.err) == (1, f"gpuguard: {busy}: request refused\n"), turned
-        unit = unit_name()
         done = client(
             cli,
             "gate",
@@ -502,23 +604,28 @@ def test_a_flood_from_one_user_leaves_other_units_their_gate(
             cgroup=unit_cgroups.ensure(unit),
         )
         assert done.code == 0, done.err
-        floods += [flood(server.path, cgroup, NOBODY - n, 16) for n in (1, 2, 3)]
-        assert [f.refused() for f in floods[1:]] == [[], [], []]
-        floods.append(flood(server.path, cgroup, NOBODY - 4, 1))
-        [last] = floods[-1].refused()
-        assert "the gate server is busy (64 requests in progress)" in last
-        assert len(server.children()) == 64
+        told = [[_told(answer) for answer in each.answers()] for each in floods]
+        busy = f"a request of {flooding} is in progress and another waits"
+        flooded = [line for line in told[0] + told[3] if line is not None]
+        assert len(flooded) >= 30, told  # at most one served and one waiting at any time
+        for line in flooded:
+            assert busy in line or "no request line" in line, line
+        not_watched = f"{unwatched} is not watched by gpuguard"
+        assert all(line is not None and not_watched in line for line in told[1]), told[1]
+        session = f"request from a process of {sessions[0].name}: refused"
+        assert told[2] == [f"gpuguard: {session}"] * 16, told[2]
+        assert len(server.children()) <= 2
+        # The operator is never crowded out: root in a login session is served at once.
+        root = client(
+            cli, "reap", "--unit", unit, "--yes", "--socket", str(server.path), cgroup=sessions[1]
+        )
+        assert root.code == 0, root.err
     finally:
         for each in floods:
             each.process.kill()
             each.process.communicate()  # waits, closes the pipes
     server.idle(timeout=30)
-    # One line a second at most about turned-away connections: the first of the flood's.
-    assert f"turned away 1 connection(s), the last: 16 requests of uid {NOBODY}" in server.said()
-    again = client(
-        cli, "gate", "--unit", unit, "--socket", str(server.path), cgroup=unit_cgroups.ensure(unit)
-    )
-    assert again.code == 0, again.err
+    assert "turned away" in server.said()
     threads = list(Path(f"/proc/{server.process.pid}/task").iterdir())
     assert len(threads) == 1, "the parent starts no thread (it forks)"
 
@@ -528,7 +635,7 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
 ) -> None:
     """One request's process may wait for minutes; the parent answers the next one meanwhile."""
     spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
-    unit = unit_name()
+    unit = watched_unit(cli)
     procs = unit_cgroups.ensure(unit) / "cgroup.procs"
     argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit, "--timeout", "60"]
     command = shlex.join([*argv, "--socket", str(server.path)])
@@ -541,7 +648,7 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
         deadline = time.monotonic() + 30
         while "accepted" not in server.said() and time.monotonic() < deadline:
             time.sleep(0.1)
-        other = unit_name()
+        other = watched_unit(cli)
         done = client(
             cli,
             "gate",
@@ -560,27 +667,110 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
 
 
 FORK_SERVER = """
-import os, sys, time
+import os, socket, subprocess, sys, time
 from gpuguard.adapters import gateserver
 listener = gateserver.take_listener(os.environ)
+work, limit, requests, mode = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def serve_one(conn):
+    if mode == "helper":  # a helper in the request's group, as an NVML worker or systemctl
+        helper = subprocess.Popen(["sleep", "600"])
+        conn.sendall(f"helper {helper.pid}\\n".encode())
     conn.sendall(b"serving\\n")
-    time.sleep(float(sys.argv[1]))
+    if mode == "wait":  # until the client says so: tests wait for events, not for time
+        conn.recv(1)
+    else:
+        time.sleep(work)
     conn.sendall(b"done\\n")
     return 0
-limits = gateserver.Limits(seconds=float(sys.argv[2]))
-sys.exit(gateserver.serve_forever(listener, serve_one, sys.stderr, limits))
+def who(pid, uid):  # uid 0 is the operator, uid N a process of the watched unit uN.service
+    return gateserver.OPERATOR if uid == 0 else f"u{uid}.service"
+limits = gateserver.Limits(requests=requests, seconds=limit, operator_slots=1)
+if mode == "emfile":  # no descriptor left for accept() once the server's own pipe is made
+    import resource
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    filled = []
+    try:
+        while True:
+            filled.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 3, hard))
+    filled += [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
+    os.close(filled.pop()); os.close(filled.pop())  # the server's own wake-up pipe
+sys.exit(gateserver.serve_forever(listener, serve_one, sys.stderr, limits, who=who))
 """
 
 
 def fork_server(
-    public_dir: Path, tmp_path: Path, cli: Cli, work_s: float, limit_s: float
+    public_dir: Path,
+    tmp_path: Path,
+    cli: Cli,
+    work_s: float,
+    limit_s: float,
+    *,
+    requests: int = 64,
+    mode: str = "sleep",
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """serve_forever with a request that takes ``work_s``, killed after ``limit_s``."""
+    """serve_forever with a request that takes ``work_s``, killed after ``limit_s``.
+
+    ``mode`` "wait": a request ends when its client sends a byte; "helper": it starts a
+    ``sleep`` in its group first and says its PID. Peers are classified by uid (FORK_SERVER).
+    """
     path, log = public_dir / "fork.sock", tmp_path / "fork.log"
     with listen(path) as listener, log.open("wb") as out:
-        argv = [sys.executable, "-c", FORK_SERVER, str(work_s), str(limit_s)]
+        argv = [sys.executable, "-c", FORK_SERVER, str(work_s), str(limit_s), str(requests), mode]
         return activate(listener, argv, cli.env, out), path, log
+
+
+HOLDER = """
+import os, socket, sys
+path, uid = sys.argv[1], int(sys.argv[2])
+if uid:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(path)
+print("connected", flush=True)
+reader = conn.makefile("rb")
+for line in iter(reader.readline, b""):
+    print(line.decode().rstrip("\\n"), flush=True)
+    if line == b"serving\\n":
+        sys.stdin.readline()  # until the test says the request may end
+        conn.sendall(b"x")
+print("closed", flush=True)
+"""
+
+
+@dataclass
+class Held:
+    """A client of the fork server as ``uid``, holding its request until told to end it."""
+
+    process: subprocess.Popen[str]
+
+    def line(self) -> str:
+        """The next line it printed (what the server sent, "connected", "closed")."""
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().rstrip("\n")
+
+    def end(self) -> None:
+        """Let its request end (the server's child answers "done" and exits)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("end\n")
+        self.process.stdin.flush()
+
+
+def hold(path: Path, uid: int) -> Held:
+    """Connect as ``uid`` and return once connected (the parent has queued the connection)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), str(uid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    held = Held(process)
+    assert held.line() == "connected"
+    return held
 
 
 def answer(path: Path) -> bytes:
@@ -704,7 +894,8 @@ def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
         ours.close()
         own = os.getpid()
         (tmp_path / "proc" / str(own)).symlink_to(f"/proc/{own}")
-        gateserver.serve(theirs, lambda *_: 0, sys.stderr, proc_root=tmp_path / "proc")
+        proc = tmp_path / "proc"
+        gateserver.serve(theirs, lambda *_: 0, sys.stderr, watched=lambda _: True, proc_root=proc)
         os._exit(0)
     theirs.close()
     deadline = time.monotonic() + 10
@@ -719,3 +910,124 @@ def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
     assert ended, "the request's process was still blocked after 10 s"
     assert os.WIFSIGNALED(status)
     assert os.WTERMSIG(status) == 14  # SIGALRM
+
+
+def test_one_request_per_unit_and_the_operators_slots(
+    cli: Cli, tmp_path: Path, public_dir: Path
+) -> None:
+    """Three slots, one the operator's: two units hold two, a third unit is told, root is served.
+
+    A unit's second request waits for its first and runs when it ends; a third is told why.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root: clients connect as several uids")
+    server, path, _ = fork_server(public_dir, tmp_path, cli, 0, 60, requests=3, mode="wait")
+    clients: list[Held] = []
+    try:
+        first = hold(path, 1001)
+        clients.append(first)
+        assert first.line() == "serving"
+        second = hold(path, 1001)  # the same unit: waits
+        clients.append(second)
+        other = hold(path, 1002)
+        clients.append(other)
+        assert other.line() == "serving"  # taken after `second`: that one is queued by now
+        third = hold(path, 1001)
+        clients.append(third)
+        assert _told(third.line()) == (
+            "gpuguard: the gate server is busy (a request of u1001.service is in progress and "
+            "another waits): request refused"
+        )
+        crowd = hold(path, 1003)
+        clients.append(crowd)
+        assert _told(crowd.line()) == (
+            "gpuguard: the gate server is busy (2 units' requests in progress; the other slots "
+            "are the operator's): request refused"
+        )
+        operator = hold(path, 0)
+        clients.append(operator)
+        assert operator.line() == "serving"
+        first.end()
+        assert [first.line(), first.line()] == ["done", "closed"]
+        assert second.line() == "serving", "it ran once the first had ended"
+    finally:
+        for each in clients:
+            each.process.kill()
+            each.process.communicate()
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_requests_helpers_end_with_it(cli: Cli, tmp_path: Path, public_dir: Path) -> None:
+    """A request that ends leaves nothing behind: its group is killed before it is reaped."""
+    server, path, _ = fork_server(public_dir, tmp_path, cli, 0, 60, mode="helper")
+    helper = 0
+    try:
+        said = answer(path).decode().splitlines()
+        assert said[1:] == ["serving", "done"], said
+        helper = int(said[0].removeprefix("helper "))
+        deadline = time.monotonic() + 10
+        while not _gone(helper) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _gone(helper), "the request's helper outlived it"
+    finally:
+        if helper and not _gone(helper):
+            os.kill(helper, 9)
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: it is only waiting for its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_accept_out_of_descriptors_backs_off_instead_of_spinning(
+    cli: Cli, tmp_path: Path, public_dir: Path
+) -> None:
+    """EMFILE from accept(): the parent pauses 0.05, 0.1, 0.2, 0.4 s (a line each), never spins.
+
+    The connection stays queued in the socket meanwhile; on main each failure returned to
+    poll(), which answered at once, for as long as the descriptors were short.
+    """
+    server, path, log = fork_server(public_dir, tmp_path, cli, 0, 60, mode="emfile")
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(path))
+        try:
+            deadline = time.monotonic() + 30
+            while "backing off 0.4 s" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            failed = [line for line in log.read_text().splitlines() if "accept failed" in line]
+            pauses = [line.rsplit(" ", 2)[-2] for line in failed[:4]]
+            assert pauses == ["0.05", "0.1", "0.2", "0.4"], log.read_text()
+            assert len(failed) <= 5, failed  # the next pause (0.8 s) may have begun
+            assert failed[0].startswith("accept failed: Too many open files: backing off")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def test_a_units_own_gate_waits_no_longer_than_gate_timeout_s(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """A unit's request asking --timeout 3600 is held to gate_timeout_s (here 1 s): no slot-hog."""
+    spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
+    cli.configure("gate_timeout_s = 1\n")
+    unit = watched_unit(cli)
+    done = client(
+        cli,
+        "gate",
+        "--unit",
+        unit,
+        "--timeout",
+        "3600",
+        "--socket",
+        str(server.path),
+        cgroup=unit_cgroups.ensure(unit),
+    )
+    assert done.code == 1, done
+    assert f"GPUs of {unit} still busy after 1." in done.err, done.err

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 from clirunner import ENDED
 from fakeholder import process_gone
-from fakestate import allocated_mib
+from fakestate import add_alloc, allocated_mib
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -197,3 +197,39 @@ def test_a_carriage_return_in_a_cgroup_name_does_not_claim_the_unit(
     result = cli("reap", "--unit", unit, "--yes", "--grace", "1")
     assert not process_gone(forger.pid)
     assert "left over" not in _plan_line(result.out, forger.pid)
+
+
+def test_a_shared_services_other_user_is_never_signalled(
+    cli: Cli,
+    detached: Detached,
+    unit_cgroups: UnitCgroups,
+    fake_systemd: FakeSystemd,
+    tmp_path: Path,
+) -> None:
+    """Attack: in a shared service, one user's job made root SIGTERM another user's GPU job.
+
+    cron.service (KillMode=process) holds every user's jobs; after a stop both were reaped as
+    left over. Both sit in the root service's cgroup with its ended run's INVOCATION_ID; only
+    the unit's own (root) process is its left-over. Neither the reap nor the gate signals the
+    other user's job, which keeps the gate closed and says why.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the other user's job runs as another uid")
+    unit = f"cron-{uuid.uuid4().hex[:8]}.service"
+    fake_systemd(unit)  # stopped, User= unset: root
+    own = detached(cli.state, 0, invocation=ENDED)
+    tenant = detached(cli.state, 1, uid=NOBODY, invocation=ENDED)
+    for minor, pid in enumerate((own, tenant)):
+        unit_cgroups.move(pid, unit)
+        add_alloc(cli.state, pid=pid, minor=minor, mib=4000)
+    absent = str(tmp_path / "absent.sock")  # in this process, as root: no server
+
+    gate = cli("gate", "--unit", unit, "--timeout", "2", "--grace", "1", "--socket", absent)
+    assert gate.code == 1, gate.out + gate.err
+    assert process_gone(own), gate.err
+    assert not process_gone(tenant)
+    assert "runs as uid 65534/65534/65534/65534, not as" in gate.err + gate.out
+    reap = cli("reap", "--unit", unit, "--yes", "--grace", "1", "--socket", absent)
+    assert not process_gone(tenant)
+    assert f"not as {unit}'s user (uid 0)" in _plan_line(reap.out, tenant)
+    assert allocated_mib(cli.state, 1) > 0

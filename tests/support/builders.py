@@ -123,6 +123,7 @@ def process(
         comm=comm,
         cmdline=cmdline,
         uid=0,
+        uids=(0, 0, 0, 0),
         user="root",
         cgroup=cgroup,
         invocation_id=invocation_id,
@@ -141,7 +142,7 @@ def training_job(pid: int, *minors: int, comm: str = "python3", state: str = "S"
         cmdline=("python3", "train.py"),
         state=state,
     )
-    return replace(job, uid=1000, user="alice")
+    return replace(job, uid=1000, uids=(1000,) * 4, user="alice")
 
 
 def inventory(reading: NvmlReading, *processes: ProcessFacts) -> Inventory:
@@ -159,7 +160,8 @@ def plan_request(
     """sglang.service's request (unit scope, pattern "sglang"), as the gate's before its start.
 
     Nothing of the unit is live unless ``live_invocation`` says so; systemd's view is known and
-    names no ended run unless ``provenance`` does; no PID is untouchable.
+    names no ended run unless ``provenance`` does, and the unit runs as root (User= unset); no
+    PID is untouchable.
     """
     return PlanRequest(
         unit=UNIT,
@@ -168,6 +170,6 @@ def plan_request(
         gpu_set=gpu_set,
         protected_names=protected_names,
         untouchable_pids=frozenset(),
-        provenance=UnitProvenance(None) if provenance is None else provenance,
+        provenance=UnitProvenance(None, uid=0) if provenance is None else provenance,
         live_invocation=live_invocation,
     )

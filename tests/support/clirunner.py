@@ -157,21 +157,30 @@ class FakeSystemd:
         last: str = LAST,
         logged: tuple[str, ...] = (ENDED,),
         user: str = "",
+        load_state: str = "loaded",
+        known: tuple[str, ...] = (),
     ) -> None:
         """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
 
-        ``systemctl show`` reports ``unit`` in ``state`` with ``last`` as its invocation and
-        ``user`` as its User=; ``journalctl`` prints PID 1's entries naming ``logged``.
+        ``systemctl show`` reports ``unit`` in ``state`` with ``last`` as its invocation,
+        ``user`` as its User= and ``load_state`` as its LoadState= (``not-found``: no such
+        unit); ``list-units`` lists ``known``; ``journalctl`` prints PID 1's entries naming
+        ``logged``.
         """
         if unit is None:
             systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
             journal = ""
         else:
             show = (
+                f"LoadState={load_state}\n"
                 f"ActiveState={state}\nSubState=x\nMainPID=0\nInvocationID={last}\n"
                 f"Environment=\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
             )
-            systemctl = f'[ "$1" = show ] || exit 1\nprintf %s {shlex.quote(show)}\n'
+            listed = "".join(f"{name} loaded active running x\n" for name in known)
+            systemctl = (
+                f'[ "$1" = list-units ] && printf %s {shlex.quote(listed)} && exit 0\n'
+                f'[ "$1" = show ] || exit 1\nprintf %s {shlex.quote(show)}\n'
+            )
             journal = "".join(
                 json.dumps({"__CURSOR": f"s={i}", "_PID": "1", "UNIT": unit, "INVOCATION_ID": x})
                 + "\n"

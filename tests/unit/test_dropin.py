@@ -133,3 +133,31 @@ def test_no_line_of_the_drop_in_runs_gpuguard_with_privileges() -> None:
         "ExecStartPre=/usr/bin/gpuguard gate --unit %n",
         "ExecStopPost=-/usr/bin/gpuguard reap --unit %n --yes --grace 5 --timeout 20",
     ]
+
+
+def test_a_unit_is_gated_while_gpuguards_drop_in_is_there(tmp_path: Path) -> None:
+    """The gate server serves a unit whose drop-in gpuguard wrote (an edited one too), no other."""
+    assert not dropin.installed("sglang.service", systemd_dir=tmp_path)
+    dropin.install("sglang.service", "/usr/bin/gpuguard", systemd_dir=tmp_path)
+    assert dropin.installed("sglang.service", systemd_dir=tmp_path)
+    path = dropin.drop_in_path("sglang.service", tmp_path)
+    path.write_text(path.read_text() + "TimeoutStopSec=900\n")
+    assert dropin.installed("sglang.service", systemd_dir=tmp_path), "edited, still gpuguard's"
+    foreign = dropin.drop_in_path("cron.service", tmp_path)
+    foreign.parent.mkdir()
+    foreign.write_text("[Service]\nExecStartPre=/usr/bin/gpuguard gate --unit %n\n")
+    assert not dropin.installed("cron.service", systemd_dir=tmp_path)
+    for odd in ("..", "a/b.service", "", "x" * 300):
+        assert not dropin.installed(odd, systemd_dir=tmp_path), odd
+
+
+def test_a_restart_of_the_gate_server_never_kills_a_request() -> None:
+    """gpuguard-gate.service waits longer than the server lets any request run (upgrades)."""
+    from gpuguard.adapters import gateserver  # noqa: PLC0415 - only this test needs it
+
+    unit = (Path(__file__).parents[2] / "systemd" / "gpuguard-gate.service").read_text()
+    settings = dict(
+        line.split("=", 1) for line in unit.splitlines() if "=" in line and line[0] != "#"
+    )
+    assert settings["KillMode"] == "mixed"  # SIGTERM to the parent alone, which lets them finish
+    assert float(settings["TimeoutStopSec"]) > gateserver.REQUEST_LIMIT_S

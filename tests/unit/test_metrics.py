@@ -14,6 +14,7 @@ import pytest
 from builders import TRAINING_CGROUP, gpu, inventory, lost_gpu, nvml, process
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuguard.core.leftovers import WatchedUnit
 from gpuguard.core.metrics import (
     GATE_RESULTS,
     HEALTH_STATES,
@@ -22,7 +23,7 @@ from gpuguard.core.metrics import (
     exposition,
     families,
 )
-from gpuguard.core.values import MIB, GpuHealth, NvmlHealth, RecoveryAction
+from gpuguard.core.values import MIB, GpuHealth, NvmlHealth, RecoveryAction, UnitProvenance
 
 if TYPE_CHECKING:
     from gpuguard.core.values import GpuReading, ProcessFacts
@@ -43,12 +44,24 @@ def observed(
     running: bool = True,
     health: NvmlHealth = NvmlHealth.OK,
 ) -> Observed:
-    """Metrics input for one watched unit, systemd saying it runs ``LIVE`` unless told."""
+    """Metrics input for one watched unit, systemd saying it runs ``LIVE`` unless told.
+
+    The unit runs as root (the builders' processes are root's), as status's watched units say.
+    """
+    live_invocations = {UNIT: LIVE} if live is None else live
+    unit = WatchedUnit(
+        UNIT,
+        (),
+        live_invocation=live_invocations.get(UNIT),
+        provenance=UnitProvenance(None, uid=0)
+        if UNIT in live_invocations
+        else UnitProvenance("systemd did not answer"),
+    )
     return Observed(
         inventory=inventory(nvml(*readings, health=health), *processes),
         inventory_age_s=12.5,
         watched_units=[UNIT],
-        live_invocations={UNIT: LIVE} if live is None else live,
+        live_invocations=live_invocations,
         protected_names=("nvidia-persistenced",),
         idle_threshold_bytes=16 * MIB,
         snapshot=snapshot or {},
@@ -56,6 +69,7 @@ def observed(
         gate_refused={UNIT: False},
         tally=tally or Tally(),
         now_wall=1_700_000_000.0,
+        watched=[unit],
     )
 
 

@@ -297,6 +297,8 @@ def test_invariants_hold_for_any_holders(
         in_unit = in_unit and h.attribution.container is None and not h.attribution.unknown
         if in_unit and req.live_invocation is not None:
             assert h.invocation_id not in (req.live_invocation, None)
+        if in_unit:
+            assert set(h.uids) == {req.provenance.uid}, "another uid is never the unit's"
         if req.scope is Scope.UNIT:
             assert req.provenance.problem is None
             assert not h.attribution.unknown
@@ -329,3 +331,33 @@ def test_a_sweep_of_one_ended_run_takes_exactly_its_processes() -> None:
     # Without the narrowing, the other ended run and its child would go too.
     wide = plan([earlier, child], request(live=LIVE, provenance=proven))
     assert {d.holder.pid for d in wide.to_reap} == {12, 15}
+
+
+def test_another_users_process_in_the_units_cgroup_is_never_the_units() -> None:
+    """A shared KillMode=process service (cron.service): another uid's job is kept, in any scope.
+
+    The unit runs as root (User= unset); its own stale process goes, a tenant's job and a
+    setuid program started by the tenant stay, whatever the scope and whether the unit runs.
+    """
+    cron = "cron.service"
+    own = holder(10, unit=cron, invocation=OLD, uids=ROOT)
+    tenant = holder(11, unit=cron, invocation=OLD, uids=TENANT)
+    setuid = holder(12, unit=cron, invocation=OLD, uids=(1000, 0, 0, 0))
+    for scope in Scope:
+        for live in (None, LIVE):
+            result = plan([own, tenant, setuid], request(scope, unit=cron, live=live))
+            assert {d.holder.pid for d in result.to_reap} == {10}, (scope, live)
+            reasons = {d.holder.pid: d.reason for d in result.spared}
+            assert (
+                "runs as uid 1000/1000/1000/1000, not as cron.service's user (uid 0)"
+                in (reasons[11])
+            )
+            assert "runs as uid 1000/0/0/0" in reasons[12]
+
+
+def test_a_unit_whose_user_cannot_be_resolved_reaps_nothing_in_its_cgroup() -> None:
+    """No uid to compare with: nothing in the cgroup is the unit's for certain."""
+    unresolved = UnitProvenance(None, frozenset({OLD}), uid=None)
+    decision = decide(holder(10), request(provenance=unresolved))
+    assert decision.verdict is Verdict.KEEP
+    assert "User= could not be resolved to a uid" in decision.reason

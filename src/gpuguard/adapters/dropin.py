@@ -9,6 +9,7 @@ the source tree is this text rendered for the packaged binary (a test keeps the 
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +178,26 @@ def _remove(path: Path) -> Change:
     with contextlib.suppress(OSError):
         path.parent.rmdir()  # only if now empty: other drop-ins stay
     return Change(path, "removed")
+
+
+#: A unit name as systemd spells one (unit_name_is_valid(): at most 255 characters of these).
+_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
+
+
+def installed(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> bool:
+    """Whether gpuguard's gate drop-in is installed for ``unit``, as install-gate wrote it.
+
+    An operator's edits keep it gpuguard's (its first line is the marker); a file anybody but
+    root could have written is not (files.py checks the file and every directory above it).
+    The gate server asks this of the unit a caller runs in, so the name is checked first.
+    """
+    if not _UNIT_NAME.fullmatch(unit) or unit in {".", ".."}:
+        return False
+    try:
+        current = _current(drop_in_path(unit, systemd_dir))
+    except OSError:  # files.UnsafePathError too
+        return False
+    return current is not None and current.startswith(MARKER.encode("utf-8"))
 
 
 def _current(path: Path) -> bytes | None:

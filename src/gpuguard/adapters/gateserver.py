@@ -12,12 +12,17 @@ caller may not ask (gateauth.py), runs the same gate or reap code the in-process
 with its output sent back as frames, and exits. A crash ends one request; no child sees
 another's. The parent enforces what systemd enforced per instance when each connection started
 a service of its own: at most MAX_REQUESTS at once, MAX_REQUESTS_PER_UID from one user, and
-REQUEST_LIMIT_S of wall time per request.
+REQUEST_LIMIT_S of wall time per request. Before it forks it classifies the peer from the
+kernel alone (``SO_PEERCRED`` and a bounded read of ``/proc/PID/cgroup``, :func:`classify`):
+only an operator or a process of a watched unit gets a slot, one request per unit at a time (a
+second one waits for it), and OPERATOR_SLOTS of them are kept for operators. A request's
+process group is killed before the request is reaped, so nothing it started outlives it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import select
@@ -32,8 +37,9 @@ from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from gpuguard.adapters import signals
 from gpuguard.adapters.peer import PROC, PeerError, identify
+from gpuguard.core.cgroup import attribute, parse_cgroup
 from gpuguard.core.escaping import escape
-from gpuguard.core.gateauth import may_ask, refusal
+from gpuguard.core.gateauth import Caller, admission, refusal
 from gpuguard.core.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_request
 
 if TYPE_CHECKING:
@@ -43,7 +49,6 @@ if TYPE_CHECKING:
 
     from _typeshed import ReadableBuffer
 
-    from gpuguard.core.gateauth import Caller
     from gpuguard.core.gateproto import Request
 
 #: A caller gets this long to send its request line; then the instance ends.
@@ -60,9 +65,16 @@ MAX_REQUESTS = 64
 #: Requests served at once for one peer UID (MaxConnectionsPerSource= before): one user's flood
 #: leaves the other slots to the other units.
 MAX_REQUESTS_PER_UID = 16
+#: Slots only operators may take: a flood of watched units' requests never locks root out.
+OPERATOR_SLOTS = 8
 #: A request's process is killed after this long (RuntimeMaxSec= before): a gate waits at most
-#: gate_timeout_s, which a request may raise to 3600 s.
+#: gate_timeout_s (at most 3600 s; a unit's own request cannot ask for more).
 REQUEST_LIMIT_S = 3700.0
+#: accept() failing for want of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting
+#: this long, doubling to the maximum: the connection stays queued, the parent does not spin.
+ACCEPT_BACKOFF_S = (0.05, 2.0)
+#: /proc/PID/cgroup is one line on cgroup v2; more than this is no cgroup path to trust.
+MAX_CGROUP_BYTES = 8192
 #: What the server copies into its own journal of the lines a request sends the client's
 #: standard error (the gate's verdict, the reaper's signals): per request, and per line.
 JOURNAL_LINES = 200
@@ -85,6 +97,17 @@ class Limits(NamedTuple):
     requests: int = MAX_REQUESTS
     per_uid: int = MAX_REQUESTS_PER_UID
     seconds: float = REQUEST_LIMIT_S
+    operator_slots: int = OPERATOR_SLOTS
+
+
+#: classify()'s answer for an operator (root in a login session, see gateauth).
+OPERATOR = ""
+
+
+class Refused(NamedTuple):
+    """classify()'s answer for a peer that gets no slot: the one line it is told."""
+
+    line: str
 
 
 class _Request(NamedTuple):
@@ -92,6 +115,40 @@ class _Request(NamedTuple):
 
     uid: int
     deadline: float  # monotonic
+    unit: str  # the watched unit it serves, OPERATOR for an operator's
+
+
+class _Waiting(NamedTuple):
+    """A watched unit's connection waiting for that unit's request in progress to end."""
+
+    conn: socket.socket
+    uid: int
+
+
+def classify(
+    pid: int, uid: int, watched: Callable[[str], bool], proc_root: Path = PROC
+) -> str | Refused:
+    """Who a peer is, before anything is forked for it: OPERATOR, its watched unit, or Refused.
+
+    From the kernel only: ``SO_PEERCRED``'s PID and UID and at most MAX_CGROUP_BYTES of
+    ``/proc/PID/cgroup`` (kernel text, never blocking on a file system). The request's own
+    process checks the caller again, pinned by a pidfd (peer.py): this only decides the slot.
+    """
+    try:
+        with (proc_root / str(pid) / "cgroup").open("rb") as handle:
+            data = handle.read(MAX_CGROUP_BYTES + 1)
+    except OSError:
+        return Refused("gpuguard: request refused: the caller has gone")
+    text = data.decode("utf-8", "backslashreplace") if len(data) <= MAX_CGROUP_BYTES else ""
+    path = parse_cgroup(text)
+    caller = Caller(pid=pid, uid=uid, attribution=attribute(path), environment=None, cgroup=path)
+    if caller.is_operator:
+        return OPERATOR
+    service = caller.system_service
+    refused = admission(caller, watched=service is not None and watched(service))
+    if refused is not None or service is None:
+        return Refused(f"gpuguard: {refused or 'request refused'}")
+    return service
 
 
 def take_listener(environ: MutableMapping[str, str]) -> socket.socket:
@@ -124,11 +181,15 @@ def serve_forever(
     serve_one: Callable[[socket.socket], int],
     log: TextIO,
     limits: Limits = Limits(),  # noqa: B008 - an immutable NamedTuple
+    *,
+    who: Callable[[int, int], str | Refused],
 ) -> int:
     """Accept connections until SIGTERM, each served by ``serve_one`` in a forked child.
 
-    After SIGTERM it stops accepting (systemd queues new connections for the next start) and
-    waits for the requests in progress; systemd's TimeoutStopSec= bounds that wait.
+    ``who`` classifies a peer by its PID and UID (:func:`classify`). After SIGTERM it stops
+    accepting (systemd queues new connections for the next start), turns away the ones waiting
+    and lets the requests in progress finish: gpuguard-gate.service's TimeoutStopSec= is above
+    REQUEST_LIMIT_S, so a restart never kills a gate in the middle of a reap.
     """
     listener.settimeout(0.0)  # non-blocking: accept() until EAGAIN
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -139,7 +200,7 @@ def serve_forever(
     poller = select.poll()
     poller.register(wake_read, select.POLLIN)
     poller.register(listener, select.POLLIN)
-    server = _Parent(listener, serve_one, log, limits, (wake_read, wake_write))
+    server = _Parent(listener, serve_one, log, limits, (wake_read, wake_write), who=who)
     try:
         _loop(server, poller, stopping)
     finally:
@@ -151,35 +212,48 @@ def serve_forever(
 
 def _loop(server: _Parent, poller: select.poll, stopping: list[int]) -> None:
     listener, wake_read = server.listener, server.wake[0]
+    polled = True  # whether the listener is registered with the poller
     while True:
         server.reap()
         if stopping:
             if server.listening:
-                poller.unregister(listener)
+                if polled:
+                    poller.unregister(listener)
                 listener.close()
                 server.listening = False
+                server.drop_waiting("the gate server is stopping")
                 server.note(f"stopping: waiting for {len(server.requests)} request(s) in progress")
             if not server.requests:
                 return
+        paused = server.listening and time.monotonic() < server.paused_until
+        if server.listening and paused and polled:  # accepting paused: the listener is not polled
+            poller.unregister(listener)
+            polled = False
+        elif server.listening and not paused and not polled:
+            poller.register(listener, select.POLLIN)
+            polled = True
+            server.paused_until = 0.0  # the pause is over: poll() waits for the listener again
         # A signal (SIGCHLD, SIGTERM) arriving from here on writes to wake_read: no lost wakeup.
         ready = poller.poll(server.wait_ms())
         with contextlib.suppress(BlockingIOError):
             while os.read(wake_read, 512):
                 pass
-        if server.listening and any(fd != wake_read for fd, _ in ready):
+        if server.listening and polled and any(fd != wake_read for fd, _ in ready):
             server.accept()
 
 
 class _Parent:
     """The accepting parent's bookkeeping: its children, their owners and deadlines."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - what serve_forever was given, kept together
         self,
         listener: socket.socket,
         serve_one: Callable[[socket.socket], int],
         log: TextIO,
         limits: Limits,
         wake: tuple[int, int],
+        *,
+        who: Callable[[int, int], str | Refused],
     ) -> None:
         self.listener = listener
         self.listening = True
@@ -187,44 +261,105 @@ class _Parent:
         self.log = log
         self.limits = limits
         self.wake = wake
+        self.who = who
         self.requests: dict[int, _Request] = {}
+        self.waiting: dict[str, _Waiting] = {}
         self.turned_away = 0
         self.turned_away_logged = -_TURNED_AWAY_LOG_INTERVAL_S
+        self.paused_until = 0.0
+        self.backoff_s = ACCEPT_BACKOFF_S[0]
 
     def wait_ms(self) -> int | None:
-        """How long poll() may wait: until the next request's deadline, or for ever."""
-        if not self.requests:
+        """How long poll() may wait: until the next deadline or the end of a pause, or for ever."""
+        deadlines = [request.deadline for request in self.requests.values()]
+        if self.listening and self.paused_until:
+            deadlines.append(self.paused_until)
+        if not deadlines:
             return None
-        nearest = min(request.deadline for request in self.requests.values())
-        return max(0, int((nearest - time.monotonic()) * 1000) + 1)
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     def accept(self) -> None:
-        """Take every waiting connection: turn it away over the limits, else fork its child."""
+        """Take every waiting connection: turn it away, queue it behind its unit's, or fork."""
         while True:
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as err:  # ECONNABORTED, EMFILE...: this connection, not the server
-                self.note(f"accept failed: {err.strerror or err}")
+            except OSError as err:
+                self._accept_failed(err)
                 return
-            with conn:
-                uid = _peer_uid(conn)
-                refused = "no credentials" if uid is None else self._over_limits(uid)
-                if refused is not None or uid is None:
-                    self._turn_away(conn, refused or "no credentials")
-                    continue
-                self._fork(conn, uid)
+            self.paused_until, self.backoff_s = 0.0, ACCEPT_BACKOFF_S[0]
+            self._admit(conn)
 
-    def _over_limits(self, uid: int) -> str | None:
-        if len(self.requests) >= self.limits.requests:
-            return f"{self.limits.requests} requests in progress"
+    def _accept_failed(self, err: OSError) -> None:
+        """ECONNABORTED ends one connection; a lack of resources pauses accepting (no spin)."""
+        if err.errno not in {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}:
+            self.note(f"accept failed: {err.strerror or err}")
+            return
+        self.note(f"accept failed: {err.strerror or err}: backing off {self.backoff_s:g} s")
+        self.paused_until = time.monotonic() + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, ACCEPT_BACKOFF_S[1])
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Classify the peer and give it a slot, a place in its unit's queue, or one line."""
+        credentials = _peer_credentials(conn)
+        if credentials is None:
+            self._turn_away(conn, "no credentials")
+            return
+        pid, uid = credentials
+        try:
+            unit = self.who(pid, uid)
+        except Exception:  # noqa: BLE001 - one peer's oddity must never end the server
+            traceback.print_exc(file=self.log)
+            unit = Refused("gpuguard: request refused: the caller could not be classified")
+        if isinstance(unit, Refused):
+            self._turn_away(conn, unit.line, refusal=True)
+            return
+        if unit != OPERATOR and any(r.unit == unit for r in self.requests.values()):
+            self._queue(conn, uid, unit)  # takes no slot: it runs in its unit's, once free
+            return
+        busy = self._over_limits(uid, unit)
+        if busy is not None:
+            self._turn_away(conn, busy)
+        else:
+            self._fork(conn, uid, unit)
+
+    def _queue(self, conn: socket.socket, uid: int, unit: str) -> None:
+        """One connection per unit waits for the unit's request in progress; a third is told."""
+        earlier = self.waiting.get(unit)
+        if earlier is not None and not _hung_up(earlier.conn):
+            self._turn_away(conn, f"a request of {escape(unit)} is in progress and another waits")
+            return
+        if earlier is not None:
+            earlier.conn.close()
+        self.waiting[unit] = _Waiting(conn, uid)
+
+    def drop_waiting(self, why: str) -> None:
+        """Turn away every waiting connection (the server is stopping)."""
+        for waiting in self.waiting.values():
+            self._turn_away(waiting.conn, why)
+        self.waiting.clear()
+
+    def _over_limits(self, uid: int, unit: str) -> str | None:
+        limits = self.limits
+        if len(self.requests) >= limits.requests:
+            return f"{limits.requests} requests in progress"
+        if unit == OPERATOR:
+            return None
+        others = sum(1 for request in self.requests.values() if request.unit != OPERATOR)
+        if others >= limits.requests - limits.operator_slots:
+            return f"{others} units' requests in progress; the other slots are the operator's"
         mine = sum(1 for request in self.requests.values() if request.uid == uid)
-        if mine >= self.limits.per_uid:
-            return f"{self.limits.per_uid} requests of uid {uid} in progress"
+        if mine >= limits.per_uid:
+            return f"{limits.per_uid} requests of uid {uid} in progress"
         return None
 
-    def _fork(self, conn: socket.socket, uid: int) -> None:
+    def _fork(self, conn: socket.socket, uid: int, unit: str) -> None:
+        """Fork the request's process for ``conn``; the parent's copy is closed here."""
+        with conn:
+            self._fork_open(conn, uid, unit)
+
+    def _fork_open(self, conn: socket.socket, uid: int, unit: str) -> None:
         sys.stdout.flush()
         self.log.flush()  # nothing buffered is written twice
         try:
@@ -236,7 +371,7 @@ class _Parent:
             self._child(conn)
         with contextlib.suppress(OSError):  # the child does it too: whichever runs first
             os.setpgid(pid, pid)
-        self.requests[pid] = _Request(uid, time.monotonic() + self.limits.seconds)
+        self.requests[pid] = _Request(uid, time.monotonic() + self.limits.seconds, unit)
 
     def _child(self, conn: socket.socket) -> NoReturn:
         """Serve ``conn`` and exit; never returns into the parent's loop."""
@@ -259,18 +394,28 @@ class _Parent:
             os._exit(code)
 
     def reap(self) -> None:
-        """Collect ended children (no zombies); kill those past the time limit."""
+        """Collect ended children (no zombies); kill those past the time limit.
+
+        An ended child's process group is killed before the child is reaped: while it is a
+        zombie its PID, the group's id, cannot be reused, so the signal reaches only what the
+        request started (an abandoned NVML worker, a systemctl), never a stranger.
+        """
         while self.requests:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 self.requests.clear()
                 return
-            if not pid:
+            if ended is None or not ended.si_pid:
                 break
-            self.requests.pop(pid, None)
+            pid = ended.si_pid
+            signals.signal_own_group(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            request = self.requests.pop(pid, None)
             if os.WIFSIGNALED(status) and os.WTERMSIG(status) != signal.SIGKILL:
                 self.note(f"request PID {pid} ended by signal {os.WTERMSIG(status)}")
+            if request is not None:
+                self._next_of(request.unit)
         now = time.monotonic()
         for pid, request in self.requests.items():
             if now >= request.deadline:
@@ -278,14 +423,29 @@ class _Parent:
                 signals.signal_own_group(pid, signal.SIGKILL)
                 self.requests[pid] = request._replace(deadline=now + self.limits.seconds)
 
-    def _turn_away(self, conn: socket.socket, why: str) -> None:
+    def _next_of(self, unit: str) -> None:
+        """Serve the connection waiting for ``unit``'s request that just ended, if any."""
+        waiting = self.waiting.pop(unit, None) if unit != OPERATOR else None
+        if waiting is None:
+            return
+        if _hung_up(waiting.conn):
+            waiting.conn.close()
+            return
+        busy = self._over_limits(waiting.uid, unit)
+        if busy is not None:
+            self._turn_away(waiting.conn, busy)
+        else:
+            self._fork(waiting.conn, waiting.uid, unit)
+
+    def _turn_away(self, conn: socket.socket, why: str, *, refusal: bool = False) -> None:
         """One line and a verdict of 1, sent without waiting; the connection closed.
 
-        What the client already sent is dropped unread first (a bounded, non-blocking drain):
-        closing over unread bytes would reset the connection and lose the line.
+        ``why`` is why the server is busy, or with ``refusal`` the whole line. What the client
+        already sent is dropped unread first (a bounded, non-blocking drain): closing over
+        unread bytes would reset the connection and lose the line.
         """
-        line = f"gpuguard: the gate server is busy ({why}): request refused"
-        with contextlib.suppress(OSError):
+        line = why if refusal else f"gpuguard: the gate server is busy ({why}): request refused"
+        with conn, contextlib.suppress(OSError):
             conn.send(frame_text(2, line) + frame_exit(1), socket.MSG_DONTWAIT)
             conn.shutdown(socket.SHUT_WR)
             for _ in range(4):
@@ -302,14 +462,21 @@ class _Parent:
         self.log.flush()
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
-    """The connecting process's UID as the kernel recorded it at connect()."""
+def _peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
+    """The connecting process's PID and UID as the kernel recorded them at connect()."""
     try:
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
     except OSError:
         return None
-    uid: int = _CREDENTIALS.unpack(raw)[1]
-    return uid
+    pid, uid, _gid = _CREDENTIALS.unpack(raw)
+    return (pid, uid) if pid > 0 else None
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the client has closed its end (POLLHUP: both directions shut)."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 class _Frames(io.RawIOBase):
@@ -379,6 +546,7 @@ def serve(
     handle: Callable[[Request, Caller, TextIO, TextIO], int],
     log: TextIO,
     *,
+    watched: Callable[[str], bool],
     proc_root: Path = PROC,
 ) -> int:
     """Answer the one request on ``conn``; log what it decided to ``log`` (the journal).
@@ -389,10 +557,12 @@ def serve(
     written to ``log``, behind "<command> for <unit> from PID <pid>: ", and the exit status
     last: the unit's own output can print the same words, but only these lines carry the
     journal's trusted fields of gpuguard-gate.service as root (``explain`` shows only them).
+    ``watched`` says whether gpuguard watches a unit: only a watched unit's own processes (and
+    operators) are served.
     """
     signal.alarm(UNAUTHORIZED_LIMIT_S)
     try:
-        admitted = _admit(conn, log, proc_root)
+        admitted = _admit(conn, log, proc_root, watched)
     finally:
         signal.alarm(0)
     if isinstance(admitted, int):
@@ -423,14 +593,18 @@ def serve(
     return code
 
 
-def _admit(conn: socket.socket, log: TextIO, proc_root: Path) -> tuple[Request, Caller] | int:
+def _admit(
+    conn: socket.socket, log: TextIO, proc_root: Path, watched: Callable[[str], bool]
+) -> tuple[Request, Caller] | int:
     """The caller and its request once both pass; else the refusal's exit status, answered."""
     try:
         caller = identify(conn, proc_root=proc_root)
     except PeerError as err:
         return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
-    if not may_ask(caller):
-        return _answer(conn, log, f"gpuguard: request from {caller.describe()}: refused", 1)
+    service = caller.system_service
+    refused = admission(caller, watched=service is not None and watched(service))
+    if refused is not None:
+        return _answer(conn, log, f"gpuguard: {refused}", 1)
     line = _read_request(conn)
     request = parse_request(line) if line is not None else "no request line"
     if isinstance(request, str):

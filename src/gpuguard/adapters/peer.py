@@ -53,6 +53,7 @@ def own_caller() -> Caller:
         uid=os.geteuid(),
         attribution=attribute(cgroup or ""),
         environment=dict(os.environ),
+        cgroup=cgroup,
     )
 
 
@@ -66,7 +67,9 @@ def _read_pinned(pid: int, uid: int, pidfd: int, proc_root: Path) -> Caller:
     environment = _read_environ(base)
     if _exited(pidfd) or _start_time(pid, proc_root) != started or cgroup is None:
         raise PeerError("the caller has gone")
-    return Caller(pid=pid, uid=uid, attribution=attribute(cgroup), environment=environment)
+    return Caller(
+        pid=pid, uid=uid, attribution=attribute(cgroup), environment=environment, cgroup=cgroup
+    )
 
 
 def _start_time(pid: int, proc_root: Path) -> int | None:

@@ -158,6 +158,25 @@ def control(verb: str, unit: str) -> str | None:
     return systemctl("--no-block", verb, unit)[1]
 
 
+#: A line of ``systemctl list-units``/``list-unit-files`` output that long is not a unit's.
+_LIST_LINE_LIMIT = 1024
+
+
+def known_units() -> tuple[str, ...]:
+    """The units systemd knows (loaded, or with a unit file); empty when it cannot be asked.
+
+    Only for a "did you mean": each line's first word, as ``--plain --no-legend`` prints it.
+    """
+    names: list[str] = []
+    for verb in ("list-units", "list-unit-files"):
+        out, _ = systemctl(verb, "--all", "--plain", "--no-legend", "--no-pager")
+        for line in (out or "").split("\n"):
+            word = line[:_LIST_LINE_LIMIT].split(maxsplit=1)
+            if word and "." in word[0]:
+                names.append(word[0])
+    return tuple(dict.fromkeys(names))
+
+
 def unit_uid(state: UnitState) -> int | None:
     """The uid the unit's processes run as: ``User=`` resolved, root when unset; None if unknown.
 
@@ -235,7 +254,8 @@ def provenance(state: UnitState, *, inside: bool = False, history: bool = True) 
 
     ``inside``: gpuguard runs in the unit's own cgroup (its ExecStartPre= or ExecStopPost=), so
     no other run of the unit is live whatever systemctl says; its cgroup may be reaped even when
-    systemd cannot be asked, but nothing outside it is, for want of the unit's user and runs.
+    systemd cannot be asked (the caller's uid then stands for the unit's user, see
+    commands/context.py), but nothing outside it is, for want of the unit's runs.
     ``history`` False: the journal is not read (no holder outside a cgroup names a run), only
     the last run systemd names counts.
     """

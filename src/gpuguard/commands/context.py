@@ -11,11 +11,49 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gpuguard.adapters.systemd import UnitState
+    from gpuguard.commands.output import Said
     from gpuguard.config import Settings, UnitSettings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
+
+
+def unknown_unit(settings: Settings, unit: str, command: str, *, force: bool) -> Said | None:
+    """Exit 64, saying so, for a unit neither configured, gated nor known to systemd.
+
+    A typo (``sglang.servce``) would get the defaults - every GPU, the default patterns - and a
+    reap of scope ``patterns`` would reach processes the real unit spares. ``--force`` goes
+    ahead anyway. Only systemd's own answer (``LoadState=not-found``) refuses: when it cannot
+    be asked the command goes on and its plan says so (nothing in the unit's cgroup is reaped).
+    """
+    from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see the package doc
+
+    if force or unit in settings.units or dropin.installed(unit):
+        return None
+    if not systemd.show_unit(unit).not_found:
+        return None
+    from gpuguard.commands.exits import EX_USAGE  # noqa: PLC0415
+    from gpuguard.commands.output import Said  # noqa: PLC0415
+    from gpuguard.core.escaping import escape  # noqa: PLC0415
+
+    why = "not in the configuration, no gate drop-in, and systemd has no such unit"
+    lines = [f"gpuguard {command}: unknown unit {escape(unit)!r}: {why} (LoadState=not-found)"]
+    nearest = did_you_mean(unit, (*settings.units, *systemd.known_units()))
+    if nearest:
+        lines.append(f"  did you mean {' or '.join(nearest)}?")
+    lines.append(f"  --force {command}s it anyway (with the defaults: every GPU)")
+    return Said(EX_USAGE, notices=tuple(lines))
+
+
+def did_you_mean(unit: str, candidates: Sequence[str]) -> list[str]:
+    """At most three names close to ``unit`` (difflib's ratio), the closest first."""
+    import difflib  # noqa: PLC0415 - only for a refusal
+
+    from gpuguard.core.escaping import escape  # noqa: PLC0415
+
+    names = list(dict.fromkeys(candidates))
+    return [escape(n) for n in difflib.get_close_matches(unit, names, n=3, cutoff=0.75)]
 
 
 def unit_settings(settings: Settings, unit: str) -> UnitSettings:
@@ -147,6 +185,10 @@ def unit_plan(
         systemd.provenance(unit_state, inside=inside),
         ledger=ledgerstore.claims(settings.runtime_dir, unit),
     )
+    if inside and unit_state.error is not None and provenance.problem is None:
+        # systemd cannot say the unit's User=; the unit's own control process runs as it (the
+        # in-cgroup gate as root: root), so only processes of that uid may be its left-overs.
+        provenance = replace(provenance, uid=who.uid)
     request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
     notices = () if problem is None else (problem,)
     return UnitPlan(request, gpu_set, unit_state, environment, notices)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.commands.context import unknown_unit
+
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Mapping
 
+    from gpuguard.commands.output import Said
     from gpuguard.config import Settings
     from gpuguard.core.doctor import Finding
 
@@ -48,11 +51,15 @@ class Diagnosis:
         return doctor.render_json(self.findings)
 
 
-def run(settings: Settings, args: argparse.Namespace) -> Diagnosis:
+def run(settings: Settings, args: argparse.Namespace) -> Diagnosis | Said:
     """Audit each unit against its journal; the findings, to print as the options ask."""
     from gpuguard.adapters import doctorio, inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
 
+    if args.unit:
+        unknown = unknown_unit(settings, args.unit, "doctor", force=args.force)
+        if unknown is not None:
+            return unknown
     units = [args.unit] if args.unit else list(settings.units)
     found = inventory.gather(settings)
     facts = {

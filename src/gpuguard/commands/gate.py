@@ -14,6 +14,7 @@ from gpuguard.commands.context import (
     unit_environment,
     unit_plan,
     unit_settings,
+    unknown_unit,
 )
 from gpuguard.core.escaping import escape
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Sequence
 
+    from gpuguard.commands.output import Said
     from gpuguard.config import Settings
     from gpuguard.core.gate import GateOutcome
     from gpuguard.core.gateauth import Caller
@@ -117,7 +119,7 @@ def run(
     reading: NvmlReading | None,
     caller: Caller | None,
     say: Callable[[str], None],
-) -> GateVerdict:
+) -> GateVerdict | Said:
     """Reap the unit's stale holders and wait until its GPUs are idle; the verdict says if.
 
     While it waits, ``say`` gets a line per blocker every 10 s (the unit's journal reads them).
@@ -132,9 +134,14 @@ def run(
     )
     from gpuguard.core import gate  # noqa: PLC0415
 
+    unknown = unknown_unit(settings, args.unit, "gate", force=getattr(args, "force", False))
+    if unknown is not None:
+        return unknown
     first = inventory.gather(settings, reading)
     planned = unit_plan(settings, args.unit, args.scope, caller, first.nvml.gpus)
     timeout = args.timeout if args.timeout is not None else settings.gate_timeout_s
+    if caller is not None and not caller.is_operator:
+        timeout = min(timeout, settings.gate_timeout_s)  # a unit may not hold a slot for longer
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     pending = [first]
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.commands.context import (
     result_json,
     unit_plan,
+    unknown_unit,
 )
 from gpuguard.commands.exits import EX_USAGE
 from gpuguard.commands.output import Said
@@ -60,6 +61,9 @@ def run(
                 ),
             ),
         )
+    unknown = unknown_unit(settings, unit_name, "reap", force=getattr(args, "force", False))
+    if unknown is not None:
+        return unknown
     found = inventory.gather(settings)
     planned = unit_plan(settings, unit_name, args.scope, caller, found.nvml.gpus)
     unit_state, gpu_set = planned.unit_state, planned.gpu_set

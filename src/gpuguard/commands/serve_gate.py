@@ -10,6 +10,7 @@ from gpuguard.commands.reap import REAP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
     from typing import TextIO
 
     from gpuguard.core.gateauth import Caller
@@ -56,10 +57,54 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             return execute(work, caller)
 
+    watched = Watched(args.config)
     with listener:
         return gateserver.serve_forever(
-            listener, lambda conn: gateserver.serve(conn, handle, sys.stderr), sys.stderr
+            listener,
+            lambda conn: gateserver.serve(conn, handle, sys.stderr, watched=watched),
+            sys.stderr,
+            who=lambda pid, uid: gateserver.classify(pid, uid, watched),
         )
+
+
+class Watched:
+    """Which units gpuguard watches: named in the configuration, or with its gate drop-in.
+
+    Only a watched unit's processes are served (docs/security.md). The configured names are
+    read again only when the file changes (its inode, size and modification time), so a
+    flood of connections costs a stat() each, not a validation.
+    """
+
+    def __init__(self, config: Path | None) -> None:
+        """Watch what ``config`` (None: the default file) names; nothing is read yet."""
+        self._config = config
+        self._stamp: tuple[int, int, int] | None = None
+        self._units: frozenset[str] = frozenset()
+        self._loaded = False
+
+    def __call__(self, unit: str) -> bool:
+        """Whether ``unit`` is watched."""
+        from gpuguard.adapters import dropin  # noqa: PLC0415 - see the package doc
+
+        return unit in self._configured() or dropin.installed(unit)
+
+    def _configured(self) -> frozenset[str]:
+        from gpuguard.adapters.configfile import config_path  # noqa: PLC0415
+        from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415
+
+        path, _ = config_path(self._config)
+        try:
+            info = path.stat()
+            stamp: tuple[int, int, int] | None = (info.st_ino, info.st_size, info.st_mtime_ns)
+        except OSError:
+            stamp = None
+        if not self._loaded or stamp != self._stamp:
+            try:
+                self._units = frozenset(load_settings(self._config).units)
+            except ConfigError:
+                self._units = frozenset()  # an invalid configuration watches nothing
+            self._stamp, self._loaded = stamp, True
+        return self._units
 
 
 def _import_request_path() -> None:
@@ -73,6 +118,7 @@ def _import_request_path() -> None:
         containerprobe,
         containerstop,
         daemonsnapshot,
+        dropin,
         engineapi,
         inventory,
         ledgerstore,

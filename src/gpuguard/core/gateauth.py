@@ -3,19 +3,35 @@
 The server learns the caller's PID and UID from ``SO_PEERCRED`` and its unit from its cgroup
 (peer.py); a request only *names* a unit. A process may ask for its own unit only — the gate
 and stop-reap of the unit it runs in, as the drop-in's ``ExecStartPre=``/``ExecStopPost=`` do —
-and only with the default scope. The one exception is root outside any service (an operator's
-shell, ``sudo gpuguard gate``): it may ask for any unit and any scope, as it could run the same
-code in-process anyway.
+and only with the default scope, and only for a unit gpuguard watches (named in the
+configuration, or with gpuguard's gate drop-in installed): an unwatched service's process
+(any user's job in ``cron.service``) gets one refusal line, never root's signals.
+
+The one exception is the operator: root in a login session (``ssh root@host``, or ``sudo``
+from anyone's session, which keeps that session's scope), or in the root cgroup itself. It may
+ask for any unit and any scope, as it could run the same code in-process anyway. Root anywhere
+else - a service, a transient scope (``systemd-run --scope``), a container runtime's scope that
+is not recognised as a container (containerd, runc, crun, Apptainer), a user's own units - is
+not: it may be confined there, and the socket must not lend it unconfined root's power.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     from gpuguard.core.cgroup import Attribution
     from gpuguard.core.gateproto import Request
+
+#: The scope logind gives a login session; it lies directly in the user's ``user-UID.slice``.
+_SESSION_SCOPE = re.compile(r"session-[A-Za-z0-9]{1,64}\.scope")
+_USER_SLICE = re.compile(r"user-[0-9]{1,10}\.slice")
+#: What the operator is, for refusal lines.
+OPERATOR = "root in a login session (ssh, or sudo from one)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +46,8 @@ class Caller:
     uid: int
     attribution: Attribution
     environment: dict[str, str] | None
+    cgroup: str | None = None
+    """The cgroup path the attribution was made from, None when unknown."""
 
     def runs_in(self, unit: str) -> bool:
         """Whether the caller is a process of the system unit ``unit`` (its own cgroup)."""
@@ -38,15 +56,43 @@ class Caller:
 
     @property
     def is_operator(self) -> bool:
-        """Root outside any service: a login session, sudo, a transient scope."""
+        """Root in a login session's scope (any user's: sudo keeps it), or in the root cgroup.
+
+        ``in_root_cgroup`` is the literal ``/``: nothing on a systemd host runs there but what
+        root put there by hand. A cgroup outside every unit but not ``/`` is not it (a container
+        runtime's own tree, ``/default/ID``, looks just like that).
+        """
         where = self.attribution
-        outside_services = where.unit is None or where.unit.endswith(".scope")
-        return self.uid == 0 and where.container is None and outside_services
+        if self.uid != 0 or where.container is not None or where.unknown or where.user_unit:
+            return False
+        if where.unit is None:
+            return self.in_root_cgroup
+        return bool(
+            _SESSION_SCOPE.fullmatch(where.unit)
+            and where.slice is not None
+            and _USER_SLICE.fullmatch(where.slice)
+        )
+
+    @property
+    def in_root_cgroup(self) -> bool:
+        """Whether the caller's cgroup is ``/`` itself (Attribution keeps no path: see peer)."""
+        return self.cgroup == "/"
+
+    @property
+    def system_service(self) -> str | None:
+        """The caller's own system service, None when it runs in none."""
+        where = self.attribution
+        in_service = (
+            where.unit is not None
+            and where.unit.endswith(".service")
+            and not where.user_unit
+            and where.container is None
+            and not where.unknown
+        )
+        return where.unit if in_service else None
 
     def describe(self) -> str:
         """Where the caller runs, for refusal lines (foreign names escaped)."""
-        from gpuguard.core.escaping import escape  # noqa: PLC0415 - only for a refusal
-
         where = self.attribution
         if where.container is not None:
             return f"a process in container {escape(where.container)}"
@@ -56,29 +102,35 @@ class Caller:
         return f"a process of {kind + ' ' if kind else ''}{escape(where.unit)}"
 
 
-def may_ask(caller: Caller) -> bool:
-    """Whether ``caller`` could make any request at all: an operator, or a system service.
+def admission(caller: Caller, *, watched: bool) -> str | None:
+    """Why ``caller`` may make no request at all (one line), None when it may.
 
-    Checked before a byte is read, so a process in a login session or a user's own units
-    (which could never be answered) cannot hold a server slot.
+    ``watched``: whether the caller's own system service is watched by gpuguard. Checked before
+    a byte is read, so a caller that could never be answered holds no server slot.
     """
-    where = caller.attribution
-    in_service = (
-        where.unit is not None
-        and where.unit.endswith(".service")
-        and not where.user_unit
-        and where.container is None
-    )
-    return caller.is_operator or in_service
+    if caller.is_operator:
+        return None
+    service = caller.system_service
+    line = f"request from {caller.describe()}: refused"
+    if service is None:
+        if caller.uid == 0 and not caller.attribution.unknown:
+            return f"{line} (root is an operator only as {OPERATOR})"
+        return line
+    if not watched:
+        return (
+            f"{line} ({escape(service)} is not watched by gpuguard: neither configured nor with "
+            "its gate drop-in installed)"
+        )
+    return None
 
 
 def refusal(request: Request, caller: Caller) -> str | None:
-    """Why ``caller`` may not make ``request``; None when it may."""
+    """Why ``caller`` may not make ``request``; None when it may (after :func:`admission`)."""
     if caller.is_operator:
         return None
     what = f"{request.command} request for {request.unit} from {caller.describe()}: refused"
     if not caller.runs_in(request.unit):
         return what
     if request.scope != "unit":
-        return f"{what} (scope {request.scope} only from root outside any service)"
+        return f"{what} (scope {request.scope} only from {OPERATOR})"
     return None

@@ -285,6 +285,9 @@ def _in_unit_decision(holder: Holder, request: PlanRequest) -> Decision:
             f"systemd's view of {request.unit} is unknown ({problem}): "
             "nothing in its cgroup is reaped",
         )
+    stranger = _not_the_units_user(holder, request)
+    if stranger is not None:
+        return Decision(holder, Verdict.KEEP, stranger)
     live = _live(holder, request)
     if live is not None:
         return Decision(holder, Verdict.KEEP, live)
@@ -292,6 +295,25 @@ def _in_unit_decision(holder: Holder, request: PlanRequest) -> Decision:
     return Decision(
         holder, Verdict.REAP, f"left over from an earlier run of {request.unit}{invocation}"
     )
+
+
+def _not_the_units_user(holder: Holder, request: PlanRequest) -> str | None:
+    """Why a process in the unit's cgroup is not the unit's: it runs as another uid.
+
+    A shared service (Debian's ``cron.service`` holds every user's jobs, ``KillMode=process``)
+    keeps other users' processes in its cgroup; none of them is ever the unit's left-over, in
+    any scope (``all`` included: the cgroup says nothing about them), and nor is anything when
+    the unit's ``User=`` cannot be resolved. All four uids must be the unit's (a setuid
+    program's real uid is its caller's).
+    """
+    uid = request.provenance.uid
+    unit = request.unit
+    if uid is None:
+        return f"{unit}'s User= could not be resolved to a uid: nothing in its cgroup is reaped"
+    if set(holder.uids) == {uid}:
+        return None
+    uids = "/".join(str(each) for each in holder.uids) or "unknown"
+    return f"runs as uid {uids}, not as {unit}'s user (uid {uid}): never its, even in its cgroup"
 
 
 def _in_unit(holder: Holder, unit: str) -> bool:
