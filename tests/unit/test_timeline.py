@@ -593,3 +593,21 @@ def test_where_the_daemon_said_otherwise_the_difference_is_printed() -> None:
         daemon_line(base, 10, event="verdict", unit=UNIT, looping=False, reason="starting"),
     ]
     assert timeline.build(agreeing, UNIT).story.disagreements == ()
+
+
+def test_the_daemons_verdict_is_compared_with_what_it_had_read_not_what_came_meanwhile() -> None:
+    """An entry stamped before the daemon's line but read after its verdict is no disagreement."""
+    entries = sample("bookworm", "restart-loop-start-limit")
+
+    def disagreements(after: int, read_through_s: float | None) -> tuple[str, ...]:
+        line: dict[str, Any] = {"event": "verdict", "unit": UNIT, "looping": False}
+        line |= {"reason": "starting", "read_through_s": read_through_s}
+        said = daemon_line(entries[after], 1, **line)
+        return timeline.build(
+            [*entries[: after + 1], said, *entries[after + 1 :]], UNIT
+        ).story.disagreements
+
+    flips = next(i for i in range(1, len(entries)) if disagreements(i, None))
+    before = int(entries[flips - 1]["__MONOTONIC_TIMESTAMP"]) / 1e6
+    assert disagreements(flips, before) == ()
+    assert len(disagreements(flips, None)) == 1

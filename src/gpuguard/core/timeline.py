@@ -204,6 +204,14 @@ class _DaemonSaid:
     looping: bool | None
     """None: a finished recovery that restarted the unit (the daemon then resets its count)."""
     reason: str
+    read_through_s: float | None = None
+    """The newest journal moment the daemon had read when it judged (its line's
+    ``read_through_s``); None in lines of older versions, then the line's own moment counts."""
+
+    @property
+    def judged_s(self) -> float:
+        """The moment up to which the replay feeds entries before comparing."""
+        return self.monotonic_s if self.read_through_s is None else self.read_through_s
 
 
 def build(
@@ -395,7 +403,17 @@ def _note_daemon(
         return
     looping = line.get("looping")
     if isinstance(looping, bool):
-        acc.daemon.append(_DaemonSaid(*where, looping, _shown(line.get("reason", ""))))
+        through = line.get("read_through_s")
+        read_through = (
+            float(through)
+            if isinstance(through, (int, float))
+            and not isinstance(through, bool)
+            and 0 <= through <= where[0]
+            else None
+        )
+        acc.daemon.append(
+            _DaemonSaid(*where, looping, _shown(line.get("reason", "")), read_through)
+        )
     elif line.get("event") == "recovery finished" and line.get("result") == "restarted":
         acc.daemon.append(_DaemonSaid(*where, None, "recovery finished: restarted"))
 
@@ -561,8 +579,12 @@ def _newest(events: Sequence[UnitEvent], rows: Sequence[Row]) -> float:
 
 
 def _before(said: _DaemonSaid, event: UnitEvent) -> bool:
-    """Whether the daemon's line comes before ``event`` (same boot: by the monotonic clock)."""
-    return said.boot_id != event.boot_id or said.monotonic_s < event.monotonic_s
+    """Whether the daemon judged before ``event`` (same boot: by the monotonic clock).
+
+    What it judged is what it had read (``judged_s``): entries that reached the journal while it
+    was busy sweeping come after its verdict, however early their own stamps.
+    """
+    return said.boot_id != event.boot_id or said.judged_s < event.monotonic_s
 
 
 def _compare(detector: Detector, said: _DaemonSaid, differ: list[str]) -> None:

@@ -261,6 +261,10 @@ class _Watch:
     """The run whose stuck start was logged (once per run)."""
     dead_due: float | None = None
     """When to act on an engine seen dying live (its grace, or a recovery backoff's end)."""
+    read_through_s: float | None = None
+    """The newest journal moment (monotonic) of an event of this unit the detector has seen:
+    its verdict line says it, so explain replays exactly what the daemon had read, not what
+    arrived while it swept or recorded."""
 
 
 class Daemon:
@@ -420,6 +424,7 @@ class Daemon:
                 if event is None:
                     continue
                 end = watch.ends.observe(event)  # history too: a replayed end is not swept again
+                watch.read_through_s = max(watch.read_through_s or 0.0, event.monotonic_s)
                 watch.up.observe(event)
                 if self._observe(watch, event, live=record.live):
                     touched.add(watch.name)
@@ -587,6 +592,7 @@ class Daemon:
             "cause_detail": diagnosis.cause_detail,
             "starts_in_window": diagnosis.starts_in_window,
             "n_restarts": diagnosis.n_restarts,
+            "read_through_s": watch.read_through_s,
         }
         if diagnosis.findings:  # no loop, but worth saying (a left-over at an operator's start)
             fields["findings"] = list(diagnosis.findings)
