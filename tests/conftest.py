@@ -27,8 +27,14 @@ if TYPE_CHECKING:
     from _pytest.terminal import TerminalReporter
 
 
-def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
-    """End a run that skipped tests loudly: how many, why, and ``sudo make deps``."""
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> Iterator[None]:
+    """End a run that skipped tests loudly: how many, why, and ``sudo make deps``.
+
+    Around pytest's own summary, so it comes after the list of failures (``-r``): the last
+    screen shows it, just above the counts.
+    """
+    yield
     report_skips(terminalreporter)
 
 

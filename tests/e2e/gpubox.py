@@ -115,7 +115,7 @@ ln -sf /opt/gpuguard/bin/gpuguard /usr/bin/gpuguard
 python3 -m venv --without-pip /opt/sglang
 /opt/gpuguard/bin/python "$pip_whl/pip" --python /opt/sglang/bin/python install --quiet \\
     --no-index --disable-pip-version-check --find-links /wheels nvidia-ml-py
-install -m 0644 /e2e/fakenvml/build/libnvidia-ml.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1
+install -m 0644 /e2e/fakenvml-build/libnvidia-ml.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1
 ldconfig
 mkdir -p /etc/systemd/system.conf.d
 printf '[Manager]\\nDefaultEnvironment=FAKENVML_STATE={STATE}\\n' \\
@@ -155,8 +155,9 @@ class Artifacts:
     timings: dict[str, float] = field(default_factory=dict)
 
     def binds(self) -> list[Bind]:
-        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakesglang,systemd}.
+        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakenvml-build,...}.
 
+        /e2e/fakenvml-build is the fake library's build directory (fakestate.build_dir).
         And the host's procfs at HOST_PROC, linked as ``STATE/host-proc``: through it the fake
         driver reports a process's host PID, as NVIDIA's driver does (it ignores PID namespaces).
         """
@@ -164,6 +165,7 @@ class Artifacts:
             Bind(self.deps, "/wheels"),
             Bind(self.gpuguard, "/wheels-gpuguard"),
             Bind(FAKENVML_DIR, "/e2e/fakenvml"),
+            Bind(self.fakenvml, "/e2e/fakenvml-build"),  # fakestate.build_dir(): maybe not in-tree
             Bind(FAKESGLANG_DIR, "/e2e/fakesglang"),
             Bind(SYSTEMD_DIR, "/e2e/systemd"),
             Bind(Path("/proc"), HOST_PROC),
