@@ -6,6 +6,7 @@ any user can be one); gpuguard reads it through the real /proc.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -79,14 +80,15 @@ def test_reap_plan_and_still_busy_lines_are_escaped(
 ) -> None:
     """`reap --dry-run` names a foreign holder in its plan and its "still busy" line, escaped."""
     holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="\nstill busy: x")
-    unit_cgroups.move(holder.pid, "gg-\x1b[31mred.service")
+    tag = os.getpid()  # the cgroup is this run's alone when several suites run at once
+    unit_cgroups.move(holder.pid, f"gg-{tag}\x1b[31mred.service")
     result = cli("reap", "--dry-run", "--unit", "sglang.service")
     assert result.code == 0, result.err
     assert raw_control(result.out) == []
     lines = result.out.splitlines()
     spare = next(line for line in lines if f"spare pid {holder.pid} " in line)
     assert "'\\nstill busy: x'" in spare
-    assert "belongs to gg-\\x1b[31mred.service" in spare
+    assert f"belongs to gg-{tag}\\x1b[31mred.service" in spare
     busy = [line for line in lines if line.startswith("still busy:")]
     assert len(busy) == 1
-    assert f"PID {holder.pid} (\\nstill busy: x, gg-\\x1b[31mred.service)" in busy[0]
+    assert f"PID {holder.pid} (\\nstill busy: x, gg-{tag}\\x1b[31mred.service)" in busy[0]
