@@ -114,6 +114,7 @@ def client(
     # has imported everything the client needs, as a service's User= would have it from the start.
     code = (
         "import os, sys, socket, json\n"
+        "import gettext, locale\n"  # argparse imports them on its first parser (Python 3.13)
         "import gpuguard.cli, gpuguard.adapters.gateclient, gpuguard.config\n"
         "import gpuguard.commands.relay, gpuguard.commands.gate\n"
     )
