@@ -348,17 +348,18 @@ def build_dir() -> Path:
     gpuguard loads ``libnvidia-ml.so.1`` only from a file and directories that are root's or its
     own user's alone (files.open_file). Root testing a checkout another user owns (``sudo make
     check`` on a clone in /home) would refuse the in-tree build, so it builds into a directory
-    of its own under /tmp instead (made 0700, refused if it was someone else's).
+    of its own under /tmp instead (made 0755, for tests that drop to nobody; refused if it is
+    someone else's or others may write it).
     """
     inside = FAKENVML_DIR / "build"
     if all(_trusted(path) for path in (inside, FAKENVML_DIR, *FAKENVML_DIR.parents)):
         return inside
     digest = hashlib.sha256(str(FAKENVML_DIR).encode()).hexdigest()[:12]
     private = Path(tempfile.gettempdir()) / f"gpuguard-fakenvml-{os.geteuid()}-{digest}"
-    private.mkdir(mode=0o700, exist_ok=True)
+    private.mkdir(mode=0o755, exist_ok=True)
     info = private.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise RuntimeError(f"{private} is not a private directory of uid {os.geteuid()}")
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{private} is not a directory that only uid {os.geteuid()} writes")
     return private
 
 
