@@ -45,12 +45,13 @@ def test_a_cgroup_name_is_escaped_in_the_owner_column(
 ) -> None:
     """A delegated user names cgroups at will (anything but "/" and newline): shown escaped."""
     pid = hostile(cli.state, 2, comm="job")
-    unit = "gg-\x1b]0;pwn\x07\u202eecivres.service"
+    tag = os.getpid()  # the cgroup is this run's alone when several suites run at once
+    unit = f"gg-{tag}\x1b]0;pwn\x07\u202eecivres.service"
     unit_cgroups.move(pid, unit)
     result = cli("status")
     assert raw_control(result.out) == []
     line = next(line for line in result.out.splitlines() if f"pid {pid} " in line)
-    assert "gg-\\x1b]0;pwn\\x07\\u202eecivres.service" in line
+    assert f"gg-{tag}\\x1b]0;pwn\\x07\\u202eecivres.service" in line
     assert cli("status", "--json").json()["holders"][0]["unit"] == unit
 
 
