@@ -47,8 +47,10 @@ lint: venv
 test: venv fakenvml
 	$(PY) -m pytest
 
+# Built where gpuguard run by this user will load it (tests/fakenvml/fakestate.py build_dir:
+# tests/fakenvml/build, or for root in another user's checkout a private directory in /tmp).
 fakenvml:
-	$(MAKE) -C tests/fakenvml
+	python3 tests/fakenvml/fakestate.py
 
 bench: venv fakenvml
 	$(PY) bench/holder_scan.py

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 # The fake NVML helpers live beside their C source in tests/fakenvml, other shared helpers in
 # tests/support (neither is a package).
@@ -27,8 +28,20 @@ if TYPE_CHECKING:
     from _pytest.terminal import TerminalReporter
 
 
-def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
-    """End a run that skipped tests loudly: how many, why, and ``sudo make deps``."""
+# No deadline per example: how long one takes says how loaded the machine is, not whether the
+# property holds (a 200 ms deadline failed a suite run beside three others on 2 cores).
+settings.register_profile("gpuguard", deadline=None)
+settings.load_profile("gpuguard")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> Iterator[None]:
+    """End a run that skipped tests loudly: how many, why, and ``sudo make deps``.
+
+    Around pytest's own summary, so it comes after the list of failures (``-r``): the last
+    screen shows it, just above the counts.
+    """
+    yield
     report_skips(terminalreporter)
 
 

@@ -149,7 +149,7 @@ gated, and systemd has no such unit: a typo; --force goes ahead); 78 invalid con
 """
 
 _GATE_HELP = """\
-Run as ExecStartPre= of a watched unit (see `systemd/gpuguard-gate.conf`): exit 0 at once
+Run as ExecStartPre= of a watched unit (the drop-in install-gate writes): exit 0 at once
 when every GPU of the unit's set is idle; otherwise reap the stale holders of those GPUs
 (at this point everything in the unit's cgroup but the gate itself is left over from an
 earlier run), wait until the GPUs are idle, then exit 0. While it waits it prints one line
@@ -225,7 +225,8 @@ its main loop and through each long step, and writes a snapshot to runtime_dir/d
 to node_exporter's textfile directory ([metrics] textfile) and, when [metrics] listen is
 set, over HTTP. SIGTERM stops it cleanly.
 
-Exit status: 0 after SIGTERM; 78 invalid configuration.
+Exit status: 0 after SIGTERM; 73 runtime_dir or state_dir cannot be written (it runs as
+root); 78 invalid configuration.
 """
 
 
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line; every subcommand's --help stands alone."""
     parser = UsageParser(
         prog="gpuguard",
+        usage="%(prog)s [-h] [--version] [--config FILE] COMMAND ...",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"Configuration: --config FILE (before or after the command), else ${CONFIG_ENV},\n"
@@ -242,12 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     add_global_options(parser, after_command=False)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # The description lists the commands, each with a line; argparse's list would repeat them.
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="gpuguard"
+    )
     raw = argparse.RawDescriptionHelpFormatter
 
-    status = commands.add_parser(
-        "status", help="show GPUs and their holders", description=_STATUS_HELP, formatter_class=raw
-    )
+    status = commands.add_parser("status", description=_STATUS_HELP, formatter_class=raw)
     status.add_argument("--json", action="store_true", help="print a versioned JSON document")
     status.add_argument(
         "--prometheus",
@@ -270,7 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain = commands.add_parser(
         "explain",
-        help="tell a unit's incident from the journal",
         description=_EXPLAIN_HELP,
         formatter_class=raw,
     )
@@ -282,9 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--json", action="store_true", help="print a versioned JSON document")
 
-    reap = commands.add_parser(
-        "reap", help="kill stale GPU holders of a unit", description=_REAP_HELP, formatter_class=raw
-    )
+    reap = commands.add_parser("reap", description=_REAP_HELP, formatter_class=raw)
     reap.add_argument("--unit", help="watched unit (default: the only one configured)")
     _scope_argument(reap)
     reap.add_argument("--dry-run", action="store_true", help="print the plan, signal nothing")
@@ -299,9 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the GPUs to become idle afterwards (default 60)",
     )
 
-    gate = commands.add_parser(
-        "gate", help="ExecStartPre= gate for a unit", description=_GATE_HELP, formatter_class=raw
-    )
+    gate = commands.add_parser("gate", description=_GATE_HELP, formatter_class=raw)
     gate.add_argument("--unit", required=True, help="the unit this gate guards")
     _scope_argument(gate)
     gate.add_argument("--grace", type=float, metavar="S", help="seconds from SIGTERM to SIGKILL")
@@ -320,19 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
     commands.add_parser(
         "serve-gate",
-        help="internal: the root gate server (gpuguard-gate.service)",
         description=_SERVE_GATE_HELP,
         formatter_class=raw,
     )
     commands.add_parser(
         "run",
-        help="the watchdog daemon (gpuguard.service)",
         description=_RUN_HELP,
         formatter_class=raw,
     )
     doctor = commands.add_parser(
         "doctor",
-        help="audit a unit's settings against its journal",
         description=_DOCTOR_HELP,
         formatter_class=raw,
     )
@@ -342,11 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--fix", action="store_true", help="print a drop-in that fixes the findings"
     )
-    for name, text, summary in (
-        ("install-gate", _INSTALL_GATE_HELP, "install the gate drop-in for a unit"),
-        ("remove-gate", _REMOVE_GATE_HELP, "remove the gate drop-in of a unit"),
-    ):
-        command = commands.add_parser(name, help=summary, description=text, formatter_class=raw)
+    for name, text in (("install-gate", _INSTALL_GATE_HELP), ("remove-gate", _REMOVE_GATE_HELP)):
+        command = commands.add_parser(name, description=text, formatter_class=raw)
         command.add_argument("--unit", required=True, help="the unit, e.g. sglang.service")
         if name == "install-gate":
             command.add_argument(
@@ -356,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
     for command in commands.choices.values():
         add_global_options(command, after_command=True)
+        command.set_defaults(command_parser=command)  # whose usage an unknown option prints
     return parser
 
 
@@ -448,7 +441,10 @@ def _scope_argument(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpuguard`` command; returns the process exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would print the top-level usage for `reap --bogus`
+        owner: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return EX_USAGE

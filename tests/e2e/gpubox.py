@@ -46,6 +46,7 @@ else:
 from fakestate import allocated_mib, build_fake_nvml
 
 from e2e.container import Bind, Container, ContainerError, cache_dir
+from e2e.measure import SESSION_NOTES
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -115,7 +116,7 @@ ln -sf /opt/gpuguard/bin/gpuguard /usr/bin/gpuguard
 python3 -m venv --without-pip /opt/sglang
 /opt/gpuguard/bin/python "$pip_whl/pip" --python /opt/sglang/bin/python install --quiet \\
     --no-index --disable-pip-version-check --find-links /wheels nvidia-ml-py
-install -m 0644 /e2e/fakenvml/build/libnvidia-ml.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1
+install -m 0644 /e2e/fakenvml-build/libnvidia-ml.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1
 ldconfig
 mkdir -p /etc/systemd/system.conf.d
 printf '[Manager]\\nDefaultEnvironment=FAKENVML_STATE={STATE}\\n' \\
@@ -155,8 +156,9 @@ class Artifacts:
     timings: dict[str, float] = field(default_factory=dict)
 
     def binds(self) -> list[Bind]:
-        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakesglang,systemd}.
+        """Read-only binds: /wheels, /wheels-gpuguard, /e2e/{fakenvml,fakenvml-build,...}.
 
+        /e2e/fakenvml-build is the fake library's build directory (fakestate.build_dir).
         And the host's procfs at HOST_PROC, linked as ``STATE/host-proc``: through it the fake
         driver reports a process's host PID, as NVIDIA's driver does (it ignores PID namespaces).
         """
@@ -164,10 +166,17 @@ class Artifacts:
             Bind(self.deps, "/wheels"),
             Bind(self.gpuguard, "/wheels-gpuguard"),
             Bind(FAKENVML_DIR, "/e2e/fakenvml"),
+            Bind(self.fakenvml, "/e2e/fakenvml-build"),  # fakestate.build_dir(): maybe not in-tree
             Bind(FAKESGLANG_DIR, "/e2e/fakesglang"),
             Bind(SYSTEMD_DIR, "/e2e/systemd"),
             Bind(Path("/proc"), HOST_PROC),
         ]
+
+
+def _say(line: str) -> None:
+    """A note for the test's output (shown with a failure) and the session's closing notes."""
+    sys.stderr.write(f"e2e: {line}\n")
+    SESSION_NOTES.append(line)
 
 
 def wheels_root() -> Path:
@@ -393,6 +402,29 @@ class GpuBox:
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """`systemctl ARGS` inside."""
         return self.box.systemctl(*args, check=check)
+
+    def kill_unit(self, unit: str) -> None:
+        """`systemctl kill --signal=SIGKILL UNIT`, surviving the kernel's EIO from cgroup.kill.
+
+        On a loaded machine systemd's cgroup.kill has failed with "Failed to send signal SIGKILL
+        to auxiliary processes: Input/output error". Then it is tried twice more, and after that
+        every process in the unit's cgroup gets SIGKILL one by one (what systemd does where
+        cgroup.kill is missing). Each fallback is said in the test's output and session notes.
+        """
+        for attempt in (1, 2, 3):
+            done = self.systemctl("kill", "--signal=SIGKILL", unit, check=False)
+            if done.returncode == 0:
+                return
+            if "Input/output error" not in done.stderr:
+                raise ContainerError(f"systemctl kill {unit}: {done.stderr.strip()}")
+            _say(f"systemctl kill {unit}, try {attempt}: {done.stderr.strip()}")
+        cgroup = self.show(unit, "ControlGroup")
+        script = (
+            'for f in /sys/fs/cgroup/unified"$1"/cgroup.procs /sys/fs/cgroup"$1"/cgroup.procs; do '
+            '[ -r "$f" ] && for p in $(cat "$f"); do kill -KILL "$p"; done; done; true'
+        )
+        self.box.run(["sh", "-c", script, "sh", cgroup])
+        _say(f"systemctl kill {unit}: SIGKILLed each process of {cgroup} instead")
 
     def show(self, unit: str, prop: str) -> str:
         """One property of a unit (`systemctl show -P`)."""

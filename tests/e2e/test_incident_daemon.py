@@ -119,11 +119,9 @@ def test_c_daemon_alone_detects_and_recovers(daemon_recovery: DaemonRecovery) ->
             break
         time.sleep(0.5)
         events = run.gpubox.daemon_log(run.t0)
-    swept = [
-        e
-        for e in daemon_events(events, "survivors of an ended run")
-        if str(e.get("summary")).startswith("reaped 1 survivor")
-    ]
+    # TP3 escaped the unit's cgroup, so systemd's kill never reaches it; whether a sibling is
+    # still alive when the sweep looks depends on how that kill raced. What matters: TP3 reaped.
+    swept = [e for e in daemon_events(events, "survivors of an ended run") if e.get("pids")]
     loops = daemon_events(events, "restart loop")
     finished = daemon_events(events, "recovery finished")
     assert run.tp3 in {e.get("pid") for e in daemon_events(events, "signal")}
@@ -135,7 +133,7 @@ def test_c_daemon_alone_detects_and_recovers(daemon_recovery: DaemonRecovery) ->
         assert [e["result"] for e in finished] == ["restarted"], finished
         assert status.stdout.count(": restarted, reaped") == 1
     else:
-        assert [e["pids"] for e in swept] == [[run.tp3]], swept
+        assert run.tp3 in {pid for e in swept for pid in e["pids"]}, swept
         assert not finished
     assert m.healthy_s is not None
     assert not alive(run.gpubox, run.tp3)
@@ -147,12 +145,16 @@ def test_c_daemon_alone_detects_and_recovers(daemon_recovery: DaemonRecovery) ->
 def test_c_after_the_recovery_status_says_the_unit_is_up(daemon_recovery: DaemonRecovery) -> None:
     """stable_s after the healthy start, the daemon's verdict and `gpuguard status` say so."""
     run = daemon_recovery
-    # stable_s (5 s in the test configuration) + a margin.
-    time.sleep(max(0.0, run.healthy_at + 8 - time.time()))
-    snapshot = run.gpubox.status_json()["daemon"]["snapshot"]["units"][UNIT]
+    snapshots: list[dict[str, Any]] = []
+
+    def stable() -> bool:  # stable_s (5 s here) after the healthy start, and the next snapshot
+        snapshots.append(run.gpubox.status_json()["daemon"]["snapshot"]["units"][UNIT])
+        return "without failing" in snapshots[-1]["verdict"]
+
+    run.gpubox.box.wait_for("the daemon's verdict: up without failing", stable, timeout=60)
+    snapshot = snapshots[-1]
     status = run.gpubox.gpuguard("status")
     assert not snapshot["looping"], snapshot["verdict"]
-    assert "without failing" in snapshot["verdict"], snapshot["verdict"]
     assert status.returncode == 0, status.stdout
 
 

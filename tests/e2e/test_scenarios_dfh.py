@@ -237,7 +237,7 @@ def test_f_daemon_killed_mid_recovery_resumes_and_spares_bystanders(gpubox: GpuB
 
     gpubox.box.wait_for("the daemon acting (recovery or sweep)", acting, timeout=40)
     killed_pid = int(gpubox.show(DAEMON, "MainPID"))
-    gpubox.systemctl("kill", "--signal=SIGKILL", DAEMON)
+    gpubox.kill_unit(DAEMON)
     before_kill = gpubox.daemon_log(t0)
     gpubox.box.wait_for(
         "gpuguard.service restarted",

@@ -13,7 +13,9 @@ import json
 import os
 import re
 import secrets
+import stat
 import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
 
 FAKENVML_DIR = Path(__file__).resolve().parent
 """``tests/fakenvml``: the C source, the Makefile and these helpers."""
-BUILD_DIR = FAKENVML_DIR / "build"
 LIB_NAME = "libnvidia-ml.so.1"
 GPU_HOLD = FAKENVML_DIR / "gpu_hold.py"
 """The standalone holder script (see README.md for its options)."""
@@ -347,8 +348,40 @@ def allocated_mib(state_dir: Path, minor: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def build_dir() -> Path:
+    """Where the fake libraries are built: ``tests/fakenvml/build``, unless gpuguard refuses it.
+
+    gpuguard loads ``libnvidia-ml.so.1`` only from a file and directories that are root's or its
+    own user's alone (files.open_file). Root testing a checkout another user owns (``sudo make
+    check`` on a clone in /home) would refuse the in-tree build, so it builds into a directory
+    of its own under /tmp instead (made 0755, for tests that drop to nobody; refused if it is
+    someone else's or others may write it).
+    """
+    inside = FAKENVML_DIR / "build"
+    if all(_trusted(path) for path in (inside, FAKENVML_DIR, *FAKENVML_DIR.parents)):
+        return inside
+    digest = hashlib.sha256(str(FAKENVML_DIR).encode()).hexdigest()[:12]
+    private = Path(tempfile.gettempdir()) / f"gpuguard-fakenvml-{os.geteuid()}-{digest}"
+    private.mkdir(mode=0o755, exist_ok=True)
+    info = private.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{private} is not a directory that only uid {os.geteuid()} writes")
+    return private
+
+
+def _trusted(path: Path) -> bool:
+    """Whether gpuguard would load a library under ``path``: ours or root's, nobody else writes."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return True  # made by us when built
+    sticky_root = info.st_uid == 0 and info.st_mode & stat.S_ISVTX
+    writable = info.st_mode & 0o022 and not sticky_root
+    return info.st_uid in {0, os.geteuid()} and not writable
+
+
 def _lib_dir(old: bool) -> Path:
-    return BUILD_DIR / "old" if old else BUILD_DIR
+    return build_dir() / "old" if old else build_dir()
 
 
 def _is_stale(lib: Path) -> bool:
@@ -361,17 +394,19 @@ def _is_stale(lib: Path) -> bool:
 def build_fake_nvml(old: bool = False) -> Path:
     """Build the fake libraries if missing or older than their source; return the lib's dir.
 
-    The directory holds ``libnvidia-ml.so.1``: ``build/`` for a current driver, ``build/old/``
-    (``old=True``) for a driver < 510. Safe to call from concurrent processes (file lock).
+    The directory holds ``libnvidia-ml.so.1``: ``build_dir()`` for a current driver, its
+    ``old/`` (``old=True``) for a driver < 510. Safe to call from concurrent processes (file
+    lock).
     """
     lib = _lib_dir(old) / LIB_NAME
     if _is_stale(lib):
-        BUILD_DIR.mkdir(exist_ok=True)
-        with (BUILD_DIR / ".lock").open("w") as lock:
+        build = build_dir()
+        build.mkdir(exist_ok=True)
+        with (build / ".lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if _is_stale(lib):
                 result = subprocess.run(
-                    ["make", "-C", str(FAKENVML_DIR)],
+                    ["make", "-C", str(FAKENVML_DIR), f"BUILD={build}"],
                     capture_output=True,
                     text=True,
                     check=False,
@@ -414,3 +449,7 @@ class NvmlEnv(Protocol):
     def __call__(self, state: Path, old: bool = False) -> dict[str, str]:
         """``os.environ`` plus ``FAKENVML_LIBRARY`` and ``FAKENVML_STATE``, no LD_LIBRARY_PATH."""
         ...
+
+
+if __name__ == "__main__":  # `make fakenvml`: build both libraries where the tests look for them
+    print(build_fake_nvml(), build_fake_nvml(old=True))  # noqa: T201 - the Makefile shows it

@@ -328,14 +328,16 @@ def test_gate_verdict_stays_one_line_whatever_holders_are_called(
     """A holder's name and cgroup are escaped in the verdict: one journal line, no forged one."""
     unit = unit_name()
     job = spawn_holder(cli.state, gpus=(0,), mib=1000, name="x\nOK: start ok")
-    unit_cgroups.move(job.pid, "gg-\x1b]0;pwn\x07\u202e.service")
+    tag = os.getpid()  # the cgroup is this run's alone when several suites run at once
+    unit_cgroups.move(job.pid, f"gg-{tag}\x1b]0;pwn\x07\u202e.service")
     result = gate_in_unit(cli, unit_cgroups, unit, "--timeout", "1")
     assert result.code == 1
     assert [ch for ch in result.err if not ch.isprintable() and ch != "\n"] == []
     verdict = [line for line in result.err.splitlines() if line.startswith("gpuguard gate:")]
     assert len(verdict) == 1
     assert not any(line.startswith("OK") for line in result.err.splitlines())
-    assert f"PID {job.pid} (x\\nOK: start ok, gg-\\x1b]0;pwn\\x07\\u202e.service)" in verdict[0]
+    escaped = f"gg-{tag}\\x1b]0;pwn\\x07\\u202e.service"
+    assert f"PID {job.pid} (x\\nOK: start ok, {escaped})" in verdict[0]
 
 
 def test_gate_timeout_holds_against_hostile_command_lines(

@@ -6,6 +6,7 @@ any user can be one); gpuguard reads it through the real /proc.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ def test_a_name_cannot_forge_a_status_line(cli: Cli, hostile: HostileProcesses) 
     painter = hostile(cli.state, 1, comm="\x1b]0;pwn\x07\x1b[2J", blank_cmdline=True)
     result = cli("status")
     assert result.code in (0, 1), result.err
-    assert not [line for line in result.out.splitlines() if line.startswith("OK")]
+    assert not [line for line in result.out.splitlines() if line.startswith("OK: all idle")]
     assert raw_control(result.out) == []
     assert f"pid {forger:<7}" in result.out
     assert "[\\nOK: all idle]" in result.out
@@ -44,12 +45,13 @@ def test_a_cgroup_name_is_escaped_in_the_owner_column(
 ) -> None:
     """A delegated user names cgroups at will (anything but "/" and newline): shown escaped."""
     pid = hostile(cli.state, 2, comm="job")
-    unit = "gg-\x1b]0;pwn\x07\u202eecivres.service"
+    tag = os.getpid()  # the cgroup is this run's alone when several suites run at once
+    unit = f"gg-{tag}\x1b]0;pwn\x07\u202eecivres.service"
     unit_cgroups.move(pid, unit)
     result = cli("status")
     assert raw_control(result.out) == []
     line = next(line for line in result.out.splitlines() if f"pid {pid} " in line)
-    assert "gg-\\x1b]0;pwn\\x07\\u202eecivres.service" in line
+    assert f"gg-{tag}\\x1b]0;pwn\\x07\\u202eecivres.service" in line
     assert cli("status", "--json").json()["holders"][0]["unit"] == unit
 
 
@@ -79,14 +81,15 @@ def test_reap_plan_and_still_busy_lines_are_escaped(
 ) -> None:
     """`reap --dry-run` names a foreign holder in its plan and its "still busy" line, escaped."""
     holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="\nstill busy: x")
-    unit_cgroups.move(holder.pid, "gg-\x1b[31mred.service")
+    tag = os.getpid()  # the cgroup is this run's alone when several suites run at once
+    unit_cgroups.move(holder.pid, f"gg-{tag}\x1b[31mred.service")
     result = cli("reap", "--dry-run", "--unit", "sglang.service")
     assert result.code == 0, result.err
     assert raw_control(result.out) == []
     lines = result.out.splitlines()
     spare = next(line for line in lines if f"spare pid {holder.pid} " in line)
     assert "'\\nstill busy: x'" in spare
-    assert "belongs to gg-\\x1b[31mred.service" in spare
+    assert f"belongs to gg-{tag}\\x1b[31mred.service" in spare
     busy = [line for line in lines if line.startswith("still busy:")]
     assert len(busy) == 1
-    assert f"PID {holder.pid} (\\nstill busy: x, gg-\\x1b[31mred.service)" in busy[0]
+    assert f"PID {holder.pid} (\\nstill busy: x, gg-{tag}\\x1b[31mred.service)" in busy[0]

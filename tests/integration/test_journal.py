@@ -907,6 +907,15 @@ if "--lines=1" not in sys.argv:
 """
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie is dead (in a container, an init that reaps no orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def test_journalctl_dies_with_its_owner(tmp_path: Path) -> None:
     """A follower's owner killed by SIGKILL leaves no journalctl behind (PR_SET_PDEATHSIG).
 
@@ -923,8 +932,8 @@ def test_journalctl_dies_with_its_owner(tmp_path: Path) -> None:
             os.kill(owner.pid, signal.SIGKILL)
             owner.wait(timeout=10)
             deadline = time.monotonic() + 5
-            while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+            while _alive(child) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not Path(f"/proc/{child}").exists()
+            assert not _alive(child)
         finally:
             owner.kill()

@@ -321,7 +321,10 @@ def test_a_process_whose_main_thread_exited_still_holds_its_files(
     helper = Helper("leader-exit", devices, "--api-key", "sk-do-not-leak")
     helpers.append(helper)
     wait_for_state(helper.pid, "Z")
-    assert not list(Path(f"/proc/{helper.pid}/fd").iterdir())
+    try:
+        assert not list(Path(f"/proc/{helper.pid}/fd").iterdir())
+    except PermissionError:  # the kernel's answer to its owner for a dead leader; root sees []
+        assert os.geteuid() != 0
     [facts] = [p for p in scan_device_holders(glob).processes if p.identity.pid == helper.pid]
     assert facts.state == "Z"
     assert facts.device_files == frozenset(map(str, devices))

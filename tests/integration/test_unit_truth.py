@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -31,7 +33,6 @@ from gpuguard.daemon.loop import Daemon, Ports
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
 
     from clirunner import Cli
 
@@ -95,6 +96,17 @@ def needs_root() -> None:
         pytest.skip("needs root")
 
 
+def needs_roots_own_gpuguard() -> None:
+    """A drop-in may only run a gpuguard that root alone can change: not one in a user's venv.
+
+    ``sudo make check`` in another user's clone runs that user's .venv, whose gpuguard
+    install-gate rightly refuses to write into a drop-in.
+    """
+    for directory in Path(sys.executable).parents:
+        if directory.stat().st_uid != 0:
+            pytest.skip(f"the tests' gpuguard is under {directory}, not root's (another's clone)")
+
+
 def test_install_gate_refuses_a_unit_systemd_does_not_know(
     cli: Cli, systemctl: Systemctl, unit: str
 ) -> None:
@@ -113,6 +125,7 @@ def test_install_gate_force_installs_and_remove_gate_removes(
 ) -> None:
     """--force writes the drop-in anyway; remove-gate then removes the untouched file."""
     needs_root()
+    needs_roots_own_gpuguard()
     installed = cli("install-gate", "--unit", unit, "--force")
     assert installed.code == 0, installed.err
     path = dropin.drop_in_path(unit)
@@ -129,6 +142,7 @@ def test_install_gate_on_a_known_unit_needs_no_force(
 ) -> None:
     """LoadState=loaded (inactive is fine: the gate guards the next start)."""
     needs_root()
+    needs_roots_own_gpuguard()
     systemctl.answer(SHOW_LOADED)
     result = cli("install-gate", "--unit", unit)
     assert result.code == 0, result.err

@@ -199,12 +199,20 @@ class Containers:
         (cgroup / "cgroup.procs").write_text(f"{holder.pid}\n")
         self.made.append((made, holder))
         deadline = time.monotonic() + 10
-        while not any(
-            self.gpu.name in str(fd.readlink()) for fd in Path(f"/proc/{holder.pid}/fd").iterdir()
-        ):
+        while not self._holds_gpu(holder.pid):
             assert time.monotonic() < deadline, "the holder never opened the GPU file"
             time.sleep(0.02)
         return holder
+
+    def _holds_gpu(self, pid: int) -> bool:
+        """Whether ``pid`` has the fake GPU open; its other fds come and go while it starts."""
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if self.gpu.name in str(fd.readlink()):
+                    return True
+            except FileNotFoundError:  # closed between the listing and the readlink
+                continue
+        return False
 
     def remove(self) -> None:
         """Kill what is left and remove the cgroups."""

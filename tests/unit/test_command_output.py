@@ -103,6 +103,7 @@ def _refusal(result: str | Said) -> str:
     return notice
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the path must be root's alone")
 def test_drop_in_runs_the_gpuguard_that_was_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

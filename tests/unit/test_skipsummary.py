@@ -32,29 +32,36 @@ def test_many_reasons_are_cut_and_the_rest_counted() -> None:
 
 
 def test_a_real_pytest_run_ends_with_the_summary(tmp_path: Path) -> None:
-    """A real pytest run with this hook, one test of two skipped, ends with the banner."""
+    """A real run with this repository's hook: the skip summary comes after the failures list.
+
+    One test passes, one fails, one skips, with ``-ra`` (every reason listed): the summary is
+    the last thing before pytest's counts.
+    """
     tests = Path(__file__).resolve().parents[1]
     (tmp_path / "conftest.py").write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(tests / 'support')!r})\n"
-        "from skipsummary import report_skips\n"
-        "def pytest_terminal_summary(terminalreporter):\n"
-        "    report_skips(terminalreporter)\n"
+        f"sys.path.insert(0, {str(tests / 'fakenvml')!r})\n"
+        f"exec(open({str(tests / 'conftest.py')!r}).read())\n"
     )
     (tmp_path / "test_x.py").write_text(
         "import pytest\n"
         "def test_runs():\n    pass\n"
+        "def test_fails():\n    assert False\n"
         "def test_skips():\n    pytest.skip('needs a unicorn')\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 of 2 tests were SKIPPED" in result.stdout
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "1 of 3 tests were SKIPPED" in result.stdout
     assert "1 x needs a unicorn" in result.stdout
-    assert REMEDY in result.stdout
+    assert lines[-2].endswith(REMEDY), lines[-6:]
+    assert "1 failed, 1 passed, 1 skipped" in lines[-1]
+    assert max(n for n, line in enumerate(lines) if line.startswith("FAILED")) < len(lines) - 5

@@ -514,7 +514,9 @@ class JournalFollower:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                process_group=0,  # close() ends the group, with whatever a wrapper forked
+                # Its own session, so its own process group: close() ends the group, with
+                # whatever a wrapper forked. (Not process_group=0: Python 3.11+ only.)
+                start_new_session=True,
                 # Only prctl and getppid run in the child, no lock is taken: safe with threads.
                 preexec_fn=_die_with_parent(),
             )

@@ -193,7 +193,8 @@ def load_library(candidates: tuple[str, ...]) -> str | None:
             os.close(fd)
         return None
     if not candidates:
-        return f"{LIBRARY} not in ldconfig's cache nor in {', '.join(LIBRARY_DIRS)}"
+        # Short: status shows it twice (headline, finding); configuration.md lists LIBRARY_DIRS.
+        return f"{LIBRARY} not in ldconfig's cache nor under /usr/lib, /lib (no NVIDIA driver?)"
     return "; ".join(problems)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 SYSTEM_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 ENVIRONMENT = {"PATH": ":".join(SYSTEM_DIRS), "LANG": "C.UTF-8"}
@@ -43,16 +43,48 @@ def argv(command: Sequence[str]) -> list[str]:
     return [resolve(command[0]), *command[1:]]
 
 
-def run(
+def run(  # noqa: PLR0913 - subprocess.run's keywords that gpuguard uses, each typed
     command: Sequence[str],
     *,
     timeout: float,
-    **kwargs: Any,  # noqa: ANN401 - subprocess.run's own keywords
+    capture_output: bool = False,
+    text: bool = False,
+    errors: str | None = None,
+    stdin: int | None = None,
 ) -> subprocess.CompletedProcess[Any]:
-    """subprocess.run of ``command`` by absolute path in ENVIRONMENT (exit codes never raise)."""
-    return subprocess.run(argv(command), env=ENVIRONMENT, timeout=timeout, check=False, **kwargs)
+    """subprocess.run of ``command`` by absolute path in ENVIRONMENT (exit codes never raise).
+
+    Each keyword is spelled out, none passed through ``**kwargs``: mypy then checks every call
+    against the oldest Python the package supports (3.10), whose subprocess lacks some.
+    """
+    return subprocess.run(
+        argv(command),
+        env=ENVIRONMENT,
+        timeout=timeout,
+        check=False,
+        capture_output=capture_output,
+        text=text,
+        errors=errors,
+        stdin=stdin,
+    )
 
 
-def popen(command: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:  # noqa: ANN401
-    """subprocess.Popen of ``command`` by absolute path in ENVIRONMENT."""
-    return subprocess.Popen(argv(command), env=ENVIRONMENT, **kwargs)
+def popen(  # noqa: PLR0913 - subprocess.Popen's keywords that gpuguard uses, each typed
+    command: Sequence[str],
+    *,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    start_new_session: bool = False,
+    preexec_fn: Callable[[], object] | None = None,
+) -> subprocess.Popen[bytes]:
+    """subprocess.Popen of ``command`` by absolute path in ENVIRONMENT (keywords as for run)."""
+    return subprocess.Popen(
+        argv(command),
+        env=ENVIRONMENT,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=start_new_session,
+        preexec_fn=preexec_fn,  # noqa: PLW1509 - the caller's is async-signal-safe (journal.py)
+    )

@@ -7,7 +7,9 @@ are already redacted, and every record is size-bounded (records.py) before it is
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import files
@@ -28,6 +30,13 @@ def write_json(path: Path, document: object, *, mode: int = 0o644, durable: bool
     """
     data = json.dumps(document, indent=1, sort_keys=True) + "\n"
     files.write_file(path, data.encode(), mode=mode, durable=durable)
+
+
+def check_writable(directory: Path) -> None:
+    """Create ``directory`` if it is missing; OSError unless this process may write there."""
+    os.close(files.open_directory(directory, create_mode=0o755))
+    if not os.access(directory, os.W_OK, effective_ids=True):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
 
 
 def read_json(path: Path) -> Any:  # noqa: ANN401 - JSON is untyped until the caller checks it

@@ -840,6 +840,8 @@ def render_text(report: StatusReport) -> str:
             f"NVML: ok, driver {nvml.driver_version or 'unknown'}, {len(inventory.gpus)} GPUs"
             + (f", memory API {'/'.join(sorted(api))}" if api else "")
         )
+    elif nvml.reason and nvml.reason in report.headline:
+        lines.append(f"NVML: {nvml.health.value} (above)")  # said once is enough
     else:
         lines.append(f"NVML: {nvml.reason or nvml.health.value}")
     lines.append(f"Runs: {inventory.containment.summary}")
@@ -914,7 +916,10 @@ def render_text(report: StatusReport) -> str:
 
 def _daemon_lines(daemon: DaemonView | None) -> list[str]:
     if daemon is None or daemon.state == "absent":
-        return ["Daemon: not running (no snapshot; install and start gpuguard.service)"]
+        # A pip user has no gpuguard.service to start: name both ways the daemon runs.
+        return [
+            "Daemon: not running (no snapshot; the package's gpuguard.service, or `gpuguard run`)"
+        ]
     snapshot = daemon.snapshot
     journal = _dict(snapshot.get("journal"))
     dry = ", DRY RUN" if snapshot.get("dry_run") else ""

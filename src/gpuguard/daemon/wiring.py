@@ -36,11 +36,17 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.ledger import Ledger
 
+EX_CANTCREAT = 73  # sysexits.h: the daemon cannot write its state (not root?)
+
 
 def run(settings: Settings) -> int:
     """Wire the real adapters into the daemon and run it until SIGTERM."""
     logs.configure_logging(json=True, stream=sys.stdout)
     log = logs.get_logger().bind(command="run")
+    unwritable = _unwritable(settings)
+    if unwritable is not None:  # it would run on, saying "Permission denied" in its log only
+        sys.stderr.write(unwritable)
+        return EX_CANTCREAT
 
     def write_snapshot(document: dict[str, Any]) -> None:
         try:
@@ -150,6 +156,20 @@ def load_ledger(settings: Settings, log: daemon.Logger) -> Ledger:
     for problem in problems:
         log.warning("provenance ledger ignored in part", problem=problem)
     return ledger
+
+
+def _unwritable(settings: Settings) -> str | None:
+    """Why the daemon cannot keep its state (one line for stderr), or None when it can."""
+    for directory in (settings.runtime_dir, settings.state_dir):
+        try:
+            state.check_writable(directory)
+        except OSError as err:
+            return (
+                f"gpuguard run: cannot write {directory} ({err.strerror or err}): the daemon "
+                "runs as root (gpuguard.service); to try it as a user, give it a runtime_dir "
+                "and state_dir it can write (--config FILE)\n"
+            )
+    return None
 
 
 def boot_id() -> str | None:
