@@ -17,9 +17,15 @@ from clirunner import CGROUP2
 from fakeholder import process_gone
 from fakestate import fake_library
 
-from gpuguard.adapters import inventory, ledgerstore, runtree
+from gpuguard.adapters import inventory, ledgerstore, runtree, state
 from gpuguard.config import Settings, UnitSettings
-from gpuguard.core.ledger import Ledger
+from gpuguard.core.ledger import (
+    MAX_PROCESSES,
+    MAX_RUNS,
+    MAX_RUNS_PER_UNIT,
+    Ledger,
+    SeenProcess,
+)
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, plan
 from gpuguard.core.values import ProcessIdentity, UnitProvenance
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
@@ -31,7 +37,6 @@ if TYPE_CHECKING:
     from clirunner import UnitCgroups
     from fakeholder import Holder, HolderSpawner
 
-    from gpuguard.core.ledger import SeenProcess
 
 RUN = "1" * 32  # the unit's run the worker descended from
 SCOPE_ID = "d" * 32  # what its own environment says: the transient scope's INVOCATION_ID
@@ -124,7 +129,7 @@ def test_a_worker_that_moved_to_its_own_scope_is_recorded_and_reaped_after_its_s
     found = inventory.gather(settings)
     systemd_says = UnitProvenance(None, frozenset({RUN}), uid=0)
     with_ledger = UnitProvenance(
-        None, frozenset({RUN}), uid=0, ledger=ledgerstore.claims(tmp_path, unit)
+        None, frozenset({RUN}), uid=0, ledger=ledgerstore.evidence(tmp_path, unit).claims
     )
     [decision] = [
         d
@@ -166,3 +171,24 @@ def test_descendants_outside_the_cgroup_are_recorded_and_a_repeat_record_writes_
     kept.record(unit, 2.0)
     assert recorded_at(kept)[worker.pid] == f"/system.slice/{unit}"  # where it was first seen
     assert len(saved) == writes  # nothing new to prove: the file is not rewritten
+
+
+def test_a_full_ledger_of_hostile_names_is_written_within_what_readers_accept(
+    tmp_path: Path,
+) -> None:
+    """Every unit at its caps, every name hostile: the file stays readable, newest runs kept."""
+    ledger = Ledger()
+    hostile = "/system.slice/" + '\\x\u00ff"' * 200
+    for unit in range(MAX_RUNS // MAX_RUNS_PER_UNIT):
+        for run in range(MAX_RUNS_PER_UNIT):
+            seen = [
+                SeenProcess(pid, pid, (0, 0, 0, 0), "\u00ff" * 16, hostile)
+                for pid in range(1 + run * MAX_PROCESSES, 1 + (run + 1) * MAX_PROCESSES)
+            ]
+            ledger = ledger.record(f"u{unit}.service", f"{unit:016x}{run:016x}", seen, 1.0)
+    ledgerstore.save(tmp_path, ledger)
+    assert ledgerstore.ledger_path(tmp_path).stat().st_size < state.READ_MAX
+    loaded, problems = ledgerstore.load(tmp_path)
+    assert problems == ()
+    assert loaded.runs
+    assert loaded.runs[-1] == ledger.runs[-1]

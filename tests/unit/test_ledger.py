@@ -15,7 +15,14 @@ from gpuguard.core.cgroup import Attribution
 from gpuguard.core.containment import Containment
 from gpuguard.core.gate import GateSettings, run_gate
 from gpuguard.core.inventory import GpuUse, Holder, build_inventory
-from gpuguard.core.ledger import MAX_PROCESSES, MAX_RUNS, Ledger, SeenProcess
+from gpuguard.core.ledger import (
+    CGROUP_CHARS,
+    MAX_PROCESSES,
+    MAX_RUNS,
+    MAX_RUNS_PER_UNIT,
+    Ledger,
+    SeenProcess,
+)
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.recovery import operator_command, unfreeable
 from gpuguard.core.values import ProcessIdentity, ProcScan, UnitProvenance
@@ -102,12 +109,15 @@ def test_gone_processes_and_their_empty_runs_are_forgotten() -> None:
 
 
 def test_the_ledger_is_bounded_in_runs_and_processes() -> None:
-    """The oldest runs go first; a run keeps at most MAX_PROCESSES."""
+    """The oldest runs go first, per unit and in all; a run keeps at most MAX_PROCESSES."""
     ledger = Ledger()
-    for run in range(MAX_RUNS + 5):
+    for run in range(MAX_RUNS_PER_UNIT + 5):
         ledger = ledger.record(UNIT, f"{run:032x}", [], float(run))
-    assert len(ledger.runs) == MAX_RUNS
+    assert len(ledger.runs) == MAX_RUNS_PER_UNIT
     assert ledger.runs[0].invocation_id == f"{5:032x}"
+    for run in range(MAX_RUNS + 5):
+        ledger = ledger.record(f"u{run % 40}.service", f"{run + 100:032x}", [], float(run))
+    assert len(ledger.runs) == MAX_RUNS
     big = Ledger().record(UNIT, OLD, [seen(pid) for pid in range(1, MAX_PROCESSES + 10)], 1.0)
     assert len(big.runs[0].processes) == MAX_PROCESSES
 
@@ -314,3 +324,33 @@ def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() ->
     on_host = build_inventory(reading, ProcScan((worker,)), 16 * 2**20)
     # On the host NVML would list it: a device file alone (an exporter's) blocks nothing.
     assert unfreeable(plan(on_host.holders, asked), on_host, 16 * 2**20) == ()
+
+
+def test_one_units_runs_never_push_another_units_evidence_out() -> None:
+    """A unit whose every run leaves survivors drops only its own oldest runs."""
+    ledger = Ledger().record("victim.service", OLD, [seen(1)], 0.0)
+    for run in range(MAX_RUNS + 10):
+        ledger = ledger.record(UNIT, f"{run + 1:032x}", [seen(1000 + run)], float(run + 1))
+    assert dict(ledger.claims("victim.service")) == {ProcessIdentity(1, 5001): OLD}
+
+
+def test_names_are_cut_when_recorded_so_no_entry_is_large() -> None:
+    """A cgroup name of thousands of hostile bytes is kept only to CGROUP_CHARS."""
+    hostile = "/system.slice/" + "\\xff" * 1000
+    ledger = Ledger().record(UNIT, OLD, [seen(1, cgroup=hostile)], 1.0)
+    assert len(ledger.runs[0].processes[0].cgroup) == CGROUP_CHARS
+
+
+def test_another_units_recorded_process_is_never_adopted() -> None:
+    """Unit B's live worker in a scope A adopts, with A's uid: kept, the ledger says it is B's."""
+    other = Ledger().record("b.service", LIVE, [SeenProcess(100, 5100, ROOT, "python3", "/")], 1.0)
+    adopting = replace(
+        request(),
+        adopt=("tp-worker-*.scope",),
+        provenance=UnitProvenance(
+            None, frozenset({OLD}), uid=0, elsewhere=other.for_unit(UNIT).elsewhere
+        ),
+    )
+    decision = decide(moved(), adopting)
+    assert decision.verdict is Verdict.KEEP
+    assert "recorded it in a run of another unit" in decision.reason

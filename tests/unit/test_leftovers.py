@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import parse_settings, warnings
 from gpuguard.core.gate import GateSettings, run_gate
-from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs
+from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs, live_owner
 from gpuguard.core.metrics import Observed, Tally, exposition, families
 from gpuguard.core.status import DaemonView, StatusContext, UnitView, assess, render_text
 from gpuguard.core.values import MIB, UnitProvenance
@@ -262,3 +262,17 @@ def test_a_gpu_loop_held_by_a_tenants_job_names_no_reap_command() -> None:
     assert text.startswith("2\n"), text
     assert f"not {A}'s by any evidence, which gpuguard never reaps: PID 40" in headline
     assert "gpuguard reap" not in headline
+
+
+def test_a_tenant_naming_another_units_live_run_does_not_pose_as_it() -> None:
+    """Uid 1001 holding A's GPU with B's INVOCATION_ID (anyone can read it) is no live B process."""
+    tenant = replace(
+        process(30, 0, cgroup="/user.slice/user-1001.slice/session-3.scope", invocation_id=LIVE_B),
+        uid=1001,
+        uids=(1001,) * 4,
+    )
+    found = inventory(nvml(gpu(0, (30, 70000)), gpu(1), gpu(2), gpu(3)), tenant)
+    units = two_units()
+    assert live_owner(found.holders[0], units) is None
+    escaped_b = b_serving().holders[1]  # B's own worker, B's uid, outside its cgroup: B's
+    assert live_owner(escaped_b, units) == B

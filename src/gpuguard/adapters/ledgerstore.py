@@ -8,15 +8,14 @@ missing, not safely ours (files.read_file) or malformed reads as an empty ledger
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import state
-from gpuguard.core.ledger import Ledger
+from gpuguard.adapters import files, state
+from gpuguard.core.ledger import Ledger, UnitLedger
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    from gpuguard.core.values import ProcessIdentity
 
 
 def ledger_path(runtime_dir: Path) -> Path:
@@ -33,10 +32,19 @@ def load(runtime_dir: Path) -> tuple[Ledger, tuple[str, ...]]:
 
 
 def save(runtime_dir: Path, ledger: Ledger) -> None:
-    """Replace the file atomically (root-only: 0600)."""
-    state.write_json(ledger_path(runtime_dir), ledger.to_json(), mode=0o600)
+    """Replace the file atomically (root-only: 0600), compact and within the read limit.
+
+    Should the whole outgrow what a reader accepts, the oldest runs go first: a file too large
+    to read would lose every unit's evidence at once.
+    """
+    while len(encoded := json.dumps(ledger.to_json(), separators=(",", ":"))) >= state.READ_MAX:
+        # Runs are of a size, near enough: drop the share that is too much, and one more.
+        ledger = ledger.without_oldest(
+            len(ledger.runs) * (len(encoded) - state.READ_MAX) // len(encoded) + 1
+        )
+    files.write_file(ledger_path(runtime_dir), encoded.encode(), mode=0o600)
 
 
-def claims(runtime_dir: Path, unit: str) -> frozenset[tuple[ProcessIdentity, str]]:
-    """What the ledger recorded of ``unit``'s runs, for a plan's provenance."""
-    return load(runtime_dir)[0].claims(unit)
+def evidence(runtime_dir: Path, unit: str) -> UnitLedger:
+    """What the ledger recorded of ``unit``'s runs, and of every other unit's, for a plan."""
+    return load(runtime_dir)[0].for_unit(unit)

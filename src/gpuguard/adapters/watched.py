@@ -8,10 +8,10 @@ unit's user and ended runs. One builder, so two views of one host cannot disagre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import systemd, unitenv
+from gpuguard.adapters import ledgerstore, systemd, unitenv
 from gpuguard.core.gpuset import resolve_gpu_set
 from gpuguard.core.leftovers import WatchedUnit, needs_history
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.ledger import UnitLedger
+    from gpuguard.core.values import UnitProvenance
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,7 @@ def look(
     After, never before: a run that started in between must not make its processes look stale.
     """
     history = needs_history(found, settings.units)
+    ledger = ledgerstore.load(settings.runtime_dir)[0]  # unreadable (not root): no evidence
     looks = []
     for name, unit in settings.units.items():
         state = show_unit(name)
@@ -54,8 +57,13 @@ def look(
             unit.patterns,
             gpu_set.indices,
             state.invocation_id if state.running else None,
-            systemd.provenance(state, history=history),
+            _with_ledger(systemd.provenance(state, history=history), ledger.for_unit(name)),
             gpu_set.describe(),
         )
         looks.append(UnitLook(state, gpu_set, watched))
     return tuple(looks)
+
+
+def _with_ledger(provenance: UnitProvenance, recorded: UnitLedger) -> UnitProvenance:
+    """Systemd's provenance plus the daemon's ledger, as the gate and the daemon plan with it."""
+    return replace(provenance, ledger=recorded.claims, elsewhere=recorded.elsewhere)

@@ -181,9 +181,11 @@ def unit_plan(
     environment = unit_state.environment if own is None else own
     live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit_settings(settings, unit).gpus, environment, gpus)
+    recorded = ledgerstore.evidence(settings.runtime_dir, unit)
     provenance = replace(
         systemd.provenance(unit_state, inside=inside),
-        ledger=ledgerstore.claims(settings.runtime_dir, unit),
+        ledger=recorded.claims,
+        elsewhere=recorded.elsewhere,
     )
     if inside and unit_state.error is not None and provenance.problem is None:
         # systemd cannot say the unit's User=; the unit's own control process runs as it (the

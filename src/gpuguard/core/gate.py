@@ -393,6 +393,18 @@ def operator_command(inventory: Inventory, request: PlanRequest) -> str | None:
     return kept_blockers(inventory, unit, (unit,), request.protected_names).command
 
 
+def _system_unit(holder: Holder) -> str | None:
+    """The holder's system unit, for the reaper's log lines (explain reads them by unit name).
+
+    A user's own units and containers may take any name, a watched unit's too: never logged as
+    one, so a tenant's ``a.service`` cannot pose in ``a.service``'s story.
+    """
+    where = holder.attribution
+    if where.user_unit or where.container is not None or where.unknown:
+        return None
+    return where.unit
+
+
 def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:
     """The reaper's view of the holders a plan chose."""
     return [
@@ -400,7 +412,7 @@ def reap_targets(decisions: Sequence[Decision]) -> list[ReapTarget]:
             identity=d.holder.identity,
             ppid=d.holder.ppid,
             command=d.holder.command,
-            unit=d.holder.attribution.unit,
+            unit=_system_unit(d.holder),
             reason=d.reason,
         )
         for d in decisions

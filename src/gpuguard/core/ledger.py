@@ -15,6 +15,7 @@ runs and processes, and what is cut is the oldest, which only ever means "no evi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -26,9 +27,17 @@ if TYPE_CHECKING:
 LEDGER_SCHEMA = 1
 MAX_RUNS = 64
 """Runs kept across all units; the oldest record is dropped first."""
-MAX_PROCESSES = 512
-"""Processes kept per run (a TP-8 server with its helpers has a few dozen); with MAX_RUNS
-the file stays under the state store's 4 MiB read limit."""
+MAX_RUNS_PER_UNIT = 8
+"""Runs kept per unit, its own oldest dropped first: one unit whose runs all leave survivors
+cannot push another unit's evidence out."""
+MAX_PROCESSES = 256
+"""Processes kept per run (a TP-8 server with its helpers has a few dozen)."""
+CGROUP_CHARS = 128
+COMM_CHARS = 16
+"""Names are kept for people only and cut to these lengths, so a unit's user cannot make an
+entry large (a cgroup name may be any bytes but '/' and NUL); with the per-unit caps one unit's
+runs take well under a megabyte, and the writer drops the oldest runs if the whole ever
+outgrows the state store's read limit (ledgerstore.save)."""
 _MAX_TEXT = 512
 _INVOCATION_CHARS = frozenset("0123456789abcdef")
 
@@ -63,6 +72,14 @@ class RunRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitLedger:
+    """What the ledger says for one unit's plan: its own runs' processes, and other units'."""
+
+    claims: frozenset[tuple[ProcessIdentity, str]] = frozenset()
+    elsewhere: frozenset[ProcessIdentity] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
 class Ledger:
     """Every watched unit's recorded runs, oldest first."""
 
@@ -76,7 +93,10 @@ class Ledger:
         fresh: dict[ProcessIdentity, SeenProcess] = {}
         for process in seen:
             if process.identity not in known:
-                fresh.setdefault(process.identity, process)
+                cut = replace(
+                    process, comm=process.comm[:COMM_CHARS], cgroup=process.cgroup[:CGROUP_CHARS]
+                )
+                fresh.setdefault(process.identity, cut)
         runs = list(self.runs)
         index = next(
             (i for i, r in enumerate(runs) if (r.unit, r.invocation_id) == (unit, invocation_id)),
@@ -88,7 +108,14 @@ class Ledger:
         run = runs[index]
         processes = (*run.processes, *fresh.values())[:MAX_PROCESSES]
         runs[index] = replace(run, last_seen=at, processes=processes)
-        return Ledger(tuple(runs[-MAX_RUNS:]))
+        mine = [i for i, r in enumerate(runs) if r.unit == unit and i != index]
+        dropped = set(mine[: max(len(mine) - (MAX_RUNS_PER_UNIT - 1), 0)])
+        kept = [r for i, r in enumerate(runs) if i not in dropped]
+        return Ledger(tuple(kept[-MAX_RUNS:]))
+
+    def without_oldest(self, count: int) -> Ledger:
+        """The ledger less its ``count`` oldest runs (the writer's last resort against size)."""
+        return Ledger(self.runs[max(count, 1) :])
 
     def forget(self, alive: Callable[[ProcessIdentity], bool], keep: frozenset[str]) -> Ledger:
         """Drop processes that no longer exist, then runs left empty (except ``keep``, live)."""
@@ -113,6 +140,14 @@ class Ledger:
             if run.unit == unit
             for p in run.processes
         )
+
+    def for_unit(self, unit: str) -> UnitLedger:
+        """The unit's own claims and every other unit's recorded processes."""
+        return UnitLedger(self.claims(unit), self.elsewhere(unit))
+
+    def elsewhere(self, unit: str) -> frozenset[ProcessIdentity]:
+        """Every process recorded in a run of another unit: never ``unit``'s by adoption."""
+        return frozenset(p.identity for run in self.runs if run.unit != unit for p in run.processes)
 
     def to_json(self) -> dict[str, Any]:
         """The ledger file's document."""
@@ -204,5 +239,13 @@ def _text(value: object) -> TypeGuard[str]:
 def ledger_evidence(
     claims: frozenset[tuple[ProcessIdentity, str]], identity: ProcessIdentity
 ) -> str | None:
-    """The run the ledger says ``identity`` descended from, if it recorded it."""
-    return next((run for seen, run in claims if seen == identity), None)
+    """The run the ledger says ``identity`` descended from, if it recorded it.
+
+    A lookup, not a scan: a plan asks once per holder, and a host may have thousands.
+    """
+    return _index(claims).get(identity)
+
+
+@functools.lru_cache(maxsize=16)
+def _index(claims: frozenset[tuple[ProcessIdentity, str]]) -> dict[ProcessIdentity, str]:
+    return dict(claims)

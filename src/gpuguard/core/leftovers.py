@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuguard.core.escaping import escape
+from gpuguard.core.ledger import ledger_evidence
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, matching_pattern, plan
 from gpuguard.core.protection import is_protected
 from gpuguard.core.values import StrEnum, UnitProvenance
@@ -68,18 +69,28 @@ class LeftOver:
 def live_owner(holder: Holder, units: Sequence[WatchedUnit]) -> str | None:
     """The watched unit whose running invocation ``holder`` belongs to, if any.
 
-    A process in a running unit's cgroup whose invocation cannot be read counts as live, as
-    the policy keeps it.
+    Its cgroup, or the daemon's ledger, says so; an ``INVOCATION_ID`` that names the live run
+    counts outside the cgroup only with the unit's uid, since a process sets its own
+    environment (anyone can read a unit's invocation id and pose as its live run). A process in
+    a running unit's cgroup whose invocation cannot be read counts as live, as the policy keeps
+    it.
     """
     for unit in units:
         live = unit.live_invocation
         if live is None:
             continue
-        if holder.invocation_id == live:
+        if ledger_evidence(unit.provenance.ledger, holder.identity) == live:
             return unit.name
-        if holder.invocation_id is None and _in_cgroup(holder, unit.name):
+        inside = _in_cgroup(holder, unit.name)
+        if holder.invocation_id == live and (inside or _runs_as(holder, unit.provenance.uid)):
+            return unit.name
+        if holder.invocation_id is None and inside:
             return unit.name
     return None
+
+
+def _runs_as(holder: Holder, uid: int | None) -> bool:
+    return uid is not None and set(holder.uids) == {uid}
 
 
 def left_overs(

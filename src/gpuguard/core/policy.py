@@ -227,6 +227,10 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
         return Decision(holder, Verdict.KEEP, f"live process of the running {unit} (ledger)")
     if recorded is None and request.live_invocation is not None:
         return None  # adopted, but the unit runs: only its INVOCATION_ID can tell which run
+    if recorded is None and holder.identity in request.provenance.elsewhere:
+        return Decision(
+            holder, Verdict.KEEP, f"{where}; the ledger recorded it in a run of another unit"
+        )
     problem = _uid_problem(holder, request)
     if problem is not None:
         return Decision(holder, Verdict.KEEP, f"{where}; {problem}")

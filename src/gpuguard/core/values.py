@@ -227,6 +227,9 @@ class UnitProvenance:
     invocations: frozenset[str] = frozenset()
     uid: int | None = None
     ledger: frozenset[tuple[ProcessIdentity, str]] = frozenset()
+    elsewhere: frozenset[ProcessIdentity] = frozenset()
+    """Processes the ledger recorded in runs of other watched units: never this unit's by
+    adoption (``adopt``), whatever cgroup they sit in."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from gpuguard.core.ledger import Ledger, SeenProcess
+    from gpuguard.core.ledger import Ledger, SeenProcess, UnitLedger
     from gpuguard.core.values import ProcessIdentity
 
 
@@ -63,6 +63,10 @@ class LedgerKeeper:
     def claims(self, unit: str) -> frozenset[tuple[ProcessIdentity, str]]:
         """What the ledger recorded of ``unit``'s runs (PlanRequest.provenance.ledger)."""
         return self._ledger.claims(unit)
+
+    def evidence(self, unit: str) -> UnitLedger:
+        """The unit's claims and other units' recorded processes, for a plan's provenance."""
+        return self._ledger.for_unit(unit)
 
     def run_up(self, unit: str, invocation_id: str, control_group: str | None, now: float) -> None:
         """A run of ``unit`` is live: record it now and from now on."""

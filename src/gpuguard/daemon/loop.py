@@ -569,6 +569,11 @@ class Daemon:
             )
         return RecoveryDecision(Action.NEEDS_OPERATOR, reason)
 
+    def _with_ledger(self, provenance: UnitProvenance, unit: str) -> UnitProvenance:
+        """Systemd's provenance plus what the ledger recorded, of this unit and of others."""
+        recorded = self._keeper.evidence(unit)
+        return replace(provenance, ledger=recorded.claims, elsewhere=recorded.elsewhere)
+
     def _note_state(self, watch: _Watch, state: UnitState) -> None:
         """Remember systemd's view; say once that a watched unit does not exist (a typo?)."""
         if state.not_found and not watch.not_found:
@@ -625,7 +630,7 @@ class Daemon:
             gpu_set=gpu_set.indices,
             protected_names=settings.protected_processes,
             untouchable_pids=self._ports.untouchable,
-            provenance=replace(self._provenance(state), ledger=self._keeper.claims(unit)),
+            provenance=self._with_ledger(self._provenance(state), unit),
             live_invocation=live,
             adopt=unit_settings.adopt,
         )
