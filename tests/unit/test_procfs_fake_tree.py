@@ -16,6 +16,7 @@ from gpuguard.adapters.procfs import (
     ENVIRON_LIMIT,
     PF_KTHREAD,
     ancestor_pids,
+    descendants,
     parse_stat,
     read_identity,
     read_process,
@@ -467,3 +468,15 @@ def test_environ_is_read_only_up_to_its_limit(proc: FakeProc) -> None:
     )
     [facts] = scan_device_holders(GLOB, proc_root=proc.root).processes
     assert facts.invocation_id is None
+
+
+def test_a_listed_child_whose_pid_was_reused_is_not_recorded_as_a_descendant(
+    tmp_path: Path,
+) -> None:
+    """The ledger's walk: a child listed under 10 whose stat names another parent is skipped."""
+    tree = FakeProc(tmp_path / "proc")
+    tree.add(FakeProcess(10, children=(11, 12)))
+    tree.add(FakeProcess(11, ppid=10, start_time=6000))
+    tree.add(FakeProcess(12, ppid=99, start_time=7000))  # 12 died, its PID now another's
+    found = descendants([10], proc_root=tree.root)
+    assert [(p.pid, p.start_time) for p in found] == [(10, 5000), (11, 6000)]

@@ -828,37 +828,44 @@ def descendants(roots: Iterable[int], *, proc_root: Path = PROC) -> tuple[SeenPr
 
     Children come from ``task/*/children`` (cheap: no walk over every process); on a kernel
     without it, from every ``stat``. Each process costs a ``stat``, ``status`` and ``cgroup``
-    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). Bounded by
-    DESCENDANTS_MAX; a process whose cgroup cannot be parsed is recorded as ``?``.
+    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). A child counts
+    only while its ``stat`` still names the parent it was listed under: a PID that died and was
+    reused between the listing and the read is somebody else's. Bounded by DESCENDANTS_MAX; a
+    process whose cgroup cannot be parsed is recorded as ``?``.
     """
     root = os.fspath(proc_root)
-    queue = deque(sorted({pid for pid in roots if pid > 0}))
+    queue: deque[tuple[int, int | None]] = deque(
+        (pid, None) for pid in sorted({pid for pid in roots if pid > 0})
+    )
     seen: set[int] = set()
     by_ppid: dict[int, list[int]] | None = None
     found: list[SeenProcess] = []
     while queue and len(seen) < DESCENDANTS_MAX:
-        pid = queue.popleft()
+        pid, parent = queue.popleft()
         if pid in seen:
             continue
         seen.add(pid)
-        process = _seen(pid, f"{root}/{pid}")
+        process = _seen(pid, f"{root}/{pid}", parent)
         if process is None:
             continue
         found.append(process)
         if by_ppid is None:
             try:
-                queue.extend(_children_of(root, pid))
+                queue.extend((child, pid) for child in _children_of(root, pid))
                 continue
             except _ChildrenUnsupportedError:
                 by_ppid = _children_by_ppid(root)
-        queue.extend(by_ppid.get(pid, ()))
+        queue.extend((child, pid) for child in by_ppid.get(pid, ()))
     return tuple(found)
 
 
-def _seen(pid: int, base: str) -> SeenProcess | None:
-    """One process's identity, uids, name and cgroup; None when it vanished or is a thread."""
+def _seen(pid: int, base: str, parent: int | None) -> SeenProcess | None:
+    """One process's identity, uids, name and cgroup, or None.
+
+    None when it vanished, is a kernel thread, or is no longer the child of ``parent``.
+    """
     stat = _read_stat(base)
-    if stat is None or stat.kernel_thread:
+    if stat is None or stat.kernel_thread or (parent is not None and stat.ppid != parent):
         return None
     try:
         status = _read_optional(base + "/status") or b""
