@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from builders import gpu, inventory, lost_gpu, nvml, plan_request, process, training_job
 
-from gpuguard.core.gate import GateSettings, run_gate, wait_until_idle
+from gpuguard.core.gate import GateSettings, reap_targets, run_gate, wait_until_idle
+from gpuguard.core.policy import Scope, plan
 from gpuguard.core.values import (
     MIB,
     GpuHealth,
@@ -289,3 +290,14 @@ def test_the_gpu_the_last_run_ran_out_of_memory_on_is_named_first() -> None:
         "(cuda:1 of the unit: its last run ran out of memory there)"
     )
     assert outcome.blockers[1].startswith("GPU 0: 8000 MiB used")
+
+
+def test_the_reapers_lines_name_only_system_units() -> None:
+    """A holder in a user's own unit named like a watched unit is logged with no unit name."""
+    found = inventory(
+        nvml(gpu(0, (40, 1000), (41, 1000))),
+        process(40, 0, cgroup="/user.slice/user-1000.slice/user@1000.service/app.slice/a.service"),
+        process(41, 0, cgroup="/system.slice/a.service"),
+    )
+    every = plan(found.holders, replace(plan_request(gpu_set=None), scope=Scope.ALL)).decisions
+    assert [t.unit for t in reap_targets(every)] == [None, "a.service"]
