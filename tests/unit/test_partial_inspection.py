@@ -54,11 +54,14 @@ def test_a_partial_process_nvml_lists_is_taken_at_nvmls_word() -> None:
 
 
 def test_a_partial_process_with_no_nvidia_file_is_named_and_blocks_nothing() -> None:
-    """No NVIDIA file in what was read and not listed: named in status, every GPU still idle."""
+    """No NVIDIA file in what was read and not listed: named in status (OK), every GPU idle.
+
+    Any user can open many descriptors: that alone must not turn monitoring to WARNING.
+    """
     flood = replace(training_job(43), partial="a maps file larger than 8 MiB")
     report = assess(inventory(nvml(gpu(0)), flood), STATUS_CONTEXT, NOW)
     assert report.idle_gpus == frozenset({0})
-    assert report.level is Level.WARNING
+    assert report.level is Level.OK
     assert "PID 43 (python3, alice) not fully inspected: a maps file larger" in render_text(report)
 
 

@@ -176,10 +176,13 @@ def _partial_findings(inventory: Inventory) -> list[Finding]:
     """A budget of the /proc walk ran out: never "clean", so say whom and what it may hide.
 
     The first ten are named (a flood may be hundreds of processes; ``--json`` lists them all).
+    One that could hold a GPU is a WARNING; one that shows no NVIDIA file and that NVML does not
+    list blocks nothing and is only named (OK): any user can open many descriptors, and that
+    alone must not turn the host's monitoring to WARNING.
     """
     findings = [
         Finding(
-            Level.WARNING,
+            Level.WARNING if other.gpus else Level.OK,
             f"PID {other.pid} ({escape(other.comm)}, {escape(other.user)}) not fully inspected: "
             f"{other.reason}"
             + (
@@ -195,7 +198,7 @@ def _partial_findings(inventory: Inventory) -> list[Finding]:
         gpus = sorted({index for other in rest for index in other.gpus})
         findings.append(
             Finding(
-                Level.WARNING,
+                Level.WARNING if gpus else Level.OK,
                 f"{len(rest)} more processes not fully inspected"
                 + ("; GPU " + ", ".join(map(str, gpus)) + " not reported idle" if gpus else ""),
             )
