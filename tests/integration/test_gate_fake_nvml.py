@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import signal
 import subprocess
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from clirunner import ENDED, CliResult
+from clirunner import ENDED, gate_in_unit, unit_name
 from fakeholder import process_gone
 from fakestate import allocated_mib, update_gpu
 
@@ -26,35 +25,6 @@ if TYPE_CHECKING:
     from hostile import HostileProcesses
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
-
-
-def unit_name() -> str:
-    """A unit name unique to this test (cgroups are shared by the whole machine)."""
-    return f"sglang-{uuid.uuid4().hex[:8]}.service"
-
-
-def gate_in_unit(
-    cli: Cli, cgroups: UnitCgroups, unit: str, *args: str, timeout: float = 60
-) -> CliResult:
-    """Run the gate the way systemd runs ExecStartPre=: as a process inside the unit's cgroup."""
-    procs = cgroups.ensure(unit) / "cgroup.procs"
-    command = shlex.join(cli.command("gate", "--unit", unit, *args))
-    done = subprocess.run(
-        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
-        capture_output=True,
-        text=True,
-        env={**cli.env, "INVOCATION_ID": uuid.uuid4().hex},
-        timeout=timeout,
-        check=False,
-    )
-    # Without a gate server here the gate runs in-process after a note; the note is about where
-    # it runs, not part of its answer.
-    err = "".join(
-        line
-        for line in done.stderr.splitlines(keepends=True)
-        if not line.startswith("gpuguard gate: no gate server at ")
-    )
-    return CliResult(done.returncode, done.stdout, err)
 
 
 def idle_everywhere(cli: Cli) -> bool:
