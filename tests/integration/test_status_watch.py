@@ -68,7 +68,9 @@ class Terminal:
             f"trap : INT\nenv -i {assignments} {shlex.join(argv)}\n"
             'echo "exited $?"\nexec sleep 600\n'
         )
-        self.tmux("new-session", "-d", "-x", str(COLUMNS), "-y", str(LINES), f"sh {script}")
+        # Given as separate words, tmux runs the command itself, not through the user's
+        # default shell: dash (useradd's default) forks for ``-c``, so the pane would be its PID.
+        self.tmux("new-session", "-d", "-x", str(COLUMNS), "-y", str(LINES), "sh", str(script))
 
     def program_pid(self) -> int:
         """The PID of the program the pane's shell runs."""
