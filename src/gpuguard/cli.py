@@ -12,8 +12,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from gpuguard import __version__, clihelp
-from gpuguard.commands.exits import EX_USAGE
 from gpuguard.commands.reap import REAP_TIMEOUT_S
+from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
 from gpuguard.usage import UsageParser, add_global_options
 

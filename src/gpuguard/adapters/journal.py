@@ -79,6 +79,7 @@ from gpuguard.adapters.journalrecords import (
     StreamHealth,
 )
 from gpuguard.adapters.journalstream import READ_CHUNK, Stream
+from gpuguard.core.unitname import UNIT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -99,7 +100,6 @@ DEFAULT_BACKOFF: tuple[float, ...] = (1, 2, 5, 10, 30)
 
 _READ_BUDGET = 4 << 20  # bytes per stream per read_available(), so one stream cannot starve a loop
 _PROBLEMS_KEPT = 100
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 _BOOT_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -136,7 +136,7 @@ class JournalFollower:
         if isinstance(units, str) or not units:
             raise ValueError("JournalFollower needs a list of one or more unit names")
         for unit in units:
-            if not _UNIT_NAME.fullmatch(unit):
+            if not UNIT_NAME.fullmatch(unit):
                 raise ValueError(f"not a systemd unit name: {unit!r}")
         _check_patterns((*output_patterns, *kernel_patterns))
         if not backoff or any(step < 0 for step in backoff):

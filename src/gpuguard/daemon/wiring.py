@@ -29,6 +29,7 @@ from gpuguard.adapters import (
     unitenv,
 )
 from gpuguard.core import enginelines, events, xidevents
+from gpuguard.core.exits import EX_CANTCREAT
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.ledger import Ledger
     from gpuguard.daemon.ports import Logger
-
-EX_CANTCREAT = 73  # sysexits.h: the daemon cannot write its state (not root?)
 
 
 def run(settings: Settings) -> int:
