@@ -91,7 +91,7 @@ def _cgroup(piece: str, head: str = "0::/") -> Callable[[int], Callable[[], obje
 
 def _stat(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.adapters.procfs import parse_stat  # noqa: PLC0415
+        from gpuguard.adapters.procread import parse_stat  # noqa: PLC0415
 
         data = b"1234 (" + fill(piece, size).encode("utf-8", "surrogateescape") + b") S 1 1 1 0"
         data += b" -1 4194560" + b" 0" * 12 + b" 20 0 1 0 4242 0 0"
@@ -102,10 +102,10 @@ def _stat(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _cmdline(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.adapters.procfs import _split_cmdline  # noqa: PLC0415 - the parser itself
+        from gpuguard.adapters.procread import split_cmdline  # noqa: PLC0415 - the parser itself
 
         data = fill(piece, size).encode("utf-8", "surrogateescape")
-        return lambda: _split_cmdline(data)
+        return lambda: split_cmdline(data)
 
     return make
 
@@ -205,7 +205,7 @@ def _unit_show(piece: str, head: str = "") -> Callable[[int], Callable[[], objec
 
 def _environ(piece: str) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.adapters.procfs import parse_invocation_id  # noqa: PLC0415
+        from gpuguard.adapters.procread import parse_invocation_id  # noqa: PLC0415
 
         data = fill(piece, size).encode("utf-8", "surrogateescape")
         return lambda: parse_invocation_id(data)

@@ -34,7 +34,6 @@ from pydantic import (
 
 from gpuguard.adapters.configfile import (
     DEFAULT_RUNTIME_DIR,
-    EX_CONFIG,
     config_path,
     read_config,
     store_validated,
@@ -42,8 +41,10 @@ from gpuguard.adapters.configfile import (
 from gpuguard.adapters.files import UnsafePathError
 from gpuguard.core.adopt import MAX_GLOB_CHARS
 from gpuguard.core.detector import LoopSettings
+from gpuguard.core.exits import EX_CONFIG
 from gpuguard.core.recovery import RecoveryLimits
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
+from gpuguard.core.unitname import CONFIGURED_SERVICE
 
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",
@@ -67,7 +68,6 @@ DEFAULT_PROTECTED = (
     "gpuguard",
 )
 
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]+\.service")
 ADOPT_GLOB = re.compile(r"[A-Za-z0-9:_.@*\\-]+\.scope")
 _MIN_PATTERN_CHARS = 3  # non-space characters: " " or "py" would match nearly any command line
 _MAX_PATTERN_CHARS = 256
@@ -491,7 +491,7 @@ class Settings(_Strict):
         if not value:
             raise ValueError("at least one watched unit is needed")
         for name in value:
-            if not _UNIT_NAME.fullmatch(name):
+            if not CONFIGURED_SERVICE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a service unit name such as sglang.service")
         return value
 

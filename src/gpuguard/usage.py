@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
-from gpuguard.commands.exits import EX_USAGE
+from gpuguard.core.exits import EX_USAGE
 
 
 class UsageParser(argparse.ArgumentParser):

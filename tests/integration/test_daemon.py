@@ -43,7 +43,8 @@ from gpuguard.core.status import DaemonView, Level, StatusContext, assess, rende
 from gpuguard.core.unitcontainers import Engine
 from gpuguard.core.values import MIB
 from gpuguard.daemon import wiring
-from gpuguard.daemon.loop import Daemon, Ports
+from gpuguard.daemon.loop import Daemon
+from gpuguard.daemon.ports import Ports
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
-    from gpuguard.daemon.loop import UnitContainers
+    from gpuguard.daemon.ports import UnitContainers
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
 OLD_INVOCATION = "0" * 32

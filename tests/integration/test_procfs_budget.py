@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import pytest
 from floods import Flood
 
-from gpuguard.adapters.procfs import ScanBudget, read_listed, scan_device_holders
+from gpuguard.adapters.procdevices import ScanBudget
+from gpuguard.adapters.procfs import read_listed, scan_device_holders
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -10,7 +10,7 @@ import pytest
 from fakestate import add_alloc
 from floods import Flood, fd_ceiling
 
-from gpuguard.adapters.procfs import DEFAULT_BUDGET
+from gpuguard.adapters.procdevices import DEFAULT_BUDGET
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

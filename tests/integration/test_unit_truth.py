@@ -29,7 +29,8 @@ from gpuguard.adapters.systemd import parse_show, provenance
 from gpuguard.config import Settings, UnitSettings
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.values import NvmlHealth, NvmlReading, ProcScan
-from gpuguard.daemon.loop import Daemon, Ports
+from gpuguard.daemon.loop import Daemon
+from gpuguard.daemon.ports import Ports
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

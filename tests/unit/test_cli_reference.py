@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard import cli
-from gpuguard.adapters.configfile import EX_CONFIG
-from gpuguard.commands.exits import EX_USAGE
+from gpuguard.core.exits import EX_CONFIG, EX_USAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 MAN = (ROOT / "docs" / "gpuguard.8.md").read_text()

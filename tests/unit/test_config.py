@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguard.adapters.configfile import EX_CONFIG
 from gpuguard.config import (
     DEFAULT_PROTECTED,
     ConfigError,
@@ -21,6 +20,7 @@ from gpuguard.config import (
     parse_settings,
     warnings,
 )
+from gpuguard.core.exits import EX_CONFIG
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

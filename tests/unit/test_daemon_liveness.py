@@ -26,7 +26,8 @@ from gpuguard.core.status import (
     assess,
     render_text,
 )
-from gpuguard.daemon.loop import Daemon, Ports
+from gpuguard.daemon.loop import Daemon
+from gpuguard.daemon.ports import Ports
 
 UNIT = "vllm.service"
 BOOT = "b" * 32

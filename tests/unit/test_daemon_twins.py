@@ -18,7 +18,8 @@ from daemontwins import GpuHost, Process, Recorder, ReplayFollower, UnitTwin, lo
 
 from gpuguard.adapters import systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
-from gpuguard.daemon.loop import Daemon, Ports
+from gpuguard.daemon.loop import Daemon
+from gpuguard.daemon.ports import Ports
 
 UNIT = "sglang.service"
 OLD_INVOCATION = "0" * 32

@@ -14,16 +14,15 @@ from hypothesis import strategies as st
 
 from gpuguard.adapters.procfs import (
     ENVIRON_LIMIT,
-    PF_KTHREAD,
     ancestor_pids,
     descendants,
-    parse_stat,
     read_identity,
     read_process,
     read_wchan,
     scan_device_holders,
     scan_pids,
 )
+from gpuguard.adapters.procread import PF_KTHREAD, parse_stat
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import Verdict, plan
 from gpuguard.core.redaction import REDACTED

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.adapters.procfs import parse_invocation_id, parse_uids
+from gpuguard.adapters.procread import parse_invocation_id, parse_uids
 from gpuguard.adapters.systemd import UnitState, parse_invocations, provenance, unit_uid
 
 ID = "0123456789abcdef0123456789abcdef"

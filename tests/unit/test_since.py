@@ -88,7 +88,7 @@ def test_since_keeps_its_text_for_people() -> None:
 def test_status_since_is_a_usage_error_when_malformed(capsys: pytest.CaptureFixture[str]) -> None:
     """The parser exits 64 naming the accepted forms; a good window reaches the command."""
     from gpuguard.cli import build_parser  # noqa: PLC0415 - the CLI is only this test's subject
-    from gpuguard.commands.exits import EX_USAGE  # noqa: PLC0415
+    from gpuguard.core.exits import EX_USAGE  # noqa: PLC0415
 
     parser = build_parser()
     assert parser.parse_args(["status", "--since", "2d"]).since == Since("2d", seconds=172800)

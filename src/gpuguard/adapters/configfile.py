@@ -32,7 +32,6 @@ from gpuguard.adapters import files
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpuguard/gpuguard.toml")
 CONFIG_ENV = "GPUGUARD_CONFIG"
-EX_CONFIG = 78
 # The default of the runtime_dir setting (config.Settings uses it too).
 DEFAULT_RUNTIME_DIR = Path("/run/gpuguard")
 CACHE_SUBDIR = "config-cache"

@@ -9,11 +9,11 @@ the source tree is this text rendered for the packaged binary (a test keeps the 
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpuguard.adapters import files, systemd
+from gpuguard.core.unitname import UNIT_NAME
 
 SYSTEMD_DIR = Path("/etc/systemd/system")
 FILE_NAME = "gpuguard-gate.conf"
@@ -181,7 +181,6 @@ def _remove(path: Path) -> Change:
 
 
 #: A unit name as systemd spells one (unit_name_is_valid(): at most 255 characters of these).
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 
 
 def installed(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> bool:
@@ -191,7 +190,7 @@ def installed(unit: str, *, systemd_dir: Path = SYSTEMD_DIR) -> bool:
     root could have written is not (files.py checks the file and every directory above it).
     The gate server asks this of the unit a caller runs in, so the name is checked first.
     """
-    if not _UNIT_NAME.fullmatch(unit) or unit in {".", ".."}:
+    if not UNIT_NAME.fullmatch(unit) or unit in {".", ".."}:
         return False
     try:
         current = _current(drop_in_path(unit, systemd_dir))

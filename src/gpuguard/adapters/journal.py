@@ -6,7 +6,9 @@ lines of their output that match given patterns, and hands them out as plain dic
 names; trust is judged by the parser from ``_PID``/``_UID``/``_SYSTEMD_CGROUP``, never here).
 What is at risk: an event seen twice or never (a detector miscounts a restart loop), history
 mistaken for news (an action on a loop that is long over), a follower that dies quietly, and
-request-log noise parsed in Python.
+request-log noise parsed in Python. Its parts: the values it hands out (journalrecords.py), one
+stream's parse (journalstream.py), the cursor file (journalcursor.py), one journalctl process
+(journalproc.py); this module decides when each journalctl runs and what it is asked.
 
 How each is handled (journalctl(1), systemd.journal-fields(7); docs/daemon.md):
 
@@ -24,7 +26,7 @@ How each is handled (journalctl(1), systemd.journal-fields(7); docs/daemon.md):
   last history entry; its records carry ``live=True``.
 * **Cursors are ours.** 252's ``--cursor-file`` is never written under ``--follow``, and 252's
   ``--after-cursor`` skips one entry when the cursor's entry does not match the filter. So the
-  caller ``commit()``s records after processing them; this module writes one ``__CURSOR`` per
+  caller ``commit()``s records after processing them; journalcursor.py writes one ``__CURSOR`` per
   stream to ``cursor_path`` (JSON, temp file + rename), and resumes with the inclusive
   ``--cursor=`` and drops the one entry whose ``__CURSOR`` equals it: right on 252 and on 257.
   ``--lines=all`` on every ``--follow``: 252 otherwise prints only 10 entries of the backlog
@@ -44,147 +46,61 @@ How each is handled (journalctl(1), systemd.journal-fields(7); docs/daemon.md):
   committed cursor is the resume point (at least once for what was not committed). ``health()``
   says attached / replaying / restarting (reason, next attempt) for status and sd_notify.
 * **Hostile output.** Malformed JSON, non-objects, entries without ``__CURSOR``, lines cut at
-  exit and lines over ``MAX_LINE_BYTES`` are counted and skipped with a reason
+  exit and lines over ``journalstream.MAX_LINE_BYTES`` are counted and skipped with a reason
   (``take_problems()``), never raised; partial lines wait for the rest; journalctl's stderr is
   drained (a full pipe would stall it) and its last line becomes the reason when it exits. A
   missing journalctl is a ``restarting`` state with a reason, not an exception.
-
-Each journalctl runs in its own process group, so ``close()`` also ends what a wrapper forked
-(``nsenter -t PID -a journalctl`` forks journalctl into the container's pid namespace). It is
-also started with ``PR_SET_PDEATHSIG=SIGKILL``: if the follower's process dies without closing
-(SIGKILL, a crash), the kernel kills the journalctl it started; none is left running.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import math
 import os
 import re
 import select
-import signal
 import subprocess
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING
 
 from typing_extensions import Self
 
-from gpuguard.adapters import programs, signals
-from gpuguard.adapters.state import read_json, write_json
+from gpuguard.adapters import journalcursor, programs
+from gpuguard.adapters.journalcursor import Position, realtime_us
+from gpuguard.adapters.journalproc import describe_exit, die_with_parent, end_group, spawn_error
+from gpuguard.adapters.journalrecords import (
+    KERNEL,
+    LIFECYCLE,
+    OUTPUT,
+    JournalHealth,
+    JournalRecord,
+    State,
+    StreamHealth,
+)
+from gpuguard.adapters.journalstream import READ_CHUNK, Stream
+from gpuguard.core.unitname import UNIT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
     from types import TracebackType
 
-LIFECYCLE = "lifecycle"
-"""PID 1's messages about the watched units."""
-OUTPUT = "output"
-"""The watched units' own output lines that match ``output_patterns``."""
-KERNEL = "kernel"
-"""Kernel messages (``_TRANSPORT=kernel``, set by journald only) that match ``kernel_patterns``."""
+__all__ = [
+    "KERNEL",
+    "LIFECYCLE",
+    "OUTPUT",
+    "JournalFollower",
+    "JournalHealth",
+    "JournalRecord",
+    "StreamHealth",
+]
 
 DEFAULT_BACKOFF: tuple[float, ...] = (1, 2, 5, 10, 30)
-MAX_LINE_BYTES = 16 << 20
-"""A JSON line longer than this is dropped (a MESSAGE that size is no lifecycle event)."""
-CURSOR_FILE_FORMAT = 1
 
-_READ_CHUNK = 1 << 16
 _READ_BUDGET = 4 << 20  # bytes per stream per read_available(), so one stream cannot starve a loop
 _PROBLEMS_KEPT = 100
-_EXCERPT = 120
-_STOP_GRACE_S = 1.0
-_PR_SET_PDEATHSIG = 1
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
-# A journal cursor: `s=…;i=…;b=…;m=…;t=…;x=…` (lower-case hex values); anything else makes
-# journalctl fail with "Failed to seek to cursor", so it is never passed on.
 _BOOT_ID = re.compile(r"[0-9a-f]{32}")
-_CURSOR = re.compile(r"[a-z]=[0-9a-f]{1,64}(?:;[a-z]=[0-9a-f]{1,64}){0,15}")
-
-State = Literal["stopped", "replaying", "attached", "restarting"]
-Entry = dict[str, object]
-
-
-@dataclass(frozen=True, slots=True)
-class JournalRecord:
-    """One journal entry as journalctl printed it, which stream it came from, and whether it is new.
-
-    ``live=False`` is history replayed at start: rebuild state from it, never act on it.
-    """
-
-    entry: Entry
-    stream: str
-    live: bool
-
-    @property
-    def cursor(self) -> str:
-        """The entry's ``__CURSOR`` (every record has one; lines without are skipped)."""
-        return cast("str", self.entry["__CURSOR"])
-
-
-@dataclass(frozen=True, slots=True)
-class StreamHealth:
-    """How one journalctl stream is doing."""
-
-    stream: str
-    state: State
-    reason: str | None  # why it is restarting (the exit and journalctl's last words), else None
-    next_attempt_in_s: float | None  # when restarting
-    pid: int | None  # of the running journalctl (or its wrapper)
-    argv: tuple[str, ...]  # of the running or last journalctl
-    restarts: int  # journalctl started again after an exit or a failed start
-    delivered: int  # records handed out
-    malformed: int  # lines skipped
-
-
-@dataclass(frozen=True, slots=True)
-class JournalHealth:
-    """The follower as a whole: the worst state of its streams, with that stream's reason."""
-
-    state: State
-    reason: str | None
-    next_attempt_in_s: float | None
-    streams: tuple[StreamHealth, ...]
-    cursor_error: str | None  # the last failure to write the cursor file, cleared by a success
-
-
-@dataclass(frozen=True, slots=True)
-class _Position:
-    cursor: str
-    realtime_us: int | None
-
-
-@dataclass(eq=False)
-class _Stream:
-    """Mutable bookkeeping for one journalctl; private to the follower."""
-
-    name: str
-    filter_args: tuple[str, ...]
-    state: State = "stopped"
-    phase: Literal["replay", "follow"] = "replay"
-    proc: subprocess.Popen[bytes] | None = None
-    argv: tuple[str, ...] = ()
-    buffer: bytearray = field(default_factory=bytearray)
-    discarding: bool = False
-    err_buffer: bytearray = field(default_factory=bytearray)
-    err_closed: bool = False  # stderr at EOF: no longer waited on (it would poll readable forever)
-    last_stderr: str | None = None
-    position: _Position | None = None  # the last record handed out, or where to resume
-    committed: _Position | None = None
-    since_s: float = 0.0  # wall-clock start of the history when there is no position
-    drop_cursor: str | None = None
-    failures: int = 0
-    spawned_at: float = 0.0
-    next_attempt: float | None = None
-    reason: str | None = None
-    restarts: int = 0
-    delivered: int = 0
-    run_delivered: int = 0  # by the current journalctl
-    malformed: int = 0
 
 
 class JournalFollower:
@@ -220,7 +136,7 @@ class JournalFollower:
         if isinstance(units, str) or not units:
             raise ValueError("JournalFollower needs a list of one or more unit names")
         for unit in units:
-            if not _UNIT_NAME.fullmatch(unit):
+            if not UNIT_NAME.fullmatch(unit):
                 raise ValueError(f"not a systemd unit name: {unit!r}")
         _check_patterns((*output_patterns, *kernel_patterns))
         if not backoff or any(step < 0 for step in backoff):
@@ -239,13 +155,13 @@ class JournalFollower:
         self._backoff = tuple(backoff)
         # Only these fields (and journalctl's __CURSOR/timestamps) when given: less to parse.
         self._fields = tuple(fields)
-        self._streams = [_Stream(LIFECYCLE, ())]
+        self._streams = [Stream(LIFECYCLE, ())]
         if self.output_patterns:
             grep = "|".join(f"(?:{pattern})" for pattern in self.output_patterns)
-            self._streams.append(_Stream(OUTPUT, (f"--grep={grep}", "--case-sensitive=yes")))
+            self._streams.append(Stream(OUTPUT, (f"--grep={grep}", "--case-sensitive=yes")))
         if kernel_patterns:
             grep = "|".join(f"(?:{pattern})" for pattern in kernel_patterns)
-            self._streams.append(_Stream(KERNEL, (f"--grep={grep}", "--case-sensitive=yes")))
+            self._streams.append(Stream(KERNEL, (f"--grep={grep}", "--case-sensitive=yes")))
         self._problems: deque[str] = deque(maxlen=_PROBLEMS_KEPT)
         self._cursor_error: str | None = None
         self._started = False
@@ -273,7 +189,7 @@ class JournalFollower:
             return
         self._started = True
         self._boot = self._newest_boot()
-        saved = self._load_cursors()
+        saved = journalcursor.load(self.cursor_path, self.replay_s, self._problems.append)
         window_start = max(0.0, self._wall_clock() - self.replay_s)
         for stream in self._streams:
             position = saved.get(stream.name)
@@ -365,7 +281,7 @@ class JournalFollower:
             stream = by_name.get(record.stream)
             if stream is None:
                 raise ValueError(f"record from stream {record.stream!r}, not from this follower")
-            position = _Position(record.cursor, _realtime_us(record.entry))
+            position = Position(record.cursor, realtime_us(record.entry))
             if stream.committed != position:
                 stream.committed = position
                 changed = True
@@ -373,54 +289,10 @@ class JournalFollower:
             self._save_cursors()
 
     def _save_cursors(self) -> None:
-        streams = {
-            s.name: {"cursor": s.committed.cursor, "realtime_us": s.committed.realtime_us}
-            for s in self._streams
-            if s.committed is not None
-        }
-        try:
-            write_json(self.cursor_path, {"format": CURSOR_FILE_FORMAT, "streams": streams})
-        except OSError as err:
-            self._cursor_error = (
-                f"cannot write the journal cursor file {self.cursor_path}: {err.strerror or err}; "
-                "after a restart the last "
-                f"{self.replay_s:g} s are replayed instead (check the state directory)"
-            )
+        positions = {s.name: s.committed for s in self._streams if s.committed is not None}
+        self._cursor_error = journalcursor.save(self.cursor_path, positions, self.replay_s)
+        if self._cursor_error is not None:
             self._problems.append(self._cursor_error)
-        else:
-            self._cursor_error = None
-
-    def _load_cursors(self) -> dict[str, _Position]:
-        document = read_json(self.cursor_path)
-        if document is None:
-            if self.cursor_path.exists():
-                self._problems.append(
-                    f"journal cursor file {self.cursor_path} is unreadable or not JSON; "
-                    f"replaying the last {self.replay_s:g} s instead"
-                )
-            return {}
-        streams = document.get("streams") if isinstance(document, dict) else None
-        if not isinstance(streams, dict) or document.get("format") != CURSOR_FILE_FORMAT:
-            self._problems.append(
-                f"journal cursor file {self.cursor_path} has an unknown layout; "
-                f"replaying the last {self.replay_s:g} s instead"
-            )
-            return {}
-        positions: dict[str, _Position] = {}
-        for name, saved in streams.items():
-            cursor = saved.get("cursor") if isinstance(saved, dict) else None
-            if not isinstance(cursor, str) or not _CURSOR.fullmatch(cursor):
-                self._problems.append(
-                    f"journal cursor file {self.cursor_path}: stream {name!r} has no valid "
-                    "cursor; replaying its recent history instead"
-                )
-                continue
-            realtime = saved.get("realtime_us")
-            positions[str(name)] = _Position(
-                cursor,
-                realtime if isinstance(realtime, int) else _cursor_realtime_us(cursor),
-            )
-        return positions
 
     # -- health ------------------------------------------------------------------------------
 
@@ -472,7 +344,7 @@ class JournalFollower:
             return None
         return boot if isinstance(boot, str) and _BOOT_ID.fullmatch(boot) else None
 
-    def _argv(self, stream: _Stream) -> tuple[str, ...]:
+    def _argv(self, stream: Stream) -> tuple[str, ...]:
         argv = [*self.journalctl, "--output=json", "--all", "--no-pager", "--quiet"]
         if self._fields:
             argv.append(f"--output-fields={','.join(self._fields)}")
@@ -498,7 +370,7 @@ class JournalFollower:
             argv += [f"_SYSTEMD_UNIT={unit}" for unit in self.units]
         return tuple(argv)
 
-    def _spawn(self, stream: _Stream) -> None:
+    def _spawn(self, stream: Stream) -> None:
         stream.next_attempt = None
         stream.buffer.clear()
         stream.err_buffer.clear()
@@ -518,10 +390,10 @@ class JournalFollower:
                 # whatever a wrapper forked. (Not process_group=0: Python 3.11+ only.)
                 start_new_session=True,
                 # Only prctl and getppid run in the child, no lock is taken: safe with threads.
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         except OSError as err:
-            self._failed(stream, _spawn_error(stream.argv[0], err))
+            self._failed(stream, spawn_error(stream.argv[0], err))
             return
         assert stream.proc.stdout is not None  # noqa: S101 - guaranteed by stdout=PIPE
         assert stream.proc.stderr is not None  # noqa: S101 - guaranteed by stderr=PIPE
@@ -530,7 +402,7 @@ class JournalFollower:
         stream.state = "replaying" if stream.phase == "replay" else "attached"
         stream.reason = None
 
-    def _failed(self, stream: _Stream, reason: str) -> None:
+    def _failed(self, stream: Stream, reason: str) -> None:
         """Schedule the next attempt on the backoff ladder."""
         if self._clock() - stream.spawned_at >= max(self._backoff):
             stream.failures = 0  # it ran long enough: this is a new incident, not a loop
@@ -541,104 +413,27 @@ class JournalFollower:
         stream.reason = reason
         self._problems.append(f"journal {stream.name}: {reason}; next attempt in {delay:g} s")
 
-    def _read(self, stream: _Stream, records: list[JournalRecord]) -> None:
+    def _read(self, stream: Stream, records: list[JournalRecord]) -> None:
         proc = stream.proc
         assert proc is not None  # noqa: S101 - callers check
         assert proc.stdout is not None  # noqa: S101 - stdout=PIPE
-        self._drain_stderr(stream)
+        stream.drain_stderr(self._problems)
         budget = _READ_BUDGET
         while budget > 0:
             try:
-                data = os.read(proc.stdout.fileno(), _READ_CHUNK)
+                data = os.read(proc.stdout.fileno(), READ_CHUNK)
             except BlockingIOError:
                 return
             if not data:
                 self._exited(stream)
                 return
             budget -= len(data)
-            self._feed(stream, data, records)
+            stream.feed(data, records, self._problems)
 
-    def _drain_stderr(self, stream: _Stream) -> None:
-        proc = stream.proc
-        assert proc is not None  # noqa: S101 - callers check
-        assert proc.stderr is not None  # noqa: S101 - stderr=PIPE
-        while True:
-            try:
-                data = os.read(proc.stderr.fileno(), _READ_CHUNK)
-            except BlockingIOError:
-                break
-            if not data:
-                stream.err_closed = True
-                break
-            stream.err_buffer += data
-        *lines, rest = bytes(stream.err_buffer).split(b"\n")
-        stream.err_buffer[:] = rest[-_READ_CHUNK:]
-        for raw in lines:
-            line = raw.decode("utf-8", "replace").strip()
-            if line:
-                stream.last_stderr = line[:500]
-                self._problems.append(f"journal {stream.name}: journalctl says: {line[:500]}")
-
-    def _feed(self, stream: _Stream, data: bytes, records: list[JournalRecord]) -> None:
-        start = 0
-        while (end := data.find(b"\n", start)) >= 0:
-            piece = data[start:end]
-            start = end + 1
-            if stream.discarding:
-                stream.discarding = False
-                stream.buffer.clear()
-                continue
-            if stream.buffer:
-                stream.buffer += piece
-                line = bytes(stream.buffer)
-                stream.buffer.clear()
-            else:
-                line = piece
-            self._line(stream, line, records)
-        if not stream.discarding:
-            stream.buffer += data[start:]
-            if len(stream.buffer) > MAX_LINE_BYTES:
-                self._malformed(stream, f"line over {MAX_LINE_BYTES} bytes", bytes(stream.buffer))
-                stream.buffer.clear()
-                stream.discarding = True
-
-    def _line(self, stream: _Stream, line: bytes, records: list[JournalRecord]) -> None:
-        if not line.strip():
-            return
-        try:
-            value = json.loads(line)
-        except (ValueError, RecursionError) as err:
-            self._malformed(stream, f"not JSON: {err}", line)
-            return
-        if not isinstance(value, dict):
-            self._malformed(stream, "not a JSON object", line)
-            return
-        entry = cast("Entry", value)
-        cursor = entry.get("__CURSOR")
-        if not isinstance(cursor, str) or not cursor:
-            self._malformed(stream, "no __CURSOR", line)
-            return
-        if stream.drop_cursor is not None:
-            drop, stream.drop_cursor = stream.drop_cursor, None
-            if cursor == drop:
-                return  # --cursor= is inclusive: this one was handed out (or committed) already
-        stream.position = _Position(cursor, _realtime_us(entry))
-        stream.delivered += 1
-        stream.run_delivered += 1
-        records.append(JournalRecord(entry, stream.name, live=stream.phase == "follow"))
-
-    def _malformed(self, stream: _Stream, reason: str, line: bytes) -> None:
-        stream.malformed += 1
-        excerpt = line[:_EXCERPT]
-        more = f" (+{len(line) - _EXCERPT} bytes)" if len(line) > _EXCERPT else ""
-        self._problems.append(
-            f"journal {stream.name}: skipped a line from journalctl ({reason}): {excerpt!r}{more}"
-        )
-
-    def _exited(self, stream: _Stream) -> None:
+    def _exited(self, stream: Stream) -> None:
         """The process closed its output: reap it, then follow on or schedule a restart."""
         if stream.buffer and not stream.discarding:
-            self._malformed(stream, "cut off when journalctl exited", bytes(stream.buffer))
+            stream.skip("cut off when journalctl exited", bytes(stream.buffer), self._problems)
         stream.buffer.clear()
         returncode = self._end_process(stream)
         # With --grep, journalctl exits 1 when nothing matched, like grep. A real error that
@@ -649,19 +444,19 @@ class JournalFollower:
             stream.failures = 0
             self._spawn(stream)
             return
-        self._failed(stream, f"journalctl {_describe_exit(returncode)}{self._last_words(stream)}")
+        self._failed(stream, f"journalctl {describe_exit(returncode)}{self._last_words(stream)}")
 
     @staticmethod
-    def _last_words(stream: _Stream) -> str:
+    def _last_words(stream: Stream) -> str:
         return f": {stream.last_stderr}" if stream.last_stderr else ""
 
-    def _end_process(self, stream: _Stream) -> int | None:
+    def _end_process(self, stream: Stream) -> int | None:
         """End journalctl's process group, reap the leader and close the pipes; its exit status."""
         proc = stream.proc
         if proc is None:
             return None
-        returncode = _end_group(proc)
-        self._drain_stderr(stream)  # what it said before it went
+        returncode = end_group(proc)
+        stream.drain_stderr(self._problems)  # what it said before it went
         stream.proc = None
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
@@ -675,88 +470,3 @@ def _check_patterns(patterns: Sequence[str]) -> None:
             re.compile(pattern)
         except re.error as err:
             raise ValueError(f"output pattern {pattern!r} is not a regex: {err}") from err
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """What the child runs before exec: ask the kernel for SIGKILL when its parent dies.
-
-    libc is loaded and the parent's PID taken here, in the parent: the child only calls
-    prctl(2) and getppid(2). A parent already gone before the prctl is caught by comparing PIDs.
-    The kernel ties the signal to the *thread* that forked: the follower is driven from one
-    long-lived thread (the daemon's main loop).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def child() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return child
-
-
-def _end_group(proc: subprocess.Popen[bytes]) -> int:
-    """SIGTERM the group, give it a second, SIGKILL what is left, reap; the leader's status.
-
-    The leader is only reaped at the end: while it is a zombie its pid (the group id) cannot be
-    reused, so the SIGKILL cannot reach a stranger's group.
-    """
-    if proc.returncode is not None:
-        return proc.returncode
-    signals.signal_own_group(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE_S
-    while not _has_exited(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    signals.signal_own_group(proc.pid, signal.SIGKILL)
-    return proc.wait()
-
-
-def _has_exited(pid: int) -> bool:
-    """Whether our child ``pid`` has exited, without reaping it."""
-    try:
-        result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return result is not None
-
-
-def _describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "ended"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
-
-
-def _spawn_error(program: str, err: OSError) -> str:
-    if isinstance(err, FileNotFoundError):
-        return (
-            f"cannot run {program!r}: not found (journalctl comes with systemd; install it, "
-            "or configure the journalctl command)"
-        )
-    if isinstance(err, PermissionError):
-        return f"cannot run {program!r}: permission denied"
-    return f"cannot run {program!r}: {err.strerror or err}"
-
-
-def _realtime_us(entry: Entry) -> int | None:
-    value = entry.get("__REALTIME_TIMESTAMP")
-    if isinstance(value, str) and value.isdecimal():
-        return int(value)
-    cursor = entry.get("__CURSOR")
-    return _cursor_realtime_us(cursor) if isinstance(cursor, str) else None
-
-
-def _cursor_realtime_us(cursor: str) -> int | None:
-    """The ``t=`` (realtime, µs, hex) part of a cursor."""
-    for part in cursor.split(";"):
-        key, _, value = part.partition("=")
-        if key == "t":
-            with contextlib.suppress(ValueError):
-                return int(value, 16)
-    return None

@@ -1,8 +1,6 @@
-"""Read who holds GPU device files from /proc: the only module that looks at /proc.
+"""Read who holds GPU device files from /proc: the walks, and the facts of each process.
 
-Two walks. ``scan_device_holders`` visits every process, like ``fuser -v /dev/nvidia*``: it
-readlinks each ``/proc/PID/fd/*`` and searches ``/proc/PID/maps`` (a process may only mmap the
-device; psutil's ``open_files()`` never lists character devices, so fds are read here).
+Two walks. ``scan_device_holders`` visits every process, like ``fuser -v /dev/nvidia*``;
 ``scan_pids`` is the NVML-first path: it reads only the PIDs NVML named and their descendants,
 which may have inherited the device fds through fork.
 
@@ -21,18 +19,8 @@ the wall clock; psutil has no cgroup, no kernel-thread flag, no filesystem uid, 
 environment whole with the last repeated name winning, decodes command lines into strings that
 cannot be printed, and walks every process to find one's children. It gives the boot time.
 
-Every read has a budget (``ScanBudget``, docs/security.md "Budgets of the /proc walk"): how
-many descriptors of one process and of the whole scan are read, how many bytes of one ``maps``,
-how many processes and how many seconds one scan takes. Any user may open millions of
-descriptors or map 64,000 regions with 4 KiB paths, and an unbounded walk then takes seconds
-and hundreds of MB. A process a budget cut short is returned with ``partial`` naming the budget,
-never as one that holds nothing; processes a scan did not reach are counted in
-``ProcScan.not_visited``. The full walk reads processes in order of their descriptor count
-(``stat`` of ``/proc/PID/fd`` gives it in one call since Linux 6.2, 0 before), so a flood
-spends only what is left after every ordinary process was read.
-
-``device_glob`` is an absolute fnmatch pattern compared with readlink targets and mapped paths
-(``*`` also matches ``/``, so ``/dev/nvidia*`` covers ``/dev/nvidia-caps/nvidia-cap1``).
+The device files of one process, and the budgets of every walk, are procdevices'; reading one
+file and parsing it, procread's. This module owns the walks and the facts of a process.
 ``proc_root`` is a parameter everywhere so tests can point it at a fake tree.
 """
 
@@ -43,17 +31,31 @@ spends only what is left after every ordinary process was read.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
-import pwd
-import re
-import time
 from collections import deque
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuguard.adapters.procdevices import (
+    DEFAULT_BUDGET,
+    DeviceMatcher,
+    ScanBudget,
+    Spend,
+    device_files,
+    live_thread,
+)
+from gpuguard.adapters.procread import (
+    VANISHED,
+    StatFields,
+    parse_invocation_id,
+    parse_uids,
+    read_file,
+    read_optional,
+    split_cmdline,
+    stat_at,
+    user_name,
+)
 from gpuguard.core.cgroup import parse_cgroup
 from gpuguard.core.ledger import SeenProcess
 from gpuguard.core.values import ProcessFacts, ProcessIdentity, ProcScan
@@ -62,395 +64,10 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 PROC = Path("/proc")
-PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
-_VANISHED = (FileNotFoundError, ProcessLookupError)  # ENOENT, ESRCH: the process exited
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_CHUNK = 1 << 16
-_DELETED = " (deleted)"
-_INVOCATION_ID = re.compile(rb"[0-9a-f]{32}")
-_INVOCATION_KEY = b"INVOCATION_ID="
 # The environment is the process's to write and may be large (up to a quarter of its stack
 # limit): only this much is read. An INVOCATION_ID beyond it is not found, which only ever
 # spares a process.
 ENVIRON_LIMIT = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class ScanBudget:
-    """How much of /proc one walk may read (docs/security.md, "Budgets of the /proc walk").
-
-    Defaults: 16,384 descriptors of one process and 32,768 in all (at 1.1 to 6 us a descriptor,
-    0.04 to 0.2 s: every descriptor of an ordinary host), 8 MiB of one ``maps`` (65,530 mappings,
-    the kernel's default ``vm.max_map_count``, at 128 bytes a line), 65,536 processes and 2 s
-    per scan.
-    """
-
-    fds_per_process: int = 16_384
-    fds_per_scan: int = 32_768
-    maps_bytes: int = 8 << 20
-    processes: int = 65_536
-    seconds: float = 2.0
-
-
-DEFAULT_BUDGET = ScanBudget()
-
-
-class _Spend:
-    """What is left of one scan's budget (descriptors, time), charged as the walk reads."""
-
-    __slots__ = ("budget", "deadline", "fds_left")
-
-    def __init__(self, budget: ScanBudget) -> None:
-        self.budget = budget
-        self.fds_left = budget.fds_per_scan
-        self.deadline = time.monotonic() + budget.seconds
-
-    def fds_allowed(self) -> int:
-        """How many descriptors the next process may have read."""
-        return max(0, min(self.budget.fds_per_process, self.fds_left))
-
-    def expired(self) -> bool:
-        """Whether the scan's time is spent: no further process is read."""
-        return time.monotonic() >= self.deadline
-
-
-@dataclass(frozen=True, slots=True)
-class StatFields:
-    """The fields of ``/proc/PID/stat`` gpuguard uses."""
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    flags: int
-    start_time: int
-
-    @property
-    def kernel_thread(self) -> bool:
-        """Whether the kernel marks this task as one of its own threads (PF_KTHREAD)."""
-        return bool(self.flags & PF_KTHREAD)
-
-
-def parse_stat(data: bytes) -> StatFields | None:
-    """Parse ``/proc/PID/stat``; None when it is not in the kernel's format.
-
-    The command name sits between the first ``(`` and the *last* ``)`` and may contain
-    anything, ``)`` and newlines included (``foo) Z 1 2 (``), so the numeric fields are read
-    after the last ``)`` only. Fields (proc(5)): 3 state, 4 ppid, 9 flags, 22 starttime.
-    """
-    opening = data.find(b"(")
-    closing = data.rfind(b")")
-    if opening < 0 or closing < opening:
-        return None
-    fields = data[closing + 1 :].split()
-    if len(fields) < 20:
-        return None
-    try:
-        pid = int(data[:opening])
-        ppid, flags, start_time = int(fields[1]), int(fields[6]), int(fields[19])
-    except ValueError:
-        return None
-    return StatFields(
-        pid=pid,
-        comm=data[opening + 1 : closing].decode("utf-8", "backslashreplace"),
-        state=fields[0].decode("ascii", "backslashreplace"),
-        ppid=ppid,
-        flags=flags,
-        start_time=start_time,
-    )
-
-
-class _DeviceMatcher:
-    """A device glob compiled for the hot path: a literal prefix test before the full match."""
-
-    __slots__ = ("_match", "prefix", "prefix_bytes")
-
-    def __init__(self, device_glob: str) -> None:
-        cut = next((i for i, ch in enumerate(device_glob) if ch in "*?["), len(device_glob))
-        self.prefix = device_glob[:cut]
-        self.prefix_bytes = os.fsencode(self.prefix)
-        self._match = re.compile(fnmatch.translate(device_glob)).match
-
-    def matches(self, path: str) -> bool:
-        """Whether ``path`` (a readlink target or maps path) matches the glob."""
-        return path.startswith(self.prefix) and self._match(path) is not None
-
-
-def _read(path: str, limit: int | None = None) -> bytes:
-    """Read a /proc file to EOF (short reads happen), or its first ``limit`` bytes."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit))
-        if not chunk:
-            return chunk
-        chunks = [chunk]
-        size = len(chunk)
-        while limit is None or size < limit:
-            want = _CHUNK if limit is None else min(_CHUNK, limit - size)
-            chunk = os.read(fd, want)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _fd_devices(
-    base: str, matcher: _DeviceMatcher, spend: _Spend
-) -> tuple[list[str] | None, str | None]:
-    """The device files among a process's open fds, and why the list is partial.
-
-    The list is None when the fds cannot be read; the reason None when every one was read.
-    The fd directory is opened once and each link read relative to it (readlinkat), which
-    spares the kernel a full path walk per fd: about 15% of the whole scan. It is read lazily
-    (``scandir``): a listing of 10 M entries would itself cost 600 MB. At most
-    ``spend.fds_allowed()`` links are read; the rest of a larger table stays unknown.
-    """
-    try:
-        dir_fd = os.open(base + "/fd", _DIR_FLAGS)
-    except _VANISHED:
-        return [], None
-    except OSError:
-        return None, None
-    allowed = spend.fds_allowed()
-    read = 0
-    try:
-        # The kernel's count (Linux >= 6.2; 0 before): a table too large is not read at all,
-        # which leaves its mappings (read next) as the cheap check for device files.
-        count = os.fstat(dir_fd).st_size
-        if count > allowed:
-            return [], _fds_partial(spend, count)
-        found, read, cut = _walk_fds(dir_fd, matcher, allowed)
-    except _VANISHED:
-        return [], None
-    except OSError:
-        return None, None
-    finally:
-        spend.fds_left -= read
-        os.close(dir_fd)
-    return found, _fds_partial(spend, None) if cut else None
-
-
-def _walk_fds(dir_fd: int, matcher: _DeviceMatcher, allowed: int) -> tuple[list[str], int, bool]:
-    """Readlink at most ``allowed`` fds: the device files, how many were read, whether cut."""
-    prefix = matcher.prefix
-    found: list[str] = []
-    readlink = os.readlink
-    read = 0
-    with os.scandir(dir_fd) as entries:
-        for entry in entries:
-            if read >= allowed:
-                return found, read, True
-            read += 1
-            try:
-                target = readlink(entry.name, dir_fd=dir_fd)
-            except OSError:
-                continue  # closed since it was listed (ENOENT) or the process exited
-            if target.startswith(prefix):
-                target = target.removesuffix(_DELETED)
-                if matcher.matches(target):
-                    found.append(target)
-    return found, read, False
-
-
-def _fds_partial(spend: _Spend, count: int | None) -> str:
-    """Which descriptor budget stopped the read of a process's fds (``count``: its size)."""
-    if spend.fds_left < spend.budget.fds_per_process:
-        return f"the scan's budget of {spend.budget.fds_per_scan:,} descriptors was spent"
-    if count is None:
-        return f"more than {spend.budget.fds_per_process:,} open descriptors"
-    return f"{count:,} open descriptors, more than the {spend.budget.fds_per_process:,} read"
-
-
-def _mapped_devices(
-    base: str, matcher: _DeviceMatcher, limit: int
-) -> tuple[list[str] | None, str | None, bool]:
-    """The device files named in ``base/maps``, why the list is partial, whether maps was empty.
-
-    The list is None when we may not read it, the reason None when the whole file was read;
-    empty means no address space, or the process vanished. Read in chunks and searched as it
-    arrives, at most ``limit`` bytes: a process decides the
-    size of its maps (64,000 mappings of a file with a 4 KiB path make 262 MB), and a huge one
-    is itself worth naming. Each line is ``address perms offset dev inode pathname``; the path
-    is the 6th column and may hold spaces. Linear: each byte is looked at a bounded number of
-    times, and a line cut by a chunk's end is carried into the next.
-    """
-    try:
-        fd = os.open(base + "/maps", _READ_FLAGS)
-    except _VANISHED:
-        return [], None, True
-    except OSError:
-        return None, None, False
-    prefix = matcher.prefix_bytes
-    found: list[str] = []
-    carry = b""
-    size = 0
-    try:
-        while True:
-            chunk = os.read(fd, _CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > limit:
-                return found, f"a maps file larger than {_kib(limit)}", False
-            data = carry + chunk
-            cut = data.rfind(b"\n") + 1
-            carry = data[cut:]
-            if prefix in data[:cut]:
-                found.extend(_device_lines(data[:cut], prefix, matcher))
-    except _VANISHED:
-        return [], None, True
-    except OSError:
-        return None, None, False
-    finally:
-        os.close(fd)
-    if carry and prefix in carry:
-        found.extend(_device_lines(carry, prefix, matcher))
-    return found, None, size == 0
-
-
-def _kib(size: int) -> str:
-    """A budget in bytes for people: MiB when whole, else KiB."""
-    return f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
-
-
-def _device_lines(lines: bytes, prefix: bytes, matcher: _DeviceMatcher) -> list[str]:
-    """The device paths of whole ``maps`` lines that contain ``prefix``."""
-    found: list[str] = []
-    for line in lines.split(b"\n"):
-        if prefix not in line:
-            continue
-        columns = line.split(None, 5)
-        if len(columns) == 6:
-            path = os.fsdecode(columns[5]).removesuffix(_DELETED)
-            if matcher.matches(path):
-                found.append(path)
-    return found
-
-
-def _live_thread(base: str) -> str | None:
-    """The ``task/TID`` directory of a live thread of a process whose main thread has exited.
-
-    Such a process shows state Z under its PID, and no fds and no mappings there (the leader
-    gave up its own references), while its other threads still hold the shared fd table and
-    address space: the GPU is held all the same. None for a kernel thread, a process that is
-    not a zombie, or a zombie with no live thread left (one that merely awaits its parent).
-    """
-    stat = _read_stat(base)
-    if stat is None or stat.state != "Z" or stat.kernel_thread:
-        return None
-    try:
-        tids = os.listdir(base + "/task")
-    except OSError:
-        return None
-    for tid in tids:
-        thread = f"{base}/task/{tid}"
-        if tid != str(stat.pid) and (seen := _read_stat(thread)) and seen.state not in {"Z", "X"}:
-            return thread
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Files:
-    """What the fd and maps reads of one process found."""
-
-    devices: list[str]
-    readable: bool
-    partial: str | None
-
-
-def _device_files(base: str, matcher: _DeviceMatcher, spend: _Spend) -> _Files:
-    """The device files a process holds (fds, then mappings), and how complete that answer is.
-
-    A process without an address space (empty ``maps``) is a kernel thread, a zombie, or a
-    process whose main thread exited before the others: for the last its files are read through
-    a live thread. The extra look costs one ``stat`` for each process without an address space.
-    """
-    fds, fds_partial = _fd_devices(base, matcher, spend)
-    maps, maps_partial, empty = _mapped_devices(base, matcher, spend.budget.maps_bytes)
-    if empty and not fds and (thread := _live_thread(base)) is not None:
-        fds, fds_partial = _fd_devices(thread, matcher, spend)
-        maps, maps_partial, _empty = _mapped_devices(thread, matcher, spend.budget.maps_bytes)
-    reasons = [reason for reason in (fds_partial, maps_partial) if reason is not None]
-    return _Files(
-        devices=(fds or []) + (maps or []),
-        readable=fds is not None and maps is not None,
-        partial="; ".join(reasons) if reasons else None,
-    )
-
-
-@lru_cache(maxsize=1024)
-def _user_name(uid: int) -> str:
-    """Return the login name of ``uid``, or the number when it has none."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def parse_uids(status: bytes) -> tuple[int, ...]:
-    """Return the real, effective, saved and filesystem uids from ``/proc/PID/status``.
-
-    The last ``Uid:`` line is used: only the ``Name:`` line before it is process-controlled.
-    Empty when the line is missing or malformed.
-    """
-    at = status.rfind(b"\nUid:")
-    if at < 0:
-        return ()
-    fields = status[at + 5 :].split(b"\n", 1)[0].split()
-    if len(fields) != 4 or not all(field.isdigit() for field in fields):
-        return ()
-    return tuple(int(field) for field in fields)
-
-
-def parse_invocation_id(environ: bytes) -> str | None:
-    """Return ``INVOCATION_ID`` from a NUL-separated environment block, if it is unambiguous.
-
-    It counts only as a systemd id (32 lower-case hex digits) named exactly once: a block with
-    two (``getenv`` and a shell disagree on which wins), a malformed value, or the variable cut
-    off by the read limit gives None. Linear in the size of the block.
-    """
-    items = environ.split(b"\0")
-    if not environ.endswith(b"\0"):
-        items.pop()  # cut off by the read limit (or the kernel's view of a rewritten block)
-    found = [item[len(_INVOCATION_KEY) :] for item in items if item.startswith(_INVOCATION_KEY)]
-    if len(found) != 1 or not _INVOCATION_ID.fullmatch(found[0]):
-        return None
-    return found[0].decode("ascii")
-
-
-def _split_cmdline(data: bytes) -> tuple[str, ...]:
-    """Split ``/proc/PID/cmdline``; trailing NULs (setproctitle padding) are dropped."""
-    data = data.rstrip(b"\0")
-    if not data:
-        return ()
-    return tuple(arg.decode("utf-8", "backslashreplace") for arg in data.split(b"\0"))
-
-
-def _read_stat(base: str) -> StatFields | None:
-    """Read and parse ``base/stat``; None when the process is gone or hidden from us."""
-    try:
-        return parse_stat(_read(base + "/stat"))
-    except OSError:
-        return None
-
-
-def _read_optional(path: str, limit: int | None = None) -> bytes | None:
-    """Read a file that may be unreadable for us; a missing file (the process is gone) raises.
-
-    ESRCH is not vanishing here: the kernel answers it for ``environ`` of a process without an
-    address space (a zombie, kernel >= 6.x), which still exists; the caller's second ``stat``
-    read tells whether the process is gone.
-    """
-    try:
-        return _read(path, limit)
-    except FileNotFoundError:
-        raise
-    except OSError:
-        return None
 
 
 def _named(pid: int, base: str, partial: str) -> ProcessFacts | None:
@@ -461,13 +78,13 @@ def _named(pid: int, base: str, partial: str) -> ProcessFacts | None:
     of such processes costs a few small reads each. One NVML lists is read in full afterwards
     (read_listed).
     """
-    stat = _read_stat(base)
+    stat = stat_at(base)
     try:
-        uids = parse_uids(_read_optional(base + "/status") or b"")
+        uids = parse_uids(read_optional(base + "/status") or b"")
         uid = uids[0] if uids else os.stat(base).st_uid
-    except _VANISHED:
+    except VANISHED:
         return None
-    again = _read_stat(base)
+    again = stat_at(base)
     if stat is None or again is None or again.start_time != stat.start_time:
         return None
     return ProcessFacts(
@@ -478,7 +95,7 @@ def _named(pid: int, base: str, partial: str) -> ProcessFacts | None:
         cmdline=(),
         uid=uid,
         uids=uids,
-        user=_user_name(uid),
+        user=user_name(uid),
         cgroup=None,
         kernel_thread=stat.kernel_thread,
         partial=partial,
@@ -487,22 +104,22 @@ def _named(pid: int, base: str, partial: str) -> ProcessFacts | None:
 
 def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
     """Build the full facts of one process; None when it vanished or its PID was reused."""
-    stat = _read_stat(base)
+    stat = stat_at(base)
     if stat is None:
         return None
     # The command line and environment live in the address space, which a zombie leader no
     # longer has: a live thread's view shows them (the same for every thread of a process).
-    memory = (_live_thread(base) or base) if stat.state == "Z" else base
+    memory = (live_thread(base) or base) if stat.state == "Z" else base
     try:
-        cmdline = _read_optional(memory + "/cmdline") or b""
-        status = _read_optional(base + "/status") or b""
-        cgroup = _read_optional(base + "/cgroup") or b""
-        environ = _read_optional(memory + "/environ", ENVIRON_LIMIT) or b""
+        cmdline = read_optional(memory + "/cmdline") or b""
+        status = read_optional(base + "/status") or b""
+        cgroup = read_optional(base + "/cgroup") or b""
+        environ = read_optional(memory + "/environ", ENVIRON_LIMIT) or b""
         uids = parse_uids(status)
         uid = uids[0] if uids else os.stat(base).st_uid
-    except _VANISHED:
+    except VANISHED:
         return None
-    again = _read_stat(base)
+    again = stat_at(base)
     if again is None or again.start_time != stat.start_time:
         return None  # exited, or exited and the PID was reused, while we read
     return ProcessFacts(
@@ -510,10 +127,10 @@ def _facts(pid: int, base: str, devices: frozenset[str]) -> ProcessFacts | None:
         ppid=stat.ppid,
         state=stat.state,
         comm=stat.comm,
-        cmdline=_redacted(_split_cmdline(cmdline)),
+        cmdline=_redacted(split_cmdline(cmdline)),
         uid=uid,
         uids=uids,
-        user=_user_name(uid),
+        user=user_name(uid),
         cgroup=parse_cgroup(cgroup.decode("utf-8", "backslashreplace")),
         invocation_id=parse_invocation_id(environ),
         device_files=devices,
@@ -536,11 +153,13 @@ def _kernel_wait(base: str) -> tuple[str, ...]:
     """
     frames: list[str] = []
     with contextlib.suppress(OSError):
-        wchan = _read(base + "/wchan")[:_FRAME_CHARS].decode("ascii", "backslashreplace").strip()
+        wchan = (
+            read_file(base + "/wchan")[:_FRAME_CHARS].decode("ascii", "backslashreplace").strip()
+        )
         if wchan not in {"", "0"}:
             frames.append(wchan)
     with contextlib.suppress(OSError):
-        for line in _read(base + "/stack").split(b"\n", _STACK_FRAMES)[:_STACK_FRAMES]:
+        for line in read_file(base + "/stack").split(b"\n", _STACK_FRAMES)[:_STACK_FRAMES]:
             frame = line.partition(b"] ")[2][:_FRAME_CHARS].decode("ascii", "backslashreplace")
             if frame.strip():
                 frames.append(frame.strip())
@@ -549,16 +168,16 @@ def _kernel_wait(base: str) -> tuple[str, ...]:
 
 def _is_kernel_thread(base: str) -> bool:
     """Whether ``base`` is a kernel thread (whose fds are unreadable but hold nothing)."""
-    stat = _read_stat(base)
+    stat = stat_at(base)
     return stat is not None and stat.kernel_thread
 
 
 def _read_process(
-    pid: int, root: str, matcher: _DeviceMatcher, spend: _Spend
+    pid: int, root: str, matcher: DeviceMatcher, spend: Spend
 ) -> tuple[ProcessFacts | None, bool]:
     """Read one process with its device files; also say whether its fds and maps were readable."""
     base = f"{root}/{pid}"
-    files = _device_files(base, matcher, spend)
+    files = device_files(base, matcher, spend)
     facts = _facts(pid, base, frozenset(files.devices))
     if facts is not None and files.partial is not None:
         facts = replace(facts, partial=files.partial)
@@ -573,8 +192,8 @@ def read_process(
     None when the process does not exist (or vanished while we read it). Device files that
     could not be read (another user's process, without root) are simply missing.
     """
-    matcher = _DeviceMatcher(device_glob)
-    facts, _readable = _read_process(pid, os.fspath(proc_root), matcher, _Spend(budget))
+    matcher = DeviceMatcher(device_glob)
+    facts, _readable = _read_process(pid, os.fspath(proc_root), matcher, Spend(budget))
     return facts
 
 
@@ -597,9 +216,9 @@ def scan_device_holders(
     processes past the budget's count or time are counted in ``not_visited``. Fewest
     descriptors first: a flood is read last, with what is left.
     """
-    matcher = _DeviceMatcher(device_glob)
+    matcher = DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
-    spend = _Spend(budget)
+    spend = Spend(budget)
     pids = [int(name) for name in os.listdir(root) if name.isdecimal()]
     visit = sorted(pids[: budget.processes], key=lambda pid: (_fd_count(root, pid), pid))
     not_visited = len(pids) - len(visit)
@@ -610,7 +229,7 @@ def scan_device_holders(
             not_visited += len(visit) - index
             break
         base = f"{root}/{pid}"
-        files = _device_files(base, matcher, spend)
+        files = device_files(base, matcher, spend)
         if not files.readable and not _is_kernel_thread(base):
             unreadable += 1
         if files.devices:
@@ -639,7 +258,7 @@ def _children_of(root: str, pid: int) -> list[int]:
     children: list[int] = []
     for tid in tids:
         try:
-            data = _read(f"{task_dir}/{tid}/children")
+            data = read_file(f"{task_dir}/{tid}/children")
         except FileNotFoundError:
             if os.path.isdir(f"{task_dir}/{tid}"):
                 raise _ChildrenUnsupportedError from None
@@ -655,7 +274,7 @@ def _children_by_ppid(root: str) -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for name in os.listdir(root):
         if name.isdecimal():
-            stat = _read_stat(f"{root}/{name}")
+            stat = stat_at(f"{root}/{name}")
             if stat is not None:
                 children.setdefault(stat.ppid, []).append(int(name))
     return children
@@ -675,9 +294,9 @@ def scan_pids(
     here (gone, or from another PID namespace) are left out. A descendant a budget cut short
     is returned too (``partial``).
     """
-    matcher = _DeviceMatcher(device_glob)
+    matcher = DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
-    spend = _Spend(budget)
+    spend = Spend(budget)
     listed = {pid for pid in pids if pid > 0}
     queue = deque(sorted(listed))
     seen: set[int] = set()
@@ -722,14 +341,14 @@ def read_listed(
     here (another PID namespace's, or a reused one) rather than none. NVML named each of them,
     so each is read with a budget of its own (they are few: one per GPU process).
     """
-    matcher = _DeviceMatcher(device_glob)
+    matcher = DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
     found: list[ProcessFacts] = []
     hidden: set[int] = set()
     for pid in sorted(set(pids)):
         if pid <= 0:
             continue
-        facts, readable = _read_process(pid, root, matcher, _Spend(budget))
+        facts, readable = _read_process(pid, root, matcher, Spend(budget))
         if facts is not None:
             found.append(facts if readable else replace(facts, files_readable=False))
         elif facts is None and Path(f"{root}/{pid}").exists():
@@ -739,7 +358,7 @@ def read_listed(
 
 def read_stat(pid: int, *, proc_root: Path = PROC) -> StatFields | None:
     """Return the parsed ``/proc/PID/stat`` of ``pid`` (state letter, start time…); None if gone."""
-    return _read_stat(f"{os.fspath(proc_root)}/{pid}")
+    return stat_at(f"{os.fspath(proc_root)}/{pid}")
 
 
 def read_identity(pid: int, *, proc_root: Path = PROC) -> ProcessIdentity | None:
@@ -749,7 +368,7 @@ def read_identity(pid: int, *, proc_root: Path = PROC) -> ProcessIdentity | None
     and the gate server: psutil's ``create_time()`` divides it into a float and adds a boot
     time that moves with the wall clock, so two reads of one process could differ.
     """
-    stat = _read_stat(f"{os.fspath(proc_root)}/{pid}")
+    stat = stat_at(f"{os.fspath(proc_root)}/{pid}")
     return None if stat is None else ProcessIdentity(pid=pid, start_time=stat.start_time)
 
 
@@ -759,7 +378,7 @@ def read_wchan(pid: int, *, proc_root: Path = PROC) -> str | None:
     None when it is running, gone, or the kernel hides the symbol from us (it then says "0").
     """
     try:
-        text = _read(f"{os.fspath(proc_root)}/{pid}/wchan").decode("ascii", "backslashreplace")
+        text = read_file(f"{os.fspath(proc_root)}/{pid}/wchan").decode("ascii", "backslashreplace")
     except OSError:
         return None
     text = text.strip()
@@ -772,7 +391,7 @@ def ancestor_pids(pid: int, *, proc_root: Path = PROC) -> tuple[int, ...]:
     chain: list[int] = []
     current = pid
     while current > 1 and len(chain) < 4096:
-        stat = _read_stat(f"{root}/{current}")
+        stat = stat_at(f"{root}/{current}")
         if stat is None or stat.ppid in chain or stat.ppid == current:
             break
         current = stat.ppid
@@ -864,15 +483,15 @@ def _seen(pid: int, base: str, parent: int | None) -> SeenProcess | None:
 
     None when it vanished, is a kernel thread, or is no longer the child of ``parent``.
     """
-    stat = _read_stat(base)
+    stat = stat_at(base)
     if stat is None or stat.kernel_thread or (parent is not None and stat.ppid != parent):
         return None
     try:
-        status = _read_optional(base + "/status") or b""
-        cgroup = _read_optional(base + "/cgroup") or b""
-    except _VANISHED:
+        status = read_optional(base + "/status") or b""
+        cgroup = read_optional(base + "/cgroup") or b""
+    except VANISHED:
         return None
-    again = _read_stat(base)
+    again = stat_at(base)
     if again is None or again.start_time != stat.start_time:
         return None
     path = parse_cgroup(cgroup.decode("utf-8", "backslashreplace"))

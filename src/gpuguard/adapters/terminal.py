@@ -16,15 +16,14 @@ import socket
 import sys
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Final, TextIO
+from typing import TYPE_CHECKING, TextIO
 
+from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.watchframe import ENTER, LEAVE, compose, header
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from types import FrameType
-
-EX_USAGE: Final = 64
 
 
 class _Stop(Exception):  # noqa: N818 - a signal's request, not an error

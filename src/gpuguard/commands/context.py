@@ -33,9 +33,9 @@ def unknown_unit(settings: Settings, unit: str, command: str, *, force: bool) ->
         return None
     if not systemd.show_unit(unit).not_found:
         return None
-    from gpuguard.commands.exits import EX_USAGE  # noqa: PLC0415
     from gpuguard.commands.output import Said  # noqa: PLC0415
     from gpuguard.core.escaping import escape  # noqa: PLC0415
+    from gpuguard.core.exits import EX_USAGE  # noqa: PLC0415
 
     why = "not in the configuration, no gate drop-in, and systemd has no such unit"
     lines = [f"gpuguard {command}: unknown unit {escape(unit)!r}: {why} (LoadState=not-found)"]

@@ -9,17 +9,16 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-from gpuguard.commands.exits import EX_USAGE
 from gpuguard.commands.output import Said
+from gpuguard.core.exits import EX_UNAVAILABLE, EX_USAGE
+from gpuguard.core.unitname import UNIT_NAME
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.timeline import Timeline
 
-EX_UNAVAILABLE: Final = 69
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 # What journalctl accepts for --since ("2026-12-01 05:27", "-1h", "today", "@1764567000"),
 # and nothing else: the value is one argument (--since=…), never a shell word.
 _SINCE = re.compile(r"[0-9A-Za-z@:. +-]{1,64}")
@@ -70,7 +69,7 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
                 ),
             )
         unit = next(iter(settings.units))
-    if not _UNIT_NAME.fullmatch(unit) or unit.startswith("-"):
+    if not UNIT_NAME.fullmatch(unit) or unit.startswith("-"):
         return Said(EX_USAGE, notices=(f"gpuguard explain: not a unit name: {escape(unit, 300)}",))
     if since is not None and not _SINCE.fullmatch(since):
         return Said(

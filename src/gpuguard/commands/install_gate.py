@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuguard.commands.exits import EX_NOPERM, EX_USAGE
 from gpuguard.commands.output import Said
+from gpuguard.core.exits import EX_NOPERM, EX_USAGE
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:

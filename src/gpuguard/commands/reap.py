@@ -11,9 +11,9 @@ from gpuguard.commands.context import (
     unit_plan,
     unknown_unit,
 )
-from gpuguard.commands.exits import EX_USAGE
 from gpuguard.commands.output import Said
 from gpuguard.core.escaping import escape
+from gpuguard.core.exits import EX_USAGE
 
 if TYPE_CHECKING:
     import argparse

@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from gpuguard.commands.reap import REAP_TIMEOUT_S
+from gpuguard.core.exits import EX_OSERR
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -15,9 +16,6 @@ if TYPE_CHECKING:
 
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gateproto import Request as GateRequest
-
-#: exit status when not started the way gpuguard-gate.socket starts it (sysexits EX_OSERR)
-EX_NOT_ACTIVATED = 71
 
 
 def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller], int]) -> int:
@@ -36,7 +34,7 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
         listener = gateserver.take_listener(os.environ)
     except gateserver.ActivationError as err:
         sys.stderr.write(f"gpuguard serve-gate: {err}: run by gpuguard-gate.socket only\n")
-        return EX_NOT_ACTIVATED
+        return EX_OSERR  # not started the way gpuguard-gate.socket starts it
     _import_request_path()
     nvml.import_bindings()
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import NamedTuple
+
+from gpuguard.core.unitname import SERVICE_NAME
 
 SOCKET_PATH = "/run/gpuguard/gate.sock"
 VERSION = 1
@@ -39,7 +40,6 @@ SCOPES = ("unit", "patterns", "all")
 MAX_TIMEOUT_S = 3600.0
 MAX_GRACE_S = 600.0
 
-_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]{1,248}\.service")
 _KEYS = frozenset({"v", "command", "unit", "scope", "grace", "timeout", "json"})
 
 
@@ -100,7 +100,7 @@ def _problem(document: dict[str, object]) -> str | None:
     problem = None
     if document.get("command") not in COMMANDS:
         problem = "unknown command"
-    elif not isinstance(unit, str) or not _UNIT_NAME.fullmatch(unit):
+    elif not isinstance(unit, str) or not SERVICE_NAME.fullmatch(unit):
         problem = "unit is not a service unit name such as sglang.service"
     elif document.get("scope", "unit") not in SCOPES:
         problem = "unknown scope"

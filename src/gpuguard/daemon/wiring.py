@@ -29,14 +29,16 @@ from gpuguard.adapters import (
     unitenv,
 )
 from gpuguard.core import enginelines, events, xidevents
+from gpuguard.core.exits import EX_CANTCREAT
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
+from gpuguard.daemon.ports import Ports
+from gpuguard.daemon.watches import unit_state_path
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.ledger import Ledger
-
-EX_CANTCREAT = 73  # sysexits.h: the daemon cannot write its state (not root?)
+    from gpuguard.daemon.ports import Logger
 
 
 def run(settings: Settings) -> int:
@@ -56,14 +58,12 @@ def run(settings: Settings) -> int:
 
     def save_unit_state(unit: str, document: dict[str, Any]) -> None:
         try:
-            state.write_json(
-                daemon.unit_state_path(settings.state_dir, unit), document, durable=True
-            )
+            state.write_json(unit_state_path(settings.state_dir, unit), document, durable=True)
         except OSError as err:
             log.warning("cannot save unit state", unit=unit, error=str(err))
 
     def load_unit_state(unit: str) -> dict[str, Any] | None:
-        saved = state.read_json(daemon.unit_state_path(settings.state_dir, unit))
+        saved = state.read_json(unit_state_path(settings.state_dir, unit))
         return saved if isinstance(saved, dict) else None
 
     # A signal writes a byte here, so SIGTERM ends the loop's long idle wait at once.
@@ -92,7 +92,7 @@ def run(settings: Settings) -> int:
             metricsio.serve(settings.metrics.listen, exporter.latest)
         except OSError as err:
             log.warning("cannot serve metrics", listen=settings.metrics.listen, error=str(err))
-    ports = daemon.Ports(
+    ports = Ports(
         gather=exporter.gather,
         show_unit=systemd.show_unit,
         control=systemd.control,
@@ -133,7 +133,7 @@ def run(settings: Settings) -> int:
     return watchdog.run()
 
 
-def ledger_ports(settings: Settings, log: daemon.Logger) -> LedgerPorts:
+def ledger_ports(settings: Settings, log: Logger) -> LedgerPorts:
     """The provenance ledger's real reads (runtree) and its file (ledgerstore)."""
 
     def save(ledger: Ledger) -> None:
@@ -150,7 +150,7 @@ def ledger_ports(settings: Settings, log: daemon.Logger) -> LedgerPorts:
     )
 
 
-def load_ledger(settings: Settings, log: daemon.Logger) -> Ledger:
+def load_ledger(settings: Settings, log: Logger) -> Ledger:
     """The ledger an earlier daemon of this boot left; what was malformed in it is logged."""
     ledger, problems = ledgerstore.load(settings.runtime_dir)
     for problem in problems:
