@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gpuguard.core.status import DaemonView, _watch_lines
+from gpuguard.core.status import DaemonView
+from gpuguard.core.status.text import _watch_lines
 
 UNIT = "sglang.service"
 
