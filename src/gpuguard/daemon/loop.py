@@ -65,7 +65,7 @@ from gpuguard.core.xidevents import MalformedXid, XidEvent, parse_kernel_entry
 from gpuguard.core.xidfaults import FaultLog, LastUp, XidFault, blockers, to_record
 from gpuguard.core.xidstuck import claims, named_by, stuck_phrase
 from gpuguard.daemon import recover
-from gpuguard.daemon.documents import Snapshot, UnitSnapshot, UnitStateDocument
+from gpuguard.daemon.documents import Snapshot, UnitSnapshot, UnitStateDocument, XidRecord
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
 if TYPE_CHECKING:
@@ -1280,19 +1280,19 @@ def _named(verdicts: Sequence[ContainerVerdict]) -> tuple[str, ...]:
     return tuple(f"{v.name} ({v.engine} {v.short_id})" for v in verdicts)
 
 
-def _xid_snapshot(event: XidEvent) -> dict[str, object]:
+def _xid_snapshot(event: XidEvent) -> XidRecord:
     """One kernel Xid as status reads it back (text already escaped by the parser)."""
-    return {
-        "code": event.code,
-        "xid_class": lookup(event.code).xid_class.value,
-        "pci_bus_id": event.pci_bus_id,
-        "pid": event.pid,
-        "name": event.name,
-        "detail": event.detail,
-        "time": _iso_or_none(event.realtime_s),
-        "monotonic_s": event.monotonic_s,
-        "boot_id": event.boot_id,
-    }
+    return XidRecord(
+        code=event.code,
+        xid_class=lookup(event.code).xid_class.value,
+        pci_bus_id=event.pci_bus_id,
+        pid=event.pid,
+        name=event.name,
+        detail=event.detail,
+        time=_iso_or_none(event.realtime_s),
+        monotonic_s=event.monotonic_s,
+        boot_id=event.boot_id,
+    )
 
 
 def _needs_operator(watch: _Watch) -> bool:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpuguard.core.inventory import GpuOccupancy, Holder
+    from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.status.report import StatusReport
     from gpuguard.core.unitcontainers import ContainerVerdict
     from gpuguard.core.values import GpuHealth, GpuReading
@@ -25,7 +26,7 @@ SCHEMA_VERSION = 3
 
 
 def to_json(report: StatusReport) -> dict[str, Any]:
-    """The same report as a versioned document (see docs/status-json.md)."""
+    """The same report as a versioned document (docs/status.md, JSON)."""
     inventory = report.inventory
     nvml = inventory.nvml
     return {
@@ -69,10 +70,11 @@ def to_json(report: StatusReport) -> dict[str, Any]:
             for unit in report.units
         ],
         "since": None if report.since is None else report.since.isoformat(timespec="seconds"),
-        "xid_events": xid_events(inventory, report.daemon, report.since),
-        "daemon": None
-        if report.daemon is None
-        else {"state": report.daemon.state, "snapshot": dict(report.daemon.snapshot)},
+        "xid_events": [
+            {**_as_stored(event.xid.to_json()), "gpu": event.gpu}
+            for event in xid_events(inventory, report.daemon, report.since)
+        ],
+        "daemon": None if report.daemon is None else _daemon_json(report.daemon),
         "scan": {
             "method": inventory.scan.method,
             "unreadable": inventory.scan.unreadable,
@@ -196,3 +198,24 @@ def _unit_container_json(
 
 def _opt_mib(value: int | None) -> int | None:
     return None if value is None else value // MIB
+
+
+def _daemon_json(daemon: DaemonView) -> dict[str, Any]:
+    """The daemon's state and its snapshot; why the snapshot cannot be read, when it cannot."""
+    snapshot = {} if daemon.snapshot is None else _as_stored(daemon.snapshot.to_json())
+    document: dict[str, Any] = {"state": daemon.state, "snapshot": snapshot}
+    if daemon.unreadable is not None:
+        document["unreadable"] = {
+            "problem": daemon.unreadable.problem.value,
+            "reason": daemon.unreadable.reason,
+        }
+    return document
+
+
+def _as_stored(value: Any) -> Any:  # noqa: ANN401 - any JSON value
+    """A snapshot's JSON with its keys in the order daemon.json stores them (sorted)."""
+    if isinstance(value, dict):
+        return {key: _as_stored(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_as_stored(item) for item in value]
+    return value

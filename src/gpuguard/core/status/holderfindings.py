@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.escaping import escape
 from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs
 from gpuguard.core.status.report import Finding, Level, StatusContext
-from gpuguard.core.status.words import as_list, as_object, gpu_list
+from gpuguard.core.status.words import as_list, gpu_list
 from gpuguard.core.xidstuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
 
 if TYPE_CHECKING:
@@ -128,13 +128,11 @@ def _stuck_claims(context: StatusContext) -> Callable[[Holder], XidClaim | None]
     Named by an application Xid (and started before it), alive in R or D, and a reaper's
     SIGKILL (the gate's or the daemon's) left it alive.
     """
-    daemon = as_object(context.daemon.snapshot) if context.daemon else {}
-    xid_claims = claims_from_snapshot(as_object(daemon.get("xid")).get("recent"))
+    snapshot = context.daemon.snapshot if context.daemon else None
+    xid_claims = claims_from_snapshot(snapshot.xids) if snapshot else []
     records = [r for unit in context.units for r in _list_of_dicts(list(unit.gate_decisions))]
     records += [
-        r
-        for watch in as_object(daemon.get("units")).values()
-        for r in _list_of_dicts(as_object(watch).get("recoveries"))
+        r for watch in (snapshot.units if snapshot else {}).values() for r in watch.recoveries
     ]
     unkillable = {
         reaped.get("pid")

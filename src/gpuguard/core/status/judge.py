@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.escaping import escape
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
+from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
 from gpuguard.core.status.holderfindings import (
     container_findings,
@@ -20,8 +21,8 @@ from gpuguard.core.status.holderfindings import (
     partial_findings,
     shared_gpu_findings,
 )
-from gpuguard.core.status.report import DaemonView, Finding, Level, StatusContext, StatusReport
-from gpuguard.core.status.words import as_list, as_object, xid_events, xid_phrase
+from gpuguard.core.status.report import Finding, Level, StatusContext, StatusReport
+from gpuguard.core.status.words import as_list, xid_events, xid_phrase
 from gpuguard.core.values import NvmlHealth
 from gpuguard.core.xid import XidClass
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from datetime import datetime
 
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.snapshot import DaemonView
 
 
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
@@ -155,71 +157,79 @@ def _way_out(inventory: Inventory, unit: WatchedUnit, context: StatusContext) ->
 
 
 def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:
-    """Loops the daemon found, units it gave up on, and a daemon that died.
+    """Loops the daemon found, units it gave up on, a daemon that died or cannot be read.
 
     A loop with a GPU cause whose holders gpuguard cannot reap is CRITICAL: nothing will end it
     but an operator, so the finding names the blockers and the command.
     """
     daemon = context.daemon
-    if daemon is None or daemon.state == "absent":
+    if daemon is not None and daemon.unreadable is not None:
+        return [
+            Finding(
+                Level.WARNING,
+                f"the gpuguard daemon's snapshot (runtime_dir/{SNAPSHOT_FILE}) cannot be read: "
+                f"{escape(daemon.unreadable.reason)}; status cannot show what the daemon found",
+            )
+        ]
+    snapshot = daemon.snapshot if daemon is not None else None
+    if daemon is None or snapshot is None:
         return []
     findings: list[Finding] = []
     if daemon.state == "dead":
         findings.append(
             Finding(
                 Level.WARNING,
-                f"the gpuguard daemon (PID {daemon.snapshot.get('pid')}) is not running; its last "
-                f"snapshot is from {daemon.snapshot.get('updated_at')}",
+                f"the gpuguard daemon (PID {snapshot.pid}) is not running; its last "
+                f"snapshot is from {snapshot.updated_at}",
             )
         )
     watched = {w.name: w for w in context.watched_view()}
-    for name, value in as_object(daemon.snapshot.get("units")).items():
-        unit = as_object(value)
+    for name, unit in snapshot.units.items():
         seen = watched.get(name)
-        gpu_cause = unit.get("cause") == "stale-gpu-holders" and seen is not None
+        gpu_cause = unit.cause == "stale-gpu-holders" and seen is not None
         way_out = _way_out(inventory, seen, context) if gpu_cause and seen else ""
-        if unit.get("needs_operator") and unit.get("cause") == "gpu-needs-reset":
+        if unit.needs_operator and unit.cause == "gpu-needs-reset":
             findings.append(
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
-                    f"restart can replace ({escape(str(unit.get('cause_detail')))})",
+                    f"restart can replace ({escape(str(unit.cause_detail))})",
                 )
             )
-        elif unit.get("needs_operator"):
+        elif unit.needs_operator:
             findings.append(
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: recoveries did not break its restart loop "
-                    f"({escape(str(unit.get('verdict')))}){way_out}",
+                    f"({escape(unit.verdict)}){way_out}",
                 )
             )
-        elif unit.get("looping") and way_out:
+        elif unit.looping and way_out:
             findings.append(
                 Finding(
                     Level.CRITICAL,
                     f"{name} is in a restart loop caused by its GPUs that gpuguard cannot end: "
-                    f"{escape(str(unit.get('verdict')))}{way_out}",
+                    f"{escape(unit.verdict)}{way_out}",
                 )
             )
-        elif unit.get("looping") and unit.get("cause") == "does-not-fit":
+        elif unit.looping and unit.cause == "does-not-fit":
             # No reap or restart ends it: the server does not fit as configured; say the knob.
             findings.append(
                 Finding(
                     Level.WARNING,
                     f"{name} is in a restart loop that no reap can end: "
-                    f"{escape(str(unit.get('cause_detail')))}",
+                    f"{escape(str(unit.cause_detail))}",
                 )
             )
-        elif unit.get("looping"):
+        elif unit.looping:
             findings.append(
                 Finding(
                     Level.WARNING,
-                    f"{name} is in a restart loop: {escape(str(unit.get('verdict')))}; "
-                    f"cause {unit.get('cause')}; daemon action {unit.get('action')}",
+                    f"{name} is in a restart loop: {escape(unit.verdict)}; "
+                    f"cause {unit.cause}; daemon action {unit.action}",
                 )
             )
-        findings.extend(_liveness_findings(name, as_object(unit.get("liveness"))))
+        findings.extend(_liveness_findings(name, unit.liveness or {}))
     return findings
 
 
@@ -242,31 +252,35 @@ def _xid_findings(
     findings: list[Finding] = []
     seen: set[tuple[object, object]] = set()
     for event in reversed(xid_events(inventory, daemon, since)):
-        key = (event["gpu"] if event["gpu"] is not None else event["pci_bus_id"], event["code"])
+        xid = event.xid
+        key = (event.gpu if event.gpu is not None else xid.pci_bus_id, xid.code)
         if key in seen:
             continue
         seen.add(key)
-        what = xid_phrase(event)
-        if event["gpu"] is None:
+        what = xid_phrase(xid)
+        if event.gpu is None:
             findings.append(
                 Finding(
                     Level.WARNING,
-                    f"kernel Xid for PCI {escape(str(event['pci_bus_id']))}, which NVML "
+                    f"kernel Xid for PCI {escape(xid.pci_bus_id)}, which NVML "
                     f"does not know{_unaddressed(inventory)}: {what}",
                 )
             )
-        elif event.get("xid_class") in _SERIOUS_XIDS:
+        elif xid.xid_class in _SERIOUS_XIDS:
             findings.append(
                 Finding(
                     Level.WARNING,
-                    f"GPU {event['gpu']} had {what}: no kill helps after it; a reset or reboot "
+                    f"GPU {event.gpu} had {what}: no kill helps after it; a reset or reboot "
                     "may be needed (docs/xid.md)",
                 )
             )
-    malformed = as_object(daemon.snapshot.get("xid")).get("malformed") if daemon else None
-    if isinstance(malformed, int) and malformed > 0:
+    snapshot = daemon.snapshot if daemon is not None else None
+    if snapshot is not None and snapshot.xids_malformed > 0:
         findings.append(
-            Finding(Level.OK, f"{malformed} kernel Xid line(s) could not be read (daemon log)")
+            Finding(
+                Level.OK,
+                f"{snapshot.xids_malformed} kernel Xid line(s) could not be read (daemon log)",
+            )
         )
     return findings
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from datetime import datetime
 
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.unitcontainers import ContainerVerdict
 
 
@@ -47,18 +48,6 @@ class UnitView:
     gpu_set: str
     gate_decisions: tuple[Mapping[str, Any], ...] = ()
     not_found: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonView:
-    """The watchdog daemon as its snapshot shows it, and whether that process is still alive.
-
-    ``state``: "running", "stopped" (shut down cleanly), "dead" (the snapshot says running but
-    its process is gone) or "absent" (no snapshot: the daemon is not installed or never ran).
-    """
-
-    state: str
-    snapshot: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ from gpuguard.core.status.words import (
     CONTAINER_NOTE,
     OUTSIDE_NOTE,
     as_list,
-    as_object,
     by_gpu,
     mib,
     xid_events,
@@ -25,11 +24,12 @@ from gpuguard.core.status.words import (
 from gpuguard.core.values import NvmlHealth
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
     from datetime import datetime
 
     from gpuguard.core.inventory import GpuOccupancy, Holder
-    from gpuguard.core.status.report import DaemonView, StatusReport
+    from gpuguard.core.snapshot import DaemonView
+    from gpuguard.core.status.report import StatusReport
     from gpuguard.core.unitcontainers import ContainerVerdict
 
 
@@ -57,8 +57,8 @@ def render_text(report: StatusReport) -> str:
     for gpu in inventory.gpus:
         lines.extend(_gpu_lines(gpu, report))
         lines.extend(
-            f"    {xid_phrase(event)}"
-            for event in [e for e in xids if e["gpu"] == gpu.reading.index][-3:]
+            f"    {xid_phrase(event.xid)}"
+            for event in [e for e in xids if e.gpu == gpu.reading.index][-3:]
         )
         shown.update(gpu.holder_pids)
     others = [h for h in inventory.holders if h.pid not in shown]
@@ -121,62 +121,66 @@ def render_text(report: StatusReport) -> str:
 
 
 def _daemon_lines(daemon: DaemonView | None) -> list[str]:
-    if daemon is None or daemon.state == "absent":
+    if daemon is not None and daemon.unreadable is not None:
+        return [f"Daemon: unknown (its snapshot cannot be read: {daemon.unreadable.reason})"]
+    snapshot = daemon.snapshot if daemon is not None else None
+    if daemon is None or snapshot is None:
         # A pip user has no gpuguard.service to start: name both ways the daemon runs.
         return [
             "Daemon: not running (no snapshot; the package's gpuguard.service, or `gpuguard run`)"
         ]
-    snapshot = daemon.snapshot
-    journal = as_object(snapshot.get("journal"))
-    dry = ", DRY RUN" if snapshot.get("dry_run") else ""
-    reason = f": {escape(str(journal['reason']))}" if journal.get("reason") else ""
+    dry = ", DRY RUN" if snapshot.dry_run else ""
+    reason = f": {escape(snapshot.journal_reason)}" if snapshot.journal_reason else ""
     return [
         (
-            f"Daemon: {daemon.state} (PID {snapshot.get('pid')}, since "
-            f"{snapshot.get('started_at')}, snapshot {snapshot.get('updated_at')}{dry}); "
-            f"journal {journal.get('state')}{reason}"
+            f"Daemon: {daemon.state} (PID {snapshot.pid}, since "
+            f"{snapshot.started_at}, snapshot {snapshot.updated_at}{dry}); "
+            f"journal {snapshot.journal_state}{reason}"
         )
     ]
 
 
 def _watch_lines(daemon: DaemonView | None, unit: str, since: datetime | None) -> list[str]:
     """What the daemon says about one unit: verdict, evidence, recent recoveries and sweeps."""
-    watch = as_object(as_object(daemon.snapshot.get("units")).get(unit)) if daemon else {}
-    if not watch:
+    snapshot = daemon.snapshot if daemon is not None else None
+    watch = snapshot.units.get(unit) if snapshot is not None else None
+    if watch is None:
         return []
     lines = [
         (
-            f"daemon: {escape(str(watch.get('verdict')))} "
-            f"(starts in window {watch.get('starts_in_window')}, "
-            f"restart counter {watch.get('n_restarts')}, action {watch.get('action')})"
+            f"daemon: {escape(watch.verdict)} "
+            f"(starts in window {watch.starts_in_window}, "
+            f"restart counter {watch.n_restarts}, action {watch.action})"
         )
     ]
-    liveness = as_object(watch.get("liveness"))
+    liveness = watch.liveness or {}
     if liveness.get("summary") and liveness.get("state") != "unknown":
         lines.append(f"engine: {escape(str(liveness['summary']))}")
-    if watch.get("looping"):
-        detail = escape(str(watch.get("cause_detail")))
-        lines.append(f"  cause {watch.get('cause')}: {detail}")
-        lines.extend(f"  {escape(str(line))}" for line in as_list(watch.get("evidence"))[-5:])
+    if watch.looping:
+        detail = escape(str(watch.cause_detail))
+        lines.append(f"  cause {watch.cause}: {detail}")
+        lines.extend(f"  {escape(line)}" for line in watch.evidence[-5:])
     lines.extend(
         f"recovery {record.get('started_at')}: {record.get('result')}"
         f", reaped {len(as_list(record.get('reaped')))}"
         + (f": {escape(str(record['problem']))}" if record.get("problem") else "")
-        for record in _recent(watch.get("recoveries"), "started_at", since)
+        for record in _recent(watch.recoveries, "started_at", since)
     )
     lines.extend(
         f"survivors {escape(str(record.get('at')))}: {escape(str(record.get('summary')))}"
-        for record in _recent(watch.get("survivors"), "at", since)
+        for record in _recent(watch.survivors, "at", since)
         if record.get("summary")
     )
-    if watch.get("needs_operator"):
+    if watch.needs_operator:
         lines.append("NEEDS OPERATOR: recoveries stopped; see docs/runbook.md")
     return lines
 
 
-def _recent(records: object, key: str, since: datetime | None) -> list[dict[str, Any]]:
+def _recent(
+    records: Sequence[Mapping[str, Any]], key: str, since: datetime | None
+) -> list[Mapping[str, Any]]:
     """The last three records of a snapshot list whose ``key`` time is in the window."""
-    return [r for r in map(as_object, as_list(records)) if within(since, r.get(key))][-3:]
+    return [r for r in records if within(since, r.get(key))][-3:]
 
 
 def _gate_line(entry: Mapping[str, Any]) -> str:

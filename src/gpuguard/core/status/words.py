@@ -6,6 +6,7 @@ daemon's Xid events matched to NVML's GPUs, which the findings, the screen and t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.escaping import escape
@@ -14,11 +15,11 @@ from gpuguard.core.values import MIB
 from gpuguard.core.xidevents import normalize_pci
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
     from datetime import datetime
 
     from gpuguard.core.inventory import Holder, Inventory, VanishedProcess
-    from gpuguard.core.status.report import DaemonView
+    from gpuguard.core.snapshot import DaemonView, XidRecord
 
 
 def mib(value: int) -> str:
@@ -47,56 +48,57 @@ def by_gpu(vanished: Sequence[VanishedProcess]) -> dict[int, list[VanishedProces
 
 
 CONTAINER_NOTE = "per-process amounts not available: the driver reports host PIDs"
-
-
 OUTSIDE_NOTE = (
     "used from outside this container (another container or the host): no process here "
     "holds the GPU; reported, never reaped, and a start gated on this GPU waits for it"
 )
 
 
+@dataclass(frozen=True, slots=True)
+class GpuXid:
+    """A kernel Xid the daemon saw, with the GPU NVML gives its PCI address (None: none)."""
+
+    xid: XidRecord
+    gpu: int | None
+
+
 def xid_events(
     inventory: Inventory, daemon: DaemonView | None, since: datetime | None = None
-) -> list[dict[str, Any]]:
+) -> list[GpuXid]:
     """The daemon's recent kernel Xid events, each with the GPU index NVML gives its PCI id.
 
     ``gpu`` is None when NVML knows no GPU at that address (reported, not dropped). With
     ``since``, only the events logged from then on.
     """
-    if daemon is None:
+    snapshot = daemon.snapshot if daemon is not None else None
+    if snapshot is None:
         return []
     by_pci = {
         normalize_pci(gpu.reading.pci_bus_id): gpu.reading.index
         for gpu in inventory.gpus
         if gpu.reading.pci_bus_id
     }
-    events = []
-    for raw in as_list(as_object(daemon.snapshot.get("xid")).get("recent")):
-        event = as_object(raw)
-        pci = event.get("pci_bus_id")
-        if not isinstance(pci, str) or not isinstance(event.get("code"), int):
-            continue
-        if not within(since, event.get("time")):
-            continue
-        events.append({**event, "gpu": by_pci.get(normalize_pci(pci))})
-    return events
+    return [
+        GpuXid(xid, by_pci.get(normalize_pci(xid.pci_bus_id)))
+        for xid in snapshot.xids
+        if within(since, xid.time)
+    ]
 
 
-def xid_phrase(event: Mapping[str, Any]) -> str:
+def xid_phrase(xid: XidRecord) -> str:
     """One kernel Xid for people: code, class, time, the driver's detail and its PID."""
-    who = f", pid {event['pid']}" if isinstance(event.get("pid"), int) else ""
+    who = f", pid {xid.pid}" if xid.pid is not None else ""
     return (
-        f"Xid {event['code']} ({escape(str(event.get('xid_class')))}) at "
-        f"{escape(str(event.get('time')))}: "
-        f"{escape(str(event.get('detail') or ''))}{who}"
+        f"Xid {xid.code} ({escape(xid.xid_class)}) at {escape(str(xid.time))}: "
+        f"{escape(xid.detail)}{who}"
     )
 
 
 def as_object(value: object) -> dict[str, Any]:
-    """A snapshot field that should be an object (snapshots are read back from disk)."""
+    """A record's field that should be an object (gate decisions and recoveries are plain JSON)."""
     return value if isinstance(value, dict) else {}
 
 
 def as_list(value: object) -> list[Any]:
-    """A snapshot field that should be a list."""
+    """A record's field that should be a list."""
     return value if isinstance(value, list) else []
