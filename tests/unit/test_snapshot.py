@@ -222,7 +222,7 @@ _JSON = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     st.sampled_from(_paths(busy_snapshot().to_json())),
     st.one_of(st.just("delete"), _JSON),
@@ -296,6 +296,14 @@ def test_no_snapshot_is_no_daemon_and_a_live_writer_is_running(tmp_path: Path) -
         daemonsnapshot.snapshot_path(tmp_path).read_text()
     )  # the file as it is, keys in its order
     assert list(doc["daemon"]["snapshot"]) == sorted(doc["daemon"]["snapshot"])
+
+
+def test_a_snapshot_too_large_to_read_is_said_so(tmp_path: Path) -> None:
+    """Past the size any snapshot has: not read, and status says why."""
+    daemonsnapshot.snapshot_path(tmp_path).write_bytes(b" " * (5 << 20))
+    level, text, _ = _status_of(tmp_path)
+    assert level is Level.WARNING
+    assert "Daemon: unknown (its snapshot cannot be read: larger than 4194304 bytes)" in text
 
 
 def test_the_gate_acts_as_without_a_daemon_on_an_unreadable_snapshot(tmp_path: Path) -> None:

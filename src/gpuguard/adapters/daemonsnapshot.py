@@ -33,8 +33,10 @@ def read(runtime_dir: Path) -> Snapshot | Unreadable | None:
         data = files.read_file(snapshot_path(runtime_dir), max_bytes=state.READ_MAX)
     except FileNotFoundError:
         return None
-    except OSError as err:
-        return Unreadable(Problem.MALFORMED, f"cannot be read: {err.strerror or err}")
+    except PermissionError as err:
+        return Unreadable(Problem.MALFORMED, f"{err.strerror or err} (run as root to read it)")
+    except OSError as err:  # too large, or not safely root's (adapters/files.py)
+        return Unreadable(Problem.MALFORMED, err.strerror or str(err))
     return parse(data)
 
 

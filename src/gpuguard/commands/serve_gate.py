@@ -141,7 +141,7 @@ def _import_request_path() -> None:
         records,
         redaction,
         since,
-        status,
+        snapshot,
         unitconfig,
         xid,
         xidevents,
