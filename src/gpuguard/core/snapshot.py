@@ -6,8 +6,9 @@ which is total: bytes in, a ``Snapshot`` or an ``Unreadable`` out, never an exce
 that is missing, renamed or of the wrong type makes the whole document unreadable, named with
 the field, so a reader never takes "nothing there" for a daemon that says nothing. A
 ``schema_version`` this gpuguard does not know is reported as a daemon older or newer than
-itself. Recoveries, sweeps, reset-class Xids and liveness stay plain JSON objects inside the
-typed frame: history for people (``core.records`` bounds them) and their own modules' records.
+itself. Recoveries, sweeps and reset-class Xids stay plain JSON objects inside the typed frame:
+history for people (``core.records`` bounds them) and their own modules' records; liveness
+(core.liveness's object) too, checked in every field status and the metrics read of it.
 """
 
 from __future__ import annotations
@@ -276,9 +277,7 @@ def _snapshot(document: object) -> Snapshot:
 def _unit(value: object, where: str) -> UnitSnapshot:
     unit = _object(value, where)
     prefix = f"{where}."
-    liveness = unit.get("liveness")
-    if liveness is not None and not isinstance(liveness, dict):
-        _bad(f"{prefix}liveness", "is not an object")
+    liveness = _get(unit, "liveness", _optional(_liveness), prefix) if "liveness" in unit else None
     return UnitSnapshot(
         systemd_state=_get(unit, "systemd_state", _str, prefix),
         unit_found=_get(unit, "unit_found", _bool, prefix),
@@ -303,6 +302,27 @@ def _unit(value: object, where: str) -> UnitSnapshot:
         reset_xids=_get(unit, "reset_xids", _objects, prefix),
         liveness=liveness,
     )
+
+
+def _liveness(value: object, where: str) -> dict[str, Any]:
+    """core.liveness's object, checked in the fields status and the metrics read; kept whole."""
+    liveness = _object(value, where)
+    prefix = f"{where}."
+    for key, check in (
+        ("state", _str),
+        ("summary", _str),
+        ("level", _optional(_str)),
+        ("engine_deaths", _int),
+        ("stuck_starts", _int),
+    ):
+        _get(liveness, key, check, prefix)
+    start = _get(liveness, "last_start", _optional(_object), prefix)
+    if start is not None:
+        _get(start, "ready_s", _number, f"{prefix}last_start.")
+        phases = _get(start, "phases", _object, f"{prefix}last_start.")
+        for phase, seconds in phases.items():
+            _number(seconds, f"{prefix}last_start.phases[{json.dumps(phase)}]")
+    return liveness
 
 
 def _xid(value: object, where: str) -> XidRecord:
