@@ -14,7 +14,7 @@ history for people (``core.records`` bounds them) and their own modules' records
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
@@ -131,7 +131,7 @@ class Snapshot:
     xids: tuple[XidRecord, ...]
     xids_malformed: int
     updated_at: str | None = None
-    metrics: dict[str, Any] | None = field(default=None)
+    metrics: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot document, ``schema_version`` SNAPSHOT_SCHEMA."""
@@ -243,14 +243,9 @@ def _snapshot(document: object) -> Snapshot:
             f"reads {SNAPSHOT_SCHEMA}): run the gpuguard the daemon runs, or upgrade this one",
             Problem.TOO_NEW,
         )
-    journal = _object(top.get("journal"), "journal")
-    xid = _object(top.get("xid"), "xid")
-    units = _object(top.get("units"), "units")
-    metrics = top.get("metrics")
-    if "metrics" in top and not isinstance(metrics, dict):
-        _bad("metrics", "is not an object")
-    if "updated_at" not in top:
-        _bad("updated_at", "is missing")
+    journal = _get(top, "journal", _object)
+    xid = _get(top, "xid", _object)
+    units = _get(top, "units", _object)
     return Snapshot(
         pid=_get(top, "pid", _int),
         start_time=_get(top, "start_time", _optional(_int)),
@@ -270,7 +265,7 @@ def _snapshot(document: object) -> Snapshot:
         ),
         xids_malformed=_get(xid, "malformed", _int, "xid."),
         updated_at=_get(top, "updated_at", _optional(_str)),
-        metrics=metrics,
+        metrics=_get(top, "metrics", _object) if "metrics" in top else None,
     )
 
 
