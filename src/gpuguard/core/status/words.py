@@ -94,11 +94,6 @@ def xid_phrase(xid: XidRecord) -> str:
     )
 
 
-def as_object(value: object) -> dict[str, Any]:
-    """A record's field that should be an object (gate decisions and recoveries are plain JSON)."""
-    return value if isinstance(value, dict) else {}
-
-
 def as_list(value: object) -> list[Any]:
     """A record's field that should be a list."""
     return value if isinstance(value, list) else []
