@@ -502,7 +502,7 @@ def warnings(settings: Settings) -> tuple[str, ...]:
     Two units on one GPU wait on each other's processes at every gate; neither is reaped by the
     other (provenance), so the start that comes second is refused. A unit without ``gpus`` may
     still have its own set from ``CUDA_VISIBLE_DEVICES``, which only systemd knows: ``status``
-    judges the sets as the gate resolves them (core/status.py, shared GPUs).
+    judges the sets as the gate resolves them (core/status/holderfindings.py, shared GPUs).
     """
     found: list[str] = []
     units = list(settings.units.items())

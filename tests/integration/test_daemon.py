@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import snapshots
 from clirunner import CGROUP2
 from containergate import FakeEngine
 from daemontwins import Recorder, ReplayFollower, UnitTwin, loop_entries
@@ -39,7 +40,9 @@ from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSetti
 from gpuguard.core import values
 from gpuguard.core.ledger import Ledger
 from gpuguard.core.metrics import Latest
-from gpuguard.core.status import DaemonView, Level, StatusContext, assess, render_text
+from gpuguard.core.status.judge import assess
+from gpuguard.core.status.report import Level, StatusContext
+from gpuguard.core.status.text import render_text
 from gpuguard.core.unitcontainers import Engine
 from gpuguard.core.values import MIB
 from gpuguard.daemon import wiring
@@ -406,7 +409,7 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
         protected_names=settings.protected_processes,
         idle_threshold_bytes=settings.idle_threshold_mib * MIB,
         as_root=os.geteuid() == 0,
-        daemon=DaemonView("running", snapshot),
+        daemon=snapshots.running(snapshots.read_back(snapshot)),
     )
     report = assess(inventory.gather(settings), context, datetime.now(timezone.utc))
     text = render_text(report)
@@ -1339,7 +1342,7 @@ def test_a_textfile_that_cannot_be_written_is_said_once_and_then_recovered(
         ping=recorder.watchdog,
         log=recorder,
     )
-    snapshot: dict[str, Any] = {"running": True, "units": {}}
+    snapshot = snapshots.QUIET.to_json()  # a running daemon watching no unit yet
     for _ in range(3):
         exporter.publish(snapshot)
     assert [event for _, event, _ in recorder.lines] == ["cannot write the metrics textfile"]

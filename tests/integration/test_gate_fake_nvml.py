@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import snapshots
 from clirunner import ENDED, gate_in_unit, unit_name
 from fakeholder import process_gone
 from fakestate import allocated_mib, update_gpu
@@ -341,8 +342,9 @@ def test_the_fast_path_hands_over_when_the_daemon_lists_xids_for_the_unit(
     """
     unit = unit_name()
     assert gate_in_unit(cli, unit_cgroups, unit).code == 0  # full load fills the cache
-    snapshot = {"units": {unit: {"reset_xids": [{"pci_bus_id": "0000:3b:00", "code": 79}]}}}
-    (cli.config.parent / "run" / "daemon.json").write_text(json.dumps(snapshot))
+    watch = snapshots.unit(reset_xids=({"pci_bus_id": "0000:3b:00", "code": 79},))
+    snapshot = snapshots.written({unit: watch})
+    (cli.config.parent / "run" / "daemon.json").write_text(json.dumps(snapshot.to_json()))
     cli.env["PYTHONPROFILEIMPORTTIME"] = "1"
     try:
         result = gate_in_unit(cli, unit_cgroups, unit)

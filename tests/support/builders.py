@@ -14,7 +14,7 @@ from fakestate import H200_TOTAL_MIB
 
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.policy import PlanRequest, Scope
-from gpuguard.core.status import StatusContext
+from gpuguard.core.status.report import StatusContext
 from gpuguard.core.values import (
     MIB,
     GpuHealth,

@@ -1,88 +1,15 @@
-"""The daemon's files as typed documents: what they write, and how a damaged one is taken back."""
+"""A unit's saved state as a typed document: what it writes, how a damaged one is taken back.
+
+The snapshot's document is tests/unit/test_snapshot.py's.
+"""
 
 from __future__ import annotations
 
 import json
 
-from gpuguard.daemon.documents import (
-    SNAPSHOT_SCHEMA,
-    UNIT_STATE_SCHEMA,
-    Snapshot,
-    UnitSnapshot,
-    UnitStateDocument,
-)
+from gpuguard.daemon.documents import UNIT_STATE_SCHEMA, UnitStateDocument
 
 RECORD = {"started_at": "2026-01-01T00:00:00+00:00", "result": "restarted"}
-
-
-def unit_snapshot() -> UnitSnapshot:
-    """A looping unit with one recovery behind it."""
-    return UnitSnapshot(
-        systemd_state="activating (start-pre)",
-        unit_found=True,
-        looping=True,
-        verdict="restart loop",
-        cause="stale-gpu-holders",
-        cause_detail=None,
-        starts_in_window=3,
-        failures_in_window=3,
-        n_restarts=7,
-        oom_device=None,
-        evidence=("GPU 0: PID 4242 holds 4000 MiB",),
-        action="recover",
-        action_reason="GPU cause",
-        needs_operator=False,
-        recoveries=(RECORD,),
-        recovery_in_progress=False,
-        survivors=(),
-        reset_xids=({"code": 79},),
-    )
-
-
-def test_the_snapshot_writes_the_documented_fields() -> None:
-    """The keys docs/status.md lists, JSON-serialisable, at SNAPSHOT_SCHEMA."""
-    document = Snapshot(
-        pid=10,
-        start_time=99,
-        running=True,
-        ready=True,
-        started_at="2026-01-01T00:00:00+00:00",
-        dry_run=False,
-        journal_state="following",
-        journal_reason=None,
-        units={"sglang.service": unit_snapshot()},
-        xids=({"code": 79},),
-        xids_malformed=2,
-    ).to_json()
-    assert json.loads(json.dumps(document)) == document
-    assert document["schema_version"] == SNAPSHOT_SCHEMA == 1
-    assert document["journal"] == {"state": "following", "reason": None}
-    assert document["xid"] == {"recent": [{"code": 79}], "malformed": 2}
-    unit = document["units"]["sglang.service"]
-    assert set(unit) == {
-        "systemd_state",
-        "unit_found",
-        "looping",
-        "verdict",
-        "cause",
-        "cause_detail",
-        "starts_in_window",
-        "failures_in_window",
-        "n_restarts",
-        "oom_device",
-        "evidence",
-        "action",
-        "action_reason",
-        "needs_operator",
-        "recoveries",
-        "recovery_in_progress",
-        "survivors",
-        "reset_xids",
-        "liveness",
-    }
-    assert unit["reset_xids"] == [{"code": 79}]
-    assert unit["evidence"] == ["GPU 0: PID 4242 holds 4000 MiB"]
-    assert unit["recoveries"] == [RECORD]
 
 
 def test_a_saved_unit_state_round_trips() -> None:

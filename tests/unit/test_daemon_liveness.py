@@ -14,18 +14,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
+import snapshots
 from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
 
 from gpuguard.adapters import systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
-from gpuguard.core.status import (
-    DaemonView,
-    Level,
-    StatusContext,
-    UnitView,
-    assess,
-    render_text,
-)
+from gpuguard.core.status.judge import assess
+from gpuguard.core.status.report import Level, StatusContext, UnitView
+from gpuguard.core.status.text import render_text
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
 
@@ -145,7 +141,7 @@ def _status(harness: Harness) -> tuple[Level, str]:
         idle_threshold_bytes=16 << 20,
         as_root=True,
         units=(UnitView(UNIT, "active (running)", "0-3"),),
-        daemon=DaemonView("running", harness.snapshots[-1]),
+        daemon=snapshots.running(snapshots.read_back(harness.snapshots[-1])),
     )
     report = assess(harness.host.gather(), context, datetime.now(timezone.utc))
     return report.level, render_text(report)

@@ -8,22 +8,19 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import snapshots
 from builders import STATUS_CONTEXT, gpu, lost_gpu, nvml, process
 
 from gpuguard.core.inventory import build_inventory, gpu_minor_of
-from gpuguard.core.status import (
-    DaemonView,
-    Level,
-    StatusContext,
-    UnitView,
-    assess,
-    render_text,
-    to_json,
-)
+from gpuguard.core.status.document import to_json
+from gpuguard.core.status.judge import assess
+from gpuguard.core.status.report import Level, StatusContext, UnitView
+from gpuguard.core.status.text import render_text
 from gpuguard.core.unitcontainers import ContainerVerdict, Engine
 from gpuguard.core.values import MIB, NvmlHealth, ProcScan
 
 if TYPE_CHECKING:
+    from gpuguard.core.snapshot import Snapshot, XidRecord
     from gpuguard.core.values import NvmlReading, ProcessFacts
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
@@ -253,10 +250,10 @@ def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
     assert json.loads(json.dumps(doc))["holders"][0]["comm"] == "\nOK: all idle"
 
 
-def _with_daemon(snapshot: dict[str, object]) -> tuple[Level, str, dict[str, object]]:
+def _with_daemon(snapshot: Snapshot) -> tuple[Level, str, dict[str, object]]:
     """Judge four idle GPUs with a running daemon whose snapshot is ``snapshot``."""
     inventory = build_inventory(nvml(gpu(0), gpu(1), gpu(2), gpu(3)), ProcScan(()), 16 * MIB)
-    context = replace(STATUS_CONTEXT, daemon=DaemonView("running", snapshot))
+    context = replace(STATUS_CONTEXT, daemon=snapshots.running(snapshot))
     report = assess(inventory, context, NOW)
     return report.level, render_text(report), to_json(report)
 
@@ -264,27 +261,15 @@ def _with_daemon(snapshot: dict[str, object]) -> tuple[Level, str, dict[str, obj
 def test_kernel_xids_are_shown_under_their_gpu_and_serious_ones_warned() -> None:
     """Xid 79 on GPU 1's address warns; Xid 13 is only shown; an unknown address is said."""
 
-    def xid(code: int, cls: str, pci: str) -> dict[str, object]:
-        return {
-            "code": code,
-            "xid_class": cls,
-            "pci_bus_id": pci,
-            "pid": None,
-            "name": "<unknown>",
-            "detail": "text\x1b[2J",
-            "time": "2026-12-01T03:00:00+00:00",
-        }
+    def xid(code: int, pci: str) -> XidRecord:
+        return snapshots.xid(
+            code, pci, name="<unknown>", detail="text\x1b[2J", time="2026-12-01T03:00:00+00:00"
+        )
 
-    snapshot: dict[str, object] = {
-        "xid": {
-            "recent": [
-                xid(13, "application", "0000:19:00"),
-                xid(79, "reboot", "0000:1a:00"),
-                xid(48, "reset-gpu", "0000:99:00"),
-            ],
-            "malformed": 2,
-        }
-    }
+    snapshot = snapshots.written(
+        xids=(xid(13, "0000:19:00"), xid(79, "0000:1a:00"), xid(48, "0000:99:00")),
+        xids_malformed=2,
+    )
     level, text, doc = _with_daemon(snapshot)
     assert level is Level.WARNING
     assert "GPU 1 had Xid 79 (reboot)" in text
@@ -300,18 +285,14 @@ def test_kernel_xids_are_shown_under_their_gpu_and_serious_ones_warned() -> None
 
 def test_daemon_needs_operator_for_a_gpu_reset_says_so() -> None:
     """The daemon stopped at needs-operator for a GPU reset: CRITICAL, naming the GPU."""
-    snapshot: dict[str, object] = {
-        "units": {
-            "sglang.service": {
-                "needs_operator": True,
-                "looping": True,
-                "cause": "gpu-needs-reset",
-                "cause_detail": "GPU 1: a memory row remap is pending",
-                "verdict": "3 failed starts",
-            }
-        }
-    }
-    level, text, _ = _with_daemon(snapshot)
+    watch = snapshots.unit(
+        needs_operator=True,
+        looping=True,
+        cause="gpu-needs-reset",
+        cause_detail="GPU 1: a memory row remap is pending",
+        verdict="3 failed starts",
+    )
+    level, text, _ = _with_daemon(snapshots.written({"sglang.service": watch}))
     assert level is Level.CRITICAL
     assert "a GPU of its set needs a reset" in text
     assert "GPU 1: a memory row remap is pending" in text
@@ -320,29 +301,29 @@ def test_daemon_needs_operator_for_a_gpu_reset_says_so() -> None:
 def test_since_limits_the_history_shown_not_the_current_state() -> None:
     """--since 1h: an older Xid, recovery and sweep are left out; GPU health is still judged."""
 
-    def xid(code: int, when: str) -> dict[str, object]:
-        return {"code": code, "xid_class": "reboot", "pci_bus_id": "0000:1a:00", "time": when}
+    def xid(code: int, when: str) -> XidRecord:
+        return snapshots.xid(code, "0000:1a:00", time=when)
 
-    watch = {
-        "verdict": "ok",
-        "recoveries": [
+    watch = snapshots.unit(
+        verdict="ok",
+        recoveries=(
             {"started_at": "2026-11-29T09:00:00+00:00", "result": "old-recovery"},
             {"started_at": "2026-11-29T11:30:00+00:00", "result": "new-recovery"},
-        ],
-        "survivors": [
+        ),
+        survivors=(
             {"at": "2026-11-29T09:00:00+00:00", "summary": "old-sweep"},
             {"at": "2026-11-29T11:59:00+00:00", "summary": "new-sweep"},
-        ],
-    }
-    snapshot: dict[str, object] = {
-        "xid": {"recent": [xid(79, "2026-11-29T10:00:00+00:00"), xid(48, "2026-11-29T11:10:00")]},
-        "units": {"sglang.service": watch},
-    }
+        ),
+    )
+    snapshot = snapshots.written(
+        {"sglang.service": watch},
+        xids=(xid(79, "2026-11-29T10:00:00+00:00"), xid(48, "2026-11-29T11:10:00")),
+    )
     inventory = build_inventory(nvml(gpu(0), gpu(1)), ProcScan(()), 16 * MIB)
     unit = UnitView("sglang.service", "active (running)", "GPUs 0,1 (from config)")
     context = replace(
         STATUS_CONTEXT,
-        daemon=DaemonView("running", snapshot),
+        daemon=snapshots.running(snapshot),
         units=(unit,),
         since=NOW - timedelta(hours=1),
     )
@@ -370,14 +351,9 @@ def _stuck_report(xid_pid: int, xid_at_s: float, *, unkillable: bool) -> tuple[L
     """
     holder = process(4242, 0, state="R")
     inventory = build_inventory(nvml(gpu(0, (4242, 8000))), ProcScan((holder,)), 16 * MIB)
-    xid = {
-        "code": 31,
-        "xid_class": "application",
-        "pci_bus_id": "0000:19:00",
-        "pid": xid_pid,
-        "time": "2026-11-29T11:59:00+00:00",
-        "monotonic_s": xid_at_s,
-    }
+    xid = snapshots.xid(
+        31, "0000:19:00", pid=xid_pid, time="2026-11-29T11:59:00+00:00", monotonic_s=xid_at_s
+    )
     decision = {
         "time": "2026-11-29T11:59:30+00:00",
         "result": "refused",
@@ -385,7 +361,7 @@ def _stuck_report(xid_pid: int, xid_at_s: float, *, unkillable: bool) -> tuple[L
     }
     unit = UnitView("sglang.service", "activating", "all GPUs", gate_decisions=(decision,))
     context = replace(
-        STATUS_CONTEXT, daemon=DaemonView("running", {"xid": {"recent": [xid]}}), units=(unit,)
+        STATUS_CONTEXT, daemon=snapshots.running(snapshots.written(xids=(xid,))), units=(unit,)
     )
     report = assess(inventory, context, NOW)
     return report.level, render_text(report)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+import snapshots
 from builders import STATUS_CONTEXT, gpu, inventory, nvml, plan_request, process, training_job
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,13 +19,16 @@ from gpuguard.config import parse_settings, warnings
 from gpuguard.core.gate import GateSettings, run_gate
 from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs, live_owner
 from gpuguard.core.metrics import Observed, Tally, exposition, families
-from gpuguard.core.status import DaemonView, StatusContext, UnitView, assess, render_text
+from gpuguard.core.status.judge import assess
+from gpuguard.core.status.report import StatusContext, UnitView
+from gpuguard.core.status.text import render_text
 from gpuguard.core.values import MIB, UnitProvenance
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.snapshot import DaemonView
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 A, B = "sglang-a.service", "sglang-b.service"
@@ -81,7 +85,7 @@ def metrics_of(found: Inventory, units: tuple[WatchedUnit, ...]) -> dict[str, fl
         live_invocations={u.name: u.live_invocation for u in units},
         protected_names=("nvidia-persistenced",),
         idle_threshold_bytes=16 * MIB,
-        snapshot={},
+        snapshot=None,
         daemon_running=True,
         gate_refused={},
         tally=Tally(),
@@ -166,13 +170,13 @@ def test_an_old_run_in_the_units_cgroup_is_proven_and_counted() -> None:
 
 def loop_snapshot() -> DaemonView:
     """The daemon's snapshot: A loops on CUDA OOM, cause stale GPU holders."""
-    unit = {
-        "looping": True,
-        "cause": "stale-gpu-holders",
-        "verdict": "restart loop: 26 failed starts in 600 s",
-        "action": "none",
-    }
-    return DaemonView("running", {"units": {A: unit}})
+    unit = snapshots.unit(
+        looping=True,
+        cause="stale-gpu-holders",
+        verdict="restart loop: 26 failed starts in 600 s",
+        action="none",
+    )
+    return snapshots.running(snapshots.written({A: unit}))
 
 
 def test_a_gpu_loop_gpuguard_cannot_reap_is_critical_with_blockers_and_the_command() -> None:
@@ -241,10 +245,10 @@ def test_a_loop_that_does_not_fit_says_the_knob() -> None:
         "--mem-fraction-static.: no process holds the unit's GPUs: the server does not fit as "
         "configured and every restart fails the same way; change --mem-fraction-static"
     )
-    unit = {"looping": True, "cause": "does-not-fit", "cause_detail": detail, "action": "report"}
+    unit = snapshots.unit(looping=True, cause="does-not-fit", cause_detail=detail, action="report")
     idle = inventory(nvml(gpu(0), gpu(1), gpu(2), gpu(3)))
     text = status_of(
-        idle, two_units(live_a=None), daemon=DaemonView("running", {"units": {A: unit}})
+        idle, two_units(live_a=None), daemon=snapshots.running(snapshots.written({A: unit}))
     )
     assert text.startswith("1\n"), text
     assert f"{A} is in a restart loop that no reap can end" in text

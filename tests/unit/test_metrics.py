@@ -7,10 +7,12 @@ a label or a type that Prometheus would not take fails here.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
+import snapshots
 from builders import TRAINING_CGROUP, gpu, inventory, lost_gpu, nvml, process
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,9 +25,11 @@ from gpuguard.core.metrics import (
     exposition,
     families,
 )
+from gpuguard.core.snapshot import Unreadable, from_json
 from gpuguard.core.values import MIB, GpuHealth, NvmlHealth, RecoveryAction, UnitProvenance
 
 if TYPE_CHECKING:
+    from gpuguard.core.snapshot import Snapshot
     from gpuguard.core.values import GpuReading, ProcessFacts
 
 UNIT = "sglang.service"
@@ -39,7 +43,7 @@ def observed(
     processes: tuple[ProcessFacts, ...] = (),
     *,
     live: dict[str, str | None] | None = None,
-    snapshot: dict[str, Any] | None = None,
+    snapshot: Snapshot | None = None,
     tally: Tally | None = None,
     running: bool = True,
     health: NvmlHealth = NvmlHealth.OK,
@@ -64,7 +68,7 @@ def observed(
         live_invocations=live_invocations,
         protected_names=("nvidia-persistenced",),
         idle_threshold_bytes=16 * MIB,
-        snapshot=snapshot or {},
+        snapshot=snapshot,
         daemon_running=running,
         gate_refused={UNIT: False},
         tally=tally or Tally(),
@@ -154,19 +158,14 @@ def test_health_is_one_state_of_four(reading: GpuReading, state: str) -> None:
 
 def test_unit_loop_state_from_the_snapshot() -> None:
     """Looping with a GPU cause, failures in the window, needs operator: as the daemon said."""
-    snapshot: dict[str, Any] = {
-        "running": True,
-        "journal": {"state": "attached"},
-        "units": {
-            UNIT: {
-                "looping": True,
-                "cause": "stale-gpu-holders",
-                "failures_in_window": 4,
-                "needs_operator": True,
-                "recovery_in_progress": False,
-            }
-        },
-    }
+    watch = snapshots.unit(
+        looping=True,
+        cause="stale-gpu-holders",
+        failures_in_window=4,
+        needs_operator=True,
+        recovery_in_progress=False,
+    )
+    snapshot = snapshots.written({UNIT: watch})
     found = scrape(observed(snapshot=snapshot))
     unit = (("unit", UNIT),)
     assert found["gpuguard_unit_restart_loop", unit] == 1
@@ -176,14 +175,17 @@ def test_unit_loop_state_from_the_snapshot() -> None:
     assert found["gpuguard_unit_recovery_in_progress", unit] == 0
     assert found["gpuguard_journal_attached", ()] == 1
     assert found["gpuguard_daemon_up", ()] == 1
-    snapshot["units"][UNIT]["cause"] = "not-gpu-related"
-    assert scrape(observed(snapshot=snapshot))["gpuguard_unit_restart_loop_gpu_cause", unit] == 0
+    other = snapshots.written({UNIT: replace(watch, cause="not-gpu-related")})
+    assert scrape(observed(snapshot=other))["gpuguard_unit_restart_loop_gpu_cause", unit] == 0
 
 
 def test_a_malformed_snapshot_reads_as_nothing_known() -> None:
-    """Wrong types anywhere in the snapshot: zeros, never an exception."""
-    snapshot: dict[str, Any] = {"units": {UNIT: {"failures_in_window": "4", "looping": "yes"}}}
-    found = scrape(observed(snapshot=snapshot, running=False))
+    """Wrong types in the snapshot: it cannot be read (core.snapshot), so zeros, no exception."""
+    document = snapshots.QUIET.to_json()
+    document["units"] = {UNIT: snapshots.QUIET_UNIT.to_json()}
+    document["units"][UNIT] |= {"failures_in_window": "4", "looping": "yes"}
+    assert isinstance(from_json(document), Unreadable)
+    found = scrape(observed(snapshot=None, running=False))
     assert found["gpuguard_unit_failed_runs_in_window", (("unit", UNIT),)] == 0
     assert found["gpuguard_unit_restart_loop", (("unit", UNIT),)] == 0
     assert found["gpuguard_daemon_up", ()] == 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import snapshots
 from builders import gpu, inventory, nvml, training_job
 
 from gpuguard.adapters import daemonsnapshot
@@ -63,13 +65,15 @@ def test_the_gate_maps_the_daemons_oom_device_through_the_units_own_environment(
 
     def snapshot(device: object, *, running: bool = True) -> None:
         identity = read_identity(os.getpid())
-        document = {
-            "running": running,
-            "pid": os.getpid(),
-            "start_time": identity.start_time if identity else None,
-            "units": {"sglang.service": {"oom_device": device}},
-        }
-        write_json(runtime / "daemon.json", document)
+        written = replace(
+            snapshots.QUIET,
+            running=running,
+            pid=os.getpid(),
+            start_time=identity.start_time if identity else None,
+            units={"sglang.service": snapshots.QUIET_UNIT},
+        ).to_json()
+        written["units"]["sglang.service"]["oom_device"] = device  # odd ones too
+        write_json(daemonsnapshot.snapshot_path(runtime), written)
 
     def gpu_of(unit: str = "sglang.service") -> tuple[int, int] | None:
         return oom_gpu(daemonsnapshot.oom_device(runtime, unit), environment, found)

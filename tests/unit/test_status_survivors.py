@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from gpuguard.core.status import DaemonView, _watch_lines
+import snapshots
+
+from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
+from gpuguard.core.status.text import _watch_lines
 
 UNIT = "sglang.service"
 
@@ -16,7 +19,9 @@ def test_the_last_three_sweeps_are_shown_escaped() -> None:
     """Newest three, one line each; a control character in the file cannot reach the terminal."""
     records = [sweep(f"T{n}", f"reaped {n} survivors of run 577f5c37") for n in range(5)]
     records[-1]["summary"] = "reaped 1 survivor\x1b[2J of run 577f5c37\nforged line"
-    view = DaemonView("running", {"units": {UNIT: {"verdict": "ok", "survivors": records}}})
+    view = snapshots.running(
+        snapshots.written({UNIT: snapshots.unit(verdict="ok", survivors=tuple(records))})
+    )
     lines = [line for line in _watch_lines(view, UNIT, None) if line.startswith("survivors ")]
     assert lines[:2] == [
         "survivors T2: reaped 2 survivors of run 577f5c37",
@@ -27,9 +32,16 @@ def test_the_last_three_sweeps_are_shown_escaped() -> None:
     assert "\n" not in lines[2]
 
 
-def test_a_snapshot_of_the_wrong_shape_shows_no_sweep() -> None:
-    """Written by an older daemon or damaged: no survivors line, no exception."""
+def test_survivors_of_the_wrong_shape_make_the_snapshot_unreadable() -> None:
+    """Damaged survivors: the snapshot is named unreadable (core.snapshot), never read as none."""
+    document = snapshots.written({UNIT: snapshots.unit()}).to_json()
     for value in (None, "text", [1, "x"], {"a": 1}):
-        view = DaemonView("running", {"units": {UNIT: {"verdict": "ok", "survivors": value}}})
-        lines = _watch_lines(view, UNIT, None)
-        assert not [line for line in lines if line.startswith("survivors ")]
+        document["units"][UNIT]["survivors"] = value
+        found = from_json(document)
+        assert isinstance(found, Unreadable)
+        assert f'units["{UNIT}"].survivors' in found.reason
+    document["units"][UNIT]["survivors"] = [{"at": "T", "invocation_id": "5" * 32}]
+    read = from_json(document)
+    assert isinstance(read, Snapshot)
+    lines = _watch_lines(snapshots.running(read), UNIT, None)
+    assert not [line for line in lines if line.startswith("survivors ")]  # no summary: no line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import snapshots
+
 from gpuguard.core.xidevents import XidEvent
 from gpuguard.core.xidstuck import XidClaim, claims, claims_from_snapshot, named_by, stuck_phrase
 
@@ -26,19 +28,17 @@ def test_named_by_needs_the_same_pid_and_a_process_older_than_the_xid() -> None:
     assert named_by(9, 1.0, xid_claims) is None
 
 
-def test_snapshot_claims_of_the_wrong_shape_are_left_out() -> None:
-    """Written by the daemon, read back from disk: anything odd is skipped, never raised."""
-    records: list[object] = [
-        {"code": 31, "pid": 7, "monotonic_s": 5, "time": "T"},
-        {"code": 31, "pid": True, "monotonic_s": 5},
-        {"code": 31, "pid": -1, "monotonic_s": 5},
-        {"code": "31", "pid": 7, "monotonic_s": 5},
-        {"code": 31, "pid": 7, "monotonic_s": "5"},
-        {"code": 79, "pid": 7, "monotonic_s": 5},
-        "x",
+def test_snapshot_claims_are_application_xids_naming_a_pid_with_a_stamp() -> None:
+    """No PID, no stamp, a negative PID or another class of Xid is no claim (shapes: parse's)."""
+    records = [
+        snapshots.xid(31, "0000:19:00", pid=7, monotonic_s=5, time="T"),
+        snapshots.xid(31, "0000:19:00", pid=None, monotonic_s=5),
+        snapshots.xid(31, "0000:19:00", pid=-1, monotonic_s=5),
+        snapshots.xid(31, "0000:19:00", pid=7, monotonic_s=None),
+        snapshots.xid(79, "0000:19:00", pid=7, monotonic_s=5),
     ]
     assert claims_from_snapshot(records) == [XidClaim(31, 7, 5.0, "T")]
-    assert claims_from_snapshot({"code": 31}) == []
+    assert claims_from_snapshot([]) == []
     assert stuck_phrase(XidClaim(31, 7, 5.0, "T")) == (
         "stuck in the driver after Xid 31 (GPU memory page fault) at T"
     )

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.adapters import files, state, watched
 from gpuguard.config import listen_address
 from gpuguard.core import metrics
+from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
 from gpuguard.core.values import MIB
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from gpuguard.adapters.reaper import EventLogger
     from gpuguard.adapters.systemd import UnitState
@@ -127,22 +128,27 @@ class Exporter:
 
         return counted
 
-    def publish(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+    def publish(self, document: Mapping[str, Any]) -> dict[str, Any]:
         """Draw the metrics for this snapshot, write and serve them; the counters for the snapshot.
 
-        Called where the daemon writes its snapshot, from its main loop: a stale inventory is
-        renewed here (after a watchdog ping, as the daemon's own long steps do).
+        Called where the daemon writes its snapshot document, from its main loop: a stale
+        inventory is renewed here (after a watchdog ping, as the daemon's own long steps do).
+        The document is read as status reads it (core.snapshot): one the parser refuses is a
+        bug, said in the log and drawn as no snapshot.
         """
         settings = self._settings
-        units = snapshot.get("units")
+        found = from_json(document)
+        if isinstance(found, Unreadable):
+            self._log.warning("snapshot not drawn into the metrics", problem=found.reason)
+        snapshot = found if isinstance(found, Snapshot) else None
+        seen_units = snapshot.units if snapshot else {}
         for unit in settings.units:
-            seen = units.get(unit) if isinstance(units, dict) else None
-            records = seen.get("recoveries") if isinstance(seen, dict) else None
-            self.tally.count_recoveries(unit, records if isinstance(records, list) else [])
+            seen = seen_units.get(unit)
+            self.tally.count_recoveries(unit, seen.recoveries if seen else ())
         histories = gate_histories(settings)
         for unit, entries in histories.items():
             self.tally.count_gate(unit, entries)
-        running = snapshot.get("running") is True
+        running = snapshot is not None and snapshot.running
         if running and self._monotonic() - self._inventory_at >= INVENTORY_EVERY_S:
             self._ping()
             self.gather()
@@ -213,7 +219,7 @@ def scrape(
     settings: Settings,
     inventory: Inventory,
     show_unit: Callable[[str], UnitState],
-    snapshot: dict[str, Any],
+    snapshot: Snapshot | None,
     *,
     daemon_running: bool,
 ) -> bytes:
@@ -231,7 +237,7 @@ def scrape(
         snapshot=snapshot,
         daemon_running=daemon_running,
         gate_refused=_last_refused(histories),
-        tally=metrics.Tally.from_json(snapshot.get("metrics")),
+        tally=metrics.Tally.from_json(snapshot.metrics if snapshot else None),
         now_wall=time.time(),
     )
     return metrics.exposition(metrics.families(observed))

@@ -139,7 +139,7 @@ def _import_request_path() -> None:
         records,
         redaction,
         since,
-        status,
+        snapshot,
         unitconfig,
         xid,
         xidevents,

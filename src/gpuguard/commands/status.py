@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.since import Since
-    from gpuguard.core.status import StatusReport
+    from gpuguard.core.status.report import StatusReport
     from gpuguard.core.unitcontainers import ContainerVerdict
 
 
@@ -38,15 +38,15 @@ class StatusAnswer:
 
     def to_text(self) -> str:
         """The one screen ``gpuguard status`` prints."""
-        from gpuguard.core import status  # noqa: PLC0415
+        from gpuguard.core.status.text import render_text  # noqa: PLC0415
 
-        return status.render_text(self.report)
+        return render_text(self.report)
 
     def to_json(self) -> dict[str, Any]:
         """``status --json`` (docs/status.md)."""
-        from gpuguard.core import status  # noqa: PLC0415
+        from gpuguard.core.status.document import to_json  # noqa: PLC0415
 
-        return status.to_json(self.report)
+        return to_json(self.report)
 
 
 def run(
@@ -60,11 +60,9 @@ def run(
     """
     if watch is not None:
         from gpuguard.adapters import terminal  # noqa: PLC0415
-        from gpuguard.core import status  # noqa: PLC0415
+        from gpuguard.core.status.text import render_text  # noqa: PLC0415
 
-        return Said(
-            terminal.run(lambda: status.render_text(_report(settings, since)), watch, sys.stdout)
-        )
+        return Said(terminal.run(lambda: render_text(_report(settings, since)), watch, sys.stdout))
     return StatusAnswer(_report(settings, since))
 
 
@@ -87,8 +85,9 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
         state,
         watched,
     )
-    from gpuguard.core import status  # noqa: PLC0415
     from gpuguard.core.since import within  # noqa: PLC0415
+    from gpuguard.core.status.judge import assess  # noqa: PLC0415
+    from gpuguard.core.status.report import StatusContext, UnitView  # noqa: PLC0415
 
     now = datetime.now(timezone.utc)
     start = None if since is None else since.start(now)
@@ -100,7 +99,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
         name, unit_state, gpu_set = seen.unit.name, seen.state, seen.gpu_set
         live[name] = unit_state.error is not None or unit_state.running
         units.append(
-            status.UnitView(
+            UnitView(
                 name=name,
                 state=_unit_state_text(unit_state),
                 not_found=unit_state.not_found,
@@ -114,9 +113,9 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
                 ),
             )
         )
-    return status.assess(
+    return assess(
         found,
-        status.StatusContext(
+        StatusContext(
             watched_units={name: unit.patterns for name, unit in settings.units.items()},
             protected_names=settings.protected_processes,
             idle_threshold_bytes=settings.idle_threshold_mib * 1024 * 1024,
@@ -183,7 +182,7 @@ def prometheus(settings: Settings) -> Metrics:
             settings,
             inventory.gather(settings),
             systemd.show_unit,
-            dict(view.snapshot),
+            view.snapshot,
             daemon_running=view.state == "running",
         ).decode()
     )

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.snapshot import Snapshot
     from gpuguard.core.values import GpuReading
 
 HEALTH_STATES = ("ok", "warning", "needs-reset", "needs-reboot")
@@ -44,6 +45,8 @@ REAP_OUTCOMES = tuple(outcome.value for outcome in ReapOutcome)
 PHASE_LABELS = frozenset(phase.value for phase in Phase)
 """The ``phase`` label's values: a bounded enum, never text from the journal."""
 _NVML_ERRORS = tuple(h.value for h in NvmlHealth if h is not NvmlHealth.OK)
+_GPU_CAUSES = frozenset({"stale-gpu-holders", "gpu-needs-reset"})
+"""Loop causes that are the unit's GPUs (core.detector's Cause values)."""
 _HISTORY_KEPT = 64
 """Entries remembered per history (gate log, recoveries): more than either keeps (20, 10)."""
 
@@ -155,7 +158,7 @@ class Observed:
 
     ``live_invocations``: each watched unit systemd could be asked about, with the invocation
     that runs now (None: not running). A unit missing there has no stale holders (no evidence).
-    ``snapshot``: the daemon's snapshot document (daemon.json), ``{}`` when there is none.
+    ``snapshot``: the daemon's snapshot (core.snapshot), None when there is none to read.
     ``gate_refused``: per unit, whether the last recorded gate decision refused the start.
     ``watched``: each unit as status judges it (GPU set, live run, provenance: leftovers.py),
     so the metrics count left-overs exactly as status names them; None: built from
@@ -168,7 +171,7 @@ class Observed:
     live_invocations: Mapping[str, str | None]
     protected_names: Collection[str]
     idle_threshold_bytes: int
-    snapshot: Mapping[str, Any]
+    snapshot: Snapshot | None
     daemon_running: bool
     gate_refused: Mapping[str, bool]
     tally: Tally
@@ -311,20 +314,15 @@ def _unit_families(observed: Observed) -> list[Metric]:
         "1 when the gate refused the unit's last start (recorded in /run/gpuguard/gate).",
         labels,
     )
-    units = observed.snapshot.get("units")
+    units = observed.snapshot.units if observed.snapshot else {}
     for name in observed.watched_units:
-        seen = units.get(name) if isinstance(units, dict) else None
-        unit = seen if isinstance(seen, dict) else {}
-        cause = unit.get("cause")
-        loops = unit.get("looping") is True
+        unit = units.get(name)
+        loops = unit is not None and unit.looping
         looping.add_metric([name], int(loops))
-        gpu_cause.add_metric(
-            [name], int(loops and cause in ("stale-gpu-holders", "gpu-needs-reset"))
-        )
-        failures = unit.get("failures_in_window")
-        failed.add_metric([name], failures if type(failures) is int else 0)
-        operator.add_metric([name], int(unit.get("needs_operator") is True))
-        recovering.add_metric([name], int(unit.get("recovery_in_progress") is True))
+        gpu_cause.add_metric([name], int(loops and unit is not None and unit.cause in _GPU_CAUSES))
+        failed.add_metric([name], unit.failures_in_window if unit else 0)
+        operator.add_metric([name], int(unit is not None and unit.needs_operator))
+        recovering.add_metric([name], int(unit is not None and unit.recovery_in_progress))
         refused.add_metric([name], int(observed.gate_refused.get(name, False)))
     return [looping, gpu_cause, failed, operator, recovering, refused]
 
@@ -356,12 +354,10 @@ def _liveness_families(observed: Observed) -> list[Metric]:
         "Seconds the last start that came up spent in each phase.",
         ["unit", "phase"],
     )
-    units = observed.snapshot.get("units")
+    units = observed.snapshot.units if observed.snapshot else {}
     for name in observed.watched_units:
-        seen = units.get(name) if isinstance(units, dict) else None
-        unit = seen if isinstance(seen, dict) else {}
-        live = unit.get("liveness")
-        liveness = live if isinstance(live, dict) else {}
+        unit = units.get(name)
+        liveness = (unit.liveness if unit else None) or {}
         dead.add_metric([name], int(liveness.get("state") == "engine-dead"))
         stuck.add_metric([name], int(liveness.get("state") == "stuck"))
         for family, key in ((deaths, "engine_deaths"), (stuck_starts, "stuck_starts")):
@@ -421,12 +417,11 @@ def _daemon_families(observed: Observed) -> list[Metric]:
     snapshot = observed.snapshot
     up = _gauge("gpuguard_daemon_up", "1 while the watchdog daemon (gpuguard run) runs.")
     up.add_metric([], int(observed.daemon_running))
-    journal = snapshot.get("journal")
     attached = _gauge("gpuguard_journal_attached", "1 while the daemon follows the journal live.")
-    state = journal.get("state") if isinstance(journal, dict) else None
+    state = snapshot.journal_state if snapshot else None
     attached.add_metric([], int(observed.daemon_running and state == "attached"))
     dry_run = _gauge("gpuguard_daemon_dry_run", "1 when the daemon only says what it would do.")
-    dry_run.add_metric([], int(snapshot.get("dry_run") is True))
+    dry_run.add_metric([], int(snapshot is not None and snapshot.dry_run))
     nvml = _gauge("gpuguard_nvml_up", "1 when the last inventory could read NVML.")
     inventory = observed.inventory
     healthy = (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD)

@@ -15,13 +15,14 @@ SIGKILL (the reaper's ``unkillable``) or, seen by status, in state R or D.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, TypeGuard
+from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.xid import XidClass, lookup
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
+    from gpuguard.core.snapshot import XidRecord
     from gpuguard.core.xidevents import XidEvent
 
 STUCK_STATES: Final = frozenset({"R", "D"})
@@ -50,18 +51,17 @@ def claims(events: Iterable[XidEvent]) -> list[XidClaim]:
     ]
 
 
-def claims_from_snapshot(records: object) -> list[XidClaim]:
-    """The same from the daemon's snapshot (``xid.recent``); wrong shapes are left out."""
-    found = []
-    for item in records if isinstance(records, list) else []:
-        if not isinstance(item, dict):
-            continue
-        code, pid, mono, time = (item.get(k) for k in ("code", "pid", "monotonic_s", "time"))
-        if not (_integer(code) and _integer(pid) and isinstance(mono, int | float)):
-            continue
-        if lookup(code).xid_class is XidClass.APPLICATION:
-            found.append(XidClaim(code, pid, float(mono), time if isinstance(time, str) else None))
-    return found
+def claims_from_snapshot(records: Iterable[XidRecord]) -> list[XidClaim]:
+    """The same from the daemon's snapshot (``xid.recent``): those with a PID and a stamp."""
+    return [
+        XidClaim(record.code, record.pid, float(record.monotonic_s), record.time)
+        for record in records
+        if record.pid is not None
+        and record.pid >= 0
+        and record.code >= 0
+        and record.monotonic_s is not None
+        and lookup(record.code).xid_class is XidClass.APPLICATION
+    ]
 
 
 def named_by(pid: int, started_s: float, xid_claims: Sequence[XidClaim]) -> XidClaim | None:
@@ -80,7 +80,3 @@ def stuck_phrase(claim: XidClaim) -> str:
     """For people: "stuck in the driver after Xid 31 (GPU memory page fault) at T"."""
     when = f" at {claim.time}" if claim.time else ""
     return f"stuck in the driver after Xid {claim.code} ({lookup(claim.code).meaning}){when}"
-
-
-def _integer(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

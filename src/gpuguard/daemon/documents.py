@@ -1,10 +1,12 @@
 """What the daemon keeps on disk, as typed, versioned documents.
 
 Two files. The snapshot ``runtime_dir/daemon.json`` is rewritten while the daemon runs and read
-by ``gpuguard status`` (docs/status.md lists its fields). Each unit's saved state
-``state_dir/units/UNIT.json`` is taken back by a restarted daemon: the planner's bookkeeping,
-the recent recoveries, and a recovery our own death interrupted. Recoveries and sweeps stay
-plain records (size-bounded JSON objects, ``core.records``): they are history for people.
+by ``gpuguard status`` (docs/status.md lists its fields): its types, writer and parser are
+``core.snapshot``, where its readers find them (``daemon/publishing.py`` writes it). Each
+unit's saved state ``state_dir/units/UNIT.json`` is taken back by a restarted daemon: the
+planner's bookkeeping, the recent recoveries, and a recovery our own death interrupted.
+Recoveries and sweeps stay plain records (size-bounded JSON objects, ``core.records``): they
+are history for people.
 """
 
 from __future__ import annotations
@@ -15,94 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-SNAPSHOT_SCHEMA = 1
-"""Bumped only when a snapshot field changes meaning or disappears; fields may be added."""
 UNIT_STATE_SCHEMA = 1
 """The saved unit state's version; a file without one was written before versions (the same)."""
-
-
-@dataclass(frozen=True, slots=True)
-class UnitSnapshot:
-    """One watched unit as the snapshot shows it."""
-
-    systemd_state: str
-    unit_found: bool
-    looping: bool
-    verdict: str
-    cause: str | None
-    cause_detail: str | None
-    starts_in_window: int
-    failures_in_window: int
-    n_restarts: int | None
-    oom_device: int | None
-    """The last OOM line's CUDA device (the unit's view; core.oomdevice maps it to a GPU)."""
-    evidence: tuple[str, ...]
-    action: str | None
-    action_reason: str | None
-    needs_operator: bool
-    recoveries: tuple[dict[str, Any], ...]
-    recovery_in_progress: bool
-    survivors: tuple[dict[str, Any], ...]
-    reset_xids: tuple[dict[str, Any], ...]
-    """Reset-class Xids since the unit last came up: its gate refuses (core.xidfaults)."""
-    liveness: dict[str, Any] | None = None
-    """The engine's liveness and start phase (core.liveness.LivenessView, docs/liveness.md)."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The unit's object in the snapshot."""
-        return {
-            "systemd_state": self.systemd_state,
-            "unit_found": self.unit_found,
-            "looping": self.looping,
-            "verdict": self.verdict,
-            "cause": self.cause,
-            "cause_detail": self.cause_detail,
-            "starts_in_window": self.starts_in_window,
-            "failures_in_window": self.failures_in_window,
-            "n_restarts": self.n_restarts,
-            "oom_device": self.oom_device,
-            "evidence": list(self.evidence),
-            "action": self.action,
-            "action_reason": self.action_reason,
-            "needs_operator": self.needs_operator,
-            "recoveries": list(self.recoveries),
-            "recovery_in_progress": self.recovery_in_progress,
-            "survivors": list(self.survivors),
-            "reset_xids": list(self.reset_xids),
-            "liveness": self.liveness,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The whole daemon as ``gpuguard status`` sees it (``updated_at`` is added on writing)."""
-
-    pid: int
-    start_time: int | None
-    running: bool
-    ready: bool
-    started_at: str
-    dry_run: bool
-    journal_state: str
-    journal_reason: str | None
-    units: Mapping[str, UnitSnapshot]
-    xids: tuple[dict[str, object], ...]
-    xids_malformed: int
-
-    def to_json(self) -> dict[str, Any]:
-        """The snapshot document, ``schema_version`` SNAPSHOT_SCHEMA."""
-        return {
-            "schema_version": SNAPSHOT_SCHEMA,
-            "pid": self.pid,
-            "start_time": self.start_time,
-            "running": self.running,
-            "ready": self.ready,
-            "started_at": self.started_at,
-            "dry_run": self.dry_run,
-            "journal": {"state": self.journal_state, "reason": self.journal_reason},
-            "units": {name: unit.to_json() for name, unit in self.units.items()},
-            "xid": {"recent": list(self.xids), "malformed": self.xids_malformed},
-        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """What operators see of the daemon: its snapshot file and the STATUS= line.
 
-``Publishing.publish`` writes the snapshot (``documents.Snapshot``: each unit's verdict, action,
+``Publishing.publish`` writes the snapshot (``core.snapshot.Snapshot``: each unit's verdict, action,
 recoveries, sweeps, reset-class Xids and liveness, the kernel Xids kept) and the one-line
 STATUS= for systemctl, only when what they say changed or the refresh is due. This module owns
 how the daemon's state becomes those documents, and the timestamps they carry.
@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.recovery import Action
+from gpuguard.core.snapshot import Snapshot, UnitSnapshot, XidRecord
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidfaults import to_record
-from gpuguard.daemon.documents import Snapshot, UnitSnapshot
 from gpuguard.daemon.watches import DaemonState
 
 if TYPE_CHECKING:
@@ -113,19 +113,19 @@ def _unit_snapshot(watch: Watch, reset_xids: list[dict[str, Any]]) -> UnitSnapsh
     )
 
 
-def _xid_snapshot(event: XidEvent) -> dict[str, object]:
+def _xid_snapshot(event: XidEvent) -> XidRecord:
     """One kernel Xid as status reads it back (text already escaped by the parser)."""
-    return {
-        "code": event.code,
-        "xid_class": lookup(event.code).xid_class.value,
-        "pci_bus_id": event.pci_bus_id,
-        "pid": event.pid,
-        "name": event.name,
-        "detail": event.detail,
-        "time": iso_or_none(event.realtime_s),
-        "monotonic_s": event.monotonic_s,
-        "boot_id": event.boot_id,
-    }
+    return XidRecord(
+        code=event.code,
+        xid_class=lookup(event.code).xid_class.value,
+        pci_bus_id=event.pci_bus_id,
+        pid=event.pid,
+        name=event.name,
+        detail=event.detail,
+        time=iso_or_none(event.realtime_s),
+        monotonic_s=event.monotonic_s,
+        boot_id=event.boot_id,
+    )
 
 
 def _needs_operator(watch: Watch) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import (
     containerstop,
+    daemonsnapshot,
     inventory,
     journal,
     ledgerstore,
@@ -52,7 +53,7 @@ def run(settings: Settings) -> int:
 
     def write_snapshot(document: dict[str, Any]) -> None:
         try:
-            state.write_json(settings.runtime_dir / "daemon.json", document)
+            state.write_json(daemonsnapshot.snapshot_path(settings.runtime_dir), document)
         except OSError as err:
             log.warning("cannot write the status snapshot", error=str(err))
 
