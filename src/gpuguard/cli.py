@@ -391,7 +391,9 @@ change: a TimeoutStopSec= shorter than the observed drains (how many stops ended
 the drain distribution, a timeout of p99 x 1.5), a KillMode= that leaves workers running and
 the processes that survived stops, a Restart= policy whose loops the start limit never ends
 (and what a loop costs per hour in model loads, including a refusing gate), the gate missing
-or its timeout above TimeoutStartSec=, GPU sets shared with another watched unit, PATH,
+or its timeout above TimeoutStartSec=, a TimeoutStartSec= and a gate timeout from the starts
+and gate waits gpuguard learned (none proposed from fewer than 3), GPU sets shared with another
+watched unit, PATH,
 LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change,
 nvidia-persistenced not running, and GPUs with MIG mode on (gpuguard judges nothing there).
 Every finding has its evidence and the drop-in lines that

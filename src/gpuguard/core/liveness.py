@@ -116,7 +116,12 @@ class PhaseTimes:
         """Past this, a start in the phase is stuck; None until MIN_STARTS taught it."""
         if self.starts < MIN_STARTS:
             return None
-        return max(self.longest_s * BUDGET_FACTOR, self.longest_s + BUDGET_SLACK_S)
+        return budget_for(self.longest_s)
+
+
+def budget_for(longest_s: float) -> float:
+    """The budget the longest of the remembered times teaches (a phase's, or a whole start's)."""
+    return max(longest_s * BUDGET_FACTOR, longest_s + BUDGET_SLACK_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,17 +470,28 @@ class Liveness:
 
     def restore(self, saved: Mapping[str, Any]) -> list[str]:
         """Take back what ``export`` saved; each malformed start is left out and named."""
-        starts = saved.get("starts")
-        if not isinstance(starts, list):
-            return [] if starts is None else ["liveness starts is not a list"]
-        problems: list[str] = []
-        for item in starts[-STARTS_KEPT:]:
-            start = _start_from_json(item)
-            if start is None:
-                problems.append("a remembered start is malformed")
-            else:
-                self._starts.append(start)
+        kept, problems = parse_starts(saved)
+        self._starts.extend(kept)
         return problems
+
+
+def parse_starts(saved: Mapping[str, Any]) -> tuple[tuple[StartRecord, ...], list[str]]:
+    """The newest STARTS_KEPT starts of a saved ``liveness`` object; each malformed one named.
+
+    The daemon takes them back with ``restore``; ``gpuguard doctor`` reads the same file.
+    """
+    starts = saved.get("starts")
+    if not isinstance(starts, list):
+        return (), [] if starts is None else ["liveness starts is not a list"]
+    kept: list[StartRecord] = []
+    problems: list[str] = []
+    for item in starts[-STARTS_KEPT:]:
+        start = _start_from_json(item)
+        if start is None:
+            problems.append("a remembered start is malformed")
+        else:
+            kept.append(start)
+    return tuple(kept), problems
 
 
 def _start_from_json(item: object) -> StartRecord | None:

@@ -70,7 +70,6 @@ from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from pathlib import Path
 
     from gpuguard.adapters.journal import JournalHealth, JournalRecord
     from gpuguard.adapters.systemd import UnitState
@@ -1321,8 +1320,3 @@ def _iso_or_none(seconds: float | None) -> str | None:
 
 def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
-
-
-def unit_state_path(state_dir: Path, unit: str) -> Path:
-    """Where a unit's recovery history and planner state survive restarts and reboots."""
-    return state_dir / "units" / f"{unit}.json"

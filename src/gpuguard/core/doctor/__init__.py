@@ -10,7 +10,16 @@ the operator copies the printed drop-in. Foreign strings are escaped where they 
 """
 
 from gpuguard.core.doctor.checks import diagnose
-from gpuguard.core.doctor.facts import GpuUseFacts, History, HostFacts, PathFact, Stop, UnitFacts
+from gpuguard.core.doctor.facts import (
+    GateWaits,
+    GpuUseFacts,
+    History,
+    HostFacts,
+    LearnedStarts,
+    PathFact,
+    Stop,
+    UnitFacts,
+)
 from gpuguard.core.doctor.findings import Finding, Severity, worst
 from gpuguard.core.doctor.journal import DAEMON_UNIT, SWEEP_EVENT, build_history
 from gpuguard.core.doctor.render import (
@@ -27,9 +36,11 @@ __all__ = [
     "SCHEMA_VERSION",
     "SWEEP_EVENT",
     "Finding",
+    "GateWaits",
     "GpuUseFacts",
     "History",
     "HostFacts",
+    "LearnedStarts",
     "PathFact",
     "Severity",
     "Stop",

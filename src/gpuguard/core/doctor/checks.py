@@ -30,6 +30,7 @@ from gpuguard.core.doctor.hostchecks import (
     persistenced,
     writable_paths,
 )
+from gpuguard.core.doctor.starts import gate_wait, start_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -78,12 +79,16 @@ def diagnose(
                 f"systemd has no unit {config.unit} (LoadState=not-found; a typo?)",
             ),
         )
+    gate_s = gate_timeout(config, host) if gate_installed(config) else None
+    starts = start_timeout(facts, gate_s)
     findings = [
         *_problems(facts),
         _stop_timeout(facts),
         *_kill_mode(facts),
         *_restart_policy(facts, host),
-        *_gate(facts, host),
+        *_gate(facts, host, proposed=any(f.fix for f in starts)),
+        *starts,
+        *gate_wait(facts, gate_s),
         *gpu_set(facts, others),
         *gpu_use(facts),
         *writable_paths(facts),
@@ -340,7 +345,12 @@ def gate_timeout(config: UnitConfig, host: HostFacts) -> float:
     return host.gate_timeout_s
 
 
-def _gate(facts: UnitFacts, host: HostFacts) -> list[Finding]:
+def _gate(facts: UnitFacts, host: HostFacts, *, proposed: bool) -> list[Finding]:
+    """Whether the gate guards the unit's starts and TimeoutStartSec= lets it finish.
+
+    ``proposed``: the start-timeout finding proposes a TimeoutStartSec= (it covers the gate's
+    timeout too): one line of the drop-in sets it, not two.
+    """
     config = facts.config
     if not gate_installed(config):
         return [
@@ -361,7 +371,10 @@ def _gate(facts: UnitFacts, host: HostFacts) -> list[Finding]:
                 Severity.WARNING,
                 f"TimeoutStartSec={span(start)} kills the gate before its own timeout "
                 f"({span(waits_s)}) can explain the refusal",
-                fix=(f"TimeoutStartSec={span(round_up(needed))}",),
+                ("the start-timeout fix sets a TimeoutStartSec= that covers it",)
+                if proposed
+                else (),
+                () if proposed else (f"TimeoutStartSec={span(round_up(needed))}",),
             )
         ]
     return [Finding("gate", Severity.OK, "the gate is installed")]

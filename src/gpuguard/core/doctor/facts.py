@@ -78,6 +78,36 @@ class UnitFacts:
     """What could not be gathered (systemctl or journalctl failed, an unreadable file)."""
     use: GpuUseFacts | None = None
     """The GPUs the unit's live processes hold against its GPU set; None: NVML could not say."""
+    learned: LearnedStarts | None = None
+    """The starts gpuguard's daemon saw come up; None: the daemon does not watch the unit."""
+    gate_waits: GateWaits | None = None
+    """The gate's recorded decisions; None: none recorded (no gate, or none since boot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LearnedStarts:
+    """The starts that came up, as the daemon saved them (core.liveness), and where they are.
+
+    ``ready_s``: seconds from systemd's "Starting" (before the gate's ExecStartPre=) to the
+    server's ready line, oldest first; ``problems``: saved starts that could not be read.
+    """
+
+    source: str
+    ready_s: tuple[float, ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GateWaits:
+    """How long the gate waited for idle GPUs before it let a start through, and where from.
+
+    ``waited_s``: the decisions that passed after waiting (a fast pass waits for nothing);
+    ``refused``: the decisions that refused a start.
+    """
+
+    source: str
+    waited_s: tuple[float, ...] = ()
+    refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
