@@ -20,13 +20,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
+from gpuguard.core.release import BUCKETS_S, ReleaseTimes
 from gpuguard.core.values import NvmlHealth, ReapOutcome, UnitProvenance
 
 if TYPE_CHECKING:
@@ -63,6 +69,8 @@ class Tally:
         self.gate_decisions: Counter[tuple[str, str]] = Counter()
         self.reaped: Counter[tuple[str, str]] = Counter()
         self.nvml_errors: Counter[str] = Counter()
+        self.releases = ReleaseTimes()
+        """Seconds from a holder's last signal to its GPU's release (core.release)."""
         self._seen: dict[str, list[str]] = {}
 
     def baseline(self, history: str, entries: Sequence[Mapping[str, Any]]) -> None:
@@ -119,6 +127,7 @@ class Tally:
             "gate_decisions": [[*key, n] for key, n in sorted(self.gate_decisions.items())],
             "reaped": [[*key, n] for key, n in sorted(self.reaped.items())],
             "nvml_errors": [[key, n] for key, n in sorted(self.nvml_errors.items())],
+            "releases": self.releases.to_json(),
         }
 
     @classmethod
@@ -133,6 +142,7 @@ class Tally:
                 target[row[0], row[1]] = row[-1]
         for row in _rows(document.get("nvml_errors"), 1):
             tally.nvml_errors[row[0]] = row[-1]
+        tally.releases = ReleaseTimes.from_json(document.get("releases"))
         return tally
 
 
@@ -414,7 +424,21 @@ def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
             reaped.add_metric([reaper, outcome], tally.reaped[reaper, outcome])
     for error in _NVML_ERRORS:
         nvml.add_metric([error], tally.nvml_errors[error])
-    return [recoveries, gate, reaped, nvml]
+    return [recoveries, gate, reaped, nvml, _release_family(tally.releases)]
+
+
+def _release_family(times: ReleaseTimes) -> HistogramMetricFamily:
+    """The kill-to-release histogram, per GPU with dcgm-exporter's labels and the driver."""
+    family = HistogramMetricFamily(
+        "gpuguard_holder_release_seconds",
+        "From the last signal to a reaped holder until NVML no longer lists it on the GPU.",
+        labels=["gpu", "UUID", "modelName", "driver"],
+    )
+    bounds = [*(f"{b:g}" for b in BUCKETS_S), "+Inf"]
+    for labels, (counts, total) in sorted(times.series.items()):
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total)
+    return family
 
 
 def _daemon_families(observed: Observed) -> list[Metric]:
