@@ -214,7 +214,8 @@ fatal lines in the unit's output, such as "EngineCore encountered a fatal error"
 scheduler is dead", or an exit 0 no stop job asked for), reported as CRITICAL in `gpuguard
 status` and recovered only with the unit's on_engine_dead = "recover"; and the phases of each
 start (weights, CUDA graphs, ready), learned per unit, with a start stuck in one phase past
-its learned budget reported as a WARNING (/usr/share/doc/gpuguard/liveness.md).
+its learned budget reported as a WARNING and recovered only with the unit's on_start_stuck =
+"recover" (/usr/share/doc/gpuguard/liveness.md).
 
 History replayed at start rebuilds the detection window but is never acted on; time is the
 journal's monotonic clock, never the wall. A recovery interrupted by its death is resumed

@@ -21,7 +21,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone, tzinfo
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from gpuguard.core.enginelines import BY_KEY, PHASE_ORDER, PHASE_WORDS, Phase
 from gpuguard.core.events import EventKind
@@ -117,6 +117,39 @@ class PhaseTimes:
         if self.starts < MIN_STARTS:
             return None
         return budget_for(self.longest_s)
+
+
+def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) -> bool:
+    """Whether the unit opted in to the daemon's recovery of what ``view`` shows."""
+    if view.dead is not None:
+        return on_engine_dead == "recover"
+    return view.state is State.STUCK and on_start_stuck == "recover"
+
+
+class UnitNow(Protocol):
+    """What systemd says of the unit now (``adapters.systemd.UnitState`` is one)."""
+
+    @property
+    def active_state(self) -> str | None: ...  # noqa: D102 - systemd's ActiveState
+    @property
+    def sub_state(self) -> str | None: ...  # noqa: D102 - systemd's SubState
+    @property
+    def invocation_id(self) -> str | None: ...  # noqa: D102 - the run systemd runs now
+
+
+def left_alone(view: LivenessView, unit: str, now: UnitNow) -> str | None:
+    """Why the daemon leaves an opted-in unit alone after all; None: recover it.
+
+    Never worse than doing nothing: a stuck start that is no longer the unit's run, a unit
+    someone stopped, a unit systemd restarts by itself (an exit 0 under Restart=always).
+    """
+    if view.dead is None and now.invocation_id != view.invocation_id:
+        return f"the stuck start is no longer {unit}'s run"
+    if now.active_state == "inactive" and not (view.dead and view.dead.unit_inactive):
+        return f"{unit} was stopped: gpuguard does not start it"
+    if now.sub_state == "auto-restart":
+        return f"systemd restarts {unit} itself (auto-restart)"
+    return None
 
 
 def budget_for(longest_s: float) -> float:
