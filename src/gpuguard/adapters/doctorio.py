@@ -38,8 +38,8 @@ from gpuguard.core.doctor import (
 )
 from gpuguard.core.events import FIELDS_READ
 from gpuguard.core.gpuset import resolve_gpu_set
-from gpuguard.core.liveness import parse_starts
 from gpuguard.core.mig import mig_indices
+from gpuguard.core.startbudgets import parse_starts
 from gpuguard.core.unitconfig import (
     ENV_FILE_MAX_BYTES,
     PROPERTIES,

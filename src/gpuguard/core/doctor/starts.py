@@ -14,7 +14,7 @@ import statistics
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.doctor.findings import VALUE_CHARS, Finding, Severity, round_up, show, span
-from gpuguard.core.liveness import BUDGET_FACTOR, BUDGET_SLACK_S, MIN_STARTS, budget_for
+from gpuguard.core.startbudgets import BUDGET_FACTOR, BUDGET_SLACK_S, MIN_STARTS, budget_for
 
 if TYPE_CHECKING:
     from gpuguard.core.doctor.facts import UnitFacts
