@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpuguard.core.metrics import Tally
 from gpuguard.core.release import BUCKETS_S, WATCH_S, Release, ReleaseTimes, ReleaseWatch
 from gpuguard.core.values import (
     GpuReading,
@@ -75,3 +76,15 @@ def test_the_histogram_buckets_and_survives_its_json() -> None:
     assert total == 903.7
     assert ReleaseTimes.from_json(times.to_json()).series == times.series
     assert ReleaseTimes.from_json([["0", UUID, "x", "y", [1, 2], 1.0], "junk"]).series == {}
+
+
+def test_the_gates_recorded_releases_are_counted_once_and_foreign_shapes_are_not() -> None:
+    """A new gate decision's releases reach the histogram; a malformed entry is left out."""
+    tally = Tally()
+    tally.baseline("gate/a.service", [])
+    good = Release(1, UUID, "NVIDIA H200", "550.54.15", 2.5).to_json()
+    decision = {"result": "passed", "released": [good, {"gpu": "1"}, {**good, "seconds": -1}]}
+    tally.count_gate("a.service", [decision])
+    tally.count_gate("a.service", [decision])
+    ((counts, total),) = tally.releases.series.values()
+    assert (sum(counts), total) == (1, 2.5)

@@ -140,6 +140,7 @@ def _import_request_path() -> None:
         protection,
         records,
         redaction,
+        release,
         since,
         status,
         unitconfig,

@@ -32,7 +32,7 @@ from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
-from gpuguard.core.release import BUCKETS_S, ReleaseTimes
+from gpuguard.core.release import BUCKETS_S, Release, ReleaseTimes
 from gpuguard.core.values import NvmlHealth, ReapOutcome, UnitProvenance
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ class Tally:
             reaped = decision.get("reaped")
             for entry in reaped if isinstance(reaped, list) else ():
                 self.count_reaped("gate", entry.get("outcome") if isinstance(entry, dict) else None)
+            released = decision.get("released")
+            for item in released if isinstance(released, list) else ():
+                if (release := Release.from_json(item)) is not None:
+                    self.releases.add(release)
 
     def count_reaped(self, reaper: str, outcome: object) -> None:
         """One process the daemon or the gate reaped, by how it ended."""

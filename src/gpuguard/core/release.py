@@ -51,6 +51,31 @@ class Release:
         """``gpu``, ``UUID``, ``modelName`` (dcgm-exporter's names) and ``driver``."""
         return (str(self.gpu), self.uuid, self.model, self.driver)
 
+    def to_json(self) -> dict[str, Any]:
+        """As the gate's decision records it (the daemon counts it from there)."""
+        return {
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            "model": self.model,
+            "driver": self.driver,
+            "seconds": round(self.seconds, 3),
+        }
+
+    @classmethod
+    def from_json(cls, item: object) -> Release | None:
+        """Back from ``to_json``; None for anything else."""
+        if not isinstance(item, dict):
+            return None
+        gpu, seconds = item.get("gpu"), item.get("seconds")
+        texts = [item.get("uuid"), item.get("model"), item.get("driver")]
+        if type(gpu) is not int or not 0 <= gpu < 1024 or not _labels(texts):
+            return None
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+            return None
+        if not 0 <= seconds <= WATCH_S:
+            return None
+        return cls(gpu, str(texts[0]), str(texts[1]), str(texts[2]), float(seconds))
+
 
 @dataclass(slots=True)
 class _Pending:
