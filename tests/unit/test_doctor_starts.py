@@ -152,12 +152,15 @@ def test_too_few_learned_starts_say_so_and_propose_nothing(tmp_path: Path) -> No
 
 
 def test_a_simple_unit_is_told_timeout_start_sec_does_not_bound_its_load(tmp_path: Path) -> None:
-    """Type=simple: systemd's start ends at the fork; no TimeoutStartSec= is proposed for it."""
+    """Type=simple ends its start at the fork, forking at an unknown point: nothing proposed."""
     learned = saved_starts(tmp_path, [300.0, 360.0, 420.0])
     found = by_code(judge(unit(type="simple"), learned=learned), "start-timeout")
     assert found.severity is Severity.OK
     assert found.title.startswith("Type=simple: systemd's start ends before the server is ready")
     assert found.fix == ()
+    forking = by_code(judge(unit(type="forking"), learned=learned), "start-timeout")
+    assert forking.title.startswith("Type=forking: doctor cannot tell when systemd's start ends")
+    assert forking.fix == ()
 
 
 def test_no_saved_state_or_an_unwatched_unit(tmp_path: Path) -> None:

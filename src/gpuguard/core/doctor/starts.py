@@ -23,6 +23,8 @@ WAITS_FOR_READY: Final = frozenset({"notify", "notify-reload"})
 """The service types whose start job lasts until the server says it is ready (sd_notify): only
 for them does TimeoutStartSec= bound the model load. Type=simple's start ends at the fork,
 exec's at the execve (systemd.service(5), Type=)."""
+ENDS_AT_EXEC: Final = frozenset({"simple", "exec", "idle"})
+"""The types whose start job ends when the server's process is running, before any load."""
 
 
 def _rule(longest_s: float) -> str:
@@ -80,15 +82,14 @@ def start_timeout(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
             "gpuguard's daemon reports a start stuck once one of its phases runs past the "
             "budget the learned starts taught (`gpuguard status`, gpuguard_unit_start_stuck)"
         )
-        return [
-            Finding(
-                "start-timeout",
-                Severity.OK,
-                f"Type={config.type or 'unknown'}: systemd's start ends before the server is "
-                "ready, so TimeoutStartSec= bounds the gate's ExecStartPre=, not the model load",
-                tuple(evidence),
-            )
-        ]
+        title = (
+            f"Type={config.type}: systemd's start ends before the server is ready, so "
+            "TimeoutStartSec= bounds the gate's ExecStartPre=, not the model load"
+            if config.type in ENDS_AT_EXEC
+            else f"Type={config.type or 'unknown'}: doctor cannot tell when systemd's start "
+            "ends against the server's ready line; no TimeoutStartSec= proposed"
+        )
+        return [Finding("start-timeout", Severity.OK, title, tuple(evidence))]
     if len(starts) < MIN_STARTS:
         evidence.append(
             f"a guess from {len(starts)}, not a proposal: TimeoutStartSec={span(proposal)} "
