@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gpuguard.core.metrics import Tally
-from gpuguard.core.release import BUCKETS_S, WATCH_S, Release, ReleaseTimes, ReleaseWatch
+from gpuguard.core.release import WATCH_S, Release, ReleaseWatch
+from gpuguard.core.releasetimes import BUCKETS_S, ReleaseTimes
 from gpuguard.core.values import (
     GpuReading,
     MigMode,

@@ -20,19 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
-from gpuguard.core.release import BUCKETS_S, Release, ReleaseTimes
+from gpuguard.core.release import Release
+from gpuguard.core.releasetimes import ReleaseTimes, release_family
 from gpuguard.core.values import NvmlHealth, ReapOutcome, UnitProvenance
 
 if TYPE_CHECKING:
@@ -428,21 +424,7 @@ def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
             reaped.add_metric([reaper, outcome], tally.reaped[reaper, outcome])
     for error in _NVML_ERRORS:
         nvml.add_metric([error], tally.nvml_errors[error])
-    return [recoveries, gate, reaped, nvml, _release_family(tally.releases)]
-
-
-def _release_family(times: ReleaseTimes) -> HistogramMetricFamily:
-    """The kill-to-release histogram, per GPU with dcgm-exporter's labels and the driver."""
-    family = HistogramMetricFamily(
-        "gpuguard_holder_release_seconds",
-        "From the last signal to a reaped holder until NVML no longer lists it on the GPU.",
-        labels=["gpu", "UUID", "modelName", "driver"],
-    )
-    bounds = [*(f"{b:g}" for b in BUCKETS_S), "+Inf"]
-    for labels, (counts, total) in sorted(times.series.items()):
-        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
-        family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total)
-    return family
+    return [recoveries, gate, reaped, nvml, release_family(tally.releases)]
 
 
 def _daemon_families(observed: Observed) -> list[Metric]:

@@ -25,14 +25,9 @@ if TYPE_CHECKING:
 
     from gpuguard.core.values import NvmlReading, ReapResult
 
-BUCKETS_S: Final = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-"""Upper bounds of the histogram's buckets: a context torn down at once up to a driver stuck
-for minutes (then ``+Inf``)."""
 WATCH_S: Final = 600.0
 """A GPU whose reaped holders NVML still lists this long after the signal is no longer watched."""
 _DIED: Final = frozenset({ReapOutcome.EXITED, ReapOutcome.KILLED})
-_KEPT_SERIES: Final = 64
-"""Label sets kept: one per GPU, and a GPU keeps its UUID, model and driver."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +63,7 @@ class Release:
             return None
         gpu, seconds = item.get("gpu"), item.get("seconds")
         texts = [item.get("uuid"), item.get("model"), item.get("driver")]
-        if type(gpu) is not int or not 0 <= gpu < 1024 or not _labels(texts):
+        if type(gpu) is not int or not 0 <= gpu < 1024 or not labels_ok(texts):
             return None
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
             return None
@@ -134,48 +129,6 @@ class ReleaseWatch:
         return tuple(found)
 
 
-class ReleaseTimes:
-    """The histogram of release times per GPU, as the metrics export it (counts, no samples)."""
-
-    def __init__(self) -> None:
-        """No release seen."""
-        self.series: dict[tuple[str, str, str, str], tuple[list[int], float]] = {}
-        """Per label set: the count in each bucket (not cumulative, ``+Inf`` last) and the sum."""
-
-    def add(self, release: Release) -> None:
-        """Count one release (a label set beyond ``_KEPT_SERIES`` is not counted)."""
-        key = release.labels
-        if key not in self.series and len(self.series) >= _KEPT_SERIES:
-            return
-        counts, total = self.series.get(key, ([0] * (len(BUCKETS_S) + 1), 0.0))
-        at = next((i for i, bound in enumerate(BUCKETS_S) if release.seconds <= bound), -1)
-        counts[at] += 1
-        self.series[key] = (counts, total + release.seconds)
-
-    def to_json(self) -> list[list[Any]]:
-        """Rows of the four labels, the bucket counts and the sum."""
-        return [[*key, counts, round(total, 3)] for key, (counts, total) in self.series.items()]
-
-    @classmethod
-    def from_json(cls, rows: object) -> ReleaseTimes:
-        """Back from ``to_json``; a malformed row is left out."""
-        times = cls()
-        for row in rows if isinstance(rows, list) else ():
-            if not (isinstance(row, list) and len(row) == 6 and _labels(row[:4])):
-                continue
-            counts, total = row[4], row[5]
-            if (
-                isinstance(counts, list)
-                and len(counts) == len(BUCKETS_S) + 1
-                and all(type(n) is int and n >= 0 for n in counts)
-                and isinstance(total, (int, float))
-                and not isinstance(total, bool)
-                and total >= 0
-                and len(times.series) < _KEPT_SERIES
-            ):
-                times.series[row[0], row[1], row[2], row[3]] = (list(counts), float(total))
-        return times
-
-
-def _labels(values: list[Any]) -> bool:
+def labels_ok(values: list[Any]) -> bool:
+    """Whether ``values`` can be label values: short strings (from our own records)."""
     return all(isinstance(value, str) and len(value) <= 128 for value in values)
