@@ -197,7 +197,8 @@ fatal lines in the unit's output, such as "EngineCore encountered a fatal error"
 scheduler is dead", or an exit 0 no stop job asked for), reported as CRITICAL in `gpuguard
 status` and recovered only with the unit's on_engine_dead = "recover"; and the phases of each
 start (weights, CUDA graphs, ready), learned per unit, with a start stuck in one phase past
-its learned budget reported as a WARNING (/usr/share/doc/gpuguard/liveness.md).
+its learned budget reported as a WARNING and recovered only with the unit's on_start_stuck =
+"recover" (/usr/share/doc/gpuguard/liveness.md).
 
 History replayed at start rebuilds the detection window but is never acted on; time is the
 journal's monotonic clock, never the wall. A recovery interrupted by its death is resumed
@@ -240,7 +241,9 @@ change: a TimeoutStopSec= shorter than the observed drains (how many stops ended
 the drain distribution, a timeout of p99 x 1.5), a KillMode= that leaves workers running and
 the processes that survived stops, a Restart= policy whose loops the start limit never ends
 (and what a loop costs per hour in model loads, including a refusing gate), the gate missing
-or its timeout above TimeoutStartSec=, GPU sets shared with another watched unit, PATH,
+or its timeout above TimeoutStartSec=, a TimeoutStartSec= and a gate timeout from the starts
+and gate waits gpuguard learned (none proposed from fewer than 3), GPU sets shared with another
+watched unit, PATH,
 LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change,
 nvidia-persistenced not running, and GPUs with MIG mode on (gpuguard judges nothing there).
 Every finding has its evidence and the drop-in lines that

@@ -139,6 +139,14 @@ class UnitSettings(_Strict):
         "the journal and the metrics, or also recover the unit the usual way (stop, reap, wait "
         "for idle GPUs, start; with its backoff, dry_run and needs-operator).",
     )
+    on_start_stuck: Literal["report", "recover"] = Field(
+        default="report",
+        description="What the daemon does when a start of the unit is stuck: in one phase past "
+        "the budget its learned starts taught (at least 3), with no phase line since: report it "
+        "(status WARNING, the journal, the metrics), or also recover the unit as for a dead "
+        "engine (the same backoff, dry_run and needs-operator), only while that run is still "
+        "the unit's.",
+    )
 
     adopt: tuple[str, ...] = Field(
         default=(),

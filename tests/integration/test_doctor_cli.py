@@ -182,3 +182,26 @@ def test_doctor_reads_persistence_mode_through_nvml(cli: Cli) -> None:
     for gpu in range(4):
         update_gpu(cli.state, gpu, persistence_mode=1)
     assert "persistence mode is on on every GPU" in cli("doctor", "--unit", "sglang.service").out
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_proposes_timeout_start_sec_from_the_daemons_saved_starts(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A Type=notify unit with 3 starts saved in state_dir: one TimeoutStartSec= line in --fix."""
+    show = tmp_path / "sglang.show"
+    show.write_text(show.read_text().replace("Type=simple", "Type=notify"))
+    starts = [
+        {"invocation_id": f"run{n}", "ready_s": ready, "phases": {"starting": ready}}
+        for n, ready in enumerate([40.0, 50.0, 60.0])
+    ]
+    saved = cli.config.parent / "lib" / "units" / "sglang.service.json"
+    saved.parent.mkdir(parents=True)
+    saved.write_text(json.dumps({"schema_version": 1, "liveness": {"starts": starts}}))
+    result = cli("doctor", "--unit", "sglang.service")
+    assert "WARNING  TimeoutStartSec=1min 30s can kill a healthy slow start" in result.out
+    assert f"saved them in {saved}: median 50s, longest 1min" in result.out
+    fixed = cli("doctor", "--unit", "sglang.service", "--fix").out.splitlines()
+    assert [line for line in fixed if line.startswith("TimeoutStartSec=")] == [
+        "TimeoutStartSec=2min"
+    ]

@@ -76,6 +76,8 @@ def test_incident_is_reaped_and_the_next_start_succeeds(
     assert decision["result"] == "passed"
     assert sorted(r["pid"] for r in decision["reaped"]) == sorted(server.children)
     assert {r["outcome"] for r in decision["reaped"]} == {"killed"}
+    # NVML lists the killed server's PID, not the workers': no positive evidence, no timing.
+    assert decision["released"] == []
 
     successor = spawn_holder(cli.state, gpus=(0, 1, 2, 3), mib=20000, name="sglang next run")
     assert allocated_mib(cli.state, 0) == 20000
@@ -83,6 +85,31 @@ def test_incident_is_reaped_and_the_next_start_succeeds(
     status = cli("status", "--json").json()
     gates = next(u for u in status["units"] if u["name"] == "sglang.service")
     assert gates is not None
+
+
+def test_the_gate_times_the_drivers_release_of_what_it_reaped(
+    cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
+) -> None:
+    """A stale holder NVML lists on GPUs 0 and 1: each GPU's release, from its SIGTERM, recorded."""
+    unit = unit_name()
+    for gpu in (0, 1):
+        update_gpu(cli.state, gpu, release_delay_ms=1200)
+    holder = spawn_holder(cli.state, gpus=(0, 1), mib=20000, name="sglang::scheduler_TP0")
+    unit_cgroups.move(holder.pid, unit)
+
+    started = time.monotonic()
+    result = gate_in_unit(cli, unit_cgroups, unit, "--grace", "5", "--timeout", "30")
+    took = time.monotonic() - started
+
+    assert result.code == 0, result.err
+    decision = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())[-1]
+    assert [r["outcome"] for r in decision["reaped"]] == ["exited"]
+    released = {r["gpu"]: r for r in decision["released"]}
+    assert sorted(released) == [0, 1]
+    for record in released.values():
+        assert 1.2 <= record["seconds"] < took, record
+        assert record["model"] == "NVIDIA H200"
+        assert record["uuid"].startswith("GPU-")
 
 
 def test_fast_path_when_idle(cli: Cli, unit_cgroups: UnitCgroups) -> None:

@@ -79,11 +79,19 @@ def build(
     entries: list[dict[str, object]],
     *,
     on_engine_dead: Literal["report", "recover"] = "report",
+    on_start_stuck: Literal["report", "recover"] = "report",
     live: bool = True,
+    learned: list[dict[str, Any]] | None = None,
 ) -> Harness:
-    """A daemon watching UNIT (a vLLM unit) over ``entries``; it stops after a few idle turns."""
+    """A daemon watching UNIT (a vLLM unit) over ``entries``; it stops after a few idle turns.
+
+    ``learned``: the starts the unit's saved state holds (core.liveness export).
+    """
+    units = UnitSettings(
+        server="vllm", on_engine_dead=on_engine_dead, on_start_stuck=on_start_stuck
+    )
     settings = Settings(
-        units={UNIT: UnitSettings(server="vllm", on_engine_dead=on_engine_dead)},
+        units={UNIT: units},
         runtime_dir=tmp_path / "run",
         state_dir=tmp_path / "lib",
         reap_grace_s=1.0,
@@ -98,6 +106,8 @@ def build(
     recorder = Recorder()
     snapshots: list[dict[str, Any]] = []
     saved: dict[str, dict[str, Any]] = {}
+    if learned is not None:
+        saved[UNIT] = {"schema_version": 1, "liveness": {"starts": learned}}
     daemons: list[Daemon] = []
     turns = [0]
 
@@ -302,3 +312,73 @@ def test_an_exit_0_systemd_restarts_by_itself_is_left_to_systemd(tmp_path: Path)
     [(_, decision)] = _said(harness, "engine dead: decision")
     assert decision["action"] == "report"
     assert "auto-restart" in str(decision["reason"])
+
+
+def loading_for(seconds: float) -> list[dict[str, object]]:
+    """Started, then vLLM's "Starting to load model" line, and ``seconds`` later nothing else."""
+    starting, started, output = clean_start_stop()[:3]
+    base = int(str(output["__MONOTONIC_TIMESTAMP"]))
+    loading = dict(output) | {"MESSAGE": "Starting to load model meta-llama/Llama-3.1-70B..."}
+    quiet = dict(output) | {
+        "MESSAGE": "INFO: 127.0.0.1 GET /health 503",
+        "__CURSOR": f"{output['__CURSOR']}1",
+        "__MONOTONIC_TIMESTAMP": str(base + int(seconds * 1e6)),
+    }
+    return [starting, started, loading, quiet]
+
+
+LEARNED = [
+    {"invocation_id": f"run{n}", "ready_s": 120.0, "phases": {"loading-weights": 40.0}}
+    for n in range(3)
+]
+"""Three starts whose weights took 40 s: the phase's budget is 100 s (40 s + 60 s)."""
+
+
+def test_a_stuck_start_is_only_reported_by_default(tmp_path: Path) -> None:
+    """Loading weights for 5 min against a 100 s budget: one warning, nothing done."""
+    harness = build(tmp_path, loading_for(300.0), learned=LEARNED)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    [(level, said)] = _said(harness, "start stuck")
+    assert (level, said["action"]) == ("warning", "report")
+    assert str(said["summary"]).startswith("stuck in phase loading weights for 5 min")
+
+
+def test_an_opted_in_stuck_start_is_recovered_the_usual_way(tmp_path: Path) -> None:
+    """on_start_stuck = "recover": stop, reset-failed, start, recorded with the stuck summary."""
+    harness = build(tmp_path, loading_for(300.0), learned=LEARNED, on_start_stuck="recover")
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    [(_, decision)] = _said(harness, "start stuck: decision")
+    assert decision["action"] == "recover"
+    record = harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]
+    assert record["result"] == "restarted"
+    assert str(record["reason"]).startswith("stuck in phase loading weights")
+
+
+def test_a_slow_start_within_its_budget_is_never_touched(tmp_path: Path) -> None:
+    """Loading weights for 90 s, within its 100 s budget, even opted in: nothing said or done."""
+    harness = build(tmp_path, loading_for(90.0), learned=LEARNED, on_start_stuck="recover")
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not _said(harness, "start stuck")
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "starting"
+
+
+def test_a_stuck_start_that_is_no_longer_the_units_run_is_left_alone(tmp_path: Path) -> None:
+    """Another invocation runs now: the stuck run is not the unit's, so it is only reported."""
+    harness = build(tmp_path, loading_for(300.0), learned=LEARNED, on_start_stuck="recover")
+    harness.unit.invocation = "f" * 32
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    [(_, decision)] = _said(harness, "start stuck: decision")
+    assert decision["action"] == "report"
+    assert decision["reason"] == f"the stuck start is no longer {UNIT}'s run"

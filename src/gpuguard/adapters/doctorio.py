@@ -23,13 +23,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.adapters import programs, systemd
+from gpuguard.adapters import programs, state, systemd
 from gpuguard.core.doctor import (
     DAEMON_UNIT,
     SWEEP_EVENT,
+    GateWaits,
     GpuUseFacts,
     History,
     HostFacts,
+    LearnedStarts,
     PathFact,
     UnitFacts,
     build_history,
@@ -37,6 +39,7 @@ from gpuguard.core.doctor import (
 from gpuguard.core.events import FIELDS_READ
 from gpuguard.core.gpuset import resolve_gpu_set
 from gpuguard.core.mig import mig_indices
+from gpuguard.core.startbudgets import parse_starts
 from gpuguard.core.unitconfig import (
     ENV_FILE_MAX_BYTES,
     PROPERTIES,
@@ -204,7 +207,51 @@ def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> 
         paths=paths,
         problems=tuple(problems),
         use=gpu_use(now, unit, watched.gpus if watched else None, environment),
+        learned=learned_starts(settings.state_dir, unit) if watched else None,
+        gate_waits=gate_waits(settings.runtime_dir, unit),
     )
+
+
+def learned_starts(state_dir: Path, unit: str) -> LearnedStarts:
+    """The starts the daemon saw come up, from the unit's saved state (``liveness.starts``)."""
+    path = state.unit_state_path(state_dir, unit)
+    saved = state.read_json(path)
+    if saved is None:
+        return LearnedStarts(str(path), problems=_unread(path))
+    liveness = saved.get("liveness") if isinstance(saved, dict) else None
+    if not isinstance(liveness, dict):
+        return LearnedStarts(str(path))
+    starts, problems = parse_starts(liveness)
+    return LearnedStarts(str(path), tuple(s.ready_s for s in starts), tuple(problems))
+
+
+def _unread(path: Path) -> tuple[str, ...]:
+    """Why a state file read as nothing: missing is no problem (nothing learned yet)."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return ()
+    except OSError as err:
+        return (f"cannot be read: {err.strerror}",)
+    return ("not readable as gpuguard's unit state",)
+
+
+def gate_waits(runtime_dir: Path, unit: str) -> GateWaits | None:
+    """The gate's recorded decisions for the unit (since boot: runtime_dir is /run), if any."""
+    decisions = state.gate_decisions(runtime_dir, unit)
+    if not decisions:
+        return None
+    waited = tuple(
+        float(d["waited_s"])
+        for d in decisions
+        if d.get("result") == "passed"
+        and not d.get("fast_path")
+        and isinstance(d.get("waited_s"), (int, float))
+        and not isinstance(d.get("waited_s"), bool)
+        and 0 < d["waited_s"] < 10**6
+    )
+    refused = sum(d.get("result") == "refused" for d in decisions)
+    return GateWaits(str(state.gate_log_path(runtime_dir, unit)), waited, refused)
 
 
 def gpu_use(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.adapters import files, state, watched
 from gpuguard.config import listen_address
 from gpuguard.core import metrics
+from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
 from gpuguard.core.values import MIB
 
@@ -86,6 +87,7 @@ class Exporter:
         self._wall = wall
         self.tally = metrics.Tally()
         self.latest = metrics.Latest()
+        self._releases = ReleaseWatch()
         self._inventory: Inventory | None = None
         self._inventory_at = float("-inf")
         self._watched: tuple[WatchedUnit, ...] = ()
@@ -109,21 +111,35 @@ class Exporter:
         return baseline
 
     def gather(self) -> Inventory:
-        """The daemon's gather, remembered (and its NVML health counted)."""
+        """The daemon's gather, remembered (its NVML health counted, the GPUs it shows released).
+
+        NVML is read first in a gather: a release is timed at the gather's start.
+        """
+        begun = self._monotonic()
         inventory = self._gather()
         self._inventory, self._inventory_at = inventory, self._monotonic()
         self.tally.count_nvml(inventory.nvml.health)
+        for release in self._releases.observe(inventory.nvml, begun):
+            self.tally.releases.add(release)
+            self._log.info(
+                "GPU memory released",
+                gpu=release.gpu,
+                uuid=release.uuid,
+                seconds=round(release.seconds, 3),
+            )
         return inventory
 
     def reaped(
         self, reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
     ) -> Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]:
-        """The daemon's reap, with each process's outcome counted."""
+        """The daemon's reap, with each process's outcome counted and its GPUs' release timed."""
 
         def counted(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
             results = reap(targets)
             for result in results:
                 self.tally.count_reaped("daemon", result.outcome.value)
+            # The reap was planned on the newest inventory: the GPUs it listed the holders on.
+            self._releases.reaped(results, self._inventory.nvml if self._inventory else None)
             return results
 
         return counted

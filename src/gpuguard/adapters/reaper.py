@@ -51,12 +51,14 @@ class _Tracked:
     signals: list[str] = field(default_factory=list)
     outcome: ReapOutcome | None = None
     detail: str | None = None
+    last_signal_s: float | None = None
 
     def result(self) -> ReapResult:
         """The frozen result of a settled target."""
         if self.outcome is None:
             raise RuntimeError(f"internal error: PID {self.target.identity.pid} is not settled")
-        return ReapResult(self.target, self.outcome, tuple(self.signals), self.detail)
+        signals = tuple(self.signals)
+        return ReapResult(self.target, self.outcome, signals, self.detail, self.last_signal_s)
 
     def pidfd(self) -> int:
         """The open pidfd of a pinned target that is not settled yet."""
@@ -196,6 +198,7 @@ def _send(item: _Tracked, sig: signal.Signals, log: EventLogger) -> bool:
         _settle(item, ReapOutcome.ERROR, f"{sig.name} failed: {error.strerror}", log)
         return True
     item.signals.append(sig.name)
+    item.last_signal_s = time.monotonic()
     log.info("signal", signal=sig.name, **_fields(item.target))
     return True
 

@@ -47,6 +47,14 @@ def read_json(path: Path) -> Any:  # noqa: ANN401 - JSON is untyped until the ca
         return None
 
 
+def unit_state_path(state_dir: Path, unit: str) -> Path:
+    """Where a unit's recovery history, planner state and learned starts survive reboots.
+
+    The daemon writes it; ``gpuguard doctor`` reads the learned starts from it.
+    """
+    return state_dir / "units" / f"{unit}.json"
+
+
 def gate_log_path(runtime_dir: Path, unit: str) -> Path:
     """Where a unit's recent gate decisions live."""
     return runtime_dir / "gate" / f"{unit}.json"

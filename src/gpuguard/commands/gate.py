@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.release import Release
     from gpuguard.core.values import NvmlReading, ReapResult, ReapTarget
 
 # The gate's verdict is one journal entry; journald splits lines longer than LineMax (48K).
@@ -133,6 +134,7 @@ def run(
         reaper,
     )
     from gpuguard.core import gate  # noqa: PLC0415
+    from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415
 
     unknown = unknown_unit(settings, args.unit, "gate", force=getattr(args, "force", False))
     if unknown is not None:
@@ -144,16 +146,25 @@ def run(
         timeout = min(timeout, settings.gate_timeout_s)  # a unit may not hold a slot for longer
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     pending = [first]
+    latest = [first]
+    watch = ReleaseWatch()
+    released: list[Release] = []
 
     def gather() -> Inventory:
-        return pending.pop() if pending else inventory.gather(settings)
+        """The next inventory; the GPUs it shows released (NVML is read first: timed here)."""
+        begun = time.monotonic()
+        latest[0] = pending.pop() if pending else inventory.gather(settings)
+        released.extend(watch.observe(latest[0].nvml, begun))
+        return latest[0]
 
     def logger() -> reaper.EventLogger:
         logs.configure_logging(json=False)  # structlog loads only when something is logged
         return logs.get_logger().bind(unit=args.unit, command="gate")
 
     def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
-        return reaper.reap(targets, grace_s=grace, logger=logger())
+        results = reaper.reap(targets, grace_s=grace, logger=logger())
+        watch.reaped(results, latest[0].nvml)  # planned on the latest inventory
+        return results
 
     def report(line: str) -> None:
         say(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}")
@@ -188,7 +199,9 @@ def run(
             logger=logger,
         ),
     )
-    return _finish_gate(settings.runtime_dir, outcome, planned.gpu_set, planned.notices)
+    return _finish_gate(
+        settings.runtime_dir, outcome, planned.gpu_set, planned.notices, tuple(released)
+    )
 
 
 def oom_gpu(
@@ -210,7 +223,11 @@ def oom_gpu(
 
 
 def _finish_gate(
-    runtime_dir: Path, outcome: GateOutcome, gpu_set: GpuSet, problems: tuple[str, ...]
+    runtime_dir: Path,
+    outcome: GateOutcome,
+    gpu_set: GpuSet,
+    problems: tuple[str, ...],
+    released: tuple[Release, ...] = (),
 ) -> GateVerdict:
     """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
     from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
@@ -228,6 +245,7 @@ def _finish_gate(
             for d in outcome.spared
         ],
         "blockers": list(outcome.blockers),
+        "released": [release.to_json() for release in released],
     }
     try:
         state.record_gate_decision(runtime_dir, outcome.unit, record)

@@ -138,6 +138,7 @@ def _import_request_path() -> None:
         protection,
         records,
         redaction,
+        release,
         since,
         snapshot,
         unitconfig,

@@ -21,10 +21,16 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone, tzinfo
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from gpuguard.core.enginelines import BY_KEY, PHASE_ORDER, PHASE_WORDS, Phase
 from gpuguard.core.events import EventKind
+from gpuguard.core.startbudgets import (
+    STARTS_KEPT,
+    PhaseTimes,
+    StartRecord,
+    parse_starts,
+)
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
@@ -32,14 +38,6 @@ if TYPE_CHECKING:
 
     from gpuguard.core.events import UnitEvent
 
-MIN_STARTS: Final = 3
-"""Starts that came up before a phase has a budget: fewer teach nothing about a slow disk."""
-STARTS_KEPT: Final = 20
-"""Starts remembered per unit (the newest): the budget follows the host as it changes."""
-BUDGET_FACTOR: Final = 1.5
-BUDGET_SLACK_S: Final = 60.0
-"""A phase's budget: the longest it took in the remembered starts times 1.5, and at least 60 s more
-than that longest (a 4 s phase that takes 7 s once is not stuck)."""
 ENGINE_DEAD_GRACE_S: Final = 10.0
 """A fatal line makes a dead engine once its run still lives this long after it: a server whose
 engine dies (at start, typically) usually exits on its own within seconds, and systemd and the
@@ -86,37 +84,37 @@ class DeadEngine:
     """The main process exited (status 0, no stop job): systemd has nothing left to restart."""
 
 
-@dataclass(frozen=True, slots=True)
-class StartRecord:
-    """One start that came up: seconds to ready, and in each phase it went through."""
-
-    invocation_id: str
-    ready_s: float
-    phases: tuple[tuple[Phase, float], ...]
-
-    def to_json(self) -> dict[str, Any]:
-        """As the unit's saved state keeps it."""
-        return {
-            "invocation_id": self.invocation_id,
-            "ready_s": round(self.ready_s, 3),
-            "phases": {phase.value: round(seconds, 3) for phase, seconds in self.phases},
-        }
+def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) -> bool:
+    """Whether the unit opted in to the daemon's recovery of what ``view`` shows."""
+    if view.dead is not None:
+        return on_engine_dead == "recover"
+    return view.state is State.STUCK and on_start_stuck == "recover"
 
 
-@dataclass(frozen=True, slots=True)
-class PhaseTimes:
-    """How long one phase took in the remembered starts: typical and longest, and the budget."""
-
-    usual_s: float
-    longest_s: float
-    starts: int
+class UnitNow(Protocol):
+    """What systemd says of the unit now (``adapters.systemd.UnitState`` is one)."""
 
     @property
-    def budget_s(self) -> float | None:
-        """Past this, a start in the phase is stuck; None until MIN_STARTS taught it."""
-        if self.starts < MIN_STARTS:
-            return None
-        return max(self.longest_s * BUDGET_FACTOR, self.longest_s + BUDGET_SLACK_S)
+    def active_state(self) -> str | None: ...  # noqa: D102 - systemd's ActiveState
+    @property
+    def sub_state(self) -> str | None: ...  # noqa: D102 - systemd's SubState
+    @property
+    def invocation_id(self) -> str | None: ...  # noqa: D102 - the run systemd runs now
+
+
+def left_alone(view: LivenessView, unit: str, now: UnitNow) -> str | None:
+    """Why the daemon leaves an opted-in unit alone after all; None: recover it.
+
+    Never worse than doing nothing: a stuck start that is no longer the unit's run, a unit
+    someone stopped, a unit systemd restarts by itself (an exit 0 under Restart=always).
+    """
+    if view.dead is None and now.invocation_id != view.invocation_id:
+        return f"the stuck start is no longer {unit}'s run"
+    if now.active_state == "inactive" and not (view.dead and view.dead.unit_inactive):
+        return f"{unit} was stopped: gpuguard does not start it"
+    if now.sub_state == "auto-restart":
+        return f"systemd restarts {unit} itself (auto-restart)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,41 +463,9 @@ class Liveness:
 
     def restore(self, saved: Mapping[str, Any]) -> list[str]:
         """Take back what ``export`` saved; each malformed start is left out and named."""
-        starts = saved.get("starts")
-        if not isinstance(starts, list):
-            return [] if starts is None else ["liveness starts is not a list"]
-        problems: list[str] = []
-        for item in starts[-STARTS_KEPT:]:
-            start = _start_from_json(item)
-            if start is None:
-                problems.append("a remembered start is malformed")
-            else:
-                self._starts.append(start)
+        kept, problems = parse_starts(saved)
+        self._starts.extend(kept)
         return problems
-
-
-def _start_from_json(item: object) -> StartRecord | None:
-    if not isinstance(item, dict):
-        return None
-    invocation, ready, phases = item.get("invocation_id"), item.get("ready_s"), item.get("phases")
-    if not isinstance(invocation, str) or not isinstance(phases, dict):
-        return None
-    if not isinstance(ready, (int, float)) or not _is_seconds(ready):
-        return None
-    kept: list[tuple[Phase, float]] = []
-    for name, seconds in phases.items():
-        if name not in Phase.__members__.values() or not _is_seconds(seconds):
-            return None
-        kept.append((Phase(name), float(seconds)))
-    return StartRecord(invocation, float(ready), tuple(kept))
-
-
-def _is_seconds(value: object) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and 0 <= value < 10**7  # about four months: no start takes longer
-    )
 
 
 def _round(value: float | None) -> float | None:

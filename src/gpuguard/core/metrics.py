@@ -27,6 +27,8 @@ from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
+from gpuguard.core.release import Release
+from gpuguard.core.releasetimes import ReleaseTimes, release_family
 from gpuguard.core.values import NvmlHealth, ReapOutcome, UnitProvenance
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ class Tally:
         self.gate_decisions: Counter[tuple[str, str]] = Counter()
         self.reaped: Counter[tuple[str, str]] = Counter()
         self.nvml_errors: Counter[str] = Counter()
+        self.releases = ReleaseTimes()
+        """Seconds from a holder's last signal to its GPU's release (core.release)."""
         self._seen: dict[str, list[str]] = {}
 
     def baseline(self, history: str, entries: Sequence[Mapping[str, Any]]) -> None:
@@ -104,6 +108,10 @@ class Tally:
             reaped = decision.get("reaped")
             for entry in reaped if isinstance(reaped, list) else ():
                 self.count_reaped("gate", entry.get("outcome") if isinstance(entry, dict) else None)
+            released = decision.get("released")
+            for item in released if isinstance(released, list) else ():
+                if (release := Release.from_json(item)) is not None:
+                    self.releases.add(release)
 
     def count_reaped(self, reaper: str, outcome: object) -> None:
         """One process the daemon or the gate reaped, by how it ended."""
@@ -122,6 +130,7 @@ class Tally:
             "gate_decisions": [[*key, n] for key, n in sorted(self.gate_decisions.items())],
             "reaped": [[*key, n] for key, n in sorted(self.reaped.items())],
             "nvml_errors": [[key, n] for key, n in sorted(self.nvml_errors.items())],
+            "releases": self.releases.to_json(),
         }
 
     @classmethod
@@ -136,6 +145,7 @@ class Tally:
                 target[row[0], row[1]] = row[-1]
         for row in _rows(document.get("nvml_errors"), 1):
             tally.nvml_errors[row[0]] = row[-1]
+        tally.releases = ReleaseTimes.from_json(document.get("releases"))
         return tally
 
 
@@ -410,7 +420,7 @@ def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
             reaped.add_metric([reaper, outcome], tally.reaped[reaper, outcome])
     for error in _NVML_ERRORS:
         nvml.add_metric([error], tally.nvml_errors[error])
-    return [recoveries, gate, reaped, nvml]
+    return [recoveries, gate, reaped, nvml, release_family(tally.releases)]
 
 
 def _daemon_families(observed: Observed) -> list[Metric]:

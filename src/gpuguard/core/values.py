@@ -276,3 +276,6 @@ class ReapResult:
     outcome: ReapOutcome
     signals: tuple[str, ...] = ()
     detail: str | None = None
+    last_signal_s: float | None = None
+    """When the last of ``signals`` was sent (``time.monotonic``): where the driver's release of
+    the process's GPU memory is timed from (core.release); None when none was sent."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.adapters.journal import KERNEL
 from gpuguard.core.events import EventKind, parse_entry
-from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, State
+from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, State, acted_on, left_alone
 from gpuguard.core.recovery import Action, RecoveryDecision
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
@@ -285,35 +285,36 @@ class Daemon(Judging, Sweeping):
     def _dead_engines(self) -> None:
         """Recover each unit whose engine is still dead after its grace, if it opted in.
 
-        Also says once per run that a start is stuck in a phase (reported only).
+        Also says once per run that a start is stuck in a phase, and recovers it if opted in.
         """
         now = self._ports.monotonic()
         for watch in self._watches.values():
+            unit = self._settings.units[watch.name]
             if watch.liveness.tick(now):
                 self._said_dead(watch)
             view = watch.liveness.view(now)
             if view.state is State.STUCK and watch.stuck_said != view.invocation_id:
                 watch.stuck_said = view.invocation_id
-                self._ports.log.warning("start stuck", unit=watch.name, summary=view.summary)
+                action = unit.on_start_stuck
+                self._ports.log.warning(
+                    "start stuck", unit=watch.name, summary=view.summary, action=action
+                )
+                watch.dead_due = now if action == "recover" else watch.dead_due
             if watch.dead_due is None or now < watch.dead_due:
                 continue
             watch.dead_due = None
             view = watch.liveness.view(now)
-            if view.dead is None or self._settings.units[watch.name].on_engine_dead != "recover":
+            if not acted_on(
+                view, on_engine_dead=unit.on_engine_dead, on_start_stuck=unit.on_start_stuck
+            ):
                 continue
             state = self._show_unit(watch.name)
             self._note_state(watch, state)
             decision = watch.planner.decide_engine_dead(view.summary, now)
-            if state.active_state == "inactive" and not view.dead.unit_inactive:
-                decision = RecoveryDecision(
-                    Action.REPORT, f"{watch.name} was stopped: gpuguard does not start it"
-                )
-            elif state.sub_state == "auto-restart":  # Restart=always after an exit 0
-                decision = RecoveryDecision(
-                    Action.REPORT, f"systemd restarts {watch.name} itself (auto-restart)"
-                )
+            if (why := left_alone(view, watch.name, state)) is not None:
+                decision = RecoveryDecision(Action.REPORT, why)
             self._ports.log.warning(
-                "engine dead: decision",
+                "engine dead: decision" if view.dead else "start stuck: decision",
                 unit=watch.name,
                 action=decision.action.value,
                 reason=decision.reason,
@@ -323,7 +324,8 @@ class Daemon(Judging, Sweeping):
                 watch.dead_due = decision.not_before_s
             elif decision.action is Action.RECOVER:
                 quick = watch.detector.diagnose(now, None)
-                cause = replace(quick, reason=view.summary, evidence=(view.dead.line,))
+                line = view.dead.line if view.dead else view.summary
+                cause = replace(quick, reason=view.summary, evidence=(line,))
                 self._recover(watch, cause, self._gather(), state)
                 self._save(watch)
 

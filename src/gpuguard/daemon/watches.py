@@ -28,8 +28,6 @@ from gpuguard.daemon.ledgerkeeper import LedgerKeeper
 from gpuguard.daemon.watchdog import WatchdogFeeder
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.detector import Diagnosis
@@ -217,8 +215,3 @@ def describe_state(state: UnitState) -> str:
     if state.not_found:
         return "not found (LoadState=not-found: systemd has no such unit)"
     return f"{state.active_state} ({state.sub_state})"
-
-
-def unit_state_path(state_dir: Path, unit: str) -> Path:
-    """Where a unit's recovery history and planner state survive restarts and reboots."""
-    return state_dir / "units" / f"{unit}.json"

@@ -34,7 +34,6 @@ from gpuguard.core.exits import EX_CANTCREAT
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports
-from gpuguard.daemon.watches import unit_state_path
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -59,12 +58,14 @@ def run(settings: Settings) -> int:
 
     def save_unit_state(unit: str, document: dict[str, Any]) -> None:
         try:
-            state.write_json(unit_state_path(settings.state_dir, unit), document, durable=True)
+            state.write_json(
+                state.unit_state_path(settings.state_dir, unit), document, durable=True
+            )
         except OSError as err:
             log.warning("cannot save unit state", unit=unit, error=str(err))
 
     def load_unit_state(unit: str) -> dict[str, Any] | None:
-        saved = state.read_json(unit_state_path(settings.state_dir, unit))
+        saved = state.read_json(state.unit_state_path(settings.state_dir, unit))
         return saved if isinstance(saved, dict) else None
 
     # A signal writes a byte here, so SIGTERM ends the loop's long idle wait at once.
