@@ -27,8 +27,15 @@ import pytest
 
 from e2e.container import ContainerError
 from e2e.gpubox import CONFIG, UNIT, GpuBox, daemon_events, install
-from e2e.measure import Timeline
-from e2e.scenario import SAME_STOP_TIMEOUT, SERVING_MIB, SETTLE_S, alive, finish
+from e2e.measure import SESSION_NOTES, Timeline
+from e2e.scenario import (
+    PROCESS_EXIT,
+    SAME_STOP_TIMEOUT,
+    SERVING_MIB,
+    SETTLE_S,
+    alive,
+    finish,
+)
 
 if TYPE_CHECKING:
     from e2e.conftest import ContainerFactory
@@ -43,6 +50,13 @@ LEDGER = "/run/gpuguard/ledger.json"
 COMMAND = f"gpuguard reap --unit {UNIT} --scope patterns"
 #: (o): the gate's wait, short so its refusal comes soon (the shipped default is longer).
 GATE_ALONE_CONFIG = CONFIG.replace("gate_timeout_s = 60.0", "gate_timeout_s = 8.0")
+#: Issue 22's bound on (m): the run that serves starts within grace + release + 2 s of the
+#: trigger (reap_grace_s of CONFIG; the fake driver's release_delay_ms, install's default).
+GRACE_S = 1.0
+assert f"\nreap_grace_s = {GRACE_S}\n" in CONFIG, "GRACE_S is CONFIG's reap_grace_s"
+RELEASE_S = 0.5
+BOUND_S = GRACE_S + RELEASE_S + 2.0
+UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
 
 
 def serve_escaped(gpubox: GpuBox, *, after_s: float | None = None) -> tuple[str, list[int]]:
@@ -123,6 +137,33 @@ def measured(
     )
 
 
+def start_after(gpubox: GpuBox, since_s: float, serving: str) -> float:
+    """Seconds from the old run's end to systemd's start of the run ``serving``, by journald.
+
+    The old run ends when its main process is killed: the crash's SIGKILL, or the restart's
+    stop timing out (SIGKILL after TimeoutStopSec=); from then on only the stop-reap, the gate
+    and RestartSec= stand before the next start. Both are PID 1's entries with journald's
+    trusted fields (``_PID=1``, ``__MONOTONIC_TIMESTAMP``).
+    """
+    entries = gpubox.box.journal(["_PID=1", f"UNIT={UNIT}", f"--since=@{int(since_s) - 1}"])
+    started = [
+        int(str(e["__MONOTONIC_TIMESTAMP"]))
+        for e in entries
+        if e.get("MESSAGE_ID") == UNIT_STARTED and e.get("INVOCATION_ID") == serving
+    ]
+    assert started, entries
+    ended = [
+        int(str(e["__MONOTONIC_TIMESTAMP"]))
+        for e in entries
+        if e.get("INVOCATION_ID") != serving
+        and e.get("MESSAGE_ID") == PROCESS_EXIT
+        and e.get("EXIT_CODE") == "killed"
+        and int(str(e["__MONOTONIC_TIMESTAMP"])) <= started[0]
+    ]
+    assert ended, entries
+    return round((started[0] - max(ended)) / 1e6, 2)
+
+
 def test_m_daemon_and_gate_escaped_workers_restart_and_crash(gpubox: GpuBox) -> None:
     """The package as shipped with the gate: 0 failed starts after a restart and after a crash."""
     gpubox.install_gate(extra=SAME_STOP_TIMEOUT)
@@ -136,6 +177,11 @@ def test_m_daemon_and_gate_escaped_workers_restart_and_crash(gpubox: GpuBox) -> 
     m = measured(gpubox, timeline, "m1", "escaped workers, restart, daemon + gate", "both", serving)
     assert m.failed_starts == 0, m
     assert m.healthy_s is not None, m
+    took = start_after(gpubox, t0, second)
+    SESSION_NOTES.append(
+        f"(m1) the old run SIGKILLed at the stop timeout -> the serving run started: {took} s"
+    )
+    assert took <= BOUND_S, (took, BOUND_S)
     assert not any(alive(gpubox, pid) for pid in workers)
     assert gpubox.allocated() == [SERVING_MIB] * 4  # the new run, alone
 
@@ -143,10 +189,13 @@ def test_m_daemon_and_gate_escaped_workers_restart_and_crash(gpubox: GpuBox) -> 
     timeline = Timeline(time.time())
     timeline.mark(f"serving (run {second[:8]}), TP0-TP3 {new_workers} each in its own scope")
     t1 = crash(gpubox, timeline)
-    serve_escaped(gpubox, after_s=t1)
+    third, _ = serve_escaped(gpubox, after_s=t1)
     m = measured(gpubox, timeline, "m2", "escaped workers, crash, daemon + gate", "both", second)
     assert m.failed_starts == 0, m
     assert m.healthy_s is not None, m
+    took = start_after(gpubox, t1, third)
+    SESSION_NOTES.append(f"(m2) the crash (SIGKILL) -> the serving run started: {took} s")
+    assert took <= BOUND_S, (took, BOUND_S)
     assert not any(alive(gpubox, pid) for pid in new_workers)
     assert gpubox.allocated() == [SERVING_MIB] * 4
 

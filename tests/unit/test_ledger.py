@@ -238,6 +238,14 @@ def test_holders_the_plan_cannot_free_block_a_recovery() -> None:
     assert operator_command(UNIT) == "gpuguard reap --unit sglang.service --scope patterns"
 
 
+def test_another_users_job_in_the_units_own_cgroup_blocks_a_recovery() -> None:
+    """A shared service's tenant job (KillMode=process) survives the stop, no plan reaps it."""
+    tenant = replace(holder(300, invocation=OLD, uids=TENANT), gpus=listed(0))
+    found = inventory(nvml(gpu(0, (300, 30000))))
+    [blocker] = unfreeable(plan([tenant], request()), found, 16 * 2**20)
+    assert blocker.startswith("PID 300 (python3) on GPU 0: runs as uid 1000/1000/1000/1000")
+
+
 def listed(*gpus: int) -> tuple[GpuUse, ...]:
     """GPU uses NVML lists with 30 GB each."""
     return tuple(GpuUse(g, 30 * 2**30, listed_by_nvml=True, holds_device_file=True) for g in gpus)

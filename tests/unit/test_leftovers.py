@@ -12,7 +12,16 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 import snapshots
-from builders import STATUS_CONTEXT, gpu, inventory, nvml, plan_request, process, training_job
+from builders import (
+    STATUS_CONTEXT,
+    UNIT_CGROUP,
+    gpu,
+    inventory,
+    nvml,
+    plan_request,
+    process,
+    training_job,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import parse_settings, warnings
@@ -236,6 +245,24 @@ def test_the_gates_refusal_names_the_patterns_command() -> None:
         "sglang.service's patterns tie to it: after checking them, "
         "`gpuguard reap --unit sglang.service --scope patterns` frees them): GPU 0:"
     )
+
+
+def test_the_gates_refusal_names_no_command_for_another_users_job_in_the_units_cgroup() -> None:
+    """A shared service's other user's job (in its cgroup, matching its patterns): no command.
+
+    ``--scope patterns`` never reaps another uid in the unit's own cgroup, so naming it as the
+    way out would send the operator to a command that frees nothing.
+    """
+    bobs = replace(
+        process(31, 0, cgroup=UNIT_CGROUP, cmdline=("sglang::tp0",)), uid=1001, uids=(1001,) * 4
+    )
+    found = inventory(nvml(gpu(0, (31, 100000))), bobs)
+    settings = GateSettings(plan_request(gpu_set=frozenset({0})), 16 * MIB, timeout_s=0.0)
+    outcome = run_gate(settings, lambda: found, lambda _: (), lambda: 0.0, lambda _: None)
+    assert not outcome.passed
+    assert outcome.way_out is None
+    assert "gpuguard reap" not in outcome.message, outcome.message
+    assert "not as sglang.service's user (uid 0): never its" in outcome.message
 
 
 def test_a_loop_that_does_not_fit_says_the_knob() -> None:

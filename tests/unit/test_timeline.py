@@ -485,6 +485,34 @@ def test_gate_server_acceptance_and_a_neighbours_reap_lines(server_unit: str) ->
     assert "pid=6 " in found.rows[1].text
 
 
+def test_the_stop_reaps_outcome_through_the_gate_server_is_a_survivor() -> None:
+    """Workers the stop-reap reaped through the gate server are survivors, by their own PID.
+
+    The server copies the reaper's console line; the holder's command comes first and may
+    imitate a pid; the unit's copy of the line and a neighbour's reap count for nothing.
+    """
+    base = sample("bookworm", "clean-start-stop")[0]
+    reaper = (
+        "2026-12-01T23:59:28.023103Z [info     ] reap outcome                   "
+        "command='sglang::scheduler_TP0 outcome=killed pid=1 ' detail=None outcome=exited "
+        "pid=228 reason='left over from an earlier run of sglang.service (the ledger saw it "
+        "descend from run b115846fd5c4, uid 0; it moved to tp-worker-0-205.scope)' "
+        "signals=['SIGTERM'] start_time=4242 unit=tp-worker-0-205.scope"
+    )
+    entries = [
+        gate_server_line(base, 10, f"reap for {UNIT} from PID 291: {reaper}"),
+        gate_server_line(
+            base, 20, f"reap for x{UNIT} from PID 292: {reaper.replace('228', '229')}"
+        ),
+        unit_output(base, 30, reaper.replace("228", "230")),
+    ]
+    found = timeline.build(entries, UNIT)
+    assert found.story.survivors == ("PID 228: reaped by gpuguard",)
+    assert found.story.survivor_pids == 1
+    assert [row.kind for row in found.rows] == ["reap-outcome"]
+    assert found.rows[0].text.startswith("reap outcome: pid=228 outcome=exited; reap for ")
+
+
 def test_an_engines_fatal_line_is_the_units_row_once_per_run() -> None:
     """Explain shows the server's fatal line as the unit's word, with its cause, once per run."""
     base = sample("bookworm", "clean-start-stop")[0]

@@ -11,7 +11,7 @@ watched unit's cgroup is only ever that unit's business.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gpuguard.core.escaping import escape
@@ -222,12 +222,15 @@ def blockers(
 ) -> Blockers:
     """The holders on ``unit``'s GPUs that unit-scope reaping keeps, and the way out.
 
-    ``--scope patterns`` when every one matches the unit's patterns. Never ``--scope all``: a
-    holder that does not even look like the unit's is somebody else's, stopped by its owner.
+    ``--scope patterns`` when that scope would reap every one (each matches the unit's
+    patterns and none is another user's process in the unit's own cgroup, which no scope
+    reaps: a shared service's other job). Never ``--scope all``: a holder that does not even
+    look like the unit's is somebody else's, stopped by its owner.
     """
     kept: list[tuple[Holder, str]] = []
     elsewhere: set[str] = set()
-    for decision in plan(inventory.holders, _request(unit, protected)).decisions:
+    request = _request(unit, protected)
+    for decision in plan(inventory.holders, request).decisions:
         holder = decision.holder
         if decision.verdict is not Verdict.KEEP or not holder.gpus:
             continue
@@ -240,7 +243,9 @@ def blockers(
             elsewhere.add(owner)
             continue
         kept.append((holder, decision.reason))
-    patterns_only = bool(kept) and all(matching_pattern(h, unit.patterns) for h, _ in kept)
+    by_patterns = plan(inventory.holders, replace(request, scope=Scope.PATTERNS)).to_reap
+    freed = {decision.holder.identity for decision in by_patterns}
+    patterns_only = bool(kept) and all(h.identity in freed for h, _ in kept)
     command = reap_command(unit.name, Scope.PATTERNS) if patterns_only and not elsewhere else None
     return Blockers(unit.name, tuple(kept), command, tuple(sorted(elsewhere)))
 

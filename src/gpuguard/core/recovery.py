@@ -245,8 +245,10 @@ def unfreeable(
     than the idle threshold (or an unknown amount) - or, inside a PID namespace, where NVML's
     PIDs name nobody here, one holding the device file of a GPU whose memory is credited to its
     holders - and memory used from outside the container. A process in the unit's own cgroup
-    goes with the stop. When any remains, stopping the unit cannot help and only risks leaving
-    it down: the daemon asks an operator instead, and the gate's refusal names them.
+    goes with the stop, unless it runs as another uid: a shared service's other user's job
+    (``KillMode=process`` keeps it through the stop, and no plan reaps it). When any remains,
+    stopping the unit cannot help and only risks leaving it down: the daemon asks an operator
+    instead, and the gate's refusal names them.
     """
     request = kill_plan.request
     wanted = request.gpu_set
@@ -258,11 +260,13 @@ def unfreeable(
     for decision in kill_plan.spared:
         holder = decision.holder
         attribution = holder.attribution
+        uid = request.provenance.uid
         if (
             attribution.unit == request.unit
             and not attribution.user_unit
             and attribution.container is None
             and not attribution.unknown
+            and (uid is None or set(holder.uids) == {uid})
         ):
             continue
         held = [

@@ -366,6 +366,10 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
         return
     if owner == GATE_SERVER_UNIT or owner.startswith(GATE_SERVER_PREFIX):
         kind = _gate_server_kind(text, unit)
+        reaped = _SERVER_REAPED.search(text) if kind in {"gate-said", "reap-said"} else None
+        if reaped is not None:  # the gate or stop-reap reaped it: a survivor, like the daemon's
+            kind = "reap-outcome"
+            text = f"reap outcome: pid={reaped['pid']} outcome={reaped['outcome']}; {text}"
         if kind is not None:
             acc.rows.append(Row(*where, GPUGUARD, kind, escape(text, _TEXT_LIMIT)))
         return
@@ -480,6 +484,12 @@ class _Replayed:
 
 
 _HOLDER_PID = re.compile(r"\bProcess (\d{1,10}) has ")
+# The reaper's console line as the gate server copies it ("… from PID N: <time> [info ] reap
+# outcome command='…' detail=… outcome=exited pid=228 reason=…", keys sorted): the last
+# outcome/pid pair, since the holder's command, which comes first, may imitate one.
+_SERVER_REAPED = re.compile(
+    r"\[info\s{0,9}\] reap outcome .*\boutcome=(?P<outcome>[a-z_]{1,20}) pid=(?P<pid>\d{1,10}) "
+)
 _SURVIVOR_PID = re.compile(r"(?:process|Process) (\d{1,10}) \(|\bpid=(\d{1,10})\b")
 
 
