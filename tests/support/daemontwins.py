@@ -173,6 +173,7 @@ class Process:
     invocation_id: str | None = None
     comm: str = "python3"
     ppid: int = 1
+    uids: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 @dataclass
@@ -233,4 +234,4 @@ def _facts(process: Process) -> ProcessFacts:
         cmdline=(process.comm, "-m", "sglang.launch_server"),
         invocation_id=process.invocation_id,
     )
-    return replace(facts, ppid=process.ppid, uids=(0, 0, 0, 0))
+    return replace(facts, ppid=process.ppid, uids=process.uids)

@@ -149,6 +149,30 @@ def test_a_job_on_the_units_gpus_means_no_stop_and_the_operator_is_told(
     assert harness.snapshots[-1]["units"][UNIT]["needs_operator"] is True
 
 
+def test_another_users_job_in_the_units_cgroup_gets_no_reap_command(tmp_path: Path) -> None:
+    """A shared service's tenant job (another uid, the unit's cgroup) blocks the recovery.
+
+    No scope of ``gpuguard reap`` would end it, so the daemon names none: the operator is told
+    its owner must end it, as the gate's refusal and ``status`` say.
+    """
+    host = GpuHost()
+    cgroup = f"/system.slice/{UNIT}"
+    host.add(Process(501, (0, 1, 2, 3), 30000, cgroup, OLD_INVOCATION))
+    host.add(Process(900, (3,), 2000, cgroup, OLD_INVOCATION, uids=(1000, 1000, 1000, 1000)))
+    harness = build(tmp_path, host)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert host.reaped == []
+    [critical] = [f for level, _e, f in harness.log.lines if level == "critical"]
+    assert "PID 900" in str(critical["blockers"])
+    assert critical["command"] is None
+    reason = harness.snapshots[-1]["units"][UNIT]["action_reason"]
+    assert "No gpuguard command frees them: their owners must end them" in reason
+    assert "--scope" not in reason
+
+
 def test_a_loop_on_idle_gpus_is_only_reported(tmp_path: Path) -> None:
     """No holder: the loop has no GPU cause; nothing is stopped, started or signalled."""
     harness = build(tmp_path, GpuHost())

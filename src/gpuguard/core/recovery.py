@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING, TypeGuard
 
 from gpuguard.core.detector import Cause
 from gpuguard.core.escaping import escape
-from gpuguard.core.leftovers import reap_command
-from gpuguard.core.policy import Scope
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
@@ -296,8 +294,3 @@ def unfreeable(
         if gpu.outside_bytes
     )
     return tuple(found)
-
-
-def operator_command(unit: str) -> str:
-    """What an operator runs, after checking the blockers, to free the unit's GPUs by pattern."""
-    return reap_command(unit, Scope.PATTERNS)

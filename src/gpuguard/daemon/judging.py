@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.detector import GpuEvidence
 from gpuguard.core.escaping import escape
-from gpuguard.core.gate import set_blockers
+from gpuguard.core.gate import operator_command, set_blockers
 from gpuguard.core.gpuset import cuda_view
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.oomdevice import device_phrases
@@ -25,7 +25,6 @@ from gpuguard.core.recovery import (
     Action,
     Interrupted,
     RecoveryDecision,
-    operator_command,
     resume_problem,
     unfreeable,
 )
@@ -102,11 +101,17 @@ class Judging(Publishing):
         )
         if not blockers:
             return decision
-        command = operator_command(watch.name)
+        # The gate's refusal and status name the same way out (or none: a tenant's job).
+        command = operator_command(inventory, request)
+        way_out = (
+            f"After checking them: {command}"
+            if command
+            else "No gpuguard command frees them: their owners must end them"
+        )
         reason = (
             f"{watch.name} is not stopped: its plan cannot free its GPUs, held by "
             + "; ".join(blockers)
-            + f". After checking them: {command}"
+            + f". {way_out}"
         )
         if watch.decision is None or watch.decision.reason != reason:
             self._ports.log.critical(
