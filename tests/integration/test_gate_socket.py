@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CliResult
+from slotflood import Hammer, hammer
 from socketactivate import activate, listen
 
 from gpuguard.adapters import unitenv
@@ -1035,3 +1036,45 @@ def test_a_units_own_gate_waits_no_longer_than_gate_timeout_s(
     )
     assert done.code == 1, done
     assert f"GPUs of {unit} still busy after 1." in done.err, done.err
+
+
+def test_strangers_hammering_the_socket_never_take_the_units_slot(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """96 requests in flight from two users outside any watched unit: the unit is served.
+
+    Each stranger asks again the moment it is answered (a login session's and an unwatched
+    service's processes, 48 in flight each, every one asking the longest gate): all are told
+    their one refusal line before a process is forked, none is told the server is busy, and
+    the watched unit's start and stop-reap are both served - the second only once the parent
+    has reaped the first, which a queue the flood keeps full must not prevent.
+    """
+    unwatched = unit_name()
+    strangers = (
+        (operator_cgroup(unit_cgroups, NOBODY - 1), NOBODY - 1),
+        (unit_cgroups.ensure(unwatched), NOBODY - 2),
+    )
+    unit = watched_unit(cli)
+    cgroup = unit_cgroups.ensure(unit)
+    floods: list[Hammer] = []
+    try:
+        for where, uid in strangers:
+            floods.append(hammer(server.path, where, uid, 48, unit))
+        done = [
+            client(cli, *command, "--unit", unit, "--socket", str(server.path), cgroup=cgroup)
+            for command in (["gate"], ["reap", "--yes"])
+        ]
+        tallies = [each.stop() for each in floods]
+    finally:
+        for each in floods:
+            each.kill()
+    for result in done:
+        assert result.code == 0, result.err
+        assert "busy" not in result.err, result.err
+    for tally in tallies:
+        assert tally["answers"], tally
+        assert tally["answers"] == tally["refused"], tally
+        assert tally["busy"] == 0, tally
+    journal = server.journal()
+    assert f"gate for {unit} from PID" in journal
+    assert f"reap for {unit} from PID" in journal

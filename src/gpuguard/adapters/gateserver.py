@@ -73,6 +73,9 @@ REQUEST_LIMIT_S = 3700.0
 #: accept() failing for want of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting
 #: this long, doubling to the maximum: the connection stays queued, the parent does not spin.
 ACCEPT_BACKOFF_S = (0.05, 2.0)
+#: Connections taken per turn of the loop before ended requests are reaped again (the rest
+#: stay queued; poll() returns at once for them).
+ACCEPT_BATCH = 64
 #: /proc/PID/cgroup is one line on cgroup v2; more than this is no cgroup path to trust.
 MAX_CGROUP_BYTES = 8192
 #: What the server copies into its own journal of the lines a request sends the client's
@@ -279,8 +282,12 @@ class _Parent:
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     def accept(self) -> None:
-        """Take every waiting connection: turn it away, queue it behind its unit's, or fork."""
-        while True:
+        """Take the waiting connections: turn each away, queue it behind its unit's, or fork.
+
+        At most ACCEPT_BATCH at a time: a flood that keeps the queue full must not keep the
+        parent from reaping an ended request and serving the connection that waits for it.
+        """
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
