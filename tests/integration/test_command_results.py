@@ -136,7 +136,7 @@ def test_gate_refusal_is_a_verdict_with_its_blockers_and_its_record(
 
 
 def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_path: Path) -> None:
-    """Idle GPUs pass; a runtime_dir that cannot be written adds one notice before the verdict."""
+    """Idle GPUs pass; an unwritable runtime_dir: one notice for the ledger, one for the record."""
     blocked = tmp_path / "file"
     blocked.write_text("")
     unwritable = settings.model_copy(update={"runtime_dir": blocked / "run"})
@@ -144,10 +144,11 @@ def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_
     verdict = gate.run(unwritable, args, None, None, pytest.fail)
     assert isinstance(verdict, gate.GateVerdict)
     assert verdict.exit_status == 0
-    (unrecorded,) = verdict.problems
+    (no_ledger, unrecorded) = verdict.problems
+    assert no_ledger.startswith(f"gpuguard: cannot record {UNIT}'s processes in the provenance")
     assert unrecorded.startswith(f"gpuguard gate: cannot record the decision in {blocked}")
-    assert verdict.notices == (unrecorded, verdict.notices[1])
-    assert verdict.notices[1].startswith("gpuguard gate: ")
+    assert verdict.notices == (no_ledger, unrecorded, verdict.notices[2])
+    assert verdict.notices[2].startswith("gpuguard gate: ")
 
 
 def test_a_units_own_reap_waits_at_most_gate_timeout_s(

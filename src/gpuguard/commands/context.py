@@ -219,6 +219,6 @@ def _ledger_evidence(
             runtime_dir, unit, ending, unit_state.control_group, time.time()
         )
     except OSError as err:
-        problem = f"cannot record {unit}'s processes in the provenance ledger ({err})"
+        problem = f"gpuguard: cannot record {unit}'s processes in the provenance ledger: {err}"
         return ledgerstore.evidence(runtime_dir, unit), problem
     return seen.for_unit(unit), None
