@@ -14,7 +14,8 @@ gpuguard's ``--json`` output makes of such text anyway. Each measurement runs in
 with a time limit (``--limit``, 60 s), so a quadratic parser is reported as a lower bound
 instead of stalling the run. Run: ``.venv/bin/python bench/hostile_inputs.py``; ``--floods``
 then measures root's ``status`` under a descriptor flood and a mapping flood against a quiet
-host (bench/proc_floods.py).
+host (bench/proc_floods.py); ``--slots`` a watched unit's gate under a flood of other users'
+requests against a quiet server (bench/slot_flood.py).
 """
 
 from __future__ import annotations
@@ -421,6 +422,16 @@ def _cell(result: dict[str, object], size: int) -> str:
     return f"{per:.4f}" if per is not None else "?"
 
 
+def _loads(*, floods: bool, slots: bool) -> list[str]:
+    """Run the chosen load benchmarks (root); the names of those that missed their targets."""
+    missed = []
+    for wanted, name in ((floods, "proc_floods.py"), (slots, "slot_flood.py")):
+        script = Path(__file__).with_name(name)
+        if wanted and subprocess.run([sys.executable, str(script)], check=False).returncode:
+            missed.append(name)
+    return missed
+
+
 def main() -> int:
     """Measure every parser and shape; print the table and the flags; 1 if any was flagged."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -430,6 +441,9 @@ def main() -> int:
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument(
         "--floods", action="store_true", help="then the /proc floods (bench/proc_floods.py, root)"
+    )
+    parser.add_argument(
+        "--slots", action="store_true", help="then the gate slot flood (bench/slot_flood.py, root)"
     )
     args = parser.parse_args()
     if args.one:
@@ -468,10 +482,7 @@ def main() -> int:
     print("flagged:" if flagged else "flagged: none")
     for line in flagged:
         print(f"  {line}")
-    if args.floods:
-        script = Path(__file__).with_name("proc_floods.py")
-        floods = subprocess.run([sys.executable, str(script)], check=False)
-        flagged.extend(["proc floods"] if floods.returncode else [])
+    flagged.extend(_loads(floods=args.floods, slots=args.slots))
     return 1 if flagged else 0
 
 

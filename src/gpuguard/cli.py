@@ -15,7 +15,7 @@ from gpuguard import __version__, clihelp
 from gpuguard.commands.reap import REAP_TIMEOUT_S
 from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
-from gpuguard.usage import UsageParser, add_global_options
+from gpuguard.usage import UsageParser, add_global_options, timeout_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -87,10 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     reap.add_argument("--grace", type=float, metavar="S", help="seconds from SIGTERM to SIGKILL")
     reap.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=REAP_TIMEOUT_S,
         metavar="S",
-        help="seconds to wait for the GPUs to become idle afterwards (default 60)",
+        help="wait at most S seconds, 0-3600, for the GPUs to become idle afterwards, then exit 1 "
+        "if they are not (default 60; a unit's own request waits at most gate_timeout_s; "
+        "outside 0-3600: exit 64)",
     )
 
     gate = commands.add_parser("gate", description=clihelp.GATE, formatter_class=raw)

@@ -9,12 +9,14 @@ the command (``gpuguard status --config FILE``), as operators type them.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gpuguard.core.exits import EX_USAGE
+from gpuguard.core.gateproto import MAX_TIMEOUT_S
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -38,3 +40,19 @@ def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) 
         default=argparse.SUPPRESS if after_command else None,
         help=f"configuration file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})",
     )
+
+
+def timeout_seconds(text: str) -> float:
+    """A ``--timeout`` value: seconds from 0 to MAX_TIMEOUT_S, else a usage error (exit 64).
+
+    The same range the gate server accepts, so a request is never refused for what the
+    command line let through; an in-process wait is bounded the same way.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_TIMEOUT_S:  # also NaN, which no comparison admits
+        message = f"must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, not {text!r}"
+        raise argparse.ArgumentTypeError(message)
+    return value

@@ -9,6 +9,8 @@ command line in test_gate_fake_nvml.py.
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,6 +22,8 @@ from gpuguard.commands import gate, reap
 from gpuguard.commands.output import Said
 from gpuguard.commands.reap import ReapReport
 from gpuguard.config import Settings, UnitSettings
+from gpuguard.core.cgroup import Attribution
+from gpuguard.core.gateauth import Caller
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -132,7 +136,7 @@ def test_gate_refusal_is_a_verdict_with_its_blockers_and_its_record(
 
 
 def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_path: Path) -> None:
-    """Idle GPUs pass; a runtime_dir that cannot be written adds one notice before the verdict."""
+    """Idle GPUs pass; an unwritable runtime_dir: one notice for the ledger, one for the record."""
     blocked = tmp_path / "file"
     blocked.write_text("")
     unwritable = settings.model_copy(update={"runtime_dir": blocked / "run"})
@@ -140,7 +144,38 @@ def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_
     verdict = gate.run(unwritable, args, None, None, pytest.fail)
     assert isinstance(verdict, gate.GateVerdict)
     assert verdict.exit_status == 0
-    (unrecorded,) = verdict.problems
+    (no_ledger, unrecorded) = verdict.problems
+    assert no_ledger.startswith(f"gpuguard: cannot record {UNIT}'s processes in the provenance")
     assert unrecorded.startswith(f"gpuguard gate: cannot record the decision in {blocked}")
-    assert verdict.notices == (unrecorded, verdict.notices[1])
-    assert verdict.notices[1].startswith("gpuguard gate: ")
+    assert verdict.notices == (no_ledger, unrecorded, verdict.notices[2])
+    assert verdict.notices[2].startswith("gpuguard gate: ")
+
+
+def test_a_units_own_reap_waits_at_most_gate_timeout_s(
+    settings: Settings, fake_state: Path, spawn_holder: HolderSpawner
+) -> None:
+    """A unit's reap asking 3600 s waits gate_timeout_s, then exit 1 naming what still holds."""
+    holder = spawn_holder(fake_state, gpus=(3,), mib=2048, name="python3 train.py")
+    capped = settings.model_copy(update={"gate_timeout_s": 0.5})
+    own = Caller(
+        pid=os.getpid(),
+        uid=os.geteuid(),
+        attribution=Attribution(unit=UNIT, slice="system.slice"),
+        environment=None,
+        cgroup=f"/system.slice/{UNIT}",
+    )
+    args = _reap_args(yes=True)
+    args.scope, args.timeout = "unit", 3600.0
+    done: list[ReapReport | Said] = []
+    worker = threading.Thread(
+        target=lambda: done.append(reap.run(capped, args, own, show=len, ask=pytest.fail)),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(60.0)  # on main it waits the whole hour
+    assert done, "reap waited past gate_timeout_s"
+    (result,) = done
+    assert isinstance(result, ReapReport)
+    assert result.exit_status == 1
+    assert any(str(holder.pid) in blocker for blocker in result.blockers)
+    assert not process_gone(holder.pid)

@@ -9,6 +9,7 @@ unit_cgroups fixture) where a test needs "a process of".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CliResult
+from slotflood import Hammer, hammer
 from socketactivate import activate, listen
 
 from gpuguard.adapters import unitenv
@@ -675,7 +677,7 @@ import os, socket, subprocess, sys, time
 from gpuguard.adapters import gateserver
 listener = gateserver.take_listener(os.environ)
 work, limit, requests, mode = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-def serve_one(conn):
+def serve_one(conn, pidfd):
     if mode == "helper":  # a helper in the request's group, as an NVML worker or systemctl
         helper = subprocess.Popen(["sleep", "600"])
         conn.sendall(f"helper {helper.pid}\\n".encode())
@@ -1035,3 +1037,145 @@ def test_a_units_own_gate_waits_no_longer_than_gate_timeout_s(
     )
     assert done.code == 1, done
     assert f"GPUs of {unit} still busy after 1." in done.err, done.err
+
+
+def test_strangers_hammering_the_socket_never_take_the_units_slot(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """96 requests in flight from two users outside any watched unit: the unit is served.
+
+    Each stranger asks again the moment it is answered (a login session's and an unwatched
+    service's processes, 48 in flight each, every one asking the longest gate): all are told
+    their one refusal line before a process is forked, none is told the server is busy, and
+    the watched unit's start and stop-reap are both served - the second only once the parent
+    has reaped the first, which a queue the flood keeps full must not prevent.
+    """
+    unwatched = unit_name()
+    strangers = (
+        (operator_cgroup(unit_cgroups, NOBODY - 1), NOBODY - 1),
+        (unit_cgroups.ensure(unwatched), NOBODY - 2),
+    )
+    unit = watched_unit(cli)
+    cgroup = unit_cgroups.ensure(unit)
+    floods: list[Hammer] = []
+    try:
+        for where, uid in strangers:
+            floods.append(hammer(server.path, where, uid, 48, unit))
+        done = [
+            client(cli, *command, "--unit", unit, "--socket", str(server.path), cgroup=cgroup)
+            for command in (["gate"], ["reap", "--yes"])
+        ]
+        tallies = [each.stop() for each in floods]
+    finally:
+        for each in floods:
+            each.kill()
+    for result in done:
+        assert result.code == 0, result.err
+        assert "busy" not in result.err, result.err
+    for tally in tallies:
+        assert tally["answers"], tally
+        assert tally["answers"] == tally["refused"], tally
+        assert tally["busy"] == 0, tally
+    journal = server.journal()
+    assert f"gate for {unit} from PID" in journal
+    assert f"reap for {unit} from PID" in journal
+
+
+QUEUED = """
+import os, socket, sys
+path, line = sys.argv[1], sys.argv[2].encode() + b"\\n"
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(path)
+conn.sendall(line)
+print("connected", flush=True)
+sys.stdin.readline()  # the test: the server has taken the connection
+if os.fork():
+    os._exit(0)  # the caller exits; its child keeps the connection and reads the answer
+data = b""
+while chunk := conn.recv(65536):
+    data += chunk
+print(data.decode(errors="replace"), flush=True)
+"""
+
+
+def _sockets(pid: int) -> int:
+    """How many sockets ``pid`` holds open."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += str(fd.readlink()).startswith("socket:")
+    return count
+
+
+def _reuse_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A new process (``sleep``) that the kernel gives ``pid`` (root: ns_last_pid), retried."""
+    last = Path("/proc/sys/kernel/ns_last_pid")
+    for _ in range(50):
+        last.write_text(str(pid - 1))
+        process = subprocess.Popen(["sleep", "600"])
+        if process.pid == pid:
+            return process
+        process.kill()
+        process.wait()
+    pytest.fail(f"PID {pid} was never given out again")
+
+
+def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """A unit's caller exits while queued and its PID goes to root in a session: refused.
+
+    The second request of a unit waits for the first; its caller asked for `reap --scope all`,
+    then exited, leaving the connection to its child, and the kernel gave its PID to a root
+    process in a login session (an operator's cgroup). The parent pinned the caller as it took
+    the connection, so the request's process sees that the caller has gone, instead of taking
+    the PID's new owner for the one that asked (the operator, who may order scope all).
+    """
+    spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
+    unit = watched_unit(cli)
+    cgroup = unit_cgroups.ensure(unit)
+    procs = shlex.quote(str(cgroup / "cgroup.procs"))
+    gate = shlex.join([*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit])
+    first = subprocess.Popen(
+        ["sh", "-c", f"echo $$ > {procs} && exec {gate} --timeout 60 --socket {server.path}"],
+        env=cli.env,
+        stderr=subprocess.DEVNULL,
+    )
+    reused: subprocess.Popen[bytes] | None = None
+    line = json.dumps({"v": 1, "command": "reap", "unit": unit, "scope": "all"})
+    queued_argv = shlex.join([sys.executable, "-c", QUEUED, str(server.path), line])
+    try:
+        deadline = time.monotonic() + 30
+        while "accepted" not in server.said():
+            assert time.monotonic() < deadline, server.said()
+            time.sleep(0.05)
+        held = _sockets(server.process.pid)
+        caller = subprocess.Popen(
+            ["sh", "-c", f"echo $$ > {procs} && exec {queued_argv}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert caller.stdout is not None
+        assert caller.stdin is not None
+        assert caller.stdout.readline() == "connected\n"
+        while _sockets(server.process.pid) <= held:  # taken: classified, queued, pinned
+            assert time.monotonic() < deadline, server.said()
+            time.sleep(0.01)
+        caller.stdin.write("go\n")
+        caller.stdin.close()
+        assert caller.wait(timeout=30) == 0
+        reused = _reuse_pid(caller.pid)
+        session = operator_cgroup(unit_cgroups)
+        (session / "cgroup.procs").write_text(str(reused.pid))
+        first.kill()  # the first request ends with its client; the queued one runs
+        answer = caller.stdout.read()
+        caller.stdout.close()
+    finally:
+        first.kill()
+        first.wait()
+        if reused is not None:
+            reused.kill()
+            reused.wait()
+    assert "request refused: the caller has gone" in answer, answer
+    assert f"reap for {unit}" not in server.journal()

@@ -9,6 +9,8 @@ server died the worker is named by nothing but the ledger, and the plan reaps it
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from typing import TYPE_CHECKING
 
@@ -17,7 +19,7 @@ from clirunner import CGROUP2
 from fakeholder import process_gone
 from fakestate import fake_library
 
-from gpuguard.adapters import inventory, ledgerstore, runtree, state
+from gpuguard.adapters import inventory, ledgerstore, procfs, runtree, state
 from gpuguard.config import Settings, UnitSettings
 from gpuguard.core.ledger import (
     MAX_PROCESSES,
@@ -40,6 +42,13 @@ if TYPE_CHECKING:
 
 RUN = "1" * 32  # the unit's run the worker descended from
 SCOPE_ID = "d" * 32  # what its own environment says: the transient scope's INVOCATION_ID
+
+
+def procfs_identity() -> ProcessIdentity:
+    """The identity (PID and start time) of the test process, alive for the whole test."""
+    identity = procfs.read_identity(os.getpid())
+    assert identity is not None
+    return identity
 
 
 def keeper(saved: list[Ledger]) -> LedgerKeeper:
@@ -192,3 +201,55 @@ def test_a_full_ledger_of_hostile_names_is_written_within_what_readers_accept(
     assert problems == ()
     assert loaded.runs
     assert loaded.runs[-1] == ledger.runs[-1]
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from gpuguard.adapters import ledgerstore
+from gpuguard.core.ledger import SeenProcess
+runtime, first, pid, start = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+for index in range(first, first + 20):
+    seen = [SeenProcess(pid, start, (0,), "w", "/")] if index == first else []
+    ledgerstore.update(
+        runtime, lambda disk: disk.record(f"u{index}.service", "1" * 32, seen, float(index))
+    )
+"""
+
+
+def test_two_writers_at_once_lose_none_of_each_others_runs(tmp_path: Path) -> None:
+    """Two processes each add 20 runs by read-merge-replace at the same time: all 40 are kept."""
+    me = procfs_identity()
+    writers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _WRITER,
+                str(tmp_path),
+                str(first),
+                str(me.pid),
+                str(me.start_time),
+            ]
+        )
+        for first in (0, 20)
+    ]
+    assert [writer.wait(timeout=120) for writer in writers] == [0, 0]
+    ledger, problems = ledgerstore.load(tmp_path)
+    assert problems == ()
+    assert sorted(run.unit for run in ledger.runs) == sorted(f"u{i}.service" for i in range(40))
+
+
+def test_the_daemons_write_keeps_what_the_gate_server_recorded(tmp_path: Path) -> None:
+    """The daemon's ledger merged with the file: the gate's live run kept, a dead one forgotten."""
+    me = procfs_identity()
+    alive = SeenProcess(me.pid, me.start_time, (0,), "pytest", "/")
+    gone = SeenProcess(me.pid, me.start_time + 1, (0,), "gone", "/")  # no such process
+    ledgerstore.save(
+        tmp_path,
+        Ledger().record("gated.service", RUN, [alive], 1.0).record("old.service", RUN, [gone], 1.0),
+    )
+    daemons = Ledger().record("watched.service", "2" * 32, [], 2.0)  # live, nothing yet
+    written = ledgerstore.save_merged(tmp_path, daemons)
+    assert {run.unit for run in written.runs} == {"gated.service", "watched.service"}
+    assert ledgerstore.load(tmp_path)[0] == written

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gpuguard.adapters import unitenv
-from gpuguard.adapters.peer import MAX_ENVIRON_BYTES, PeerError, identify, parse_environ
+from gpuguard.adapters.peer import (
+    MAX_ENVIRON_BYTES,
+    PeerError,
+    identify,
+    parse_environ,
+    pidfd_pid,
+    pin,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -127,3 +134,24 @@ def test_the_recorded_gpu_variables_are_trusted_only_from_root(tmp_path: Path) -
     path.chmod(0o644)
     os.chown(path, 65534, 65534)
     assert unitenv.recorded(tmp_path, "sglang.service") is None
+
+
+def test_the_parent_pins_the_very_process_that_connected(tmp_path: Path) -> None:
+    """pin() names the connected process while it lives; after it exited, nothing is pinned."""
+    listener, path = _listener(tmp_path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CONNECT, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    conn, _ = listener.accept()
+    with conn, listener:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"connected\n"
+        pidfd = pin(conn, child.pid)
+        assert pidfd is not None
+        try:
+            assert pidfd_pid(pidfd) == child.pid
+            child.communicate(b"\n", timeout=10)
+            assert pidfd_pid(pidfd) is None  # exited: the pin names no later owner of the PID
+            assert pin(conn, child.pid) is None
+        finally:
+            os.close(pidfd)

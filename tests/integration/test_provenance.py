@@ -9,6 +9,7 @@ double-forked to PID 1, their environments, their uids, their cgroups and the si
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -21,6 +22,10 @@ import pytest
 from clirunner import ENDED
 from fakeholder import process_gone
 from fakestate import add_alloc, allocated_mib
+
+from gpuguard.adapters import ledgerstore
+from gpuguard.adapters.procfs import read_identity
+from gpuguard.core.ledger import Ledger, SeenProcess
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -233,3 +238,60 @@ def test_a_shared_services_other_user_is_never_signalled(
     assert not process_gone(tenant)
     assert f"not as {unit}'s user (uid 0)" in _plan_line(reap.out, tenant)
     assert allocated_mib(cli.state, 1) > 0
+
+
+def test_the_gate_alone_records_a_worker_that_escaped_and_its_stop_reap_takes_it(
+    cli: Cli,
+    spawn_holder: HolderSpawner,
+    fake_systemd: FakeSystemd,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No daemon: the unit's ExecStopPost= reap records its run and reaps the escaped worker.
+
+    A left-over server in the unit's cgroup whose TP worker (holding GPU 0) moved into a
+    transient scope with that scope's own INVOCATION_ID: nothing but its parent ties the worker
+    to the run. The stop-reap (the unit's control process, systemd in stop-post) records the
+    cgroup and its descendants as the ending run's, so the worker is reaped by that record; a
+    run another writer (the daemon) recorded stays in the file. On main the worker was kept.
+    """
+    unit = unit_name()
+    scope = f"run-u{uuid.uuid4().hex[:8]}.scope"
+    group = f"/system.slice/{unit}"
+    fake_systemd(
+        unit, state="deactivating", sub_state="stop-post", control_group=group, control=True
+    )
+    runtime = cli.config.parent / "run"
+    mine = (os.getpid(), read_identity(os.getpid()))
+    assert mine[1] is not None
+    daemons = Ledger().record(
+        "other.service", ENDED, [SeenProcess(mine[0], mine[1].start_time, (0,), "pytest", "/")], 1.0
+    )
+    ledgerstore.save(runtime, daemons)
+    monkeypatch.setenv("INVOCATION_ID", "d" * 32)  # the scope's own id, as systemd-run gives
+    server = spawn_holder(
+        cli.state, gpus=(0,), mib=30000, children=1, leave_child=True, name="sglang::server"
+    )
+    monkeypatch.delenv("INVOCATION_ID")
+    worker = server.children[0]
+    unit_cgroups.move(server.pid, unit)
+    unit_cgroups.move(worker, scope)
+
+    procs = unit_cgroups.ensure(unit) / "cgroup.procs"
+    command = shlex.join(cli.command("reap", "--unit", unit, "--yes", "--grace", "1"))
+    done = subprocess.run(
+        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        capture_output=True,
+        text=True,
+        env=cli.env,
+        timeout=120,
+        check=False,
+    )
+
+    assert process_gone(worker), done.stdout + done.stderr
+    assert "the ledger saw it descend from run" in _plan_line(done.stdout, worker)
+    assert allocated_mib(cli.state, 0) == 0
+    assert done.returncode == 0, done.stdout + done.stderr
+    ledger, problems = ledgerstore.load(runtime)
+    assert problems == ()
+    assert ledger.claims("other.service") == daemons.claims("other.service")

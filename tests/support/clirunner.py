@@ -159,13 +159,18 @@ class FakeSystemd:
         user: str = "",
         load_state: str = "loaded",
         known: tuple[str, ...] = (),
+        sub_state: str = "x",
+        control_group: str = "",
+        control: bool = False,
     ) -> None:
         """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
 
         ``systemctl show`` reports ``unit`` in ``state`` with ``last`` as its invocation,
         ``user`` as its User= and ``load_state`` as its LoadState= (``not-found``: no such
         unit); ``list-units`` lists ``known``; ``journalctl`` prints PID 1's entries naming
-        ``logged``.
+        ``logged``. ``sub_state`` is its SubState=, ``control_group`` its ControlGroup=;
+        ``control``: its ControlPID= is the process that ran systemctl (the gpuguard command
+        asking is the unit's ExecStopPost=, say).
         """
         if unit is None:
             systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
@@ -173,13 +178,15 @@ class FakeSystemd:
         else:
             show = (
                 f"LoadState={load_state}\n"
-                f"ActiveState={state}\nSubState=x\nMainPID=0\nInvocationID={last}\n"
+                f"ActiveState={state}\nSubState={sub_state}\nMainPID=0\nInvocationID={last}\n"
                 f"Environment=\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
+                f"ControlGroup={control_group}\n"
             )
             listed = "".join(f"{name} loaded active running x\n" for name in known)
             systemctl = (
                 f'[ "$1" = list-units ] && printf %s {shlex.quote(listed)} && exit 0\n'
                 f'[ "$1" = show ] || exit 1\nprintf %s {shlex.quote(show)}\n'
+                + ('echo "ControlPID=$PPID"\n' if control else "")
             )
             journal = "".join(
                 json.dumps({"__CURSOR": f"s={i}", "_PID": "1", "UNIT": unit, "INVOCATION_ID": x})

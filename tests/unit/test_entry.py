@@ -93,3 +93,17 @@ def test_what_the_lane_refuses_argparse_refuses_or_reads_otherwise() -> None:
     assert isinstance(
         cli.build_parser().parse_args(["gate", "--unit=a.service"]), argparse.Namespace
     )
+
+
+@pytest.mark.parametrize("value", ["-1", "3601", "inf", "nan", "an hour"])
+def test_reap_timeout_outside_its_range_is_a_usage_error(value: str) -> None:
+    """A reap --timeout takes 0 to 3600 s, as the gate server does; anything else exits 64."""
+    with pytest.raises(SystemExit) as raised:
+        cli.build_parser().parse_args(["reap", "--timeout", value])
+    assert raised.value.code == 64
+
+
+def test_reap_timeout_within_its_range_is_read() -> None:
+    """The bounds themselves are accepted."""
+    for value, seconds in (("0", 0.0), ("3600", 3600.0), ("1e2", 100.0)):
+        assert cli.build_parser().parse_args(["reap", "--timeout", value]).timeout == seconds

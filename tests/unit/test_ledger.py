@@ -361,3 +361,41 @@ def test_another_units_recorded_process_is_never_adopted() -> None:
     decision = decide(moved(), adopting)
     assert decision.verdict is Verdict.KEEP
     assert "recorded it in a run of another unit" in decision.reason
+
+
+def test_merging_two_writers_ledgers_loses_neither() -> None:
+    """The daemon's runs and the gate server's are all kept; a shared run holds both lists."""
+    worker, escaped, other = seen(10), seen(11), seen(12)
+    daemon = Ledger().record(UNIT, OLD, [worker], at=1.0).record("b.service", LIVE, [other], at=2.0)
+    gate = Ledger().record(UNIT, OLD, [escaped], at=3.0)
+    merged = daemon.merge(gate)
+    assert merged.merge(Ledger()) == merged
+    assert merged.claims(UNIT) == {(worker.identity, OLD), (escaped.identity, OLD)}
+    assert merged.claims("b.service") == {(other.identity, LIVE)}
+    run = merged.run_of(UNIT, OLD)
+    assert run is not None
+    assert (run.first_seen, run.last_seen) == (1.0, 3.0)
+    assert gate.merge(daemon).claims(UNIT) == merged.claims(UNIT)
+
+
+def test_a_merged_process_stays_in_the_run_it_was_first_seen_in() -> None:
+    """Recorded in an old run by one writer and a later one by the other: it is the old run's."""
+    leftover = seen(20)
+    first = Ledger().record(UNIT, OLD, [leftover], at=1.0)
+    later = Ledger().record(UNIT, LIVE, [leftover], at=5.0)
+    for merged in (first.merge(later), later.merge(first)):
+        assert merged.claims(UNIT) == {(leftover.identity, OLD)}
+
+
+def test_a_merge_keeps_the_caps() -> None:
+    """Each unit keeps its newest runs, the whole its newest MAX_RUNS."""
+    mine = Ledger()
+    theirs = Ledger()
+    for index in range(MAX_RUNS_PER_UNIT + 3):
+        mine = mine.record(UNIT, f"{index:032x}", [seen(100 + index)], at=float(index))
+    for index in range(MAX_RUNS + 5):
+        theirs = theirs.record(f"u{index}.service", LIVE, [seen(1000 + index)], at=100.0 + index)
+    merged = mine.merge(theirs)
+    assert len(merged.runs) == MAX_RUNS
+    assert len(mine.merge(Ledger()).runs) == MAX_RUNS_PER_UNIT
+    assert mine.merge(Ledger()).runs[-1].invocation_id == f"{MAX_RUNS_PER_UNIT + 2:032x}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import snapshots
-from builders import TRAINING_CGROUP, gpu, inventory, lost_gpu, nvml, process
+from builders import TRAINING_CGROUP, gpu, inventory, lost_gpu, nvml, process, training_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.core.leftovers import WatchedUnit
@@ -304,3 +304,11 @@ def test_every_metric_is_documented_with_its_type() -> None:
     for family in families(observed((gpu(0),))):
         name = f"{family.name}_total" if family.type == "counter" else family.name
         assert re.search(rf"^\| `{name}` \| {family.type} \|", doc, re.MULTILINE), name
+
+
+def test_a_gpu_a_process_not_fully_inspected_could_hold_is_not_idle() -> None:
+    """As status judges it: no memory used, but a process the walk cut short may hold GPU 0."""
+    flood = replace(training_job(40, 0), partial="more than 65,536 open descriptors")
+    found = scrape(observed((gpu(0), gpu(1)), (flood,)))
+    assert found["gpuguard_gpu_idle", (("gpu", "0"),)] == 0
+    assert found["gpuguard_gpu_idle", (("gpu", "1"),)] == 1

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 _MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
 _WALK_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -177,6 +183,35 @@ def open_directory(path: Path, *, create_mode: int | None = None) -> int:
     FileNotFoundError or another OSError.
     """
     return _Walk(path, create_mode).directory(path)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (created 0600 under checked directories) meanwhile.
+
+    For a read-change-replace by two root writers of one file (the provenance ledger: the
+    daemon and the gate server). Waits at most ``wait_s``, then raises TimeoutError: a writer
+    that holds it for long must not hang a gate.
+    """
+    directory = open_directory(path.parent, create_mode=0o755)
+    try:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path.name, flags, 0o600, dir_fd=directory)
+    finally:
+        os.close(directory)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} stayed locked for {wait_s:g} s") from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_file(

@@ -15,7 +15,9 @@ a service of its own: at most MAX_REQUESTS at once, MAX_REQUESTS_PER_UID from on
 REQUEST_LIMIT_S of wall time per request. Before it forks it classifies the peer from the
 kernel alone (``SO_PEERCRED`` and a bounded read of ``/proc/PID/cgroup``, :func:`classify`):
 only an operator or a process of a watched unit gets a slot, one request per unit at a time (a
-second one waits for it), and OPERATOR_SLOTS of them are kept for operators. A request's
+second one waits for it), and OPERATOR_SLOTS of them are kept for operators. The caller is
+pinned by a pidfd as its connection is taken (peer.pin), and its request's process accepts
+only that process as the caller, however long the connection waited. A request's
 process group is killed before the request is reaped, so nothing it started outlives it.
 """
 
@@ -36,7 +38,7 @@ import traceback
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from gpuguard.adapters import signals
-from gpuguard.adapters.peer import PROC, PeerError, identify
+from gpuguard.adapters.peer import PROC, PeerError, identify, pin
 from gpuguard.core.cgroup import attribute, parse_cgroup
 from gpuguard.core.escaping import escape
 from gpuguard.core.gateauth import Caller, admission, refusal
@@ -73,6 +75,9 @@ REQUEST_LIMIT_S = 3700.0
 #: accept() failing for want of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting
 #: this long, doubling to the maximum: the connection stays queued, the parent does not spin.
 ACCEPT_BACKOFF_S = (0.05, 2.0)
+#: Connections taken per turn of the loop before ended requests are reaped again (the rest
+#: stay queued; poll() returns at once for them).
+ACCEPT_BATCH = 64
 #: /proc/PID/cgroup is one line on cgroup v2; more than this is no cgroup path to trust.
 MAX_CGROUP_BYTES = 8192
 #: What the server copies into its own journal of the lines a request sends the client's
@@ -123,6 +128,13 @@ class _Waiting(NamedTuple):
 
     conn: socket.socket
     uid: int
+    pidfd: int
+    """The caller, pinned as it was accepted: a PID reused while it waits is not it."""
+
+    def close(self) -> None:
+        """Hang up and let go of the pinned caller."""
+        self.conn.close()
+        os.close(self.pidfd)
 
 
 def classify(
@@ -178,13 +190,15 @@ def take_listener(environ: MutableMapping[str, str]) -> socket.socket:
 
 def serve_forever(
     listener: socket.socket,
-    serve_one: Callable[[socket.socket], int],
+    serve_one: Callable[[socket.socket, int], int],
     log: TextIO,
     limits: Limits = Limits(),  # noqa: B008 - an immutable NamedTuple
     *,
     who: Callable[[int, int], str | Refused],
 ) -> int:
     """Accept connections until SIGTERM, each served by ``serve_one`` in a forked child.
+
+    ``serve_one`` gets the connection and a pidfd of its caller, pinned as it was accepted.
 
     ``who`` classifies a peer by its PID and UID (:func:`classify`). After SIGTERM it stops
     accepting (systemd queues new connections for the next start), turns away the ones waiting
@@ -248,7 +262,7 @@ class _Parent:
     def __init__(  # noqa: PLR0913 - what serve_forever was given, kept together
         self,
         listener: socket.socket,
-        serve_one: Callable[[socket.socket], int],
+        serve_one: Callable[[socket.socket, int], int],
         log: TextIO,
         limits: Limits,
         wake: tuple[int, int],
@@ -279,8 +293,12 @@ class _Parent:
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     def accept(self) -> None:
-        """Take every waiting connection: turn it away, queue it behind its unit's, or fork."""
-        while True:
+        """Take the waiting connections: turn each away, queue it behind its unit's, or fork.
+
+        At most ACCEPT_BATCH at a time: a flood that keeps the queue full must not keep the
+        parent from reaping an ended request and serving the connection that waits for it.
+        """
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -315,28 +333,37 @@ class _Parent:
         if isinstance(unit, Refused):
             self._turn_away(conn, unit.line, refusal=True)
             return
+        # Pinned once classified: alive now, so it was the PID's owner when its cgroup was read.
+        pidfd = pin(conn, pid)
+        if pidfd is None:
+            self._turn_away(conn, "gpuguard: request refused: the caller has gone", refusal=True)
+            return
         if unit != OPERATOR and any(r.unit == unit for r in self.requests.values()):
-            self._queue(conn, uid, unit)  # takes no slot: it runs in its unit's, once free
+            self._queue(_Waiting(conn, uid, pidfd), unit)  # no slot: it runs in its unit's
             return
         busy = self._over_limits(uid, unit)
         if busy is not None:
+            os.close(pidfd)
             self._turn_away(conn, busy)
         else:
-            self._fork(conn, uid, unit)
+            self._fork(_Waiting(conn, uid, pidfd), unit)
 
-    def _queue(self, conn: socket.socket, uid: int, unit: str) -> None:
+    def _queue(self, waiting: _Waiting, unit: str) -> None:
         """One connection per unit waits for the unit's request in progress; a third is told."""
         earlier = self.waiting.get(unit)
         if earlier is not None and not _hung_up(earlier.conn):
-            self._turn_away(conn, f"a request of {escape(unit)} is in progress and another waits")
+            os.close(waiting.pidfd)
+            line = f"a request of {escape(unit)} is in progress and another waits"
+            self._turn_away(waiting.conn, line)
             return
         if earlier is not None:
-            earlier.conn.close()
-        self.waiting[unit] = _Waiting(conn, uid)
+            earlier.close()
+        self.waiting[unit] = waiting
 
     def drop_waiting(self, why: str) -> None:
         """Turn away every waiting connection (the server is stopping)."""
         for waiting in self.waiting.values():
+            os.close(waiting.pidfd)
             self._turn_away(waiting.conn, why)
         self.waiting.clear()
 
@@ -354,12 +381,14 @@ class _Parent:
             return f"{limits.per_uid} requests of uid {uid} in progress"
         return None
 
-    def _fork(self, conn: socket.socket, uid: int, unit: str) -> None:
-        """Fork the request's process for ``conn``; the parent's copy is closed here."""
-        with conn:
-            self._fork_open(conn, uid, unit)
+    def _fork(self, peer: _Waiting, unit: str) -> None:
+        """Fork the request's process for ``peer``; the parent's copies are closed here."""
+        try:
+            self._fork_open(peer.conn, peer.pidfd, peer.uid, unit)
+        finally:
+            peer.close()
 
-    def _fork_open(self, conn: socket.socket, uid: int, unit: str) -> None:
+    def _fork_open(self, conn: socket.socket, pidfd: int, uid: int, unit: str) -> None:
         sys.stdout.flush()
         self.log.flush()  # nothing buffered is written twice
         try:
@@ -368,12 +397,12 @@ class _Parent:
             self._turn_away(conn, f"cannot fork ({err.strerror})")
             return
         if pid == 0:  # pragma: no cover - the child; its answers are what the tests check
-            self._child(conn)
+            self._child(conn, pidfd)
         with contextlib.suppress(OSError):  # the child does it too: whichever runs first
             os.setpgid(pid, pid)
         self.requests[pid] = _Request(uid, time.monotonic() + self.limits.seconds, unit)
 
-    def _child(self, conn: socket.socket) -> NoReturn:
+    def _child(self, conn: socket.socket, pidfd: int) -> NoReturn:
         """Serve ``conn`` and exit; never returns into the parent's loop."""
         code = 70  # EX_SOFTWARE, should serve_one itself fail
         try:
@@ -384,7 +413,7 @@ class _Parent:
             for fd in self.wake:
                 os.close(fd)
             self.listener.close()
-            code = self.serve_one(conn)
+            code = self.serve_one(conn, pidfd)
         except BaseException:  # noqa: BLE001 - a child never returns into the parent's loop
             traceback.print_exc(file=self.log)
         finally:
@@ -429,13 +458,14 @@ class _Parent:
         if waiting is None:
             return
         if _hung_up(waiting.conn):
-            waiting.conn.close()
+            waiting.close()
             return
         busy = self._over_limits(waiting.uid, unit)
         if busy is not None:
+            os.close(waiting.pidfd)
             self._turn_away(waiting.conn, busy)
         else:
-            self._fork(waiting.conn, waiting.uid, unit)
+            self._fork(waiting, unit)
 
     def _turn_away(self, conn: socket.socket, why: str, *, refusal: bool = False) -> None:
         """One line and a verdict of 1, sent without waiting; the connection closed.
@@ -541,13 +571,14 @@ def _stream(
         frames.finish()
 
 
-def serve(
+def serve(  # noqa: PLR0913 - one request's connection, its work and its caller's pin
     conn: socket.socket,
     handle: Callable[[Request, Caller, TextIO, TextIO], int],
     log: TextIO,
     *,
     watched: Callable[[str], bool],
     proc_root: Path = PROC,
+    pinned: int | None = None,
 ) -> int:
     """Answer the one request on ``conn``; log what it decided to ``log`` (the journal).
 
@@ -558,11 +589,12 @@ def serve(
     last: the unit's own output can print the same words, but only these lines carry the
     journal's trusted fields of gpuguard-gate.service as root (``explain`` shows only them).
     ``watched`` says whether gpuguard watches a unit: only a watched unit's own processes (and
-    operators) are served.
+    operators) are served. ``pinned``: the caller's pidfd, taken as the parent accepted
+    ``conn`` (peer.identify).
     """
     signal.alarm(UNAUTHORIZED_LIMIT_S)
     try:
-        admitted = _admit(conn, log, proc_root, watched)
+        admitted = _admit(conn, log, proc_root, watched, pinned)
     finally:
         signal.alarm(0)
     if isinstance(admitted, int):
@@ -594,11 +626,15 @@ def serve(
 
 
 def _admit(
-    conn: socket.socket, log: TextIO, proc_root: Path, watched: Callable[[str], bool]
+    conn: socket.socket,
+    log: TextIO,
+    proc_root: Path,
+    watched: Callable[[str], bool],
+    pinned: int | None,
 ) -> tuple[Request, Caller] | int:
     """The caller and its request once both pass; else the refusal's exit status, answered."""
     try:
-        caller = identify(conn, proc_root=proc_root)
+        caller = identify(conn, proc_root=proc_root, pinned=pinned)
     except PeerError as err:
         return _answer(conn, log, f"gpuguard: request refused: {err}", 1)
     service = caller.system_service

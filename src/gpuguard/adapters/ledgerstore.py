@@ -1,9 +1,12 @@
 """The provenance ledger's file: ``runtime_dir/ledger.json``, root's, through the safe writer.
 
-The daemon writes it (core.ledger says what it holds); the root gate server and ``reap`` read
-it for their plans. It lives in /run: processes do not outlive a boot, and neither does it.
-Mode 0600: it names processes of every watched unit, and only root acts on it. A file that is
-missing, not safely ours (files.read_file) or malformed reads as an empty ledger: no evidence.
+The daemon writes it (core.ledger says what it holds), and so does the root gate server (and
+``reap``) for what it sees of a unit's runs when it serves the unit (:func:`record_seen`); all
+of them read it for their plans. Two writers change it by read, merge, replace, under an
+exclusive flock of ``ledger.lock`` beside it (:func:`update`), so neither loses what the other
+recorded. It lives in /run: processes do not outlive a boot, and neither does it. Mode 0600:
+it names processes of every watched unit, and only root acts on it. A file that is missing,
+not safely ours (files.read_file) or malformed reads as an empty ledger: no evidence.
 """
 
 from __future__ import annotations
@@ -11,11 +14,17 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import files, state
+from gpuguard.adapters import files, runtree, state
 from gpuguard.core.ledger import Ledger, UnitLedger
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
+
+    from gpuguard.core.ledger import SeenProcess
+
+#: How long a writer waits for the other's read-merge-replace (a few milliseconds each).
+LOCK_WAIT_S = 2.0
 
 
 def ledger_path(runtime_dir: Path) -> Path:
@@ -43,6 +52,62 @@ def save(runtime_dir: Path, ledger: Ledger) -> None:
             len(ledger.runs) * (len(encoded) - state.READ_MAX) // len(encoded) + 1
         )
     files.write_file(ledger_path(runtime_dir), encoded.encode(), mode=0o600)
+
+
+def update(runtime_dir: Path, change: Callable[[Ledger], Ledger]) -> Ledger:
+    """Read the file, apply ``change``, and replace it when that changed anything, locked.
+
+    Returns the ledger as written (or as read, when unchanged). Raises OSError (TimeoutError
+    when the other writer held the lock for LOCK_WAIT_S): the caller decides what that costs.
+    """
+    with files.exclusive_lock(runtime_dir / "ledger.lock", wait_s=LOCK_WAIT_S):
+        disk, _ = load(runtime_dir)
+        changed = change(disk)
+        if changed.to_json() != disk.to_json():
+            save(runtime_dir, changed)
+        return changed
+
+
+def save_merged(runtime_dir: Path, ledger: Ledger) -> Ledger:
+    """The daemon's write: its ledger merged with the file's (the gate server's records kept).
+
+    A run only the file holds whose processes have all gone is forgotten, as the daemon forgets
+    its own; the daemon's own runs are its to forget. Returns what was written.
+    """
+    mine = frozenset(run.invocation_id for run in ledger.runs)
+    return update(runtime_dir, lambda disk: disk.merge(ledger).forget(runtree.alive, mine))
+
+
+def record_seen(
+    runtime_dir: Path, unit: str, ending: str | None, control_group: str | None, now: float
+) -> Ledger:
+    """Add what can be seen now of ``unit``'s runs (the gate server's record); what was written.
+
+    Every recorded run of the unit gains the live descendants of its recorded processes (a
+    moved worker's children, found after its parent died). ``ending`` names the run whose
+    stop-reap is being served: the unit's cgroup (``control_group``) and everything descending
+    from it are that run's. Only then: systemd waits for the stop-reap to end, so no later run
+    can have started in the cgroup meanwhile; the running run of a unit is the daemon's to
+    record. Processes that have gone are forgotten, as the daemon forgets them.
+    """
+
+    def change(disk: Ledger) -> Ledger:
+        ledger = disk.forget(runtree.alive, frozenset())
+        runs = [r for r in ledger.runs if r.unit == unit and r.invocation_id != ending]
+        roots: list[tuple[str, str | None, tuple[SeenProcess, ...]]] = [
+            (r.invocation_id, None, r.processes) for r in runs
+        ]
+        if ending is not None:
+            record = ledger.run_of(unit, ending)
+            roots.append((ending, control_group, record.processes if record else ()))
+        for invocation, cgroup, processes in roots:
+            known = {p.identity for run in ledger.runs for p in run.processes}
+            seen = runtree.run_processes(cgroup, [p.identity for p in processes])
+            if any(p.identity not in known for p in seen):  # else the file stays as it is
+                ledger = ledger.record(unit, invocation, seen, now)
+        return ledger
+
+    return update(runtime_dir, change)
 
 
 def evidence(runtime_dir: Path, unit: str) -> UnitLedger:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from gpuguard.adapters import programs
 from gpuguard.core import unitconfig
+from gpuguard.core.ledger import is_invocation_id
 from gpuguard.core.values import UnitProvenance
 
 _PROPERTIES = (
@@ -276,6 +277,21 @@ def provenance(state: UnitState, *, inside: bool = False, history: bool = True) 
 _CONTROL_STATES = frozenset(
     {"start-pre", "stop-post", "final-sigterm", "final-sigkill", "final-watchdog"}
 )
+
+
+_ENDING_STATES = _CONTROL_STATES - {"start-pre"}
+
+
+def ending_run(state: UnitState) -> str | None:
+    """The run whose stop systemd is finishing (ExecStopPost=, final kills); None otherwise.
+
+    While the unit is in one of these states its control process runs and systemd starts no
+    new run, so what is in the cgroup now is that run's (or an earlier one's, never a later).
+    """
+    invocation = state.invocation_id
+    if state.error is not None or state.sub_state not in _ENDING_STATES or not invocation:
+        return None
+    return invocation if is_invocation_id(invocation) else None
 
 
 def is_control_process(state: UnitState, pid: int, *, trust_unknown: bool) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings, UnitSettings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
+    from gpuguard.core.ledger import UnitLedger
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
 
@@ -169,7 +171,7 @@ def unit_plan(
     names the unit's user and runs, and the daemon's ledger (read from the runtime directory)
     what descended from each run: the evidence for its left-overs.
     """
-    from gpuguard.adapters import ledgerstore, systemd  # noqa: PLC0415 - see the package doc
+    from gpuguard.adapters import systemd  # noqa: PLC0415 - see the package doc
     from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
 
     who = asker(caller)
@@ -181,7 +183,7 @@ def unit_plan(
     environment = unit_state.environment if own is None else own
     live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit_settings(settings, unit).gpus, environment, gpus)
-    recorded = ledgerstore.evidence(settings.runtime_dir, unit)
+    recorded, noted = _ledger_evidence(settings.runtime_dir, unit, unit_state, inside=inside)
     provenance = replace(
         systemd.provenance(unit_state, inside=inside),
         ledger=recorded.claims,
@@ -192,5 +194,31 @@ def unit_plan(
         # in-cgroup gate as root: root), so only processes of that uid may be its left-overs.
         provenance = replace(provenance, uid=who.uid)
     request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
-    notices = () if problem is None else (problem,)
+    notices = tuple(line for line in (problem, noted) if line is not None)
     return UnitPlan(request, gpu_set, unit_state, environment, notices)
+
+
+def _ledger_evidence(
+    runtime_dir: Path, unit: str, unit_state: UnitState, *, inside: bool
+) -> tuple[UnitLedger, str | None]:
+    """The ledger's evidence for ``unit``, after adding what root sees of its runs now.
+
+    Root (the gate server, an in-process gate or reap) records as the daemon does: the live
+    descendants of every recorded process of the unit's runs, and, serving the unit's own
+    stop-reap, the ending run's cgroup and what descends from it (ledgerstore.record_seen). So
+    the gate alone, with no daemon, still knows a worker that a left-over in the cgroup started
+    and that moved into a scope of its own. Not recorded: a notice, and the file as it is.
+    """
+    from gpuguard.adapters import ledgerstore, systemd  # noqa: PLC0415 - see the package doc
+
+    if os.geteuid() != 0:
+        return ledgerstore.evidence(runtime_dir, unit), None
+    ending = systemd.ending_run(unit_state) if inside else None
+    try:
+        seen = ledgerstore.record_seen(
+            runtime_dir, unit, ending, unit_state.control_group, time.time()
+        )
+    except OSError as err:
+        problem = f"gpuguard: cannot record {unit}'s processes in the provenance ledger: {err}"
+        return ledgerstore.evidence(runtime_dir, unit), problem
+    return seen.for_unit(unit), None

@@ -72,6 +72,7 @@ def run(
         [f"cannot ask systemd about {unit_name} ({unit_state.error})"] if unit_state.error else []
     )
     grace = args.grace if args.grace is not None else settings.reap_grace_s
+    timeout = wait_limit(settings, args.timeout, caller)
 
     def logger() -> reaper.EventLogger:
         logs.configure_logging(json=False)
@@ -90,6 +91,7 @@ def run(
             planned=planned,
             results=(),
             args=args,
+            timeout=timeout,
             waited=False,
             containers=_stop_containers(stopper, verdicts) if args.dry_run else _kept(verdicts),
         )
@@ -108,9 +110,22 @@ def run(
         planned=planned,
         results=results,
         args=args,
+        timeout=timeout,
         waited=True,
         containers=containers,
     )
+
+
+def wait_limit(settings: Settings, timeout: float, caller: Caller | None) -> float:
+    """How long the reap waits for the memory to go: ``timeout``, capped for a unit's request.
+
+    A unit's own request (its ExecStopPost= through the gate server) waits at most
+    gate_timeout_s, as its gate does: it holds one of the server's slots meanwhile. The
+    operator's (or an in-process run's) is bounded by --timeout's own range only.
+    """
+    if caller is not None and not caller.is_operator:
+        return min(timeout, settings.gate_timeout_s)
+    return timeout
 
 
 def _only_unit(settings: Settings) -> str | None:
@@ -209,6 +224,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     planned: UnitPlan,
     results: tuple[ReapResult, ...],
     args: argparse.Namespace,
+    timeout: float,
     waited: bool,
     containers: Containers,
 ) -> ReapReport:
@@ -216,7 +232,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
 
     gate_settings = gate.GateSettings(
-        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, args.timeout, poll_s=0.2
+        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, timeout, poll_s=0.2
     )
     current, blockers = gate.wait_until_idle(
         gate_settings,
@@ -224,7 +240,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         lambda: inventory.gather(settings),
         time.monotonic,
         time.sleep,
-        wait_s=args.timeout if waited else 0.0,
+        wait_s=timeout if waited else 0.0,
     )
     gpu_set = planned.gpu_set
     return ReapReport(

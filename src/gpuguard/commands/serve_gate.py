@@ -59,7 +59,9 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
     with listener:
         return gateserver.serve_forever(
             listener,
-            lambda conn: gateserver.serve(conn, handle, sys.stderr, watched=watched),
+            lambda conn, pidfd: gateserver.serve(
+                conn, handle, sys.stderr, watched=watched, pinned=pidfd
+            ),
             sys.stderr,
             who=lambda pid, uid: gateserver.classify(pid, uid, watched),
         )

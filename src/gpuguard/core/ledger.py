@@ -113,6 +113,43 @@ class Ledger:
         kept = [r for i, r in enumerate(runs) if i not in dropped]
         return Ledger(tuple(kept[-MAX_RUNS:]))
 
+    def merge(self, other: Ledger) -> Ledger:
+        """Both ledgers' runs: what two writers (the daemon, the gate server) recorded, all kept.
+
+        A run both hold keeps both lists of processes, its earliest first and latest last
+        record; a process recorded in two runs stays in the one first seen (the first-run
+        rule of :meth:`record`, by ``first_seen``); the caps apply as there, the oldest cut.
+        """
+        merged: dict[tuple[str, str], RunRecord] = {}
+        for run in sorted((*self.runs, *other.runs), key=lambda r: r.first_seen):
+            key = (run.unit, run.invocation_id)
+            have = merged.get(key)
+            if have is None:
+                merged[key] = run
+                continue
+            merged[key] = replace(
+                have,
+                first_seen=min(have.first_seen, run.first_seen),
+                last_seen=max(have.last_seen, run.last_seen),
+                processes=(*have.processes, *run.processes),
+            )
+        known: set[ProcessIdentity] = set()
+        runs: list[RunRecord] = []
+        for run in merged.values():
+            fresh: dict[ProcessIdentity, SeenProcess] = {}
+            for process in run.processes:
+                if process.identity not in known:
+                    fresh.setdefault(process.identity, process)
+            known.update(fresh)
+            runs.append(replace(run, processes=tuple(fresh.values())[:MAX_PROCESSES]))
+        per_unit: dict[str, int] = {}
+        kept: list[RunRecord] = []
+        for run in reversed(runs):  # newest first: each unit's newest runs are kept
+            per_unit[run.unit] = per_unit.get(run.unit, 0) + 1
+            if per_unit[run.unit] <= MAX_RUNS_PER_UNIT:
+                kept.append(run)
+        return Ledger(tuple(reversed(kept[:MAX_RUNS])))
+
     def without_oldest(self, count: int) -> Ledger:
         """The ledger less its ``count`` oldest runs (the writer's last resort against size)."""
         return Ledger(self.runs[max(count, 1) :])

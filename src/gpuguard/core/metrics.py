@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
-from gpuguard.core.idle import is_idle
+from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
 from gpuguard.core.release import Release
 from gpuguard.core.releasetimes import ReleaseTimes, release_family
@@ -225,7 +225,8 @@ def _gpu_families(observed: Observed) -> list[Metric]:
     total = _gauge("gpuguard_gpu_memory_total_bytes", "GPU memory in all (NVML).", ["gpu"])
     idle = _gauge(
         "gpuguard_gpu_idle",
-        "1 when no process has memory on the GPU and its use is within idle_threshold_mib.",
+        "1 when no process has memory on the GPU, its use is within idle_threshold_mib and no "
+        "process the /proc walk could not read in full may hold it (as status judges it).",
         ["gpu"],
     )
     stale = _gauge(
@@ -261,7 +262,9 @@ def _gpu_families(observed: Observed) -> list[Metric]:
         if reading.memory is not None:
             used.add_metric(label, reading.memory.used_bytes)
             total.add_metric(label, reading.memory.total_bytes)
-        idle.add_metric(label, int(is_idle(reading, observed.idle_threshold_bytes)))
+        # As status judges it: a process the /proc walk could not read in full keeps it busy.
+        seen = inventory is not None and is_idle_seen(inventory, gpu, observed.idle_threshold_bytes)
+        idle.add_metric(label, int(seen))
         lefts = [
             x for x in stale_holders if any(u.gpu_index == reading.index for u in x.holder.gpus)
         ]

@@ -27,7 +27,8 @@ class LedgerPorts:
 
     run_processes: Callable[[str | None, Iterable[ProcessIdentity]], tuple[SeenProcess, ...]]
     alive: Callable[[ProcessIdentity], bool]
-    save: Callable[[Ledger], None]
+    save: Callable[[Ledger], Ledger | None]
+    """Write the ledger; what was written when the file held more (the gate server's records)."""
     every_s: float
 
 
@@ -116,5 +117,7 @@ class LedgerKeeper:
             (r["unit"], r["invocation_id"], r["processes"]) for r in self._saved
         ]:
             return
-        ports.save(self._ledger)
-        self._saved = runs
+        merged = ports.save(self._ledger)
+        if merged is not None:
+            self._ledger = merged
+        self._saved = self._ledger.to_json()["runs"]

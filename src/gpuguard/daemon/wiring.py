@@ -138,11 +138,12 @@ def run(settings: Settings) -> int:
 def ledger_ports(settings: Settings, log: Logger) -> LedgerPorts:
     """The provenance ledger's real reads (runtree) and its file (ledgerstore)."""
 
-    def save(ledger: Ledger) -> None:
+    def save(ledger: Ledger) -> Ledger | None:
         try:
-            ledgerstore.save(settings.runtime_dir, ledger)
+            return ledgerstore.save_merged(settings.runtime_dir, ledger)
         except OSError as err:
             log.warning("cannot write the provenance ledger", error=str(err))
+            return None
 
     return LedgerPorts(
         run_processes=runtree.run_processes,
