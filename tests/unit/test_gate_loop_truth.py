@@ -182,8 +182,11 @@ def test_a_quick_wait_says_nothing_extra() -> None:
 
 
 def test_waiting_until_idle_looks_again_until_the_set_is_free() -> None:
-    """Reap's wait: no reaping, one look per poll, the first idle inventory ends it."""
-    busy, idle = gathered(gpu(0, (77, 4000)), gpu(1)), gathered(gpu(0), gpu(1))
+    """Reap's wait: no reaping, one look per poll, the first idle inventory ends it.
+
+    PID 88, reaped, is still listed by NVML and gone from /proc: its memory is on its way out.
+    """
+    busy, idle = gathered(gpu(0, (88, 4000)), gpu(1)), gathered(gpu(0), gpu(1))
     world = World([busy, busy, idle])
     settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
     last, blockers = wait_until_idle(
@@ -197,7 +200,7 @@ def test_waiting_until_idle_looks_again_until_the_set_is_free() -> None:
 
 def test_waiting_until_idle_gives_up_after_its_time_and_says_what_blocks() -> None:
     """A set that stays busy: the blockers after ``wait_s``, and no look without a wait."""
-    busy = gathered(gpu(0, (77, 4000)), gpu(1))
+    busy = gathered(gpu(0, (88, 4000)), gpu(1))
     world = World([busy])
     settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
     _, blockers = wait_until_idle(
@@ -209,6 +212,24 @@ def test_waiting_until_idle_gives_up_after_its_time_and_says_what_blocks() -> No
     _, at_once = wait_until_idle(settings, busy, world.gather, world.clock, world.sleep, wait_s=0.0)
     assert at_once == blockers
     assert world.now == 3.0
+
+
+def test_waiting_ends_at_once_when_only_holders_the_plan_keeps_remain() -> None:
+    """Another unit's live job holds GPU 0 after a reap: no look again, its blockers at once.
+
+    Waiting could free nothing (a shared service's stop-reap waited its whole timeout on a
+    tenant's job); a reaped process NVML still lists keeps the wait going (tests above).
+    """
+    busy = gathered(gpu(0, (77, 4000)), gpu(1))
+    world = World([busy])
+    settings = GateSettings(REQUEST, 16 * MIB, 60.0, poll_s=0.5)
+    last, blockers = wait_until_idle(
+        settings, world.gather(), world.gather, world.clock, world.sleep, wait_s=20.0
+    )
+    assert last is busy
+    assert "PID 77" in blockers[0]
+    assert "not touched" in blockers[0]
+    assert world.sleeps == 0
 
 
 def test_a_reset_class_xid_on_a_gpu_of_the_set_refuses_at_once_naming_it() -> None:

@@ -217,18 +217,60 @@ def wait_until_idle(  # noqa: PLR0913 - the wait's whole world, injected
     *,
     wait_s: float,
 ) -> tuple[Inventory, tuple[str, ...]]:
-    """Look again every ``poll_s`` until nothing blocks a start or ``wait_s`` has passed.
+    """Reap's wait: look again every ``poll_s`` until the set is idle or ``wait_s`` has passed.
 
-    Reaps nothing (``run_gate`` reaps and waits); returns the last inventory and its blockers,
-    empty when the unit's GPUs are idle.
+    Done early once only live holders the plan keeps remain (``only_kept``): the memory of what
+    was reaped is gone, and waiting on a tenant's job would only delay the stop it runs in.
+    Reaps nothing (``run_gate`` reaps and waits for a start); returns the last inventory and its
+    blockers, empty when the unit's GPUs are idle.
     """
     deadline = clock() + wait_s
     blockers = set_blockers(inventory, settings)
-    while blockers and clock() < deadline:
+    while blockers and clock() < deadline and not only_kept(inventory, settings):
         sleep(settings.poll_s)
         inventory = gather()
         blockers = set_blockers(inventory, settings)
     return inventory, blockers
+
+
+def only_kept(inventory: Inventory, settings: GateSettings) -> bool:
+    """Every busy GPU of the set is held only by live, fully inspected processes the plan keeps.
+
+    Nothing is on its way out then: no memory unexplained or from outside, no PID NVML lists
+    that /proc lacks (a reaped process whose memory the driver has not released yet), nothing
+    the plan would still reap.
+    """
+    if inventory.nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+        return False
+    gpu_set = settings.request.gpu_set
+    if gpu_set is not None and gpu_set - {g.reading.index for g in inventory.gpus}:
+        return False
+    releasing = [
+        *(p.gpu_index for p in inventory.vanished),
+        *(p.gpu_index for p in inventory.foreign),
+        *(p.gpu_index for p in inventory.uninspectable),
+    ]
+    if any(gpu_set is None or index in gpu_set for index in releasing):
+        return False
+    for gpu in inventory.gpus:
+        index = gpu.reading.index
+        if gpu_set is not None and index not in gpu_set:
+            continue
+        if inventory.partial_on(index):
+            return False
+        if is_idle(gpu.reading, settings.idle_threshold_bytes):
+            continue
+        holders = [inventory.holder(pid) for pid in gpu.holder_pids]
+        kept = [h for h in holders if h is not None]
+        if (
+            gpu.unattributed_bytes
+            or gpu.outside_bytes
+            or not kept
+            or len(kept) < len(holders)
+            or any(d.verdict is Verdict.REAP for d in plan(kept, settings.request).decisions)
+        ):
+            return False
+    return True
 
 
 def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
