@@ -557,7 +557,10 @@ def test_left_over_at_an_operators_start_is_a_finding(release: str) -> None:
 
 
 def test_a_recovery_is_not_promised_for_holders_outside_the_cgroup_without_provenance() -> None:
-    """The server names a holder systemd never saw in the cgroup: no 'would have recovered'."""
+    """The server names a holder systemd never saw in the cgroup: no 'would have recovered'.
+
+    The daemon stops a unit only when its plan can free the GPUs: the replay says needs-operator.
+    """
     entries = sample("bookworm", "restart-loop-start-limit")
     base = entries[0]
     run = next(e["INVOCATION_ID"] for e in entries if e.get("INVOCATION_ID"))
@@ -569,7 +572,7 @@ def test_a_recovery_is_not_promised_for_holders_outside_the_cgroup_without_prove
     entries.append({**unit_output(base, 5, held), "_SYSTEMD_INVOCATION_ID": run})
     found = timeline.build(entries, UNIT)
     would = found.story.would[0]
-    assert would.startswith("gpuguard would have acted: recover (stale-gpu-holders)")
+    assert would.startswith("gpuguard would have acted: needs-operator (stale-gpu-holders)")
     assert "PID 192" in would
     assert "would reap nothing" in would
     assert f"gpuguard reap --unit {UNIT} --scope patterns" in would

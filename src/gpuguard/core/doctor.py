@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Final
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import EventKind, UnitEvent, decode_message, is_trusted, parse_entry
 from gpuguard.core.mig import UNJUDGED, indices_text
+from gpuguard.core.startfailure import named_holders
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -113,6 +114,9 @@ class History:
     left the unit's cgroup, which systemd never names, are seen only here."""
     restarts: int = 0
     start_limit_hits: int = 0
+    named: tuple[int, ...] = ()
+    """PIDs the unit's out-of-memory lines name as holding GPU memory (the server's word) that
+    systemd never saw in the cgroup: a worker that left it, as ``explain`` counts them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +188,7 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
     events: list[UnitEvent] = []
     survivors: list[tuple[int, str]] = []
     swept: list[tuple[tuple[int, ...], str]] = []
+    named: dict[int, None] = {}
     count = 0
     for entry in entries:
         count += 1
@@ -191,7 +196,9 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
             swept.append(sweep)
             continue
         event = parse_entry(entry, unit)
-        if event is not None and event.kind is not EventKind.GPU_OOM_OUTPUT:
+        if event is not None and event.kind is EventKind.GPU_OOM_OUTPUT:
+            named.update(dict.fromkeys(named_holders(event.message)))
+        elif event is not None:
             events.append(event)
             if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None:
                 survivors.append((event.pid, event.comm or ""))
@@ -208,6 +215,7 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
         swept=tuple(swept),
         restarts=sum(e.kind is EventKind.RESTART_SCHEDULED for e in events),
         start_limit_hits=sum(e.kind is EventKind.START_LIMIT_HIT for e in events),
+        named=tuple(pid for pid in named if pid not in {p for p, _ in survivors}),
     )
 
 
@@ -457,10 +465,15 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
 
 
 def _survivors(facts: UnitFacts) -> list[Finding]:
-    """Processes that outlived a stop of the unit: systemd's word, and the daemon's sweeps."""
+    """Processes that outlived a stop of the unit, each PID once (as ``explain`` counts them).
+
+    systemd's word, the daemon's sweeps, and the holders the server's out-of-memory lines name
+    outside the cgroup.
+    """
     history, unit, mode = facts.history, facts.config.unit, facts.config.kill_mode
     pids = {pid for pid, _ in history.survivors} | {p for ps, _ in history.swept for p in ps}
-    if not history.survivors and not history.swept:
+    pids |= set(history.named)
+    if not history.survivors and not history.swept and not history.named:
         return []
     evidence: list[str] = []
     if history.survivors:
@@ -468,6 +481,18 @@ def _survivors(facts: UnitFacts) -> list[Finding]:
         listed = ", ".join(names[:_MAX_NAMES]) + (" …" if len(names) > _MAX_NAMES else "")
         evidence.append(f"names: {listed}")
     evidence += [f"gpuguard's daemon: {summary}" for _, summary in history.swept[-_MAX_NAMES:]]
+    shown = sorted(pids)
+    evidence.append(
+        "PIDs: "
+        + ", ".join(map(str, shown[:_MAX_NAMES]))
+        + (" …" if len(shown) > _MAX_NAMES else "")
+    )
+    if history.named:
+        listed = ", ".join(str(pid) for pid in history.named[:_MAX_NAMES])
+        evidence.append(
+            f"the server's out-of-memory lines name PID {listed} as holding GPU memory (its "
+            "word); systemd never saw it in the unit's cgroup"
+        )
     prevent = (
         "install the gate: its ExecStopPost= reap and its check before each start"
         if mode in SAFE_KILL_MODES

@@ -135,11 +135,17 @@ def _suspect(
     protected_names: Collection[str],
     owned: Mapping[str, str],
 ) -> bool:
-    """Matches the unit's patterns on its GPUs, and belongs to no watched unit or its container."""
+    """Matches the unit's patterns on its GPUs, belongs to no watched unit or its container.
+
+    And runs as the unit's user when that is known: another uid is never the unit's.
+    """
     if is_protected(holder, protected_names) or holder.kernel_thread:
         return False
     if matching_pattern(holder, unit.patterns) is None or not on_gpus(holder, unit.gpu_set):
         return False
+    uid = unit.provenance.uid
+    if uid is not None and not _runs_as(holder, uid):
+        return False  # another user's process is never the unit's, whatever its name (policy)
     if live_owner(holder, units) is not None or holder.attribution.unknown:
         return False
     if any(_in_cgroup(holder, other.name) for other in units):

@@ -55,6 +55,7 @@ from gpuguard.core.events import (
     parse_entry,
 )
 from gpuguard.core.recovery import Action, RecoveryLimits, RecoveryPlanner
+from gpuguard.core.startfailure import named_holders
 from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
 
 if TYPE_CHECKING:
@@ -192,6 +193,8 @@ class _Acc:
     seen: set[tuple[str, str | None, str]] = field(default_factory=set)
     daemon: list[_DaemonSaid] = field(default_factory=list)
     """The daemon's verdicts (looping or not) and its finished recoveries, for the replay."""
+    named: dict[int, None] = field(default_factory=dict)
+    """The holders every out-of-memory line names (also the lines not shown: one per run)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +241,7 @@ def build(
     rows = sorted(acc.rows, key=_order(acc.rows))
     events = sorted(acc.events, key=_order(acc.events))
     gpuguard_seen = any(row.source == GPUGUARD for row in rows)
-    holders = _holders_seen(rows, events)
+    holders = _holders_seen(rows, events, acc.named)
     replayed = _replay(events, unit, loop, limits, holders=holders, daemon=acc.daemon, rows=rows)
     would = () if gpuguard_seen else replayed.would
     rows += [row for row, _ in would]
@@ -292,6 +295,7 @@ def _event_row(event: UnitEvent, acc: _Acc) -> None:
     """A lifecycle event (systemd) or a start-failure signature (the unit's output)."""
     run = event.invocation_id
     if event.kind is EventKind.GPU_OOM_OUTPUT:
+        acc.named.update(dict.fromkeys(named_holders(event.message)))
         signature = _signature(event.message)
         key = ("oom", run, signature)
         if key in acc.seen:
@@ -479,11 +483,12 @@ class _Replayed:
     findings: tuple[str, ...]
 
 
-_HOLDER_PID = re.compile(r"\bProcess (\d{1,10}) has ")
 _SURVIVOR_PID = re.compile(r"(?:process|Process) (\d{1,10}) \(|\bpid=(\d{1,10})\b")
 
 
-def _holders_seen(rows: Sequence[Row], events: Sequence[UnitEvent]) -> _Holders:
+def _holders_seen(
+    rows: Sequence[Row], events: Sequence[UnitEvent], named_by_server: Iterable[int]
+) -> _Holders:
     in_cgroup = dict.fromkeys(
         event.pid
         for event in events
@@ -492,13 +497,8 @@ def _holders_seen(rows: Sequence[Row], events: Sequence[UnitEvent]) -> _Holders:
     for row in rows:
         if row.kind == "remains-running" and (match := _SURVIVOR_PID.search(row.text)):
             in_cgroup[int(match[1])] = None
-    named: dict[int, None] = {}
-    for event in events:
-        if event.kind is EventKind.GPU_OOM_OUTPUT:
-            for match in _HOLDER_PID.finditer(event.message):
-                if int(match[1]) not in in_cgroup:
-                    named[int(match[1])] = None
-    return _Holders(tuple(in_cgroup), tuple(named))
+    named = tuple(pid for pid in named_by_server if pid not in in_cgroup)
+    return _Holders(tuple(in_cgroup), named)
 
 
 def _replay(  # noqa: PLR0913 - the daemon's settings, what the journal shows, what it said
@@ -538,27 +538,31 @@ def _replay(  # noqa: PLR0913 - the daemon's settings, what the journal shows, w
         if acted:
             continue
         decision = planner.decide(diagnosis, event.monotonic_s)
-        now = (diagnosis.looping, decision.action)
+        # The daemon stops a unit only when its plan can free the GPUs: never with a holder no
+        # rule lets it reap (daemon: "needs operator: gpuguard cannot prove who holds the GPUs").
+        blocked = decision.action is Action.RECOVER and bool(holders.named_outside)
+        action = Action.NEEDS_OPERATOR if blocked else decision.action
+        now = (diagnosis.looping, action)
         if now == last or not diagnosis.looping:
             last = now
             continue
         last = now
+        reason = _BLOCKED if blocked else decision.reason
         text = (
-            f"gpuguard would have acted: {decision.action.value} ({diagnosis.cause.value}): "
-            f"{decision.reason}"
+            f"gpuguard would have acted: {action.value} ({diagnosis.cause.value}): {reason}"
         ) + _what_it_could_reap(diagnosis.cause, decision.action, holders, unit)
         row = Row(
             event.monotonic_s,
             event.realtime_s,
             event.boot_id,
             WOULD,
-            decision.action.value,
-            escape(text, _TEXT_LIMIT * 2),
+            action.value,
+            escape(text, _TEXT_LIMIT * 3),
             event.invocation_id,
         )
         if all(row.text != earlier for _, earlier in said):  # a loop judged again says it once
             said.append((row, row.text))
-        acted = decision.action is Action.RECOVER  # what it would have changed, none can say
+        acted = action is Action.RECOVER  # what it would have changed, none can say
     for left in pending:
         _compare(detector, left, differ)
     final = detector.diagnose(_newest(events, rows), None) if events else None
@@ -604,7 +608,9 @@ def _compare(detector: Detector, said: _DaemonSaid, differ: list[str]) -> None:
     )
 
 
-def _what_it_could_reap(cause: Cause, action: Action, holders: _Holders, unit: str) -> str:
+def _what_it_could_reap(  # noqa: PLR0911 - one sentence per case of what the journal shows
+    cause: Cause, action: Action, holders: _Holders, unit: str
+) -> str:
     """What a recovery could have freed under the ownership rule, from what the journal shows."""
     if action is not Action.RECOVER and cause is not Cause.UNKNOWN:
         return ""
@@ -612,21 +618,29 @@ def _what_it_could_reap(cause: Cause, action: Action, holders: _Holders, unit: s
         f"check them (`gpuguard reap --unit {unit} --dry-run`), then "
         f"`gpuguard reap --unit {unit} --scope patterns`"
     )
+    outside = ", ".join(str(pid) for pid in holders.named_outside[:_SHOWN_PIDS])
+    unprovable = (
+        f"; but the server names PID {outside} as holding GPU memory and systemd never saw it "
+        "in the unit's cgroup: outside it, with no provenance (gpuguard's ledger records a "
+        "run's processes only while it runs), no rule lets gpuguard reap it, so a recovery "
+    )
     if holders.in_cgroup:
         pids = ", ".join(str(pid) for pid in holders.in_cgroup[:_SHOWN_PIDS])
         proven = (
             f"; systemd saw PID {pids} in the unit's cgroup after a run: the ownership rule lets "
             "gpuguard reap those if they run as the unit's User="
         )
+        if holders.named_outside:
+            return proven + (
+                f"; but PID {outside}, which the server names as holding GPU memory, systemd "
+                "never saw in the cgroup: with no provenance no rule lets gpuguard reap it, so "
+                "it would not stop the unit, it would need an operator: " + check
+            )
         if action is Action.RECOVER:
             return proven
         return proven + ", had they held the unit's GPUs then, it would have recovered"
     if holders.named_outside:
-        pids = ", ".join(str(pid) for pid in holders.named_outside[:_SHOWN_PIDS])
-        return (
-            f"; but the server names PID {pids} as holding GPU memory and systemd never saw it "
-            "in the unit's cgroup: outside it, with no provenance (gpuguard's ledger records a "
-            "run's processes only while it runs), no rule lets gpuguard reap it, so a recovery "
+        return unprovable + (
             "would reap nothing: it would not stop the unit, it would need an operator: " + check
         )
     if action is Action.RECOVER:
@@ -716,6 +730,7 @@ _SURVIVOR_WORDS: Final = {
     "reap-outcome": "reaped by gpuguard",
 }
 _SHOWN_PIDS: Final = 5
+_BLOCKED: Final = "its plan could not free the GPUs, so the unit is left as systemd has it"
 _SWEPT_PIDS = re.compile(r"\bpids=\[(?P<pids>\d{1,10}(?:,\d{1,10}){0,19})\]")
 
 
