@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from clirunner import unit_name
-from daemontwins import Recorder, ReplayFollower, UnitTwin
+from daemontwins import JournaledRecorder, ReplayFollower, UnitTwin
 from fakeholder import process_gone
 from fakestate import add_alloc
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,34 +116,6 @@ def tenants() -> Iterator[Tenants]:
     made.stop()
 
 
-@dataclass
-class TimedRecorder(Recorder):
-    """The daemon's log, each line with the daemon's monotonic clock when it was written."""
-
-    clock: list[float] = field(default_factory=list)
-    stamps: list[float] = field(default_factory=list)
-
-    def info(self, event: str, **fields: object) -> None:
-        """Keep an info line and its moment."""
-        self.stamps.append(self.clock[0])
-        super().info(event, **fields)
-
-    def warning(self, event: str, **fields: object) -> None:
-        """Keep a warning line and its moment."""
-        self.stamps.append(self.clock[0])
-        super().warning(event, **fields)
-
-    def error(self, event: str, **fields: object) -> None:
-        """Keep an error line and its moment."""
-        self.stamps.append(self.clock[0])
-        super().error(event, **fields)
-
-    def critical(self, event: str, **fields: object) -> None:
-        """Keep a critical line and its moment."""
-        self.stamps.append(self.clock[0])
-        super().critical(event, **fields)
-
-
 def _renamed(name: str, unit: str, *, survivor: int, holder: int) -> list[dict[str, Any]]:
     """A recorded journal for ``unit``: PID 57 is ``survivor``; the OOM names ``holder``."""
     entries = []
@@ -204,17 +176,16 @@ def run_daemon(cli: Cli, unit: str, entries: list[dict[str, Any]]) -> DaemonRun:
     newest_mono = max(int(e["__MONOTONIC_TIMESTAMP"]) for e in entries) / 1e6
     newest_real = max(int(e["__REALTIME_TIMESTAMP"]) for e in entries) / 1e6
     shift = newest_mono + 1.0 - time.monotonic()
-    clock = [newest_mono]
-    log = TimedRecorder(clock=clock)
+    log = JournaledRecorder(
+        clock=lambda: time.monotonic() + shift,
+        realtime_s=lambda monotonic_s: newest_real + monotonic_s - newest_mono,
+        boot_id=str(entries[-1]["_BOOT_ID"]),
+    )
     twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]))
     snapshots: list[dict[str, Any]] = []
     turns = [0]
     held: list[Daemon] = []
     runs = frozenset(str(e["INVOCATION_ID"]) for e in entries if e.get("INVOCATION_ID"))
-
-    def monotonic() -> float:
-        clock[0] = time.monotonic() + shift
-        return clock[0]
 
     def sleep(seconds: float) -> None:
         del seconds
@@ -230,7 +201,7 @@ def run_daemon(cli: Cli, unit: str, entries: list[dict[str, Any]]) -> DaemonRun:
         notifier=log,
         log=log,
         wall=lambda: newest_real + 1.0,
-        monotonic=monotonic,
+        monotonic=lambda: time.monotonic() + shift,
         sleep=sleep,
         write_snapshot=snapshots.append,
         load_unit_state=lambda _unit: None,
@@ -239,33 +210,11 @@ def run_daemon(cli: Cli, unit: str, entries: list[dict[str, Any]]) -> DaemonRun:
         provenance=lambda state: UnitProvenance(None, runs - {state.invocation_id or ""}, 0),
         boot_id=str(entries[-1]["_BOOT_ID"]),
     )
-    env_before = os.environ.get("FAKENVML_STATE")
-    os.environ["FAKENVML_STATE"] = str(cli.state)
-    try:
-        daemon = Daemon(settings, ReplayFollower(entries, live=True), ports)
-        held.append(daemon)
-        assert daemon.run() == 0
-    finally:
-        if env_before is None:
-            del os.environ["FAKENVML_STATE"]
-        else:
-            os.environ["FAKENVML_STATE"] = env_before
+    daemon = Daemon(settings, ReplayFollower(entries, live=True), ports)
+    held.append(daemon)
+    assert daemon.run() == 0
     running = [s for s in snapshots if s.get("running")]
-    journal = [
-        {
-            "__CURSOR": f"daemon-{i}",
-            "__MONOTONIC_TIMESTAMP": str(int(stamp * 1e6)),
-            "__REALTIME_TIMESTAMP": str(int((newest_real + stamp - newest_mono) * 1e6)),
-            "_BOOT_ID": entries[-1]["_BOOT_ID"],
-            "_SYSTEMD_UNIT": "gpuguard.service",
-            "_UID": "0",
-            "_PID": "4242",
-            "_TRANSPORT": "stdout",
-            "MESSAGE": json.dumps({"event": event, "level": level, **fields}, default=str),
-        }
-        for i, ((level, event, fields), stamp) in enumerate(zip(log.lines, log.stamps, strict=True))
-    ]
-    return DaemonRun(running[-1], log.lines, journal, twin.calls)
+    return DaemonRun(running[-1], log.lines, log.entries, twin.calls)
 
 
 @pytest.fixture
@@ -331,6 +280,7 @@ def test_status_metrics_explain_and_doctor_tell_one_incident_alike(  # noqa: PLR
     entries = incident_journal(unit, stayed.pid, escaped.pid)
     cli.configure(f'[units."{unit}"]\n')
     (tmp_path / "unit.show").write_text(SHOW.format(last=entries[-1]["INVOCATION_ID"]))
+    monkeypatch.setenv("FAKENVML_STATE", str(cli.state))  # the in-process daemon's NVML
     ran = run_daemon(cli, unit, entries)
     assert ran.calls == []  # it cannot free what it cannot prove: the unit is left as it was
     watch = ran.snapshot["units"][unit]

@@ -9,10 +9,11 @@ what it may say (docs/security.md):
   SIGKILL." and "Unit process N (comm) remains running after unit stopped." name what systemd
   killed and what outlived the run.
 * **unit**: the unit's own output (``_SYSTEMD_UNIT``, not PID 1), kept only when it matches a
-  start-failure signature (``events.START_FAILURE_SIGNATURES``). The unit chooses that text: it
-  is shown as the unit's word, never as systemd's or gpuguard's. The gate's verdict reaches the
-  unit's output too (the drop-in's client prints it), but there the unit could print the same
-  words: it is never read from there.
+  start-failure signature (``events.START_FAILURE_SIGNATURES``), labelled with the one the
+  daemon's classifier picks (the most specific, ``startfailure.classify``). The unit chooses
+  that text: it is shown as the unit's word, never as systemd's or gpuguard's. The gate's
+  verdict reaches the unit's output too (the drop-in's client prints it), but there the unit
+  could print the same words: it is never read from there.
 * **gpuguard**: the daemon's structured JSON lines, only from ``gpuguard.service`` running as
   root (``_SYSTEMD_UNIT``, ``_UID``: journald's fields), and the gate server's own lines about
   gate and reap requests from ``gpuguard-gate.service`` (``gpuguard-gate@….service``, one
@@ -47,7 +48,6 @@ from gpuguard.core.enginelines import BY_KEY
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import (
     OUTPUT_KINDS,
-    START_FAILURE_SIGNATURES,
     EventKind,
     UnitEvent,
     decode_message,
@@ -93,6 +93,7 @@ _DAEMON_EVENTS: Final = frozenset(
     {
         "restart loop",
         "needs operator",
+        "needs operator: gpuguard cannot prove who holds the GPUs",
         "verdict",
         "dry run: would recover",
         "recovery: stopping unit",
@@ -119,6 +120,8 @@ _DAEMON_FIELDS: Final = (
     "pids",
     "summary",
     "findings",
+    "command",
+    "blockers",
 )
 # The reaper's lines: what was signalled first (the reason is long: it comes last).
 _REAP_FIELDS: Final = ("signal", "pid", "outcome", "signals", "detail", "command", "reason")
@@ -296,7 +299,7 @@ def _event_row(event: UnitEvent, acc: _Acc) -> None:
     run = event.invocation_id
     if event.kind is EventKind.GPU_OOM_OUTPUT:
         acc.named.update(dict.fromkeys(named_holders(event.message)))
-        signature = _signature(event.message)
+        signature = event.signature or "start-failure signature"
         key = ("oom", run, signature)
         if key in acc.seen:
             return  # every rank prints it: the first line of each kind per run tells the story
@@ -327,14 +330,6 @@ def _row(event: UnitEvent, source: str, kind: str, text: str) -> Row:
         escape(text, _TEXT_LIMIT),
         event.invocation_id,
     )
-
-
-def _signature(message: str) -> str:
-    """Which server's start-failure signature a line matched (for people)."""
-    for signature in START_FAILURE_SIGNATURES:
-        if match := re.search(signature.pattern, message):
-            return f"{signature.server}: {match.group(0)}"
-    return "start-failure signature"
 
 
 def _systemd_text_row(
