@@ -301,6 +301,11 @@ def test_status_metrics_explain_and_doctor_tell_one_incident_alike(  # noqa: PLR
     assert f"{unit} needs an operator: recoveries did not break its restart loop" in critical
     assert f"PID {escaped.pid} (" in critical, critical
     assert f"run `{command}`" in critical
+    # The tenant holds GPU 1 too: named, as its owner's to stop (the command spares it).
+    assert f"PID {tenant} (python, no unit) on GPU 1: runs as uid 65534/65534/65534/65534" in (
+        critical
+    )
+    assert "its owner's to stop" in critical
     named = {
         pid
         for pid in (stayed.pid, escaped.pid, tenant)

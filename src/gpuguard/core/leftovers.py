@@ -201,9 +201,10 @@ class Blockers:
     """What holds a unit's GPUs that its own gate and the daemon will not free.
 
     ``holders``: kept processes on the unit's GPUs (not its live run's, not protected), each with
-    the policy's reason. ``command``: what an operator runs after checking them, only when every
-    one matches the unit's patterns; None when some process is not the unit's by any sign (a
-    tenant's job: no gpuguard command should end it) or another watched unit's live run holds
+    the policy's reason (another user's: that it is its owner's to stop). ``command``: what an
+    operator runs after checking them, only when every one of the unit's user matches the unit's
+    patterns; None when some such process is not the unit's by any sign (no gpuguard command
+    should end it), when all are other users', or when another watched unit's live run holds
     the GPUs (``live_elsewhere``).
     """
 
@@ -228,11 +229,15 @@ def blockers(
 ) -> Blockers:
     """The holders on ``unit``'s GPUs that unit-scope reaping keeps, and the way out.
 
-    ``--scope patterns`` when every one matches the unit's patterns. Never ``--scope all``: a
-    holder that does not even look like the unit's is somebody else's, stopped by its owner.
+    ``--scope patterns`` when every one that runs as the unit's user matches the unit's
+    patterns (another user's holder is named as its owner's to stop: that command spares it).
+    Never ``--scope all``: a holder that does not even look like the unit's is somebody else's,
+    stopped by its owner.
     """
     kept: list[tuple[Holder, str]] = []
+    ours: list[Holder] = []
     elsewhere: set[str] = set()
+    uid = unit.provenance.uid
     for decision in plan(inventory.holders, _request(unit, protected)).decisions:
         holder = decision.holder
         if decision.verdict is not Verdict.KEEP or not holder.gpus:
@@ -245,8 +250,15 @@ def blockers(
         if owner is not None:
             elsewhere.add(owner)
             continue
+        if uid is not None and not _runs_as(holder, uid):
+            # Another user's: never the unit's, so no gpuguard command for the unit ends it.
+            uids = "/".join(map(str, holder.uids)) or "unknown"
+            why = f"runs as uid {uids}, not as {unit.name}'s user (uid {uid}): its owner's to stop"
+            kept.append((holder, why))
+            continue
         kept.append((holder, decision.reason))
-    patterns_only = bool(kept) and all(matching_pattern(h, unit.patterns) for h, _ in kept)
+        ours.append(holder)
+    patterns_only = bool(ours) and all(matching_pattern(h, unit.patterns) for h in ours)
     command = reap_command(unit.name, Scope.PATTERNS) if patterns_only and not elsewhere else None
     return Blockers(unit.name, tuple(kept), command, tuple(sorted(elsewhere)))
 
