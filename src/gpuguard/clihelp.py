@@ -116,7 +116,8 @@ Scopes:
             unit (their INVOCATION_ID names one, and they run as the unit's User=); a
             command line matching the patterns is no proof. Nothing in the cgroup is
             reaped while systemd cannot say whether the unit runs
-  patterns  also any holder whose command line matches the unit's patterns
+  patterns  also any holder whose command line matches the unit's patterns and that runs
+            as the unit's User= (another user's process never, whatever its name)
   all       every holder that is not protected: the old `fuser -k`, opt-in only
 
 Never signalled, whatever the scope: PID 1 and 2, kernel threads, gpuguard and its

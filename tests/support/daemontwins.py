@@ -25,7 +25,7 @@ from gpuguard.core.inventory import build_inventory
 from gpuguard.core.values import MigMode, ProcScan, ReapOutcome, ReapResult
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import GpuReading, ProcessFacts, ReapTarget
@@ -160,6 +160,57 @@ class Recorder:
     def close(self) -> None:
         """Keep CLOSE."""
         self.notes.append("CLOSE")
+
+
+@dataclass
+class JournaledRecorder(Recorder):
+    """A Recorder that also keeps each log line as journald stores gpuguard.service's output.
+
+    ``clock`` is the daemon's monotonic clock (its port), read when a line is written;
+    ``realtime_s`` turns that moment into a wall-clock stamp. ``entries`` are what
+    ``journalctl -o json`` would print for the lines: from the unit, as root, on ``boot_id``.
+    """
+
+    clock: Callable[[], float] = field(default=lambda: 0.0)
+    realtime_s: Callable[[float], float] = field(default=lambda monotonic_s: monotonic_s)
+    boot_id: str = ""
+    entries: list[dict[str, object]] = field(default_factory=list)
+
+    def _journal(self, level: str, event: str, fields: dict[str, object]) -> None:
+        now = self.clock()
+        self.entries.append(
+            {
+                "__CURSOR": f"gpuguard-{len(self.entries)}",
+                "__MONOTONIC_TIMESTAMP": str(int(now * 1e6)),
+                "__REALTIME_TIMESTAMP": str(int(self.realtime_s(now) * 1e6)),
+                "_BOOT_ID": self.boot_id,
+                "_SYSTEMD_UNIT": "gpuguard.service",
+                "_UID": "0",
+                "_PID": "4242",
+                "_TRANSPORT": "stdout",
+                "MESSAGE": json.dumps({"event": event, "level": level, **fields}, default=str),
+            }
+        )
+
+    def info(self, event: str, **fields: object) -> None:
+        """Keep an info line, also as a journal entry."""
+        super().info(event, **fields)
+        self._journal("info", event, fields)
+
+    def warning(self, event: str, **fields: object) -> None:
+        """Keep a warning line, also as a journal entry."""
+        super().warning(event, **fields)
+        self._journal("warning", event, fields)
+
+    def error(self, event: str, **fields: object) -> None:
+        """Keep an error line, also as a journal entry."""
+        super().error(event, **fields)
+        self._journal("error", event, fields)
+
+    def critical(self, event: str, **fields: object) -> None:
+        """Keep a critical line, also as a journal entry."""
+        super().critical(event, **fields)
+        self._journal("critical", event, fields)
 
 
 @dataclass(frozen=True)

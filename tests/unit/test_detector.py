@@ -31,6 +31,7 @@ SAMPLES = Path(__file__).resolve().parents[1] / "journal_samples"
 RELEASES = ["bookworm", "trixie"]
 ID_OF_KIND = {kind: message_id for message_id, kind in MESSAGE_IDS.items()}
 OOM_LINE = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+OOM_SIGNATURE = "PyTorch: CUDA out of memory"  # the most specific of the two it matches
 # What PID 1 says for the kinds that have no MESSAGE_ID (the parser matches these texts).
 TEXTS = {
     EventKind.LEFT_OVER_PROCESS: (
@@ -102,6 +103,7 @@ class Journal:
             final=final,
             job_type=job_type,
             failure=FailureClass.MEMORY if kind is EventKind.GPU_OOM_OUTPUT else None,
+            signature=OOM_SIGNATURE if kind is EventKind.GPU_OOM_OUTPUT else None,
         )
 
     def failed_run(

@@ -307,3 +307,27 @@ def test_a_tenant_naming_another_units_live_run_does_not_pose_as_it() -> None:
     assert live_owner(found.holders[0], units) is None
     escaped_b = b_serving().holders[1]  # B's own worker, B's uid, outside its cgroup: B's
     assert live_owner(escaped_b, units) == B
+
+
+def test_another_users_server_is_no_left_over_and_its_owners_to_stop() -> None:
+    """A tenant's own `python -m sglang` (uid 1000) beside A's escaped worker on GPU 0.
+
+    Not a suspected left-over of A (status and the metrics count only the worker); among the
+    blockers it is named as its owner's to stop, and the command is still the patterns reap,
+    which spares it (policy: another uid is never the unit's).
+    """
+    tenant = replace(process(31, 0, cgroup="/user.slice/user-1000.slice/session-4.scope"),
+                     uids=(1000, 1000, 1000, 1000), uid=1000, user="tenant")  # fmt: skip
+    found = inventory(
+        nvml(gpu(0, (30, 60000), (31, 20000)), gpu(1), gpu(2), gpu(3)),
+        process(30, 0, cgroup=ESCAPED_SCOPE, invocation_id="c" * 32, cmdline=("sglang::tp0",)),
+        tenant,
+    )
+    units = two_units(live_a=None)
+    assert [left.holder.pid for left in left_overs(found, units, ())] == [30]
+    counted = metrics_of(found, units)
+    assert counted["gpuguard_gpu_stale_holders{0}"] == 1
+    headline = status_of(found, units, daemon=loop_snapshot()).splitlines()[1]
+    assert "PID 31 (python3, session-4.scope) on GPU 0: runs as uid 1000/1000/1000/1000" in headline
+    assert "its owner's to stop" in headline
+    assert f"run `gpuguard reap --unit {A} --scope patterns`" in headline

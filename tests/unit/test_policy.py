@@ -138,14 +138,21 @@ def test_orphan_from_an_ended_run_is_reaped() -> None:
 def test_tenants_own_server_matching_the_pattern_is_spared() -> None:
     """Attack: another user's `nohup python -m sglang.launch_server` (PPID 1, in their session).
 
-    Main SIGTERMed it as "orphan matching 'sglang'"; a pattern is no evidence of provenance.
+    Main SIGTERMed it as "orphan matching 'sglang'"; a pattern is no evidence of provenance,
+    and even the operator's ``--scope patterns`` (the command status names) asks for the unit's
+    processes, never another user's: only ``--scope all`` reaches it.
     """
     tenant = holder(unit="session-7.scope", ppid=1, invocation=None, uids=TENANT)
     decision = decide(tenant, request())
     assert decision.verdict is Verdict.KEEP
     assert "matching 'sglang' is no evidence" in decision.reason
     assert "its environment names no INVOCATION_ID" in decision.reason
-    assert decide(tenant, request(Scope.PATTERNS)).verdict is Verdict.REAP  # explicit choice
+    by_pattern = decide(tenant, request(Scope.PATTERNS))
+    assert by_pattern.verdict is Verdict.KEEP
+    assert "runs as uid 1000/1000/1000/1000, not as sglang.service's user (uid 0)" in (
+        by_pattern.reason
+    )
+    assert decide(tenant, request(Scope.ALL)).verdict is Verdict.REAP  # explicit choice
 
 
 def test_a_borrowed_invocation_id_does_not_make_another_users_process_killable() -> None:

@@ -13,6 +13,7 @@ import pytest
 from gpuguard.adapters import journalquery
 from gpuguard.core import timeline
 from gpuguard.core.detector import LoopSettings
+from gpuguard.core.startfailure import classify
 
 UNIT = "sglang.service"
 SAMPLES = Path(__file__).resolve().parents[1] / "journal_samples"
@@ -284,7 +285,7 @@ def test_incident_with_gpuguard_tells_what_it_did_and_when_the_unit_came_back() 
     assert found.story.would == ()
     said = "torch.OutOfMemoryError: CUDA out of memory. GPU 3 has"
     assert found.story.failed_starts == (
-        f"run 55556666: result 'exit-code'; it printed [PyTorch: torch.OutOfMemoryError] {said}",
+        f"run 55556666: result 'exit-code'; it printed [PyTorch: CUDA out of memory] {said}",
     )
     assert kinds(found, timeline.UNIT).count("gpu-oom-output") == 1  # the same line twice: once
     assert any(
@@ -585,7 +586,10 @@ def test_left_over_at_an_operators_start_is_a_finding(release: str) -> None:
 
 
 def test_a_recovery_is_not_promised_for_holders_outside_the_cgroup_without_provenance() -> None:
-    """The server names a holder systemd never saw in the cgroup: no 'would have recovered'."""
+    """The server names a holder systemd never saw in the cgroup: no 'would have recovered'.
+
+    The daemon stops a unit only when its plan can free the GPUs: the replay says needs-operator.
+    """
     entries = sample("bookworm", "restart-loop-start-limit")
     base = entries[0]
     run = next(e["INVOCATION_ID"] for e in entries if e.get("INVOCATION_ID"))
@@ -597,7 +601,7 @@ def test_a_recovery_is_not_promised_for_holders_outside_the_cgroup_without_prove
     entries.append({**unit_output(base, 5, held), "_SYSTEMD_INVOCATION_ID": run})
     found = timeline.build(entries, UNIT)
     would = found.story.would[0]
-    assert would.startswith("gpuguard would have acted: recover (stale-gpu-holders)")
+    assert would.startswith("gpuguard would have acted: needs-operator (stale-gpu-holders)")
     assert "PID 192" in would
     assert "would reap nothing" in would
     assert f"gpuguard reap --unit {UNIT} --scope patterns" in would
@@ -639,3 +643,26 @@ def test_the_daemons_verdict_is_compared_with_what_it_had_read_not_what_came_mea
     before = int(entries[flips - 1]["__MONOTONIC_TIMESTAMP"]) / 1e6
     assert disagreements(flips, before) == ()
     assert len(disagreements(flips, None)) == 1
+
+
+def test_a_lines_signature_label_is_the_one_the_daemons_classifier_picks() -> None:
+    """A warm-up OOM of vLLM contains PyTorch's "CUDA out of memory": the label is vLLM's.
+
+    The classifier (startfailure.classify) takes the most specific signature, the last of the
+    table that matches; the first match named a different server and cause than the daemon's.
+    """
+    entries = sample("bookworm", "restart-loop-start-limit")
+    base = entries[0]
+    run = next(e["INVOCATION_ID"] for e in entries if e.get("INVOCATION_ID"))
+    warm_up = (
+        "RuntimeError: CUDA out of memory occurred when warming up sampler with 256 dummy "
+        "requests. Please try lowering `max_num_seqs` or `gpu_memory_utilization` when "
+        "initializing the engine."
+    )
+    entries.append({**unit_output(base, 5, warm_up), "_SYSTEMD_INVOCATION_ID": run})
+    found = timeline.build(entries, UNIT)
+    [row] = [row for row in found.rows if row.kind == "gpu-oom-output" and "warming" in row.text]
+    assert row.text.startswith("[vLLM: CUDA out of memory occurred when warming up sampler] ")
+    recognised = classify(warm_up)
+    assert recognised is not None
+    assert recognised.signature.server == "vLLM"

@@ -122,6 +122,9 @@ class UnitEvent:
     """gpu-oom-output: what the line says about the cause (startfailure.py)."""
     knob: str | None = None
     """gpu-oom-output: the server's setting the line names as the way to make it fit."""
+    signature: str | None = None
+    """gpu-oom-output: the signature ``startfailure.classify`` picked, as ``server: phrase``
+    (the most specific match, the one the daemon judges by; the phrase is the unit's text)."""
     line: str | None = None
     """engine-fatal / start-phase: the key of the line matched (core.enginelines.BY_KEY)."""
 
@@ -377,6 +380,7 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
         device=None if device is None else int(device.group(1)),
         failure=match.signature.failure,
         knob=match.signature.knob,
+        signature=f"{match.signature.server}: {text[match.start : match.end]}",
     )
 
 

@@ -135,11 +135,17 @@ def _suspect(
     protected_names: Collection[str],
     owned: Mapping[str, str],
 ) -> bool:
-    """Matches the unit's patterns on its GPUs, and belongs to no watched unit or its container."""
+    """Matches the unit's patterns on its GPUs, belongs to no watched unit or its container.
+
+    And runs as the unit's user when that is known: another uid is never the unit's.
+    """
     if is_protected(holder, protected_names) or holder.kernel_thread:
         return False
     if matching_pattern(holder, unit.patterns) is None or not on_gpus(holder, unit.gpu_set):
         return False
+    uid = unit.provenance.uid
+    if uid is not None and not _runs_as(holder, uid):
+        return False  # another user's process is never the unit's, whatever its name (policy)
     if live_owner(holder, units) is not None or holder.attribution.unknown:
         return False
     if any(_in_cgroup(holder, other.name) for other in units):
@@ -195,9 +201,10 @@ class Blockers:
     """What holds a unit's GPUs that its own gate and the daemon will not free.
 
     ``holders``: kept processes on the unit's GPUs (not its live run's, not protected), each with
-    the policy's reason. ``command``: what an operator runs after checking them, only when every
-    one matches the unit's patterns; None when some process is not the unit's by any sign (a
-    tenant's job: no gpuguard command should end it) or another watched unit's live run holds
+    the policy's reason (another user's: that it is its owner's to stop). ``command``: what an
+    operator runs after checking them, only when every one of the unit's user matches the unit's
+    patterns; None when some such process is not the unit's by any sign (no gpuguard command
+    should end it), when all are other users', or when another watched unit's live run holds
     the GPUs (``live_elsewhere``).
     """
 
@@ -222,14 +229,16 @@ def blockers(
 ) -> Blockers:
     """The holders on ``unit``'s GPUs that unit-scope reaping keeps, and the way out.
 
-    ``--scope patterns`` when that scope would reap every one (each matches the unit's
-    patterns and none is another user's process in the unit's own cgroup, which no scope
-    reaps: a shared service's other job). Never ``--scope all``: a holder that does not even
-    look like the unit's is somebody else's, stopped by its owner.
+    ``--scope patterns`` when that scope would reap every one that runs as the unit's user
+    (another user's holder, in the unit's own cgroup or not, is named as its owner's to stop:
+    no scope reaps it for the unit, and that command spares it). Never ``--scope all``: a
+    holder that does not even look like the unit's is somebody else's, stopped by its owner.
     """
     kept: list[tuple[Holder, str]] = []
+    ours: list[Holder] = []
     elsewhere: set[str] = set()
     request = _request(unit, protected)
+    uid = unit.provenance.uid
     for decision in plan(inventory.holders, request).decisions:
         holder = decision.holder
         if decision.verdict is not Verdict.KEEP or not holder.gpus:
@@ -242,10 +251,17 @@ def blockers(
         if owner is not None:
             elsewhere.add(owner)
             continue
+        if uid is not None and not _runs_as(holder, uid):
+            # Another user's: never the unit's, so no gpuguard command for the unit ends it.
+            uids = "/".join(map(str, holder.uids)) or "unknown"
+            why = f"runs as uid {uids}, not as {unit.name}'s user (uid {uid}): its owner's to stop"
+            kept.append((holder, why))
+            continue
         kept.append((holder, decision.reason))
+        ours.append(holder)
     by_patterns = plan(inventory.holders, replace(request, scope=Scope.PATTERNS)).to_reap
     freed = {decision.holder.identity for decision in by_patterns}
-    patterns_only = bool(kept) and all(h.identity in freed for h, _ in kept)
+    patterns_only = bool(ours) and all(h.identity in freed for h in ours)
     command = reap_command(unit.name, Scope.PATTERNS) if patterns_only and not elsewhere else None
     return Blockers(unit.name, tuple(kept), command, tuple(sorted(elsewhere)))
 

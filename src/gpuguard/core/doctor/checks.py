@@ -211,10 +211,15 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
 
 
 def _survivors(facts: UnitFacts) -> list[Finding]:
-    """Processes that outlived a stop of the unit: systemd's word, and the daemon's sweeps."""
+    """Processes that outlived a stop of the unit, each PID once (as ``explain`` counts them).
+
+    systemd's word, the daemon's sweeps, and the holders the server's out-of-memory lines name
+    outside the cgroup.
+    """
     history, unit, mode = facts.history, facts.config.unit, facts.config.kill_mode
     pids = {pid for pid, _ in history.survivors} | {p for ps, _ in history.swept for p in ps}
-    if not history.survivors and not history.swept:
+    pids |= set(history.named)
+    if not history.survivors and not history.swept and not history.named:
         return []
     evidence: list[str] = []
     if history.survivors:
@@ -222,6 +227,18 @@ def _survivors(facts: UnitFacts) -> list[Finding]:
         listed = ", ".join(names[:_MAX_NAMES]) + (" …" if len(names) > _MAX_NAMES else "")
         evidence.append(f"names: {listed}")
     evidence += [f"gpuguard's daemon: {summary}" for _, summary in history.swept[-_MAX_NAMES:]]
+    shown = sorted(pids)
+    evidence.append(
+        "PIDs: "
+        + ", ".join(map(str, shown[:_MAX_NAMES]))
+        + (" …" if len(shown) > _MAX_NAMES else "")
+    )
+    if history.named:
+        listed = ", ".join(str(pid) for pid in history.named[:_MAX_NAMES])
+        evidence.append(
+            f"the server's out-of-memory lines name PID {listed} as holding GPU memory (its "
+            "word); systemd never saw it in the unit's cgroup"
+        )
     prevent = (
         "install the gate: its ExecStopPost= reap and its check before each start"
         if mode in SAFE_KILL_MODES

@@ -45,6 +45,9 @@ class History:
     left the unit's cgroup, which systemd never names, are seen only here."""
     restarts: int = 0
     start_limit_hits: int = 0
+    named: tuple[int, ...] = ()
+    """PIDs the unit's out-of-memory lines name as holding GPU memory (the server's word) that
+    systemd never saw in the cgroup: a worker that left it, as ``explain`` counts them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 from gpuguard.core.doctor.facts import History, Stop
 from gpuguard.core.doctor.findings import show
 from gpuguard.core.events import EventKind, UnitEvent, decode_message, is_trusted, parse_entry
+from gpuguard.core.startfailure import named_holders
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +36,7 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
     events: list[UnitEvent] = []
     survivors: list[tuple[int, str]] = []
     swept: list[tuple[tuple[int, ...], str]] = []
+    named: dict[int, None] = {}
     count = 0
     for entry in entries:
         count += 1
@@ -42,7 +44,9 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
             swept.append(sweep)
             continue
         event = parse_entry(entry, unit)
-        if event is not None and event.kind is not EventKind.GPU_OOM_OUTPUT:
+        if event is not None and event.kind is EventKind.GPU_OOM_OUTPUT:
+            named.update(dict.fromkeys(named_holders(event.message)))
+        elif event is not None:
             events.append(event)
             if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None:
                 survivors.append((event.pid, event.comm or ""))
@@ -59,6 +63,7 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
         swept=tuple(swept),
         restarts=sum(e.kind is EventKind.RESTART_SCHEDULED for e in events),
         start_limit_hits=sum(e.kind is EventKind.START_LIMIT_HIT for e in events),
+        named=tuple(pid for pid in named if pid not in {p for p, _ in survivors}),
     )
 
 

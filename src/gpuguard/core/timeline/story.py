@@ -1,0 +1,185 @@
+"""The story the rows tell: the incident in the few sentences people ask for first.
+
+Stops that timed out, what systemd SIGKILLed, each PID that outlived a run once (with everything
+said about it, the server's out-of-memory lines included), the failed starts with their first
+start-failure signature, start-limit hits (a loop systemd ended, and what to do), stop jobs
+(never a loop), what gpuguard decided and did, and the newest run that stayed up.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Final
+
+from gpuguard.core.escaping import escape
+from gpuguard.core.events import (
+    EventKind,
+    UnitEvent,
+)
+from gpuguard.core.timeline.model import GPUGUARD, SURVIVOR_PID, Row, Story, short_run
+
+if TYPE_CHECKING:
+    from gpuguard.core.timeline.replay import Holders, Replayed
+
+_FAILED_RUN_KINDS: Final = frozenset({EventKind.FAILED, EventKind.START_FAILED})
+# gpuguard's rows told in the table only: single signals, the daemon's every-event verdicts, the
+# gate server's acceptances, exits and the reaper lines it copied (its verdicts are the story).
+_TABLE_ONLY: Final = frozenset(
+    {"signal", "reap-outcome", "verdict", "gate-server", "gate-said", "reap-said"}
+    | {"gate-exit", "reap-exit"}
+)
+
+
+def tell(
+    rows: list[Row],
+    events: list[UnitEvent],
+    would: tuple[str, ...],
+    replayed: Replayed,
+    holders: Holders,
+) -> Story:
+    """The story of ``rows`` (``would``: the replay's rows' texts, when gpuguard left none)."""
+    stops = [f"{short_run(r.run)}: {r.text}" for r in rows if r.kind == EventKind.STOP_TIMED_OUT]
+    killed = [r.text for r in rows if r.kind == "killed"]
+    ours = [r.text for r in rows if r.source == GPUGUARD and r.kind not in _TABLE_ONLY]
+    survivors = _survivors(rows, holders)
+    return Story(
+        stop_timeouts=tuple(stops),
+        sigkilled=tuple(killed),
+        survivors=tuple(survivors),
+        survivor_pids=sum(line.startswith("PID ") for line in survivors),
+        failed_starts=tuple(_failed_starts(rows, events)),
+        gpuguard=tuple(ours),
+        would=would,
+        healthy=_healthy(events, rows),
+        start_limit=tuple(_start_limit(events)),
+        operator=tuple(_operator(events)),
+        findings=replayed.findings,
+        verdict=replayed.verdict,
+        disagreements=replayed.disagreements,
+    )
+
+
+def _survivors(rows: list[Row], holders: Holders) -> list[str]:
+    """One line per distinct PID that outlived a run, with everything said about it.
+
+    A holder only the server's out-of-memory line names (outside the cgroup: systemd never saw
+    it) is one too, said to be the server's word.
+    """
+    by_pid: dict[str, list[str]] = {}
+    other: list[str] = []
+    for row in rows:
+        systemd = row.kind in {"remains-running", EventKind.LEFT_OVER_PROCESS}
+        ours = row.source == GPUGUARD and row.kind in {"reap-outcome", "survivors-of-an-ended-run"}
+        if row.kind == EventKind.SURVIVED_SIGKILL:
+            other.append(f"run {short_run(row.run)}: {row.text}")
+            continue
+        if not (systemd or ours):
+            continue
+        swept = _SWEPT_PIDS.search(row.text) if row.kind == "survivors-of-an-ended-run" else None
+        match = SURVIVOR_PID.search(row.text) if swept is None else None
+        pids = swept["pids"].split(",") if swept else [match[1] or match[2]] if match else []
+        if not pids:
+            other.append(row.text)
+            continue
+        what = _SURVIVOR_WORDS.get(row.kind, row.kind)
+        if swept is not None and (summary := row.text.find("summary=")) >= 0:
+            what = f"swept by gpuguard's daemon: {row.text[summary + len('summary=') :]}"
+        said = f"{what} (run {short_run(row.run)})" if row.run else what
+        for pid in pids:
+            if said not in by_pid.setdefault(pid, []):
+                by_pid[pid].append(said)
+    lines = [f"PID {pid}: {'; '.join(said)}" for pid, said in by_pid.items()]
+    lines += [
+        f"PID {pid}: named by the server's out-of-memory line as holding GPU memory (its word); "
+        "systemd never saw it in the unit's cgroup"
+        for pid in holders.named_outside
+        if str(pid) not in by_pid
+    ]
+    return lines + other
+
+
+_SURVIVOR_WORDS: Final = {
+    "remains-running": "remained running after the run stopped",
+    EventKind.LEFT_OVER_PROCESS.value: "left over at the start",
+    "reap-outcome": "reaped by gpuguard",
+}
+_SWEPT_PIDS = re.compile(r"\bpids=\[(?P<pids>\d{1,10}(?:,\d{1,10}){0,19})\]")
+
+
+def _start_limit(events: list[UnitEvent]) -> list[str]:
+    """Each start-limit hit: systemd ended a loop; what the operator does next."""
+    return [
+        f"run {short_run(event.invocation_id)}: start request repeated too quickly: systemd ended "
+        f"the loop and will not start {escape(event.unit)} again; fix the cause, then "
+        f"`systemctl reset-failed {escape(event.unit)}` (and start it)"
+        for event in events
+        if event.kind is EventKind.START_LIMIT_HIT
+    ]
+
+
+def _operator(events: list[UnitEvent]) -> list[str]:
+    """The stop jobs: someone asked for the stop (an operator's stop or restart): never a loop."""
+    lines: dict[str | None, str] = {}
+    for event in events:
+        if event.kind in {EventKind.STOPPING, EventKind.STOPPED} and event.job_type == "stop":
+            lines.setdefault(
+                event.invocation_id,
+                f"run {short_run(event.invocation_id)}: stopped by a stop job (an operator's "
+                "`systemctl stop` or `restart`, a conflicting unit, or gpuguard): not a failure",
+            )
+    return list(lines.values())
+
+
+def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
+    """Each run that failed, with the first start-failure signature it printed."""
+    said: dict[str | None, str] = {}
+    for row in rows:
+        if row.kind == EventKind.GPU_OOM_OUTPUT and row.run not in said:
+            said[row.run] = row.text
+    lines: list[str] = []
+    done: set[str | None] = set()
+    clean = {e.invocation_id for e in events if e.kind is EventKind.DEACTIVATED}
+    asked = {e.invocation_id for e in events if e.job_type == "stop"}
+    for event in events:
+        restarted = (
+            event.kind is EventKind.RESTART_SCHEDULED
+            and event.invocation_id in clean
+            and event.invocation_id not in asked
+        )
+        if restarted and event.invocation_id not in done:
+            done.add(event.invocation_id)
+            lines.append(
+                f"run {short_run(event.invocation_id)}: exited cleanly and systemd restarted it "
+                f"(restart counter at {event.n_restarts}): a server that exits is not serving"
+            )
+            continue
+        if event.kind not in _FAILED_RUN_KINDS or event.invocation_id in done:
+            continue
+        done.add(event.invocation_id)
+        if event.kind is EventKind.FAILED and event.result == "timeout":
+            continue  # a stop that timed out: told as such, not as a failed start
+        why = f"result '{event.result}'" if event.result else "failed"
+        signature = said.get(event.invocation_id)
+        lines.append(
+            f"run {short_run(event.invocation_id)}: {why}"
+            + (f"; it printed {signature}" if signature else "; no start-failure signature")
+        )
+    return lines
+
+
+def _healthy(events: list[UnitEvent], rows: list[Row]) -> str | None:
+    """The newest run that started and did not fail afterwards, as far as the journal goes."""
+    ended: set[str | None] = {
+        e.invocation_id
+        for e in events
+        if e.kind in _FAILED_RUN_KINDS or e.kind in {EventKind.DEACTIVATED, EventKind.STOPPED}
+    }
+    started = [e for e in events if e.kind is EventKind.STARTED]
+    if not started or started[-1].invocation_id in ended:
+        return None
+    run = started[-1]
+    last = max((r.monotonic_s for r in rows if r.boot_id == run.boot_id), default=0.0)
+    return (
+        f"run {short_run(run.invocation_id)} started and has not failed since "
+        f"({last - run.monotonic_s:.1f} s of journal after its start)"
+    )
