@@ -481,19 +481,19 @@ def test_a_request_imports_nothing_the_server_has_not(
 ) -> None:
     """Everything a request runs is imported once, before the first fork (the warm server).
 
-    The server here is the real command with gateserver.serve wrapped to log the modules each
+    The server here is the real command with gaterequest.serve wrapped to log the modules each
     child imported while serving: the fast-path gate, the full gate and the reap import none.
     """
     probe = (
         "import sys\n"
-        "from gpuguard.adapters import gateserver\n"
-        "serve = gateserver.serve\n"
+        "from gpuguard.adapters import gaterequest\n"
+        "serve = gaterequest.serve\n"
         "def counted(conn, handle, log, **options):\n"
         "    before = set(sys.modules)\n"
         "    code = serve(conn, handle, log, **options)\n"
         "    log.write(f'imported {sorted(set(sys.modules) - before)}\\n')\n"
         "    return code\n"
-        "gateserver.serve = counted\n"
+        "gaterequest.serve = counted\n"
         "from gpuguard.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
@@ -885,7 +885,7 @@ def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
     The blocking read is a FIFO nobody writes, standing in for the caller's ``environ`` in a
     /proc tree whose other files link to the real ones (FUSE cannot be mounted here).
     """
-    from gpuguard.adapters import gateserver  # noqa: PLC0415 - the module under test
+    from gpuguard.adapters import gaterequest  # noqa: PLC0415 - the module under test
 
     me = os.getpid()
     caller_dir = tmp_path / "proc" / str(me)
@@ -893,7 +893,7 @@ def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
     for name in ("stat", "cgroup"):
         (caller_dir / name).symlink_to(f"/proc/{me}/{name}")
     os.mkfifo(caller_dir / "environ")
-    monkeypatch.setattr(gateserver, "UNAUTHORIZED_LIMIT_S", 1)
+    monkeypatch.setattr(gaterequest, "UNAUTHORIZED_LIMIT_S", 1)
     ours, theirs = socket.socketpair()
     child = os.fork()
     if child == 0:  # pragma: no cover - the request's process
@@ -901,7 +901,7 @@ def test_a_caller_whose_proc_files_block_cannot_hold_a_request(
         own = os.getpid()
         (tmp_path / "proc" / str(own)).symlink_to(f"/proc/{own}")
         proc = tmp_path / "proc"
-        gateserver.serve(theirs, lambda *_: 0, sys.stderr, watched=lambda _: True, proc_root=proc)
+        gaterequest.serve(theirs, lambda *_: 0, sys.stderr, watched=lambda _: True, proc_root=proc)
         os._exit(0)
     theirs.close()
     deadline = time.monotonic() + 10

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.adapters import gateserver
+from gpuguard.adapters import gaterequest
 from gpuguard.core.gateproto import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
@@ -123,7 +123,7 @@ def test_a_huge_integer_is_a_reason_not_a_crash() -> None:
 
 def test_a_request_dripped_a_byte_at_a_time_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """One deadline for the whole line (real sockets): dripping cannot hold a server slot."""
-    monkeypatch.setattr(gateserver, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(gaterequest, "REQUEST_TIMEOUT_S", 0.5)
     server, client = socket.socketpair()
     line = encode_request(Request("gate", "a.service"))
 
@@ -136,7 +136,7 @@ def test_a_request_dripped_a_byte_at_a_time_is_cut_off(monkeypatch: pytest.Monke
     sender = threading.Thread(target=drip)
     sender.start()
     try:
-        assert gateserver._read_request(server) is None
+        assert gaterequest._read_request(server) is None
     finally:
         server.close()
         sender.join()

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
     import contextlib  # noqa: PLC0415 - see the package doc
     import os  # noqa: PLC0415
 
-    from gpuguard.adapters import gateserver, nvml  # noqa: PLC0415
+    from gpuguard.adapters import gaterequest, gateserver, nvml  # noqa: PLC0415
 
     try:
         listener = gateserver.take_listener(os.environ)
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
     with listener:
         return gateserver.serve_forever(
             listener,
-            lambda conn, pidfd: gateserver.serve(
+            lambda conn, pidfd: gaterequest.serve(
                 conn, handle, sys.stderr, watched=watched, pinned=pidfd
             ),
             sys.stderr,
