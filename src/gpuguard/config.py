@@ -44,7 +44,7 @@ from gpuguard.core.detector import LoopSettings
 from gpuguard.core.exits import EX_CONFIG
 from gpuguard.core.recovery import RecoveryLimits
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
-from gpuguard.core.unitname import CONFIGURED_SERVICE
+from gpuguard.core.unitname import SERVICE_NAME
 
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",
@@ -499,7 +499,7 @@ class Settings(_Strict):
         if not value:
             raise ValueError("at least one watched unit is needed")
         for name in value:
-            if not CONFIGURED_SERVICE.fullmatch(name):
+            if not SERVICE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a service unit name such as sglang.service")
         return value
 
