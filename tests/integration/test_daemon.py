@@ -39,9 +39,10 @@ from gpuguard.adapters.metricsio import Exporter, serve
 from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
 from gpuguard.core import values
 from gpuguard.core.ledger import Ledger
+from gpuguard.core.levels import Level
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import Level, StatusContext
+from gpuguard.core.status.report import StatusContext
 from gpuguard.core.status.text import render_text
 from gpuguard.core.unitcontainers import Engine
 from gpuguard.core.values import MIB

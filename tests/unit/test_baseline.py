@@ -15,8 +15,8 @@ from gpuguard.core.baseline import (
 )
 from gpuguard.core.idle import is_idle
 from gpuguard.core.inventory import build_inventory
+from gpuguard.core.levels import Level
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import Level
 from gpuguard.core.status.text import render_text
 from gpuguard.core.values import (
     MIB,

@@ -19,8 +19,9 @@ from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
 
 from gpuguard.adapters import systemd
 from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.core.levels import Level
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import Level, StatusContext, UnitView
+from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports

@@ -15,7 +15,6 @@ from gpuguard.core.doctor import (
     History,
     HostFacts,
     PathFact,
-    Severity,
     Stop,
     UnitFacts,
     build_history,
@@ -25,6 +24,7 @@ from gpuguard.core.doctor import (
     render_text,
     worst,
 )
+from gpuguard.core.levels import Level
 from gpuguard.core.unitconfig import UnitConfig
 
 SAMPLES = Path(__file__).parent.parent / "journal_samples"
@@ -85,7 +85,7 @@ def test_a_stop_cut_short_by_sigkill_is_critical_with_a_longer_timeout(release: 
     assert [s.killed for s in history.stops] == [True]
     assert 2.0 <= history.stops[0].drain_s < 2.5  # recorded: TimeoutStopSec=2s
     found = by_code(diagnose(facts(config(timeout_stop_s=2.0), history), {}, HOST), "stop-timeout")
-    assert found.severity is Severity.CRITICAL
+    assert found.severity is Level.CRITICAL
     assert "1 of 1 stops short (SIGKILL)" in found.title
     assert "no observed upper bound" in found.title
     assert found.fix[-1] == "TimeoutStopSec=2min"
@@ -98,13 +98,13 @@ def test_stops_killed_under_an_earlier_shorter_timeout_no_longer_count() -> None
         diagnose(facts(config(timeout_stop_s=120.0), History(stops=stops)), {}, HOST),
         "stop-timeout",
     )
-    assert found.severity is Severity.OK
+    assert found.severity is Level.OK
     assert any("under an earlier, shorter setting" in line for line in found.evidence)
     only_old = by_code(
         diagnose(facts(config(timeout_stop_s=60.0), History(stops=stops[:1])), {}, HOST),
         "stop-timeout",
     )
-    assert only_old.severity is Severity.WARNING
+    assert only_old.severity is Level.WARNING
     assert only_old.fix[-1] == "TimeoutStopSec=2min"
 
 
@@ -115,7 +115,7 @@ def test_a_clean_stop_is_measured_and_needs_nothing(release: str) -> None:
     assert [s.killed for s in history.stops] == [False]
     assert history.stops[0].drain_s < 1
     found = by_code(diagnose(facts(history=history), {}, HOST), "stop-timeout")
-    assert found.severity is Severity.OK
+    assert found.severity is Level.OK
     assert found.fix == ()
 
 
@@ -126,7 +126,7 @@ def test_p99_drain_times_margin_sets_the_timeout() -> None:
         diagnose(facts(config(timeout_stop_s=90.0), History(stops=stops)), {}, HOST),
         "stop-timeout",
     )
-    assert found.severity is Severity.WARNING
+    assert found.severity is Level.WARNING
     assert found.fix == ("# p99 drain x 1.5", "TimeoutStopSec=3min")
     assert any("p99 1min 48s" in line for line in found.evidence)
 
@@ -138,7 +138,7 @@ def test_killed_stops_longer_than_the_clean_ones_are_not_ignored() -> None:
         diagnose(facts(config(timeout_stop_s=60.0), History(stops=stops)), {}, HOST),
         "stop-timeout",
     )
-    assert found.severity is Severity.CRITICAL
+    assert found.severity is Level.CRITICAL
     assert found.fix[-1] == "TimeoutStopSec=4min"
 
 
@@ -153,7 +153,7 @@ def test_survivors_are_named_escaped_and_kill_mode_process_is_critical(release: 
     hostile = History(survivors=((7, "evil\x1b[2J\nOK"),))
     findings = diagnose(facts(config(kill_mode="process"), hostile), {}, HOST)
     kill = by_code(findings, "kill-mode")
-    assert kill.severity is Severity.CRITICAL
+    assert kill.severity is Level.CRITICAL
     assert kill.fix[-1] == "KillMode=mixed"
     assert str(by_code(findings, "survivors").advice).startswith("KillMode=mixed")
     mixed = by_code(diagnose(facts(config(), hostile), {}, HOST), "survivors")
@@ -191,7 +191,7 @@ def test_a_restart_loop_the_start_limit_ends_is_ok(release: str) -> None:
         drop_in_paths=(),
     )
     found = by_code(diagnose(facts(unit, history), {}, HOST), "restart")
-    assert found.severity is Severity.OK
+    assert found.severity is Level.OK
 
 
 def test_a_refusing_gate_loops_forever_under_default_start_limits() -> None:
@@ -200,7 +200,7 @@ def test_a_refusing_gate_loops_forever_under_default_start_limits() -> None:
     history = History(failed_runs_s=(100.0,) * 3)
     findings = diagnose(facts(unit, history), {}, HOST)
     loop = by_code(findings, "restart")
-    assert loop.severity is Severity.WARNING
+    assert loop.severity is Level.WARNING
     assert loop.section == "Unit"
     assert "12 starts per hour" in loop.title  # one every 300.1 s
     assert "20min of model loads" in loop.title
@@ -211,12 +211,12 @@ def test_a_refusing_gate_loops_forever_under_default_start_limits() -> None:
 def test_gate_missing_and_gate_timeout_above_timeout_start() -> None:
     """No drop-in: install it; a TimeoutStartSec= under the gate's timeout: raise it."""
     missing = by_code(diagnose(facts(config(drop_in_paths=())), {}, HOST), "gate")
-    assert missing.severity is Severity.WARNING
+    assert missing.severity is Level.WARNING
     assert missing.advice == "gpuguard install-gate --unit sglang.service"
     short = by_code(diagnose(facts(config(timeout_start_s=90.0)), {}, HOST), "gate-timeout")
     assert short.fix == ("TimeoutStartSec=6min",)
     via_exec = config(drop_in_paths=(), exec_start_pre=(("/usr/bin/gpuguard", "gate"),))
-    assert by_code(diagnose(facts(via_exec), {}, HOST), "gate").severity is Severity.OK
+    assert by_code(diagnose(facts(via_exec), {}, HOST), "gate").severity is Level.OK
     own_timeout = config(
         timeout_start_s=600.0,
         exec_start_pre=(("/usr/bin/gpuguard", "gate", "--unit", UNIT, "--timeout", "900"),),
@@ -256,7 +256,7 @@ def test_paths_the_service_user_can_change_are_found(tmp_path: Path) -> None:
         "/srv/env: owned by the service user, mode 0600",
         f"{tmp_path / 'venv'}: group/other-writable, mode 0777",
     ]
-    assert all(f.severity is Severity.WARNING for f in found)
+    assert all(f.severity is Level.WARNING for f in found)
     as_root = facts(paths={str(venv): path_chain(str(venv))})
     assert not [f for f in diagnose(as_root, {}, HOST) if f.code == "writable-path"]
 
@@ -274,18 +274,18 @@ def test_persistenced_only_matters_with_nvidia_devices() -> None:
     """No /dev/nvidiactl: nothing said; present but no daemon: a warning."""
     assert not [f for f in diagnose(facts(), {}, HOST) if f.code == "persistenced"]
     gpus = HostFacts(300.0, nvidia_devices=True, persistenced_running=False)
-    assert by_code(diagnose(facts(), {}, gpus), "persistenced").severity is Severity.WARNING
+    assert by_code(diagnose(facts(), {}, gpus), "persistenced").severity is Level.WARNING
 
 
 def test_persistence_mode_from_nvml_decides_over_the_daemons_presence() -> None:
     """NVML says GPU 1 has persistence off: a warning naming it, even with the daemon running."""
     off = HostFacts(300.0, nvidia_devices=True, persistenced_running=True, persistence_off=(1,))
     finding = by_code(diagnose(facts(), {}, off), "persistenced")
-    assert finding.severity is Severity.WARNING
+    assert finding.severity is Level.WARNING
     assert finding.title.startswith("persistence mode is off on GPUs 1:")
     assert finding.evidence == ("nvidia-persistenced is running",)
     on = HostFacts(300.0, nvidia_devices=True, persistenced_running=False, persistence_off=())
-    assert by_code(diagnose(facts(), {}, on), "persistenced").severity is Severity.OK
+    assert by_code(diagnose(facts(), {}, on), "persistenced").severity is Level.OK
 
 
 def test_mig_mode_on_is_a_warning_saying_what_is_not_judged() -> None:
@@ -293,7 +293,7 @@ def test_mig_mode_on_is_a_warning_saying_what_is_not_judged() -> None:
     assert not [f for f in diagnose(facts(), {}, HOST) if f.code == "mig"]
     mig = HostFacts(300.0, nvidia_devices=True, persistenced_running=True, mig_on=(0,))
     finding = by_code(diagnose(facts(), {}, mig), "mig")
-    assert finding.severity is Severity.WARNING
+    assert finding.severity is Level.WARNING
     assert finding.title.startswith("MIG mode is on on GPU 0: ")
     assert "other tenants'" in finding.title
     assert "neither wait on nor reap from it" in finding.title
@@ -302,9 +302,9 @@ def test_mig_mode_on_is_a_warning_saying_what_is_not_judged() -> None:
 def test_unknown_when_systemd_cannot_be_asked_and_not_found() -> None:
     """No settings at all: UNKNOWN (exit 3), not a clean bill of health."""
     blind = facts(UnitConfig(UNIT), problems=("systemctl show: Host is down",))
-    assert worst(diagnose(blind, {}, HOST)) is Severity.UNKNOWN
+    assert worst(diagnose(blind, {}, HOST)) is Level.UNKNOWN
     missing = facts(UnitConfig(UNIT, load_state="not-found"))
-    assert by_code(diagnose(missing, {}, HOST), "not-found").severity is Severity.UNKNOWN
+    assert by_code(diagnose(missing, {}, HOST), "not-found").severity is Level.UNKNOWN
 
 
 def test_fix_is_one_complete_drop_in_and_json_is_versioned() -> None:
@@ -362,7 +362,7 @@ def test_gpus_held_outside_the_set_are_named_with_the_fixing_line() -> None:
     """Its processes hold GPU 2 while CUDA_VISIBLE_DEVICES says 0,1: the gate looks elsewhere."""
     use = GpuUseFacts(set_indices=frozenset({0, 1}), held=frozenset({1, 2}), gpu_count=4)
     finding = by_code(diagnose(facts(use=use), {}, HOST), "gpu-use")
-    assert finding.severity is Severity.WARNING
+    assert finding.severity is Level.WARNING
     assert finding.title == "its processes hold GPUs 2 outside its GPU set (0,1)"
     assert 'Environment="CUDA_VISIBLE_DEVICES=1,2"' in finding.fix
 
@@ -371,7 +371,7 @@ def test_a_unit_on_all_gpus_that_uses_some_is_told_to_name_them() -> None:
     """No set (all GPUs) but it holds two of four: OK, with the line that names them."""
     use = GpuUseFacts(set_indices=None, held=frozenset({0, 3}), gpu_count=4)
     finding = by_code(diagnose(facts(environment={}, use=use), {}, HOST), "gpu-use")
-    assert finding.severity is Severity.OK
+    assert finding.severity is Level.OK
     assert "hold GPUs 0,3 of 4" in finding.title
     assert 'Environment="CUDA_VISIBLE_DEVICES=0,3"' in finding.fix
     inside = GpuUseFacts(set_indices=frozenset({0, 1}), held=frozenset({0}), gpu_count=4)

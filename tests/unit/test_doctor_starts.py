@@ -21,13 +21,13 @@ from gpuguard.core.doctor import (
     History,
     HostFacts,
     LearnedStarts,
-    Severity,
     UnitFacts,
     diagnose,
     render_fix,
     render_text,
 )
 from gpuguard.core.events import parse_entry
+from gpuguard.core.levels import Level
 from gpuguard.core.liveness import Liveness
 from gpuguard.core.unitconfig import UnitConfig
 
@@ -128,7 +128,7 @@ def test_learned_starts_propose_timeout_start_sec_with_their_numbers_and_source(
     learned = saved_starts(tmp_path, [300.0, 360.0, 420.0])
     assert learned.ready_s == (300.0, 360.0, 420.0)
     found = by_code(judge(unit(), learned=learned), "start-timeout")
-    assert found.severity is Severity.WARNING
+    assert found.severity is Level.WARNING
     assert found.title == (
         "TimeoutStartSec=10min can kill a healthy slow start: the learned starts need 16min"
     )
@@ -144,7 +144,7 @@ def test_too_few_learned_starts_say_so_and_propose_nothing(tmp_path: Path) -> No
     """With two starts the number is a guess in the evidence, never a line of the drop-in."""
     findings = judge(unit(), learned=saved_starts(tmp_path, [300.0, 420.0]))
     found = by_code(findings, "start-timeout")
-    assert found.severity is Severity.OK
+    assert found.severity is Level.OK
     assert found.title == "TimeoutStartSec=10min; too few learned starts to propose one (2 of 3)"
     assert found.fix == ()
     assert any(line.startswith("a guess from 2, not a proposal") for line in found.evidence)
@@ -155,7 +155,7 @@ def test_a_simple_unit_is_told_timeout_start_sec_does_not_bound_its_load(tmp_pat
     """Type=simple ends its start at the fork, forking at an unknown point: nothing proposed."""
     learned = saved_starts(tmp_path, [300.0, 360.0, 420.0])
     found = by_code(judge(unit(type="simple"), learned=learned), "start-timeout")
-    assert found.severity is Severity.OK
+    assert found.severity is Level.OK
     assert found.title.startswith("Type=simple: systemd's start ends before the server is ready")
     assert found.fix == ()
     forking = by_code(judge(unit(type="forking"), learned=learned), "start-timeout")
@@ -201,7 +201,7 @@ def test_an_infinite_start_timeout_gets_a_proposal_and_a_sufficient_one_is_ok(
     """infinity: OK with the proposed line; a timeout above the budget: OK, nothing to change."""
     learned = saved_starts(tmp_path, [300.0, 360.0, 420.0])
     endless = by_code(judge(unit(timeout_start_s=None), learned=learned), "start-timeout")
-    assert endless.severity is Severity.OK
+    assert endless.severity is Level.OK
     assert endless.fix[-1] == "TimeoutStartSec=16min"
     enough = by_code(judge(unit(timeout_start_s=1800.0), learned=learned), "start-timeout")
     assert enough.title == "TimeoutStartSec=30min covers every learned start"
@@ -225,12 +225,12 @@ def test_the_gates_recorded_waits_propose_its_timeout(tmp_path: Path) -> None:
     waits = gate_waits(tmp_path, UNIT)
     assert waits == GateWaits(f"{tmp_path}/gate/sglang.service.json", (120.0, 180.0, 250.0), 1)
     found = by_code(judge(unit(), gate_waits=waits), "gate-wait")
-    assert found.severity is Severity.WARNING
+    assert found.severity is Level.WARNING
     assert found.evidence[1] == "waits: median 3min, longest 4min 10s"
     assert found.advice is not None
     assert found.advice.startswith("a gate timeout of 390 s")
     few = by_code(judge(unit(), gate_waits=replace(waits, waited_s=(250.0,))), "gate-wait")
-    assert few.severity is Severity.OK
+    assert few.severity is Level.OK
     assert "too few recorded waits" in few.title
 
 

@@ -12,9 +12,10 @@ import snapshots
 from builders import STATUS_CONTEXT, gpu, lost_gpu, nvml, process
 
 from gpuguard.core.inventory import build_inventory, gpu_minor_of
+from gpuguard.core.levels import Level
 from gpuguard.core.status.document import to_json
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import Level, StatusContext, UnitView
+from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
 from gpuguard.core.unitcontainers import ContainerVerdict, Engine
 from gpuguard.core.values import MIB, NvmlHealth, ProcScan

@@ -9,9 +9,9 @@ from builders import STATUS_CONTEXT, gpu, inventory, nvml, plan_request, trainin
 
 from gpuguard.core.gate import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
+from gpuguard.core.levels import Level
 from gpuguard.core.status.document import to_json
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import Level
 from gpuguard.core.status.text import render_text
 from gpuguard.core.values import MIB, ProcScan
 

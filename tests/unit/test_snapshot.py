@@ -18,6 +18,7 @@ from gpuguard.adapters import daemonsnapshot
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.state import write_json
 from gpuguard.core.inventory import build_inventory
+from gpuguard.core.levels import Level
 from gpuguard.core.snapshot import (
     SNAPSHOT_SCHEMA,
     Problem,
@@ -29,7 +30,6 @@ from gpuguard.core.snapshot import (
 )
 from gpuguard.core.status.document import to_json
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import Level
 from gpuguard.core.status.text import render_text
 from gpuguard.core.values import MIB, ProcScan
 

@@ -20,7 +20,7 @@ from gpuguard.core.doctor.facts import (
     Stop,
     UnitFacts,
 )
-from gpuguard.core.doctor.findings import Finding, Severity, worst
+from gpuguard.core.doctor.findings import Finding, worst
 from gpuguard.core.doctor.journal import DAEMON_UNIT, SWEEP_EVENT, build_history
 from gpuguard.core.doctor.render import (
     FIX_FILE_NAME,
@@ -29,6 +29,7 @@ from gpuguard.core.doctor.render import (
     render_json,
     render_text,
 )
+from gpuguard.core.levels import Level
 
 __all__ = [
     "DAEMON_UNIT",
@@ -41,8 +42,8 @@ __all__ = [
     "History",
     "HostFacts",
     "LearnedStarts",
+    "Level",
     "PathFact",
-    "Severity",
     "Stop",
     "UnitFacts",
     "build_history",

@@ -16,7 +16,6 @@ from gpuguard.core.doctor.findings import (
     NAME_CHARS,
     VALUE_CHARS,
     Finding,
-    Severity,
     p99,
     round_up,
     show,
@@ -31,6 +30,7 @@ from gpuguard.core.doctor.hostchecks import (
     writable_paths,
 )
 from gpuguard.core.doctor.starts import gate_wait, start_timeout
+from gpuguard.core.levels import Level
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -66,7 +66,7 @@ def diagnose(
         return (
             Finding(
                 "unknown",
-                Severity.UNKNOWN,
+                Level.UNKNOWN,
                 f"cannot judge {config.unit}",
                 tuple(facts.problems),
             ),
@@ -75,7 +75,7 @@ def diagnose(
         return (
             Finding(
                 "not-found",
-                Severity.UNKNOWN,
+                Level.UNKNOWN,
                 f"systemd has no unit {config.unit} (LoadState=not-found; a typo?)",
             ),
         )
@@ -104,7 +104,7 @@ def _problems(facts: UnitFacts) -> list[Finding]:
     return [
         Finding(
             "incomplete",
-            Severity.UNKNOWN,
+            Level.UNKNOWN,
             "some facts could not be gathered; findings below may be incomplete",
             facts.problems,
         )
@@ -119,7 +119,7 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
     if not stops:
         return Finding(
             "stop-timeout",
-            Severity.OK,
+            Level.OK,
             f"TimeoutStopSec={shown}; no stop in the journal to compare it with",
         )
     clean = sorted(s.drain_s for s in stops if not s.killed)
@@ -147,13 +147,13 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
     suggested = _suggested_stop_timeout(clean, [s.drain_s for s in killed])
     too_short = timeout is not None and suggested > timeout
     if killed_now:
-        severity = Severity.CRITICAL
+        severity = Level.CRITICAL
         title = (
             f"TimeoutStopSec={shown} cut {len(killed_now)} of {len(stops)} stops short (SIGKILL)"
             + ("" if clean else "; the drain has no observed upper bound")
         )
     elif too_short:
-        severity = Severity.WARNING
+        severity = Level.WARNING
         title = (
             f"TimeoutStopSec={shown} leaves less than {DRAIN_MARGIN}x the p99 drain"
             if clean
@@ -162,7 +162,7 @@ def _stop_timeout(facts: UnitFacts) -> Finding:
     else:
         return Finding(
             "stop-timeout",
-            Severity.OK,
+            Level.OK,
             f"TimeoutStopSec={shown} covers every observed drain",
             tuple(evidence),
         )
@@ -197,7 +197,7 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
         found.append(
             Finding(
                 "kill-mode",
-                Severity.CRITICAL,
+                Level.CRITICAL,
                 f"KillMode={mode}: a stop leaves the server's workers running, holding GPU memory",
                 (f"effective KillMode={mode}",),
                 (
@@ -248,7 +248,7 @@ def _survivors(facts: UnitFacts) -> list[Finding]:
     return [
         Finding(
             "survivors",
-            Severity.WARNING,
+            Level.WARNING,
             f"{count} processes survived a stop or were left over at a start",
             tuple(evidence),
             advice=(
@@ -266,7 +266,7 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
     config = facts.config
     history = facts.history
     if config.restart not in RESTARTING:
-        return [Finding("restart", Severity.OK, f"Restart={config.restart or 'no'}")]
+        return [Finding("restart", Level.OK, f"Restart={config.restart or 'no'}")]
     restart_s = config.restart_s or 0.0
     runs = [*history.failed_runs_s, *history.load_times_s]
     run_s = statistics.median(runs) if runs else None
@@ -297,7 +297,7 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
     unstopped = [c for c in cycles if not _start_limit_ends(config, c)]
     if not unstopped:
         return [
-            Finding("restart", Severity.OK, "the start limit ends a restart loop", tuple(evidence))
+            Finding("restart", Level.OK, "the start limit ends a restart loop", tuple(evidence))
         ]
     cycle = max(unstopped)
     per_hour = 3600 / max(cycle, 1.0)
@@ -308,7 +308,7 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
     return [
         Finding(
             "restart",
-            Severity.WARNING,
+            Level.WARNING,
             f"a restart loop never hits the start limit: {per_hour:.0f} starts per hour{cost}",
             tuple(evidence),
             (
@@ -325,7 +325,7 @@ def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
             [
                 Finding(
                     "restart-sec",
-                    Severity.WARNING,
+                    Level.WARNING,
                     f"RestartSec={span(restart_s)} restarts at once; give the GPUs time to free",
                     fix=(f"RestartSec={span(MIN_RESTART_S)}",),
                 )
@@ -373,7 +373,7 @@ def _gate(facts: UnitFacts, host: HostFacts, *, proposed: bool) -> list[Finding]
         return [
             Finding(
                 "gate",
-                Severity.WARNING,
+                Level.WARNING,
                 "the gate is not installed: a start can meet the last run's GPU memory",
                 advice=f"gpuguard install-gate --unit {show(config.unit, VALUE_CHARS)}",
             )
@@ -385,7 +385,7 @@ def _gate(facts: UnitFacts, host: HostFacts, *, proposed: bool) -> list[Finding]
         return [
             Finding(
                 "gate-timeout",
-                Severity.WARNING,
+                Level.WARNING,
                 f"TimeoutStartSec={span(start)} kills the gate before its own timeout "
                 f"({span(waits_s)}) can explain the refusal",
                 ("the start-timeout fix sets a TimeoutStartSec= that covers it",)
@@ -394,4 +394,4 @@ def _gate(facts: UnitFacts, host: HostFacts, *, proposed: bool) -> list[Finding]
                 () if proposed else (f"TimeoutStartSec={span(round_up(needed))}",),
             )
         ]
-    return [Finding("gate", Severity.OK, "the gate is installed")]
+    return [Finding("gate", Level.OK, "the gate is installed")]

@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.escaping import escape
+from gpuguard.core.levels import Level
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
 NAME_CHARS: Final = 64
 VALUE_CHARS: Final = 200
-
-
-class Severity(IntEnum):
-    """Monitoring-plugin levels; the worst finding's value is the exit status."""
-
-    OK = 0
-    WARNING = 1
-    CRITICAL = 2
-    UNKNOWN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +31,7 @@ class Finding:
     """
 
     code: str
-    severity: Severity
+    severity: Level
     title: str
     evidence: tuple[str, ...] = ()
     fix: tuple[str, ...] = ()
@@ -48,9 +39,9 @@ class Finding:
     advice: str | None = None
 
 
-def worst(findings: Iterable[Finding]) -> Severity:
+def worst(findings: Iterable[Finding]) -> Level:
     """The exit status: the worst severity (UNKNOWN counts as worse than CRITICAL)."""
-    return max((f.severity for f in findings), default=Severity.OK)
+    return max((f.severity for f in findings), default=Level.OK)
 
 
 def show(text: str, limit: int) -> str:

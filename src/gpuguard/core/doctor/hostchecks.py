@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpuguard.core.doctor.findings import NAME_CHARS, VALUE_CHARS, Finding, Severity, show
+from gpuguard.core.doctor.findings import NAME_CHARS, VALUE_CHARS, Finding, show
+from gpuguard.core.levels import Level
 from gpuguard.core.mig import UNJUDGED, indices_text
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def gpu_set(facts: UnitFacts, others: Mapping[str, UnitFacts]) -> list[Finding]:
         found.append(
             Finding(
                 "gpu-set",
-                Severity.WARNING if others else Severity.OK,
+                Level.WARNING if others else Level.OK,
                 "no GPU set: neither gpus in gpuguard's configuration nor CUDA_VISIBLE_DEVICES; "
                 "the unit may use every GPU",
                 fix=("# the GPUs this server uses, e.g.", 'Environment="CUDA_VISIBLE_DEVICES=0,1"')
@@ -46,7 +47,7 @@ def gpu_set(facts: UnitFacts, others: Mapping[str, UnitFacts]) -> list[Finding]:
             found.append(
                 Finding(
                     "gpu-overlap",
-                    Severity.WARNING,
+                    Level.WARNING,
                     f"shares GPUs ({shared}) with {show(name, VALUE_CHARS)}",
                     (
                         f"{show(unit, VALUE_CHARS)}: {_describe_gpus(mine)}",
@@ -71,7 +72,7 @@ def gpu_use(facts: UnitFacts) -> list[Finding]:
         return [
             Finding(
                 "gpu-use",
-                Severity.WARNING,
+                Level.WARNING,
                 f"its processes hold GPUs {outside} outside its GPU set ({listed})",
                 (f"held now: GPUs {held}",),
                 advice="the gate and recoveries look only at the set: make it name every GPU "
@@ -83,13 +84,13 @@ def gpu_use(facts: UnitFacts) -> list[Finding]:
         return [
             Finding(
                 "gpu-use",
-                Severity.OK,
+                Level.OK,
                 f"its processes hold GPUs {held} of {use.gpu_count}, but its GPU set is all GPUs",
                 advice="name them, so its gate never waits for another server's GPUs",
                 fix=fix,
             )
         ]
-    return [Finding("gpu-use", Severity.OK, f"its processes hold GPUs {held}, all in its set")]
+    return [Finding("gpu-use", Level.OK, f"its processes hold GPUs {held}, all in its set")]
 
 
 def _gpus(facts: UnitFacts) -> frozenset[str] | None:
@@ -126,7 +127,7 @@ def writable_paths(facts: UnitFacts) -> list[Finding]:
         found.append(
             Finding(
                 "writable-path",
-                Severity.WARNING,
+                Level.WARNING,
                 f"{show(path, VALUE_CHARS)} can be changed by the service user "
                 f"({show(facts.config.user or '', NAME_CHARS)})",
                 (f"{show(culprit.path, VALUE_CHARS)}: {why}, mode {culprit.mode & 0o7777:04o}",),
@@ -152,7 +153,7 @@ def mig(host: HostFacts) -> list[Finding]:
     return [
         Finding(
             "mig",
-            Severity.WARNING,
+            Level.WARNING,
             f"MIG mode is on on GPU {listed}: {UNJUDGED}; the gate and the daemon neither wait "
             "on nor reap from it, and a unit's GPU set leaves it out",
             (f"nvmlDeviceGetMigMode: current mode enabled on GPU {listed}",),
@@ -171,7 +172,7 @@ def persistenced(host: HostFacts) -> list[Finding]:
         return [
             Finding(
                 "persistenced",
-                Severity.WARNING,
+                Level.WARNING,
                 f"persistence mode is off on GPUs {listed}: the driver tears them down between "
                 "runs, slowing every start, and idle memory readings are less stable",
                 (daemon,),
@@ -179,15 +180,15 @@ def persistenced(host: HostFacts) -> list[Finding]:
             )
         ]
     if host.persistence_off is not None:
-        return [Finding("persistenced", Severity.OK, "persistence mode is on on every GPU")]
+        return [Finding("persistenced", Level.OK, "persistence mode is on on every GPU")]
     if not host.nvidia_devices:
         return []
     if host.persistenced_running:
-        return [Finding("persistenced", Severity.OK, daemon)]
+        return [Finding("persistenced", Level.OK, daemon)]
     return [
         Finding(
             "persistenced",
-            Severity.WARNING,
+            Level.WARNING,
             f"{daemon}: the driver tears GPUs down between runs, "
             "slowing every start, and idle memory readings are less stable",
             advice=advice,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.doctor.findings import VALUE_CHARS, Severity, show, worst
+from gpuguard.core.doctor.findings import VALUE_CHARS, show, worst
 from gpuguard.core.escaping import escape
+from gpuguard.core.levels import Level
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -77,7 +78,7 @@ def render_fix(unit: str, findings: Sequence[Finding]) -> str:
         "# `systemctl daemon-reload`; it takes effect at the next stop and start.",
         "# Its name sorts after gpuguard-gate.conf and override.conf, so these values win.",
     ]
-    advice = [f for f in findings if f.advice and f.severity is not Severity.OK]
+    advice = [f for f in findings if f.advice and f.severity is not Level.OK]
     lines.extend(f"# Also ({finding.code}): {finding.advice}" for finding in advice)
     for section in ("Unit", "Service"):
         chosen = [f for f in findings if f.fix and f.section == section]

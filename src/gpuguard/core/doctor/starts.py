@@ -13,7 +13,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.doctor.findings import VALUE_CHARS, Finding, Severity, round_up, show, span
+from gpuguard.core.doctor.findings import VALUE_CHARS, Finding, round_up, show, span
+from gpuguard.core.levels import Level
 from gpuguard.core.startbudgets import BUDGET_FACTOR, BUDGET_SLACK_S, MIN_STARTS, budget_for
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def start_timeout(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
         return [
             Finding(
                 "start-timeout",
-                Severity.OK,
+                Level.OK,
                 f"TimeoutStartSec={shown}; no start that came up is learned yet",
                 (
                     f"gpuguard's daemon saves each start that reaches its ready line in {source}",
@@ -89,7 +90,7 @@ def start_timeout(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
             else f"Type={config.type or 'unknown'}: doctor cannot tell when systemd's start "
             "ends against the server's ready line; no TimeoutStartSec= proposed"
         )
-        return [Finding("start-timeout", Severity.OK, title, tuple(evidence))]
+        return [Finding("start-timeout", Level.OK, title, tuple(evidence))]
     if len(starts) < MIN_STARTS:
         evidence.append(
             f"a guess from {len(starts)}, not a proposal: TimeoutStartSec={span(proposal)} "
@@ -98,7 +99,7 @@ def start_timeout(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
         return [
             Finding(
                 "start-timeout",
-                Severity.OK,
+                Level.OK,
                 f"TimeoutStartSec={shown}; too few learned starts to propose one "
                 f"({len(starts)} of {MIN_STARTS})",
                 tuple(evidence),
@@ -114,7 +115,7 @@ def _against(
     if timeout is not None and timeout >= proposal:
         return Finding(
             "start-timeout",
-            Severity.OK,
+            Level.OK,
             f"TimeoutStartSec={span(timeout)} covers every learned start",
             (*evidence, f"their budget: {span(proposal)} ({basis})"),
         )
@@ -122,7 +123,7 @@ def _against(
     if timeout is None:
         return Finding(
             "start-timeout",
-            Severity.OK,
+            Level.OK,
             "TimeoutStartSec=infinity: systemd never ends a hung start; the learned starts "
             f"suggest {span(proposal)}",
             evidence,
@@ -130,7 +131,7 @@ def _against(
         )
     return Finding(
         "start-timeout",
-        Severity.WARNING,
+        Level.WARNING,
         f"TimeoutStartSec={span(timeout)} can kill a healthy slow start: the learned starts "
         f"need {span(proposal)}",
         evidence,
@@ -155,7 +156,7 @@ def gate_wait(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
         return [
             Finding(
                 "gate-wait",
-                Severity.OK,
+                Level.OK,
                 f"the gate's timeout is {span(gate_s)}; no recorded start had to wait",
                 tuple(evidence),
             )
@@ -171,7 +172,7 @@ def gate_wait(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
         return [
             Finding(
                 "gate-wait",
-                Severity.OK,
+                Level.OK,
                 f"the gate's timeout is {span(gate_s)}; too few recorded waits to propose one "
                 f"({len(waited)} of {MIN_STARTS})",
                 tuple(evidence),
@@ -181,7 +182,7 @@ def gate_wait(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
         return [
             Finding(
                 "gate-wait",
-                Severity.OK,
+                Level.OK,
                 f"the gate's timeout ({span(gate_s)}) covers every recorded wait",
                 tuple(evidence),
             )
@@ -189,7 +190,7 @@ def gate_wait(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
     return [
         Finding(
             "gate-wait",
-            Severity.WARNING,
+            Level.WARNING,
             f"the gate's timeout ({span(gate_s)}) is close to its longest wait "
             f"({span(longest)}): a start that waits a little longer is refused",
             tuple(evidence),

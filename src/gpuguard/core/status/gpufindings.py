@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from gpuguard.core.baseline import CONFIRM_AFTER_S, plausible_max
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
+from gpuguard.core.levels import Level
 from gpuguard.core.mig import UNJUDGED, mig_on, pending_change
-from gpuguard.core.status.report import Finding, Level
+from gpuguard.core.status.report import Finding
 from gpuguard.core.status.words import CONTAINER_NOTE, OUTSIDE_NOTE, by_gpu, mib, size
 from gpuguard.core.values import MemoryApi, NvmlHealth, ReservedSource
 

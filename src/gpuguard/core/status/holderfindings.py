@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs
-from gpuguard.core.status.report import Finding, Level, StatusContext
+from gpuguard.core.levels import Level
+from gpuguard.core.status.report import Finding, StatusContext
 from gpuguard.core.status.words import as_list, gpu_list
 from gpuguard.core.xidstuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
 

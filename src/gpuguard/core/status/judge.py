@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.escaping import escape
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
+from gpuguard.core.levels import Level
 from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
 from gpuguard.core.status.holderfindings import (
@@ -21,7 +22,7 @@ from gpuguard.core.status.holderfindings import (
     partial_findings,
     shared_gpu_findings,
 )
-from gpuguard.core.status.report import Finding, Level, StatusContext, StatusReport
+from gpuguard.core.status.report import Finding, StatusContext, StatusReport
 from gpuguard.core.status.words import as_list, xid_events, xid_phrase
 from gpuguard.core.values import NvmlHealth
 from gpuguard.core.xid import XidClass

@@ -8,7 +8,6 @@ render. ``Level`` is the monitoring-plugin level, whose value is the exit status
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.leftovers import WatchedUnit
@@ -18,17 +17,9 @@ if TYPE_CHECKING:
     from datetime import datetime
 
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.levels import Level
     from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.unitcontainers import ContainerVerdict
-
-
-class Level(IntEnum):
-    """Monitoring-plugin levels; the value is the exit status."""
-
-    OK = 0
-    WARNING = 1
-    CRITICAL = 2
-    UNKNOWN = 3
 
 
 @dataclass(frozen=True, slots=True)
