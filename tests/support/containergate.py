@@ -61,6 +61,16 @@ class Log:
         self.lines.append((event, kw))
         return None
 
+    def error(self, event: str, **kw: object) -> object:
+        """Record an error line."""
+        self.lines.append((event, kw))
+        return None
+
+    def critical(self, event: str, **kw: object) -> object:
+        """Record a critical line."""
+        self.lines.append((event, kw))
+        return None
+
     def events(self) -> list[str]:
         """The events logged, in order."""
         return [event for event, _ in self.lines]

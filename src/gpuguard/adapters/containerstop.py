@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from pathlib import Path
 
-    from gpuguard.adapters.reaper import EventLogger
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.logger import Logger
     from gpuguard.core.policy import PlanRequest
 
 
@@ -144,7 +144,7 @@ class ContainerStopper(ContainerJudge):
 
     grace_s: float
     dry_run: bool
-    logger: Callable[[], EventLogger]
+    logger: Callable[[], Logger]
     _acted: set[str] = field(default_factory=set)
 
     def __call__(self, inventory: Inventory) -> bool:
@@ -190,7 +190,7 @@ def for_unit(
     *,
     grace_s: float,
     dry_run: bool,
-    logger: Callable[[], EventLogger],
+    logger: Callable[[], Logger],
 ) -> ContainerStopper:
     """The stopper for the unit of a gate's ``request``, named by ``configured`` or ExecStart=.
 

@@ -24,11 +24,11 @@ from gpuguard.core.values import MIB
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from gpuguard.adapters.reaper import EventLogger
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.leftovers import WatchedUnit
+    from gpuguard.core.logger import Logger
     from gpuguard.core.values import ReapResult, ReapTarget
 
 INVENTORY_EVERY_S = 300.0
@@ -73,7 +73,7 @@ class Exporter:
         gather: Callable[[], Inventory],
         show_unit: Callable[[str], UnitState],
         ping: Callable[[], None],
-        log: EventLogger,
+        log: Logger,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:

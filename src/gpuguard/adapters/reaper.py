@@ -18,7 +18,7 @@ import select
 import signal
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gpuguard.adapters import procfs, signals
 from gpuguard.adapters.logs import get_logger
@@ -30,15 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
     from pathlib import Path
 
-
-class EventLogger(Protocol):
-    """What the reaper needs from a logger; a structlog bound logger is one."""
-
-    def info(self, event: str, **kw: object) -> object:
-        """Log an event that went as expected."""
-
-    def warning(self, event: str, **kw: object) -> object:
-        """Log an event an operator has to act on."""
+    from gpuguard.core.logger import Logger
 
 
 @dataclass(slots=True)
@@ -126,7 +118,7 @@ def _fields(target: ReapTarget) -> dict[str, object]:
     }
 
 
-def _settle(item: _Tracked, outcome: ReapOutcome, detail: str | None, log: EventLogger) -> None:
+def _settle(item: _Tracked, outcome: ReapOutcome, detail: str | None, log: Logger) -> None:
     """Record the outcome of a target, close its pidfd, and log its one outcome line."""
     item.outcome = outcome
     item.detail = detail
@@ -150,7 +142,7 @@ def _has_exited(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def _pin(item: _Tracked, proc_root: Path, log: EventLogger) -> None:
+def _pin(item: _Tracked, proc_root: Path, log: Logger) -> None:
     """Open a pidfd on the target, then check that it still is the process the policy chose.
 
     Order matters: the target was seen before this call, so if the identity read *after*
@@ -181,7 +173,7 @@ def _pin(item: _Tracked, proc_root: Path, log: EventLogger) -> None:
         item.state_before = stat.state
 
 
-def _send(item: _Tracked, sig: signal.Signals, log: EventLogger) -> bool:
+def _send(item: _Tracked, sig: signal.Signals, log: Logger) -> bool:
     """Send ``sig`` through the pidfd; False when the process had already been reaped (ESRCH).
 
     EPERM and other refusals settle the target: it gets no further signal.
@@ -203,7 +195,7 @@ def _send(item: _Tracked, sig: signal.Signals, log: EventLogger) -> bool:
     return True
 
 
-def _wait(items: list[_Tracked], seconds: float, outcome: ReapOutcome, log: EventLogger) -> None:
+def _wait(items: list[_Tracked], seconds: float, outcome: ReapOutcome, log: Logger) -> None:
     """Wait up to ``seconds`` for the pidfds of ``items`` to poll readable (their exit)."""
     poller = select.poll()
     by_fd: dict[int, _Tracked] = {}
@@ -236,7 +228,7 @@ def _unkillable_detail(item: _Tracked, kill_wait_s: float, proc_root: Path) -> s
 
 
 def _terminate(
-    tracked: list[_Tracked], grace_s: float, kill_wait_s: float, proc_root: Path, log: EventLogger
+    tracked: list[_Tracked], grace_s: float, kill_wait_s: float, proc_root: Path, log: Logger
 ) -> None:
     """Pin, TERM, wait, KILL, wait, and settle every target (given in signal order)."""
     # Pin every target before the first signal, so that a child whose parent takes it down on
@@ -267,7 +259,7 @@ def reap(
     grace_s: float = 10.0,
     kill_wait_s: float = 5.0,
     proc_root: Path = procfs.PROC,
-    logger: EventLogger | None = None,
+    logger: Logger | None = None,
 ) -> tuple[ReapResult, ...]:
     """Terminate ``targets`` safely and return one result per target, in the order given.
 

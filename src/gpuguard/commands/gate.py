@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.logger import Logger
     from gpuguard.core.release import Release
     from gpuguard.core.values import NvmlReading, ReapResult, ReapTarget
 
@@ -157,7 +158,7 @@ def run(
         released.extend(watch.observe(latest[0].nvml, begun))
         return latest[0]
 
-    def logger() -> reaper.EventLogger:
+    def logger() -> Logger:
         logs.configure_logging(json=False)  # structlog loads only when something is logged
         return logs.get_logger().bind(unit=args.unit, command="gate")
 

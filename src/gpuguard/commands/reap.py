@@ -20,12 +20,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.adapters.containerstop import ContainerStopper
-    from gpuguard.adapters.reaper import EventLogger
     from gpuguard.commands.context import UnitPlan
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import GpuOccupancy, Inventory
+    from gpuguard.core.logger import Logger
     from gpuguard.core.policy import KillPlan, PlanRequest
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ReapResult
@@ -74,7 +74,7 @@ def run(
     grace = args.grace if args.grace is not None else settings.reap_grace_s
     timeout = wait_limit(settings, args.timeout, caller)
 
-    def logger() -> reaper.EventLogger:
+    def logger() -> Logger:
         logs.configure_logging(json=False)
         return logs.get_logger().bind(unit=unit_name, command="reap")
 
@@ -160,7 +160,7 @@ def _container_stopper(
     request: PlanRequest,
     args: argparse.Namespace,
     grace_s: float,
-    logger: Callable[[], EventLogger],
+    logger: Callable[[], Logger],
 ) -> ContainerStopper:
     """The gate's stopper of the unit's left-over containers, with reap's grace and dry run."""
     from gpuguard.adapters import containerstop  # noqa: PLC0415 - see the package doc

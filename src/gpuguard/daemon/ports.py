@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from gpuguard.adapters.journal import JournalHealth, JournalRecord
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.inventory import Inventory
+    from gpuguard.core.logger import Logger
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget, UnitProvenance
@@ -38,26 +39,6 @@ class UnitContainers(Protocol):
 
     def act(self, verdict: ContainerVerdict) -> ContainerResult | None:
         """Stop one (or, in a dry run, say so); None for one kept."""
-        ...
-
-
-class Logger(Protocol):
-    """The structured logger the daemon writes to (structlog's bound logger satisfies it)."""
-
-    def info(self, event: str, **fields: object) -> object:
-        """An informational line."""
-        ...
-
-    def warning(self, event: str, **fields: object) -> object:
-        """Something an operator should see."""
-        ...
-
-    def error(self, event: str, **fields: object) -> object:
-        """Something failed."""
-        ...
-
-    def critical(self, event: str, **fields: object) -> object:
-        """An operator must act now."""
         ...
 
 

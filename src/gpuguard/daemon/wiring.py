@@ -38,7 +38,7 @@ from gpuguard.daemon.ports import Ports
 if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.ledger import Ledger
-    from gpuguard.daemon.ports import Logger
+    from gpuguard.core.logger import Logger
 
 
 def run(settings: Settings) -> int:
