@@ -73,6 +73,18 @@ class UnitState:
         """Active, reloading or still starting: its current invocation's processes are live."""
         return self.active_state in {"active", "reloading", "activating", "deactivating"}
 
+    def in_words(self) -> str:
+        """The unit's state as status and the daemon's snapshot say it.
+
+        A unit systemd does not know is "not found", not "inactive"; one systemd could not be
+        asked about is "state unknown", with why.
+        """
+        if self.error:
+            return f"state unknown ({self.error})"
+        if self.not_found:
+            return "not found (LoadState=not-found: systemd has no such unit)"
+        return f"{self.active_state} ({self.sub_state})"
+
 
 def systemctl(*args: str, timeout: float = _TIMEOUT_S) -> tuple[str | None, str | None]:
     """Run ``systemctl ARGS`` (programs: absolute path, fixed environment): stdout, or why not.

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.commands.output import Said
 
 if TYPE_CHECKING:
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.since import Since
@@ -101,7 +100,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
         units.append(
             UnitView(
                 name=name,
-                state=_unit_state_text(unit_state),
+                state=unit_state.in_words(),
                 not_found=unit_state.not_found,
                 gpu_set=gpu_set.describe() + (f"; {gpu_set.note}" if gpu_set.note else ""),
                 gate_decisions=tuple(
@@ -186,12 +185,3 @@ def prometheus(settings: Settings) -> Metrics:
             daemon_running=view.state == "running",
         ).decode()
     )
-
-
-def _unit_state_text(unit_state: UnitState) -> str:
-    """The unit's state in words; a unit systemd does not know is "not found", not "inactive"."""
-    if unit_state.error:
-        return f"state unknown ({unit_state.error})"
-    if unit_state.not_found:
-        return "not found (LoadState=not-found: systemd has no such unit)"
-    return f"{unit_state.active_state} ({unit_state.sub_state})"

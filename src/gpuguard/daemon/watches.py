@@ -136,7 +136,7 @@ class DaemonState:
                 "watched unit not found", unit=watch.name, load_state=state.load_state
             )
         watch.not_found = state.not_found
-        watch.systemd_state = describe_state(state)
+        watch.systemd_state = state.in_words()
 
     def _request(
         self, unit: str, inventory: Inventory, state: UnitState, live: str | None
@@ -206,12 +206,3 @@ class DaemonState:
             problems += watch.liveness.restore(document.liveness)
         for problem in problems:
             self._ports.log.warning("saved state ignored in part", unit=watch.name, problem=problem)
-
-
-def describe_state(state: UnitState) -> str:
-    """Systemd's view of a unit in words, as the snapshot says it."""
-    if state.error:
-        return f"unknown ({state.error})"
-    if state.not_found:
-        return "not found (LoadState=not-found: systemd has no such unit)"
-    return f"{state.active_state} ({state.sub_state})"
