@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # `make bench IDLE_SECONDS=120`).
 IDLE_SECONDS ?= 600
 
-.PHONY: check lint test venv fakenvml bench hardware-check clean deps
+.PHONY: check lint test unit venv fakenvml bench hardware-check clean deps
 
 check: lint test
 
@@ -44,8 +44,18 @@ lint: venv
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
 
+# The whole suite, with the core's coverage floor ([tool.coverage] in pyproject.toml): measured
+# in the test process only, it fails the run below the floor and prints the total.
 test: venv fakenvml
-	$(PY) -m pytest
+	$(PY) -m pytest --cov --cov-report=
+
+# The edit-test loop: the unit tests alone, quiet, with hypothesis's "dev" profile (10 examples a
+# property; tests/conftest.py). `make unit HYPOTHESIS_PROFILE=gpuguard` for CI's 100, and
+# `make unit PYTEST_ARGS='-x -k gate'` to narrow it. No coverage floor here: `make check` has it.
+HYPOTHESIS_PROFILE ?= dev
+PYTEST_ARGS ?=
+unit: venv fakenvml
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 # Built where gpuguard run by this user will load it (tests/fakenvml/fakestate.py build_dir:
 # tests/fakenvml/build, or for root in another user's checkout a private directory in /tmp).
@@ -64,7 +74,7 @@ hardware-check: venv fakenvml
 	$(PY) bench/hardware_check.py $(HWCHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) tests/fakenvml/build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) tests/fakenvml/build .pytest_cache .mypy_cache .ruff_cache .coverage
 
 # The Debian package, one for Debian 12/13 and Ubuntu 22.04/24.04, built in a clean Debian 12
 # tree (root, debootstrap, systemd-nspawn; docs/packaging.md). Output in dist/.

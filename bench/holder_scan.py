@@ -4,13 +4,14 @@
 Builds a host-like load — 2,000 live processes with 20 open files each, 8 of them also holding
 fake GPU device files — then times, in the same run and over the same device files:
 
-- gpuguard's NVML-first path (``procfs.scan_pids``: only the PIDs NVML names and their trees),
+- gpuguard's read of the PIDs NVML names (``procfs.read_listed``: their fds, maps and facts),
 - gpuguard's full /proc walk (``procfs.scan_device_holders``),
+- gpuguard's walk of their process trees (``procfs.descendants``, the provenance ledger's),
 - ``fuser -v`` (psmisc, C) and ``lsof`` (C), the tools an operator reaches for today;
 - psutil's public API for the same process facts and process tree (``oneshot()``,
   ``children(recursive=True)``), the baseline for reading them by hand in ``procfs``.
 
-Targets (bench/README.md): NVML-first ≥ 10x faster than fuser; full walk ≤ 1.5x fuser.
+Targets (bench/README.md): NVML's PIDs ≥ 10x faster than fuser; full walk ≤ 1.5x fuser.
 Run: ``make bench`` or ``.venv/bin/python bench/holder_scan.py [--processes N]``.
 """
 
@@ -86,7 +87,7 @@ def wait_until_opened(holders: list[int], root: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         found = {
-            p.identity.pid for p in procfs.scan_pids(holders, glob).processes if p.device_files
+            p.identity.pid for p in procfs.read_listed(holders, glob).processes if p.device_files
         }
         if found == set(holders):
             return
@@ -107,8 +108,8 @@ def psutil_facts(process: psutil.Process) -> object:
         )
 
 
-def psutil_nvml_first(pids: list[int]) -> list[object]:
-    """The NVML-first path's tree walk and facts through psutil: a lower bound of its cost.
+def psutil_descendants(pids: list[int]) -> list[object]:
+    """The descendants' walk and their facts through psutil: a lower bound of its cost.
 
     ``children()`` builds its map of parents from every ``/proc/PID/stat`` on each call.
     """
@@ -131,7 +132,7 @@ def timed(run: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> int:
-    """Build the load, time the four methods, print times and ratios."""
+    """Build the load, time each method on it, print times and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
@@ -155,20 +156,20 @@ def main() -> int:
         parent, holders = spawn_load(root, args.processes)
         try:
             full = procfs.scan_device_holders(glob)
-            nvml_first = procfs.scan_pids(holders, glob)
+            listed = procfs.read_listed(holders, glob)
             assert {p.identity.pid for p in full.processes} >= set(holders)  # noqa: S101
-            assert {p.identity.pid for p in nvml_first.processes} == set(holders)  # noqa: S101
+            assert {p.identity.pid for p in listed.processes} == set(holders)  # noqa: S101
             device_args = [str(d) for d in devices]
             results = {
-                "gpuguard NVML-first": timed(lambda: procfs.scan_pids(holders, glob), args.repeats),
-                "gpuguard full walk": timed(lambda: procfs.scan_device_holders(glob), args.repeats),
-                "gpuguard holders' facts": timed(
-                    lambda: [procfs.read_process(pid, glob) for pid in holders], args.repeats
+                "gpuguard NVML's PIDs": timed(
+                    lambda: procfs.read_listed(holders, glob), args.repeats
                 ),
+                "gpuguard full walk": timed(lambda: procfs.scan_device_holders(glob), args.repeats),
+                "gpuguard descendants": timed(lambda: procfs.descendants(holders), args.repeats),
                 "psutil holders' facts": timed(
                     lambda: [psutil_facts(psutil.Process(pid)) for pid in holders], args.repeats
                 ),
-                "psutil NVML-first": timed(lambda: psutil_nvml_first(holders), args.repeats),
+                "psutil descendants": timed(lambda: psutil_descendants(holders), args.repeats),
                 "fuser -v": timed(
                     lambda: subprocess.run(
                         ["fuser", "-v", *device_args], capture_output=True, check=False
@@ -193,15 +194,15 @@ def main() -> int:
     for name, seconds in results.items():
         print(f"  {name:<24} {seconds * 1000:9.1f} ms")
     fuser = results["fuser -v"]
-    speedup = fuser / results["gpuguard NVML-first"]
+    speedup = fuser / results["gpuguard NVML's PIDs"]
     walk = results["gpuguard full walk"] / fuser
-    print(f"  NVML-first is {speedup:.1f}x faster than fuser (target >= 10x)")
+    print(f"  NVML's PIDs are read {speedup:.1f}x faster than fuser (target >= 10x)")
     print(f"  full walk takes {walk:.2f}x fuser's time (target <= 1.5x)")
     print(f"  full walk takes {results['gpuguard full walk'] / results['lsof']:.2f}x lsof's time")
-    facts = results["psutil holders' facts"] / results["gpuguard holders' facts"]
-    tree = results["psutil NVML-first"] / results["gpuguard NVML-first"]
+    facts = results["psutil holders' facts"] / results["gpuguard NVML's PIDs"]
+    tree = results["psutil descendants"] / results["gpuguard descendants"]
     print(f"  psutil's facts take {facts:.2f}x gpuguard's (which also reads fds, maps, cgroup)")
-    print(f"  psutil's children() walk takes {tree:.0f}x gpuguard's NVML-first path")
+    print(f"  psutil's children() walk takes {tree:.0f}x gpuguard's descendants walk")
     return 0
 
 

@@ -82,10 +82,10 @@ def _escape(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _cgroup(piece: str, head: str = "0::/") -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.core.cgroup import attribute_text  # noqa: PLC0415
+        from gpuguard.core.cgroup import attribute, parse_cgroup  # noqa: PLC0415
 
         text = head + fill(piece, size - len(head))
-        return lambda: attribute_text(text)
+        return lambda: attribute(parse_cgroup(text))
 
     return make
 

@@ -46,6 +46,9 @@ from typing import TYPE_CHECKING
 from gpuguard.adapters.journal import LIFECYCLE, JournalFollower
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_PATTERNS, EventKind, UnitEvent, parse_entry
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+from journalwait import poll
+
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
@@ -361,7 +364,7 @@ def measure_follower_path(
         started = time.process_time()
         follower.start()
         while follower.health().state != "attached":
-            batch = follower.poll(1.0)
+            batch = poll(follower, 1.0)
             this.add([parse_entry(record.entry, UNIT) for record in batch], 0.0)
             if batch:
                 follower.commit(*batch)
@@ -457,7 +460,7 @@ class Daemonish:
 
     def pump(self, timeout_s: float) -> None:
         """Wait for records, parse each, commit the batch."""
-        batch = self.follower.poll(timeout_s)
+        batch = poll(self.follower, timeout_s)
         for record in batch:
             event = parse_entry(record.entry, UNIT)
             if event is not None:

@@ -6,6 +6,7 @@ Fake NVML (tests/fakenvml/README.md): ``fake_nvml_dir``, ``fake_nvml_old_dir``, 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,8 +31,13 @@ if TYPE_CHECKING:
 
 # No deadline per example: how long one takes says how loaded the machine is, not whether the
 # property holds (a 200 ms deadline failed a suite run beside three others on 2 cores).
+# "gpuguard", the default and what CI runs: hypothesis's 100 examples per property. "dev", for
+# the edit-test loop (``make unit`` uses it; ``HYPOTHESIS_PROFILE=dev`` for any pytest run): 10
+# examples, a quick look rather than CI's search; a test's own ``@settings(max_examples=…)``
+# wins over either. An unknown name fails the run at once.
 settings.register_profile("gpuguard", deadline=None)
-settings.load_profile("gpuguard")
+settings.register_profile("dev", deadline=None, max_examples=10)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpuguard"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from journalwait import poll
+
 from gpuguard.adapters.journal import LIFECYCLE, OUTPUT, JournalFollower, JournalRecord
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ def collect(
     deadline = time.monotonic() + timeout
     while not until(records):
         assert time.monotonic() < deadline, f"{len(records)} records, {follower.health()}"
-        records += follower.poll(0.1)
+        records += poll(follower, 0.1)
     return records
 
 
@@ -116,7 +118,7 @@ def test_follower_gets_lifecycle_live_and_resumes_without_gaps(
         rest = collect(second, complete)
         deadline = time.monotonic() + 1.0  # then nothing more (no duplicates) for a second
         while time.monotonic() < deadline:
-            rest += second.poll(0.1)
+            rest += poll(second, 0.1)
         second.commit(*rest)
     booted.wait_for("journalctl gone", lambda: journalctl_running(booted) == [], timeout=5)
 

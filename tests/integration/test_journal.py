@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import pytest
+from journalwait import poll
 
 from gpuguard.adapters.journal import (
     DEFAULT_BACKOFF,
@@ -278,7 +279,7 @@ def collect(
             raise AssertionError(
                 f"not reached in {timeout} s; {len(records)} records, health {follower.health()}"
             )
-        records += follower.poll(0.05)
+        records += poll(follower, 0.05)
     return records
 
 
@@ -287,7 +288,7 @@ def settle(follower: JournalFollower, seconds: float = 0.5) -> list[JournalRecor
     records: list[JournalRecord] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        records += follower.poll(0.05)
+        records += poll(follower, 0.05)
     return records
 
 

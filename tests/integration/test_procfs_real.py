@@ -17,17 +17,16 @@ import pytest
 
 from gpuguard.adapters.procfs import (
     ancestor_pids,
+    descendants,
     lineage,
     read_identity,
     read_listed,
-    read_process,
     read_stat,
     scan_device_holders,
-    scan_pids,
 )
 from gpuguard.adapters.reaper import reap
 from gpuguard.core.redaction import REDACTED
-from gpuguard.core.values import ReapOutcome, ReapTarget
+from gpuguard.core.values import ProcessFacts, ReapOutcome, ReapTarget
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -149,6 +148,12 @@ def helpers() -> Iterator[list[Helper]]:
         helper.kill()
 
 
+def read_one(pid: int, glob: str) -> ProcessFacts | None:
+    """The facts of ``pid`` as ``read_listed`` reads a PID NVML named; None when it is gone."""
+    found = read_listed([pid], glob).processes
+    return found[0] if found else None
+
+
 def boot_time() -> int:
     """Return the boot time in seconds since the epoch (``btime`` in /proc/stat)."""
     for line in Path("/proc/stat").read_text(encoding="ascii").splitlines():
@@ -197,24 +202,21 @@ def test_holder_that_only_maps_the_device_is_found(
     assert facts.device_files == frozenset(map(str, devices))
 
 
-def test_scan_pids_finds_descendants_that_inherited_the_fds(
+def test_forked_heirs_of_the_fds_are_descendants_and_holders(
     devices: list[Path], glob: str, helpers: list[Helper]
 ) -> None:
-    """From the parent's PID alone, forked children and grandchildren holding the fds appear."""
+    """From the parent's PID alone the ledger's walk finds every child; the walk, the holders."""
     helper = Helper("fork", devices)
     helpers.append(helper)
-    parent, *descendants = helper.pids
-    scan = scan_pids([parent], glob)
-    assert scan.method == "nvml-first"
-    found = {p.identity.pid: p for p in scan.processes}
-    holders = {pid for pid in descendants if found.get(pid) is not None}
+    parent, *children = helper.pids
+    assert {p.pid for p in descendants([parent])} == {parent, *children}
+    found = {p.identity.pid: p for p in scan_device_holders(glob).processes}
+    holders = {pid for pid in children if pid in found}
     # Of the three descendants, the one that closed its copies is not a holder.
     assert len(holders) == 2
     assert parent in found
     for pid in holders:
         assert found[pid].device_files == frozenset(map(str, devices))
-    full = {p.identity.pid for p in scan_device_holders(glob).processes}
-    assert full == {parent, *holders}
 
 
 def test_exited_processes_are_not_reported(
@@ -228,14 +230,13 @@ def test_exited_processes_are_not_reported(
     helper.popen.stdin.write("bye\n")
     helper.popen.stdin.flush()
     deadline = time.monotonic() + 10
-    while (facts := read_process(helper.pid, glob)) is not None and facts.state != "Z":
+    while (facts := read_one(helper.pid, glob)) is not None and facts.state != "Z":
         assert time.monotonic() < deadline, "helper did not exit"
         time.sleep(0.01)
     assert helper.pid not in {p.identity.pid for p in scan_device_holders(glob).processes}
     helper.popen.wait(timeout=10)
     assert helper.pid not in {p.identity.pid for p in scan_device_holders(glob).processes}
-    assert read_process(helper.pid, glob) is None
-    assert scan_pids([helper.pid], glob).processes == ()
+    assert read_one(helper.pid, glob) is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
@@ -296,7 +297,7 @@ def test_a_zombie_is_read_as_a_zombie_not_as_gone_or_hidden(
     helper.popen.stdin.write("bye\n")
     helper.popen.stdin.flush()
     wait_for_state(helper.pid, "Z")
-    facts = read_process(helper.pid, glob)
+    facts = read_one(helper.pid, glob)
     assert facts is not None
     assert (facts.state, facts.cmdline, facts.device_files) == ("Z", (), frozenset())
     assert facts.invocation_id is None
@@ -304,9 +305,8 @@ def test_a_zombie_is_read_as_a_zombie_not_as_gone_or_hidden(
     listed = read_listed([helper.pid], glob)
     assert [p.identity.pid for p in listed.processes] == [helper.pid]
     assert listed.hidden == frozenset()
-    assert [p.identity.pid for p in scan_pids([helper.pid], glob).processes] == [helper.pid]
     helper.popen.wait(timeout=10)
-    assert read_process(helper.pid, glob) is None
+    assert read_one(helper.pid, glob) is None
     assert read_listed([helper.pid], glob) == read_listed([], glob)
 
 
@@ -330,7 +330,7 @@ def test_a_process_whose_main_thread_exited_still_holds_its_files(
     assert facts.device_files == frozenset(map(str, devices))
     assert facts.cmdline == (*helper.argv[:-1], REDACTED)
     assert facts.invocation_id == INVOCATION
-    assert scan_pids([helper.pid], glob).processes == (facts,)
+    assert read_listed([helper.pid], glob).processes == (facts,)
     target = ReapTarget(facts.identity, facts.ppid, "leader-exit helper", None, "test: stale")
     (result,) = reap([target], grace_s=5.0, kill_wait_s=5.0)
     assert result.outcome is ReapOutcome.EXITED

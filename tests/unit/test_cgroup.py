@@ -6,12 +6,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.core.cgroup import Attribution, attribute, attribute_text, parse_cgroup
+from gpuguard.core.cgroup import Attribution, attribute, parse_cgroup
 
 DOCKER_ID = "3f4e5d6c7b8a" + "9" * 52
 KUBE_ID = "a1b2c3d4e5f6" + "0" * 52
 POD_UID = "8d7c6b5a-1234-4abc-9def-0123456789ab"
 POD_UID_SYSTEMD = POD_UID.replace("-", "_")
+
+
+def attribute_text(text: str) -> Attribution:
+    """The owner of raw ``/proc/PID/cgroup`` text, as inventory and the gate server judge it."""
+    return attribute(parse_cgroup(text))
 
 
 def test_cgroup_v2_single_line() -> None:
@@ -269,7 +274,7 @@ def test_container_wins_over_a_unit_name_inside_it() -> None:
     assert attribution.container == "lxc:guest"
 
 
-def test_attribute_text_combines_parse_and_attribute() -> None:
+def test_unit_process_cgroup_text_names_the_unit() -> None:
     """The raw /proc/PID/cgroup text of a unit process names the unit."""
     text = "1:name=systemd:/system.slice/sglang.service\n0::/system.slice/sglang.service\n"
     assert attribute_text(text) == _a("sglang.service", slice_="system.slice")

@@ -17,10 +17,9 @@ from gpuguard.adapters.procfs import (
     ancestor_pids,
     descendants,
     read_identity,
-    read_process,
+    read_listed,
     read_wchan,
     scan_device_holders,
-    scan_pids,
 )
 from gpuguard.adapters.procread import PF_KTHREAD, parse_stat
 from gpuguard.core.inventory import build_inventory
@@ -29,6 +28,7 @@ from gpuguard.core.redaction import REDACTED
 from gpuguard.core.values import (
     NvmlHealth,
     NvmlReading,
+    ProcessFacts,
     ProcessIdentity,
     ProcScan,
     UnitProvenance,
@@ -126,6 +126,12 @@ def maps_line(path: str, inode: int = 42) -> str:
 def proc(tmp_path: Path) -> FakeProc:
     """Provide an empty fake /proc."""
     return FakeProc(tmp_path / "proc")
+
+
+def read_one(proc: FakeProc, pid: int) -> ProcessFacts | None:
+    """The facts of ``pid`` as ``read_listed`` reads a PID NVML named; None when not there."""
+    found = read_listed([pid], GLOB, proc_root=proc.root).processes
+    return found[0] if found else None
 
 
 def test_fd_holder_is_found_with_all_its_facts(proc: FakeProc) -> None:
@@ -241,7 +247,7 @@ def test_kernel_threads_are_neither_holders_nor_unreadable(proc: FakeProc) -> No
     assert scan == scan_device_holders(GLOB, proc_root=proc.root)
     assert scan.unreadable == 0
     assert scan.processes == ()
-    facts = read_process(2, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 2)
     assert facts is not None
     assert facts.kernel_thread
     assert facts.cmdline == ()
@@ -256,9 +262,9 @@ def test_vanished_processes_are_skipped(proc: FakeProc) -> None:
     scan = scan_device_holders(GLOB, proc_root=proc.root)
     assert [p.identity.pid for p in scan.processes] == [502]
     assert scan.unreadable == 0
-    assert read_process(500, GLOB, proc_root=proc.root) is None
-    assert read_process(501, GLOB, proc_root=proc.root) is None
-    assert read_process(999, GLOB, proc_root=proc.root) is None
+    assert read_one(proc, 500) is None
+    assert read_one(proc, 501) is None
+    assert read_one(proc, 999) is None
 
 
 def test_non_numeric_entries_are_ignored(proc: FakeProc) -> None:
@@ -274,7 +280,7 @@ def test_non_numeric_entries_are_ignored(proc: FakeProc) -> None:
 def test_unknown_uid_falls_back_to_the_number(proc: FakeProc) -> None:
     """A uid without a passwd entry is shown as its number."""
     proc.add(FakeProcess(pid=700, uid=3999999, fds={3: "/dev/nvidia0"}))
-    facts = read_process(700, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 700)
     assert facts is not None
     assert (facts.uid, facts.user) == (3999999, "3999999")
 
@@ -282,7 +288,7 @@ def test_unknown_uid_falls_back_to_the_number(proc: FakeProc) -> None:
 def test_forged_uid_in_the_name_line_is_ignored(proc: FakeProc) -> None:
     """A process name that smuggles a Uid: line does not change the uid read."""
     proc.add(FakeProcess(pid=701, comm="x\nUid:\t0\t0\t0\t0", uid=1234))
-    facts = read_process(701, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 701)
     assert facts is not None
     assert facts.uid == 1234
 
@@ -296,7 +302,7 @@ def test_missing_or_malformed_invocation_id_is_none(
 ) -> None:
     """Only a 32-hex-digit INVOCATION_ID is taken from the environment."""
     proc.add(FakeProcess(pid=710, environ=environ))
-    facts = read_process(710, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 710)
     assert facts is not None
     assert facts.invocation_id is None
 
@@ -306,7 +312,7 @@ def test_unreadable_environ_gives_no_invocation(proc: FakeProc) -> None:
     base = proc.add(FakeProcess(pid=711))
     (base / "environ").unlink()
     (base / "environ").mkdir()
-    facts = read_process(711, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 711)
     assert facts is not None
     assert facts.invocation_id is None
 
@@ -315,7 +321,7 @@ def test_hybrid_cgroup_text_is_reduced_to_the_systemd_path(proc: FakeProc) -> No
     """The cgroup field holds the systemd path even on a hybrid v1/v2 host."""
     text = "4:memory:/x\n1:name=systemd:/user.slice/user-0.slice/session-1.scope\n0::/\n"
     proc.add(FakeProcess(pid=720, cgroup=text))
-    facts = read_process(720, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 720)
     assert facts is not None
     assert facts.cgroup == "/user.slice/user-0.slice/session-1.scope"
 
@@ -324,51 +330,49 @@ def test_setproctitle_padding_is_dropped(proc: FakeProc) -> None:
     """Trailing NUL padding of a rewritten command line does not add empty arguments."""
     base = proc.add(FakeProcess(pid=730))
     (base / "cmdline").write_bytes(b"sglang::scheduler_TP0 --api-key=k" + b"\0" * 40)
-    facts = read_process(730, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 730)
     assert facts is not None
     assert facts.cmdline == (f"sglang::scheduler_TP0 --api-key={REDACTED}",)
 
 
-def test_read_process_without_devices_returns_empty_set(proc: FakeProc) -> None:
-    """read_process answers for any existing PID, holder or not."""
+def test_a_listed_process_without_devices_is_read_with_an_empty_set(proc: FakeProc) -> None:
+    """read_listed answers for any existing PID NVML named, holder or not."""
     proc.add(FakeProcess(pid=740, fds={0: "/dev/null"}))
-    facts = read_process(740, GLOB, proc_root=proc.root)
+    facts = read_one(proc, 740)
     assert facts is not None
     assert facts.device_files == frozenset()
 
 
-def test_scan_pids_returns_listed_pids_and_holding_descendants(proc: FakeProc) -> None:
-    """NVML's PIDs are returned as named; descendants only when they hold a device."""
+def test_descendants_are_the_children_of_every_thread_and_theirs(proc: FakeProc) -> None:
+    """The ledger's walk finds each thread's children and grandchildren, not other processes."""
     proc.add(FakeProcess(pid=800, children=(801, 802), threads={810: (803,)}))
     proc.add(FakeProcess(pid=801, ppid=800, fds={3: "/dev/nvidia0"}, children=(804,)))
     proc.add(FakeProcess(pid=802, ppid=800, fds={0: "/dev/null"}))
     proc.add(FakeProcess(pid=803, ppid=800, maps=(maps_line("/dev/nvidia1"),)))
     proc.add(FakeProcess(pid=804, ppid=801, fds={5: "/dev/nvidia0"}))
     proc.add(FakeProcess(pid=900, fds={3: "/dev/nvidia0"}))  # unrelated holder
-    scan = scan_pids([800, 424242], GLOB, proc_root=proc.root)
-    assert scan.method == "nvml-first"
-    assert [p.identity.pid for p in scan.processes] == [800, 801, 803, 804]
-    assert scan.processes[0].device_files == frozenset()
+    found = descendants([800, 424242], proc_root=proc.root)
+    assert sorted(p.pid for p in found) == [800, 801, 802, 803, 804]
 
 
-def test_scan_pids_falls_back_to_ppid_walk_without_children_files(proc: FakeProc) -> None:
+def test_descendants_fall_back_to_a_ppid_walk_without_children_files(proc: FakeProc) -> None:
     """Without task/*/children (CONFIG_PROC_CHILDREN off) descendants are found by ppid."""
     proc.add(FakeProcess(pid=1, comm="init", ppid=0, children=None))
     proc.add(FakeProcess(pid=800, children=None))
     proc.add(FakeProcess(pid=801, ppid=800, fds={3: "/dev/nvidia0"}, children=None))
     proc.add(FakeProcess(pid=802, ppid=801, fds={3: "/dev/nvidia0"}, children=None))
     proc.add(FakeProcess(pid=900, ppid=1, fds={3: "/dev/nvidia0"}, children=None))
-    scan = scan_pids([800], GLOB, proc_root=proc.root)
-    assert [p.identity.pid for p in scan.processes] == [800, 801, 802]
+    found = descendants([800], proc_root=proc.root)
+    assert sorted(p.pid for p in found) == [800, 801, 802]
 
 
-def test_scan_pids_counts_unreadable_and_survives_cycles(proc: FakeProc) -> None:
-    """An unreadable listed process is returned and counted; a children loop ends."""
+def test_descendants_survive_a_children_cycle_and_unreadable_fds(proc: FakeProc) -> None:
+    """A children loop ends; a listed process whose fds are unreadable is said to be so."""
     proc.add(FakeProcess(pid=800, unreadable=True, children=(801,)))
     proc.add(FakeProcess(pid=801, ppid=800, fds={3: "/dev/nvidia0"}, children=(800,)))
-    scan = scan_pids([800, 800], GLOB, proc_root=proc.root)
-    assert [p.identity.pid for p in scan.processes] == [800, 801]
-    assert scan.unreadable == 1
+    assert [p.pid for p in descendants([800, 800], proc_root=proc.root)] == [800, 801]
+    listed = read_listed([800, 800], GLOB, proc_root=proc.root)
+    assert [(p.identity.pid, p.files_readable) for p in listed.processes] == [(800, False)]
 
 
 def test_read_identity_and_wchan(proc: FakeProc) -> None:
@@ -431,9 +435,8 @@ def test_stat_parser_never_raises(data: bytes) -> None:
 def test_fake_tree_is_not_confused_with_real_proc(proc: FakeProc) -> None:
     """The proc_root parameter keeps the walk inside the fake tree."""
     assert scan_device_holders(GLOB, proc_root=proc.root).processes == ()
-    assert os.getpid() not in [
-        p.identity.pid for p in scan_pids([os.getpid()], GLOB, proc_root=proc.root).processes
-    ]
+    assert read_listed([os.getpid()], GLOB, proc_root=proc.root) == ProcScan((), method="listed")
+    assert descendants([os.getpid()], proc_root=proc.root) == ()
 
 
 def test_unparseable_cgroup_text_makes_an_unknown_owner_that_is_spared(proc: FakeProc) -> None:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.core.xid import CATALOGUE, CATALOGUE_SOURCE, DEVIATIONS, XidClass, lookup
+from gpuguard.core.xidfaults import needs_reset
 
 # NVIDIA's immediate-action bucket -> the class it must give (WORKFLOW_* are read in docs/xid.md).
 _BUCKETS = {
@@ -27,7 +28,7 @@ _BUCKETS = {
 def test_application_faults_are_cured_by_a_kill(code: int) -> None:
     """The process is at fault: reaping it leaves a usable GPU."""
     assert lookup(code).xid_class is XidClass.APPLICATION
-    assert lookup(code).kill_helps
+    assert not needs_reset(code)
 
 
 @pytest.mark.parametrize("code", [46, 48, 62, 64, 79, 95, 119, 120, 140, 143])
@@ -35,7 +36,7 @@ def test_reset_faults_are_not_cured_by_a_kill(code: int) -> None:
     """A reset or a reboot is needed; Xid 79 needs the reboot."""
     info = lookup(code)
     assert info.xid_class in (XidClass.RESET_GPU, XidClass.REBOOT)
-    assert not info.kill_helps
+    assert needs_reset(code)
     assert (info.xid_class is XidClass.REBOOT) == (code == 79)
 
 
@@ -95,12 +96,11 @@ def test_the_other_buckets_are_classed_not_unknown(
 
 @given(st.integers(min_value=0, max_value=2**32))
 def test_unknown_codes_are_unknown_and_never_harmless(code: int) -> None:
-    """A code not catalogued is UNKNOWN, and a kill is not assumed to help."""
+    """A code not catalogued is UNKNOWN: never an application fault a kill would cure."""
     info = lookup(code)
     assert info.code == code
     if code not in CATALOGUE:
         assert info.xid_class is XidClass.UNKNOWN
-        assert not info.kill_helps
 
 
 def test_docs_table_is_the_catalogue() -> None:

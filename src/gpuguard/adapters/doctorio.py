@@ -6,8 +6,8 @@ risk here is root reading files the service user controls: an EnvironmentFile= m
 read that never ends), a huge file, or a symlink swapped under us. Files are opened with
 ``O_NONBLOCK|O_NOFOLLOW``, must be regular, and are read up to ``ENV_FILE_MAX_BYTES``; the
 journal read is bounded in entries (``JOURNAL_MAX_ENTRIES``), age (``JOURNAL_MAX_AGE_S``) and
-time (``_TIMEOUT_S``). ``systemctl`` and ``journalctl`` run through ``_run`` only, by absolute
-path in a fixed environment (``gpuguard.adapters.programs``).
+time (``_TIMEOUT_S``). ``journalctl`` runs through ``_run`` only, ``systemctl`` through
+``adapters.systemd``, both by absolute path in a fixed environment (``adapters.programs``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ V1_RESERVED_FILE = "v1-reserved.json"
 def gather(settings: Settings, reading: NvmlReading | None = None) -> Inventory:
     """Read NVML (bounded by its deadline) unless a fresh reading is given, then walk /proc.
 
-    The full walk, not the NVML-first shortcut: a worker left behind by a dead parent holds the
+    The full walk, not only the PIDs NVML names: a worker left behind by a dead parent holds the
     device but is named by nobody, and status must show it. PIDs NVML names that the walk missed
     are then read one by one: without root a live job of another user is merely uninspectable.
     """

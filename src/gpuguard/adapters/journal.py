@@ -1,4 +1,4 @@
-"""The journal adapter: the only module that runs ``journalctl``, and only ever as a subprocess.
+"""The journal follower: the daemon's long-running ``journalctl`` processes, as subprocesses.
 
 It follows, for the watched units, systemd's own messages about them and (when asked) the few
 lines of their output that match given patterns, and hands them out as plain dicts, exactly as
@@ -8,7 +8,9 @@ What is at risk: an event seen twice or never (a detector miscounts a restart lo
 mistaken for news (an action on a loop that is long over), a follower that dies quietly, and
 request-log noise parsed in Python. Its parts: the values it hands out (journalrecords.py), one
 stream's parse (journalstream.py), the cursor file (journalcursor.py), one journalctl process
-(journalproc.py); this module decides when each journalctl runs and what it is asked.
+(journalproc.py); this module decides when each journalctl runs and what it is asked. The
+one-shot reads of history are not the follower's: journalquery.py (``explain``), systemd.py (the
+invocations PID 1 logged for a unit) and doctorio.py (``doctor``) run their own ``journalctl``.
 
 How each is handled (journalctl(1), systemd.journal-fields(7); docs/daemon.md):
 
@@ -55,10 +57,8 @@ How each is handled (journalctl(1), systemd.journal-fields(7); docs/daemon.md):
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import select
 import subprocess
 import time
 from collections import deque
@@ -109,7 +109,6 @@ class JournalFollower:
     Single-threaded and non-blocking: ``start()``, then in the owner's loop wait for ``fds()``
     (ask again each time: they change when journalctl is restarted) with a timeout of
     ``wake_in()``, then ``read_available()``; ``commit()`` what was processed; ``close()``.
-    ``poll(timeout_s)`` does the waiting for simple callers.
 
     ``output_patterns`` are Python ``re`` patterns in the syntax PCRE2 shares (journalctl
     ``--grep``), matched case-sensitively as ``re`` does without flags (write ``(?i:…)`` for
@@ -244,22 +243,6 @@ class JournalFollower:
             if stream.proc is not None:
                 self._read(stream, records)
         return records
-
-    def poll(self, timeout_s: float) -> list[JournalRecord]:
-        """Wait up to ``timeout_s`` (real time, shortened to ``wake_in()``) for entries; read."""
-        wait_s = timeout_s
-        wake = self.wake_in()
-        if wake is not None:
-            wait_s = min(wait_s, wake)
-        fds = self.fds()
-        if fds:
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            poller.poll(max(0, math.ceil(wait_s * 1000)))
-        elif wait_s > 0:
-            time.sleep(wait_s)
-        return self.read_available()
 
     def take_problems(self) -> list[str]:
         """What went wrong since the last call, one log-ready line each (the last 100 kept)."""

@@ -1,8 +1,9 @@
 """Read who holds GPU device files from /proc: the walks, and the facts of each process.
 
-Two walks. ``scan_device_holders`` visits every process, like ``fuser -v /dev/nvidia*``;
-``scan_pids`` is the NVML-first path: it reads only the PIDs NVML named and their descendants,
-which may have inherited the device fds through fork.
+``scan_device_holders`` visits every process, like ``fuser -v /dev/nvidia*`` (a worker left
+behind by a dead parent holds the device but NVML may name nobody); ``read_listed`` then reads
+the PIDs NVML named that the walk missed. ``descendants`` walks a unit's process tree for the
+provenance ledger (``task/*/children``, which fork's heirs of the device fds are found by).
 
 Processes come and go while we read: a process that vanishes mid-read is simply absent from the
 result, never an error, and a PID reused during the read is detected by reading the start time
@@ -184,19 +185,6 @@ def _read_process(
     return facts, files.readable or (facts is not None and facts.kernel_thread)
 
 
-def read_process(
-    pid: int, device_glob: str, *, proc_root: Path = PROC, budget: ScanBudget = DEFAULT_BUDGET
-) -> ProcessFacts | None:
-    """Return what /proc says about ``pid`` and which ``device_glob`` files it holds.
-
-    None when the process does not exist (or vanished while we read it). Device files that
-    could not be read (another user's process, without root) are simply missing.
-    """
-    matcher = DeviceMatcher(device_glob)
-    facts, _readable = _read_process(pid, os.fspath(proc_root), matcher, Spend(budget))
-    return facts
-
-
 def _fd_count(root: str, pid: int) -> int:
     """How many descriptors ``pid`` has open, from one ``stat`` (0 when the kernel does not say)."""
     try:
@@ -278,51 +266,6 @@ def _children_by_ppid(root: str) -> dict[int, list[int]]:
             if stat is not None:
                 children.setdefault(stat.ppid, []).append(int(name))
     return children
-
-
-def scan_pids(
-    pids: Iterable[int],
-    device_glob: str,
-    *,
-    proc_root: Path = PROC,
-    budget: ScanBudget = DEFAULT_BUDGET,
-) -> ProcScan:
-    """Read the processes NVML named and all their descendants (fork inherits device fds).
-
-    Every listed PID that exists is returned, with or without device files (NVML named it);
-    a descendant only when it holds a file matching ``device_glob``. PIDs that do not exist
-    here (gone, or from another PID namespace) are left out. A descendant a budget cut short
-    is returned too (``partial``).
-    """
-    matcher = DeviceMatcher(device_glob)
-    root = os.fspath(proc_root)
-    spend = Spend(budget)
-    listed = {pid for pid in pids if pid > 0}
-    queue = deque(sorted(listed))
-    seen: set[int] = set()
-    by_ppid: dict[int, list[int]] | None = None
-    found: list[ProcessFacts] = []
-    unreadable = 0
-    while queue:
-        pid = queue.popleft()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        facts, readable = _read_process(pid, root, matcher, spend)
-        if facts is None:
-            continue
-        unreadable += not readable
-        if pid in listed or facts.device_files or facts.partial is not None:
-            found.append(facts)
-        if by_ppid is None:
-            try:
-                queue.extend(_children_of(root, pid))
-                continue
-            except _ChildrenUnsupportedError:
-                by_ppid = _children_by_ppid(root)
-        queue.extend(by_ppid.get(pid, ()))
-    found.sort(key=lambda facts: facts.identity.pid)
-    return ProcScan(processes=tuple(found), unreadable=unreadable, method="nvml-first")
 
 
 def read_listed(

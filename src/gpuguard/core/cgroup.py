@@ -184,8 +184,3 @@ def attribute(path: str | None) -> Attribution:
                 continue
             unit = component
     return Attribution(unit=unit, user_unit=user, slice=slice_)
-
-
-def attribute_text(text: str) -> Attribution:
-    """Attribute the raw text of ``/proc/PID/cgroup``."""
-    return attribute(parse_cgroup(text))

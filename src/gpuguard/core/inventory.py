@@ -306,7 +306,7 @@ def _holder(
     listed_on: Mapping[int, int | None],
     index_of_minor: Mapping[int, int],
 ) -> Holder | None:
-    """The holder a process is, or None when it holds nothing of ours (NVML-first extras)."""
+    """The holder a process is, or None when it holds nothing of ours (read_listed's extras)."""
     # A device node NVML did not describe (NVML unavailable, or a minor it did not report) is
     # still evidence, shown through ``device_files``; it is never guessed onto a GPU index.
     minors = {gpu_minor_of(path) for path in facts.device_files}

@@ -43,11 +43,6 @@ class XidInfo:
     nvidia_action: str
     xid_class: XidClass
 
-    @property
-    def kill_helps(self) -> bool:
-        """Reaping the faulting process leaves a usable GPU."""
-        return self.xid_class in (XidClass.APPLICATION, XidClass.INFORMATIONAL)
-
 
 _A, _R, _B, _O, _I, _U = (
     XidClass.APPLICATION,
