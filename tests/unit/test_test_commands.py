@@ -67,3 +67,15 @@ def test_make_check_holds_the_core_to_its_coverage_floor() -> None:
     ]
     assert coverage["run"]["source_pkgs"] == ["gpuguard.core"]
     assert 90 <= coverage["report"]["fail_under"] < 100
+
+
+def test_no_two_test_modules_share_a_basename() -> None:
+    """Each test module's basename is unique under tests/.
+
+    The test directories are no packages, so pytest imports each module by its basename: a
+    clash stops the whole suite's collection, which e2e-only or unit-only runs do not show.
+    """
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
