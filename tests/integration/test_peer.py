@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -155,3 +156,34 @@ def test_the_parent_pins_the_very_process_that_connected(tmp_path: Path) -> None
             assert pin(conn, child.pid) is None
         finally:
             os.close(pidfd)
+
+
+class _KernelAnswers:
+    """A socket stand-in (a mock) whose SO_PEERPIDFD fails with ``code``.
+
+    The kernels that answer so (6.5 to 6.x give EINVAL for a reaped peer) are not this
+    machine's, so the answer is made up; the PID handed to pin() is a live process (this one),
+    which a fallback would pin.
+    """
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def getsockopt(self, *_args: object) -> int:
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ESRCH, errno.ENODATA])
+def test_a_gone_peer_is_not_taken_for_an_old_kernel(code: int) -> None:
+    """Only ENOPROTOOPT (no such option) falls back to pidfd_open: a gone peer pins nothing."""
+    assert pin(_KernelAnswers(code), os.getpid()) is None  # type: ignore[arg-type]
+
+
+def test_a_kernel_without_the_option_falls_back_to_the_pid() -> None:
+    """Before Linux 6.5 (ENOPROTOOPT) the live process with that PID is pinned."""
+    pidfd = pin(_KernelAnswers(errno.ENOPROTOOPT), os.getpid())  # type: ignore[arg-type]
+    assert pidfd is not None
+    try:
+        assert pidfd_pid(pidfd) == os.getpid()
+    finally:
+        os.close(pidfd)

@@ -45,8 +45,12 @@ def pin(conn: socket.socket, pid: int) -> int | None:
     try:
         pidfd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as err:
-        if err.errno not in {errno.ENOPROTOOPT, errno.EINVAL}:
-            return None  # supported, and the peer has gone: never pin its PID's next owner
+        # Only an unknown option (before Linux 6.5) falls back to the PID. Any other error means
+        # the option is known and the peer has gone: 6.5 and later answer EINVAL for a reaped
+        # peer (ESRCH mapped for dbus-broker), never to be taken for "unsupported", or its PID's
+        # next owner would be pinned.
+        if err.errno != errno.ENOPROTOOPT:
+            return None
     else:
         os.set_inheritable(pidfd, False)  # noqa: FBT003 - positional only
         if pidfd_pid(pidfd) == pid:
