@@ -217,6 +217,22 @@ def test_session_process_without_provenance_is_kept() -> None:
     assert decide(manual, request(Scope.PATTERNS)).verdict is Verdict.REAP
 
 
+def test_patterns_reap_nothing_outside_the_cgroup_when_the_units_user_is_unknown() -> None:
+    """A User= that resolves to no uid: a matching name outside the cgroup is kept, with why.
+
+    A stopped DynamicUser= unit, say: no uid can prove a process is the unit's, and a name is
+    no proof; ``--scope all`` stays the operator's explicit choice.
+    """
+    manual = holder(
+        unit="session-4.scope", ppid=3000, cmdline=("python3", "-m", "sglang"), invocation=None
+    )
+    unknown = replace(PROVEN, uid=None)
+    decision = decide(manual, request(Scope.PATTERNS, provenance=unknown))
+    assert decision.verdict is Verdict.KEEP
+    assert "sglang.service's User= could not be resolved to a uid" in decision.reason
+    assert decide(manual, request(Scope.ALL, provenance=unknown)).verdict is Verdict.REAP
+
+
 def test_children_of_a_reaped_orphan_are_reaped() -> None:
     """TP workers forked by a stale orphan inherit its staleness, transitively."""
     parent = holder(10, unit=None, ppid=1, cmdline=("sglang::scheduler_TP0",))

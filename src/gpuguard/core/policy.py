@@ -182,7 +182,7 @@ def _by_scope(holder: Holder, request: PlanRequest) -> Decision:
     if request.scope is Scope.ALL:
         verdict, reason = Verdict.REAP, f"scope all: every unprotected holder ({owner})"
     elif pattern is not None and request.scope is Scope.PATTERNS:
-        stranger = None if request.provenance.uid is None else _uid_problem(holder, request)
+        stranger = _uid_problem(holder, request)
         verdict = Verdict.REAP if stranger is None else Verdict.KEEP
         reason = f"scope patterns: matches {pattern!r} ({owner})"
         if stranger is not None:  # the operator asked for the unit's processes, not a tenant's
