@@ -52,8 +52,10 @@ def settings(
 
 
 def _reap_args(*, yes: bool = False, as_json: bool = False) -> argparse.Namespace:
+    # Scope all: systemd cannot be asked here, so no uid proves a holder is the unit's and
+    # scope patterns would reap nothing; the GPUs are the fake ones, their holders this test's.
     return argparse.Namespace(
-        unit=UNIT, scope="patterns", dry_run=False, yes=yes, json=as_json, grace=1.0, timeout=10.0
+        unit=UNIT, scope="all", dry_run=False, yes=yes, json=as_json, grace=1.0, timeout=10.0
     )
 
 

@@ -243,8 +243,11 @@ def _ppid(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def test_reap_dry_run_signals_nothing(cli: Cli, spawn_holder: HolderSpawner) -> None:
+def test_reap_dry_run_signals_nothing(
+    cli: Cli, spawn_holder: HolderSpawner, fake_systemd: FakeSystemd
+) -> None:
     """`reap --dry-run` prints the plan and leaves every process alive."""
+    fake_systemd(unit_name())  # its User= (root): --scope patterns reaps only the unit's uid
     holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="sglang::scheduler_TP0")
     result = cli("reap", "--dry-run", "--scope", "patterns")
     assert result.code == 0, result.err
@@ -255,9 +258,10 @@ def test_reap_dry_run_signals_nothing(cli: Cli, spawn_holder: HolderSpawner) -> 
 
 
 def test_reap_json_and_clean_final_lines(
-    cli: Cli, spawn_holder: HolderSpawner, opener: Openers
+    cli: Cli, spawn_holder: HolderSpawner, opener: Openers, fake_systemd: FakeSystemd
 ) -> None:
     """`reap --yes --json` acts, waits for idle and reports each GPU's memory."""
+    fake_systemd(unit_name())  # its User= (root): --scope patterns reaps only the unit's uid
     holder = spawn_holder(cli.state, gpus=(1,), mib=1000, name="sglang::scheduler_TP1")
     keep = opener(cli.state, "nvidia-smi", 1)
     doc = cli("reap", "--scope", "patterns", "--yes", "--json", "--grace", "1").json()
@@ -270,8 +274,11 @@ def test_reap_json_and_clean_final_lines(
     assert not process_gone(keep)
 
 
-def test_reap_without_terminal_or_yes_does_nothing(cli: Cli, spawn_holder: HolderSpawner) -> None:
+def test_reap_without_terminal_or_yes_does_nothing(
+    cli: Cli, spawn_holder: HolderSpawner, fake_systemd: FakeSystemd
+) -> None:
     """Without a terminal to ask on and without --yes, nothing is signalled."""
+    fake_systemd(unit_name())  # its User= (root): the plan would reap the holder
     holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="sglang::scheduler_TP0")
     result = cli("reap", "--scope", "patterns")
     assert result.code == 1

@@ -57,7 +57,11 @@ def keeper(saved: list[Ledger]) -> LedgerKeeper:
     def read(group: str | None, recorded: Iterable[ProcessIdentity]) -> tuple[SeenProcess, ...]:
         return runtree.run_processes(group, recorded, cgroup_root=CGROUP2)
 
-    ports = LedgerPorts(run_processes=read, alive=runtree.alive, save=saved.append, every_s=30.0)
+    def save(ledger: Ledger) -> Ledger:
+        saved.append(ledger)
+        return ledger
+
+    ports = LedgerPorts(run_processes=read, alive=runtree.alive, save=save, every_s=30.0)
     return LedgerKeeper(ports, Ledger(), lambda: 1.0)
 
 

@@ -301,7 +301,12 @@ def test_the_keeper_records_soon_after_a_start_then_at_its_interval_and_stops_at
         return (seen(1),)
 
     saved: list[Ledger] = []
-    ports = LedgerPorts(run_processes=read, alive=lambda _i: True, save=saved.append, every_s=5.0)
+
+    def save(ledger: Ledger) -> Ledger:
+        saved.append(ledger)
+        return ledger
+
+    ports = LedgerPorts(run_processes=read, alive=lambda _i: True, save=save, every_s=5.0)
     keeper = LedgerKeeper(ports, Ledger(), lambda: clock[0])
     keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)
     while clock[0] < 20.0:
@@ -314,6 +319,28 @@ def test_the_keeper_records_soon_after_a_start_then_at_its_interval_and_stops_at
     keeper.run_over(UNIT, OLD, 23.0)
     assert keeper.due_in(23.0) is None
     assert dict(keeper.claims(UNIT)) == {ProcessIdentity(1, 5001): OLD}
+
+
+def test_a_write_that_failed_is_tried_again_at_the_next_record() -> None:
+    """The file's lock held, the disk refusing: what the keeper saw is written next time."""
+    attempts: list[Ledger] = []
+    refuse = [True]
+
+    def save(ledger: Ledger) -> Ledger | None:
+        attempts.append(ledger)
+        return None if refuse[0] else ledger
+
+    ports = LedgerPorts(
+        run_processes=lambda _g, _r: (seen(1),), alive=lambda _i: True, save=save, every_s=5.0
+    )
+    keeper = LedgerKeeper(ports, Ledger(), lambda: 0.0)
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)
+    assert len(attempts) == 1
+    refuse[0] = False
+    keeper.tick(1.0)
+    assert len(attempts) == 2  # the same content, tried again
+    keeper.tick(3.0)
+    assert len(attempts) == 2  # written: nothing new to write
 
 
 def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() -> None:

@@ -88,21 +88,32 @@ def record_seen(
     stop-reap is being served: the unit's cgroup (``control_group``) and everything descending
     from it are that run's. Only then: systemd waits for the stop-reap to end, so no later run
     can have started in the cgroup meanwhile; the running run of a unit is the daemon's to
-    record. Processes that have gone are forgotten, as the daemon forgets them.
+    record. Processes that have gone are forgotten, as the daemon forgets them. The /proc walks
+    run before the lock is taken (:func:`update` holds it for a read, merge and replace only).
     """
+    # The walks are the caller's to size (its processes and threads): done before the lock,
+    # which is held only to re-read, merge and replace, so no caller holds up the daemon.
+    before, _ = load(runtime_dir)
+    gone = {
+        p.identity for run in before.runs for p in run.processes if not runtree.alive(p.identity)
+    }
+    roots: list[tuple[str, str | None, tuple[SeenProcess, ...]]] = [
+        (r.invocation_id, None, r.processes)
+        for r in before.runs
+        if r.unit == unit and r.invocation_id != ending
+    ]
+    if ending is not None:
+        record = before.run_of(unit, ending)
+        roots.append((ending, control_group, record.processes if record else ()))
+    walked = [
+        (invocation, runtree.run_processes(cgroup, [p.identity for p in processes]))
+        for invocation, cgroup, processes in roots
+    ]
 
     def change(disk: Ledger) -> Ledger:
-        ledger = disk.forget(runtree.alive, frozenset())
-        runs = [r for r in ledger.runs if r.unit == unit and r.invocation_id != ending]
-        roots: list[tuple[str, str | None, tuple[SeenProcess, ...]]] = [
-            (r.invocation_id, None, r.processes) for r in runs
-        ]
-        if ending is not None:
-            record = ledger.run_of(unit, ending)
-            roots.append((ending, control_group, record.processes if record else ()))
-        for invocation, cgroup, processes in roots:
+        ledger = disk.forget(lambda identity: identity not in gone, frozenset())
+        for invocation, seen in walked:
             known = {p.identity for run in ledger.runs for p in run.processes}
-            seen = runtree.run_processes(cgroup, [p.identity for p in processes])
             if any(p.identity not in known for p in seen):  # else the file stays as it is
                 ledger = ledger.record(unit, invocation, seen, now)
         return ledger

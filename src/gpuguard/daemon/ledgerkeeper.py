@@ -118,6 +118,7 @@ class LedgerKeeper:
         ]:
             return
         merged = ports.save(self._ledger)
-        if merged is not None:
-            self._ledger = merged
+        if merged is None:
+            return  # not written (the lock was held, the disk refused): the next record retries
+        self._ledger = merged
         self._saved = self._ledger.to_json()["runs"]
