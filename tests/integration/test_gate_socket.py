@@ -10,6 +10,7 @@ unit_cgroups fixture) where a test needs "a process of".
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -1108,15 +1109,26 @@ def _sockets(pid: int) -> int:
 
 
 def _reuse_pid(pid: int) -> subprocess.Popen[bytes]:
-    """A new process (``sleep``) that the kernel gives ``pid`` (root: ns_last_pid), retried."""
+    """A new process (``sleep``) that the kernel gives ``pid`` (root: ns_last_pid), retried.
+
+    CI runs this suite under several Pythons at once, and each rewinds ns_last_pid here: a lock
+    keeps them apart. Any process forking between the write and our fork takes the PID; such a
+    stranger is waited out (the PID is free again when /proc has no entry for it).
+    """
     last = Path("/proc/sys/kernel/ns_last_pid")
-    for _ in range(50):
-        last.write_text(str(pid - 1))
-        process = subprocess.Popen(["sleep", "600"])
-        if process.pid == pid:
-            return process
-        process.kill()
-        process.wait()
+    deadline = time.monotonic() + 60
+    with (Path(tempfile.gettempdir()) / "gpuguard-tests-ns_last_pid.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        while time.monotonic() < deadline:
+            if Path(f"/proc/{pid}").exists():
+                time.sleep(0.02)
+                continue
+            last.write_text(str(pid - 1))
+            process = subprocess.Popen(["sleep", "600"])
+            if process.pid == pid:
+                return process
+            process.kill()
+            process.wait()
     pytest.fail(f"PID {pid} was never given out again")
 
 
