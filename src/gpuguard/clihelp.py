@@ -44,7 +44,8 @@ says gate_unreachable = "allow". See /usr/share/doc/gpuguard/security.md.
 STATUS = """\
 Show every GPU with its memory and the processes holding it (PID, state, unit or
 container, MiB, command line with secrets redacted), memory that no visible process
-explains, NVML's health, and for each watched unit its GPU set and last gate decisions.
+explains, NVML's health, and for each watched unit its GPU set, last gate decisions and
+how long its GPUs took to release a reaped holder's memory (last time, typically).
 
 Exit status (monitoring-plugin convention):
   0 OK        GPUs idle, or held only by live processes
@@ -99,6 +100,8 @@ its verdict (a start limit systemd hit, stops an operator asked for, left-overs 
 no loop), and any verdict the daemon logged that the replay does not reach is printed with
 the reason. With no gpuguard line in the journal (an incident before it was installed),
 the replay says what it would have done, and only what its ownership rule would allow.
+The release log adds when each GPU let go of the reaped holders' memory (gpu-released
+rows), also after an operator's reap, which leaves no journal line.
 
 Exit status: 0 a timeline was printed; 1 the journal had nothing about the unit;
 64 a bad argument; 69 journalctl could not be run; 78 the configuration file is invalid.
@@ -108,7 +111,9 @@ REAP = """\
 Find the stale holders of a watched unit's GPUs and kill exactly those: SIGTERM, a grace
 period, then SIGKILL, through pidfds so a reused PID is never hit. Shows the plan first -
 who will be signalled and why, who is spared and why - and asks on a terminal unless
---yes. Then waits until the unit's GPUs are idle and prints their memory.
+--yes. Then waits until the unit's GPUs are idle and prints their memory, and how long
+each GPU took to release the reaped holders' memory after the last signal (kept in the
+release log that status, explain and the metrics read).
 
 Scopes:
   unit      (default) processes in the unit's cgroup that do not belong to its running

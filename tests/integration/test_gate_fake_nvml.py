@@ -90,7 +90,10 @@ def test_incident_is_reaped_and_the_next_start_succeeds(
 def test_the_gate_times_the_drivers_release_of_what_it_reaped(
     cli: Cli, spawn_holder: HolderSpawner, unit_cgroups: UnitCgroups
 ) -> None:
-    """A stale holder NVML lists on GPUs 0 and 1: each GPU's release, from its SIGTERM, recorded."""
+    """A stale holder NVML lists on GPUs 0 and 1: each GPU's release, from its SIGTERM, recorded.
+
+    In the gate's decision and in the release log, the same seconds.
+    """
     unit = unit_name()
     for gpu in (0, 1):
         update_gpu(cli.state, gpu, release_delay_ms=1200)
@@ -110,6 +113,10 @@ def test_the_gate_times_the_drivers_release_of_what_it_reaped(
         assert 1.2 <= record["seconds"] < took, record
         assert record["model"] == "NVIDIA H200"
         assert record["uuid"].startswith("GPU-")
+    logged = json.loads((cli.config.parent / "run" / "releases.json").read_text())
+    assert {(r["by"], r["unit"], r["gpu"], r["seconds"]) for r in logged} == {
+        ("gate", unit, gpu, record["seconds"]) for gpu, record in released.items()
+    }
 
 
 def test_fast_path_when_idle(cli: Cli, unit_cgroups: UnitCgroups) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from clirunner import unit_name
 from fakestate import update_gpu
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ exporter = metricsio.Exporter(
 pid = int(sys.argv[2])
 (holder,) = [h for h in exporter.gather().holders if h.pid == pid]
 reap = exporter.reaped(lambda targets: reaper.reap(targets, grace_s=5.0, logger=log))
-(result,) = reap([ReapTarget(holder.identity, holder.ppid, "holder", None, "test")])
+(result,) = reap([ReapTarget(holder.identity, holder.ppid, "holder", sys.argv[3], "test")])
 deadline = time.monotonic() + 20
 while not exporter.tally.releases.series and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -60,11 +61,16 @@ print(json.dumps({
 def test_the_seconds_from_the_last_signal_to_the_drivers_release_are_measured(
     cli: Cli, spawn_holder: HolderSpawner
 ) -> None:
-    """A GPU that frees a killed holder's memory 1.5 s after its death is measured at >= 1.5 s."""
+    """A GPU that frees a killed holder's memory 1.5 s after its death is measured at >= 1.5 s.
+
+    The daemon's exporter counts it, logs it and appends it to the release log.
+    """
+    unit = unit_name()
+    cli.configure(f'[units."{unit}"]\n')
     update_gpu(cli.state, 0, release_delay_ms=1500)
     holder = spawn_holder(cli.state, gpus=(0,), mib=2000, name="sglang::scheduler")
     done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(cli.config), str(holder.pid)],
+        [sys.executable, "-c", MEASURE, str(cli.config), str(holder.pid), unit],
         env=cli.env,
         capture_output=True,
         text=True,
@@ -84,6 +90,12 @@ def test_the_seconds_from_the_last_signal_to_the_drivers_release_are_measured(
     assert 1.5 <= total < 10.0, total
     [logged] = found["logged"]
     assert logged["seconds"] == round(total, 3)
+    assert logged["unit"] == unit
+    # The release log has it too (status and explain read it there), for the unit the
+    # reaped holder's cgroup named.
+    [record] = json.loads((cli.config.parent / "run" / "releases.json").read_text())
+    assert (record["by"], record["unit"], record["gpu"]) == ("daemon", unit, 0)
+    assert record["seconds"] == round(total, 3)
     assert (
         f'gpuguard_holder_release_seconds_count{{UUID="{uuid}",driver="{driver}",gpu="0",'
         f'modelName="NVIDIA H200"}} 1.0'

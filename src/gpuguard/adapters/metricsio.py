@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, state, watched
+from gpuguard.adapters import files, releaselog, state, watched
 from gpuguard.config import listen_address
 from gpuguard.core import metrics
 from gpuguard.core.release import ReleaseWatch
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.leftovers import WatchedUnit
     from gpuguard.core.logger import Logger
+    from gpuguard.core.release import Release
     from gpuguard.core.values import ReapResult, ReapTarget
 
 INVENTORY_EVERY_S = 300.0
@@ -87,7 +88,8 @@ class Exporter:
         self._wall = wall
         self.tally = metrics.Tally()
         self.latest = metrics.Latest()
-        self._releases = ReleaseWatch()
+        self._releases: dict[str | None, ReleaseWatch] = {}
+        """Per watched unit reaped (None: one the targets did not name), its GPUs followed."""
         self._inventory: Inventory | None = None
         self._inventory_at = float("-inf")
         self._watched: tuple[WatchedUnit, ...] = ()
@@ -96,6 +98,8 @@ class Exporter:
         self._write_failed: str | None = None
         for unit, entries in gate_histories(settings).items():
             self.tally.baseline(f"gate/{unit}", entries)
+        logged = releaselog.read(settings.runtime_dir)
+        self.tally.baseline("releases", [record.to_json() for record in logged])
 
     def loaded(
         self, load: Callable[[str], dict[str, Any] | None]
@@ -119,15 +123,28 @@ class Exporter:
         inventory = self._gather()
         self._inventory, self._inventory_at = inventory, self._monotonic()
         self.tally.count_nvml(inventory.nvml.health)
-        for release in self._releases.observe(inventory.nvml, begun):
-            self.tally.releases.add(release)
-            self._log.info(
-                "GPU memory released",
-                gpu=release.gpu,
-                uuid=release.uuid,
-                seconds=round(release.seconds, 3),
-            )
+        for unit, watch in self._releases.items():
+            found = watch.observe(inventory.nvml, begun)
+            for release in found:
+                self.tally.releases.add(release)
+                self._log.info(
+                    "GPU memory released",
+                    unit=unit,
+                    gpu=release.gpu,
+                    uuid=release.uuid,
+                    seconds=round(release.seconds, 3),
+                )
+            self._log_releases(unit, [(release, begun) for release in found])
         return inventory
+
+    def _log_releases(self, unit: str | None, found: list[tuple[Release, float]]) -> None:
+        """Append the daemon's releases to the release log (status and explain read it there)."""
+        try:
+            releaselog.record(
+                self._settings.runtime_dir, releaselog.logged(found, by="daemon", unit=unit)
+            )
+        except OSError as err:
+            self._log.warning("cannot record release times", error=str(err))
 
     def reaped(
         self, reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
@@ -139,10 +156,20 @@ class Exporter:
             for result in results:
                 self.tally.count_reaped("daemon", result.outcome.value)
             # The reap was planned on the newest inventory: the GPUs it listed the holders on.
-            self._releases.reaped(results, self._inventory.nvml if self._inventory else None)
+            watch = self._releases.setdefault(self._unit_of(results), ReleaseWatch())
+            watch.reaped(results, self._inventory.nvml if self._inventory else None)
             return results
 
         return counted
+
+    def _unit_of(self, results: Sequence[ReapResult]) -> str | None:
+        """The watched unit a reap was for, when its targets' cgroups name exactly one.
+
+        The daemon reaps one unit's holders at a time; a holder that left the unit's cgroup
+        names none, and a reap of only such holders is logged for no unit.
+        """
+        named = {r.target.unit for r in results} & set(self._settings.units)
+        return named.pop() if len(named) == 1 else None
 
     def publish(self, document: Mapping[str, Any]) -> dict[str, Any]:
         """Draw the metrics for this snapshot, write and serve them; the counters for the snapshot.
@@ -164,6 +191,8 @@ class Exporter:
         histories = gate_histories(settings)
         for unit, entries in histories.items():
             self.tally.count_gate(unit, entries)
+        logged = releaselog.read(settings.runtime_dir)
+        self.tally.count_logged(logged)
         running = snapshot is not None and snapshot.running
         if running and self._monotonic() - self._inventory_at >= INVENTORY_EVERY_S:
             self._ping()
@@ -190,6 +219,7 @@ class Exporter:
             tally=self.tally,
             now_wall=self._wall(),
             watched=units,
+            releases=logged,
         )
         drawn = metrics.families(observed)
         self.latest.publish(drawn)
@@ -255,5 +285,6 @@ def scrape(
         gate_refused=_last_refused(histories),
         tally=metrics.Tally.from_json(snapshot.metrics if snapshot else None),
         now_wall=time.time(),
+        releases=releaselog.read(settings.runtime_dir),
     )
     return metrics.exposition(metrics.families(observed))

@@ -53,7 +53,7 @@ class Explained:
 
 def run(settings: Settings, unit: str | None, since: str | None) -> Explained | Said:
     """Read the unit's journal and build its timeline; a usage error or a failed read says so."""
-    from gpuguard.adapters import journalquery  # noqa: PLC0415 - see the package doc
+    from gpuguard.adapters import journalquery, releaselog  # noqa: PLC0415 - see the package doc
     from gpuguard.core import timeline  # noqa: PLC0415
     from gpuguard.core.escaping import escape  # noqa: PLC0415
 
@@ -90,6 +90,7 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
         unit,
         loop=settings.daemon.loop(),
         limits=settings.daemon.recovery_limits(),
+        releases=releaselog.read(settings.runtime_dir),
     )
     if not found.rows and os.geteuid() != 0:
         # journalctl --quiet says nothing when it may not read the system journal.

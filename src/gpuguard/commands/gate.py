@@ -149,13 +149,13 @@ def run(
     pending = [first]
     latest = [first]
     watch = ReleaseWatch()
-    released: list[Release] = []
+    released: list[tuple[Release, float]] = []
 
     def gather() -> Inventory:
         """The next inventory; the GPUs it shows released (NVML is read first: timed here)."""
         begun = time.monotonic()
         latest[0] = pending.pop() if pending else inventory.gather(settings)
-        released.extend(watch.observe(latest[0].nvml, begun))
+        released.extend((release, begun) for release in watch.observe(latest[0].nvml, begun))
         return latest[0]
 
     def logger() -> Logger:
@@ -200,9 +200,27 @@ def run(
             logger=logger,
         ),
     )
+    logged = _log_releases(runtime_dir, args.unit, released)
     return _finish_gate(
-        settings.runtime_dir, outcome, planned.gpu_set, planned.notices, tuple(released)
+        runtime_dir,
+        outcome,
+        planned.gpu_set,
+        (*planned.notices, *logged),
+        tuple(release for release, _ in released),
     )
+
+
+def _log_releases(
+    runtime_dir: Path, unit: str, released: Sequence[tuple[Release, float]]
+) -> tuple[str, ...]:
+    """Append the gate's measured releases to the release log; a notice when that fails."""
+    from gpuguard.adapters import releaselog  # noqa: PLC0415 - see the package doc
+
+    try:
+        releaselog.record(runtime_dir, releaselog.logged(released, by="gate", unit=unit))
+    except OSError as err:
+        return (f"gpuguard gate: cannot record the release times in {runtime_dir}: {err}",)
+    return ()
 
 
 def oom_gpu(

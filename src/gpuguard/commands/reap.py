@@ -14,6 +14,7 @@ from gpuguard.commands.context import (
 from gpuguard.commands.output import Said
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
+from gpuguard.core.releaselog import seconds
 
 if TYPE_CHECKING:
     import argparse
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from gpuguard.core.inventory import GpuOccupancy, Inventory
     from gpuguard.core.logger import Logger
     from gpuguard.core.policy import KillPlan, PlanRequest
+    from gpuguard.core.release import Release
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ReapResult
 
@@ -230,19 +232,32 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
 ) -> ReapReport:
     from gpuguard.adapters import inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
+    from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415 - see the package doc
 
     gate_settings = gate.GateSettings(
         kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, timeout, poll_s=0.2
     )
+    watch = ReleaseWatch()
+    watch.reaped(results, found.nvml)  # the plan's inventory: the GPUs it listed them on
+    released: list[tuple[Release, float]] = []
+
+    def gather() -> Inventory:
+        """The next inventory, and the GPUs it shows released (NVML is read first: timed here)."""
+        begun = time.monotonic()
+        fresh = inventory.gather(settings)
+        released.extend((release, begun) for release in watch.observe(fresh.nvml, begun))
+        return fresh
+
     current, blockers = gate.wait_until_idle(
         gate_settings,
-        inventory.gather(settings) if waited else found,
-        lambda: inventory.gather(settings),
+        gather() if waited else found,
+        gather,
         time.monotonic,
         time.sleep,
         wait_s=timeout if waited else 0.0,
     )
     gpu_set = planned.gpu_set
+    notices = planned.notices + _log_releases(settings, kill_plan.request.unit, released)
     return ReapReport(
         kill_plan=kill_plan,
         gpu_set=gpu_set,
@@ -252,9 +267,23 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         ),
         blockers=blockers,
         dry_run=bool(args.dry_run),
-        notices=planned.notices,
+        notices=notices,
         containers=containers,
+        released=tuple(release for release, _ in released),
     )
+
+
+def _log_releases(
+    settings: Settings, unit: str, released: Sequence[tuple[Release, float]]
+) -> tuple[str, ...]:
+    """Append the measured releases to the release log, as the daemon and the gate do."""
+    from gpuguard.adapters import releaselog  # noqa: PLC0415 - see the package doc
+
+    try:
+        releaselog.record(settings.runtime_dir, releaselog.logged(released, by="reap", unit=unit))
+    except OSError as err:
+        return (f"gpuguard reap: cannot record the release times in {settings.runtime_dir}: {err}",)
+    return ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +301,8 @@ class ReapReport:
     """What went wrong on the way besides the reap (recording the unit's GPU variables)."""
     containers: Containers = ()
     """Each container on the unit's GPUs: its verdict, and what stopping it did (None: kept)."""
+    released: tuple[Release, ...] = ()
+    """The GPUs seen letting go of the reaped holders' memory while reap waited (core.release)."""
 
     @property
     def exit_status(self) -> int:
@@ -309,6 +340,7 @@ class ReapReport:
             "idle": not self.blockers,
             "blockers": list(self.blockers),
             "containers": [_container_json(v, r) for v, r in self.containers],
+            "released": [release.to_json() for release in self.released],
         }
 
     def to_text(self) -> str:
@@ -320,6 +352,10 @@ class ReapReport:
             for r in self.results
         ]
         lines.extend(_container_lines(self.containers))
+        lines.extend(
+            f"GPU {r.gpu}: memory released {seconds(r.seconds)} after the last signal"
+            for r in self.released
+        )
         for g in self.gpus:
             memory = g.reading.memory
             used = "unknown" if memory is None else f"{memory.used_bytes >> 20} MiB"

@@ -81,9 +81,11 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
         daemonsnapshot,
         inventory,
         procfs,
+        releaselog,
         state,
         watched,
     )
+    from gpuguard.core.releaselog import summarize  # noqa: PLC0415
     from gpuguard.core.since import within  # noqa: PLC0415
     from gpuguard.core.status.judge import assess  # noqa: PLC0415
     from gpuguard.core.status.report import StatusContext, UnitView  # noqa: PLC0415
@@ -94,6 +96,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
     units = []
     live: dict[str, bool] = {}
     looks = watched.look(settings, found)
+    logged = releaselog.read(settings.runtime_dir)
     for seen in looks:
         name, unit_state, gpu_set = seen.unit.name, seen.state, seen.gpu_set
         live[name] = unit_state.error is not None or unit_state.running
@@ -110,6 +113,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
                         if within(start, decision.get("time"))
                     ][-3:]
                 ),
+                releases=summarize(logged, gpu_set.indices),
             )
         )
     return assess(

@@ -28,6 +28,7 @@ from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
 from gpuguard.core.release import Release
+from gpuguard.core.releaselog import Logged, summarize
 from gpuguard.core.releasetimes import ReleaseTimes, release_family
 from gpuguard.core.values import NvmlHealth, ReapOutcome, UnitProvenance
 
@@ -113,6 +114,17 @@ class Tally:
                 if (release := Release.from_json(item)) is not None:
                     self.releases.add(release)
 
+    def count_logged(self, records: Sequence[Logged]) -> None:
+        """Count the operator's ``reap`` releases appended to the release log since the last look.
+
+        The daemon counts its own as it measures them and the gate's from its decisions; the
+        ``reap`` command leaves them only in the log (core.releaselog).
+        """
+        for entry in self.news("releases", [record.to_json() for record in records]):
+            logged = Logged.from_json(entry)
+            if logged is not None and logged.by == "reap":
+                self.releases.add(logged.release)
+
     def count_reaped(self, reaper: str, outcome: object) -> None:
         """One process the daemon or the gate reaped, by how it ended."""
         if isinstance(outcome, str) and outcome in REAP_OUTCOMES:
@@ -187,6 +199,8 @@ class Observed:
     tally: Tally
     now_wall: float
     watched: Sequence[WatchedUnit] | None = None
+    releases: Sequence[Logged] = ()
+    """The release log (core.releaselog): the last and typical release per GPU."""
 
     def units(self) -> tuple[WatchedUnit, ...]:
         """The watched units the left-overs are judged against."""
@@ -216,8 +230,28 @@ def families(observed: Observed) -> list[Metric]:
         *_unit_families(observed),
         *_liveness_families(observed),
         *_counter_families(observed.tally, observed.watched_units),
+        *_release_families(observed.releases),
         *_daemon_families(observed),
     ]
+
+
+def _release_families(records: Sequence[Logged]) -> list[Metric]:
+    """The release log's last and typical time per GPU: the numbers status and explain show."""
+    labels = ["gpu", "UUID", "modelName", "driver"]
+    last = _gauge(
+        "gpuguard_holder_release_last_seconds",
+        "The newest logged kill-to-release time of the GPU (as status shows it).",
+        labels,
+    )
+    typical = _gauge(
+        "gpuguard_holder_release_typical_seconds",
+        "The median of the GPU's logged kill-to-release times (as status shows it).",
+        labels,
+    )
+    for gpu in summarize(records):
+        last.add_metric(list(gpu.labels), round(gpu.last_s, 3))
+        typical.add_metric(list(gpu.labels), round(gpu.typical_s, 3))
+    return [last, typical]
 
 
 def _gpu_families(observed: Observed) -> list[Metric]:

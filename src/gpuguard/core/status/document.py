@@ -66,6 +66,7 @@ def to_json(report: StatusReport) -> dict[str, Any]:
                 "found": not unit.not_found,
                 "gpu_set": unit.gpu_set,
                 "gate_decisions": list(unit.gate_decisions),
+                "releases": [gpu.to_json() for gpu in unit.releases],
             }
             for unit in report.units
         ],

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.levels import Level
+    from gpuguard.core.releaselog import GpuReleases
     from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.unitcontainers import ContainerVerdict
 
@@ -39,6 +40,8 @@ class UnitView:
     gpu_set: str
     gate_decisions: tuple[Mapping[str, Any], ...] = ()
     not_found: bool = False
+    releases: tuple[GpuReleases, ...] = ()
+    """How long its GPUs took to release a reaped holder's memory (core.releaselog)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,7 @@ def render_text(report: StatusReport) -> str:
         lines.append(f"Unit {unit.name}: {unit.state}; {unit.gpu_set}")
         lines.extend(f"    {line}" for line in _watch_lines(report.daemon, unit.name, report.since))
         lines.extend(f"    gate {_gate_line(entry)}" for entry in unit.gate_decisions)
+        lines.extend(f"    {gpu.in_words()}" for gpu in unit.releases)
     scan = inventory.scan
     lines.append(
         f"/proc: {scan.method} scan, {len(inventory.holders)} holders"

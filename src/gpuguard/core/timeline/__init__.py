@@ -11,8 +11,11 @@ several boots are told boot by boot, each in its own order.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from gpuguard.core.escaping import escape
+from gpuguard.core.releaselog import row_text, summarize
 from gpuguard.core.timeline.model import (
     DAEMON_UNIT,
     GATE_LINE_PREFIX,
@@ -21,6 +24,7 @@ from gpuguard.core.timeline.model import (
     GPUGUARD,
     KERNEL,
     SYSTEMD,
+    TEXT_LIMIT,
     UNIT,
     WOULD,
     Row,
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 
     from gpuguard.core.detector import LoopSettings
     from gpuguard.core.recovery import RecoveryLimits
+    from gpuguard.core.releaselog import Logged
 
 
 def build(
@@ -46,11 +51,13 @@ def build(
     *,
     loop: LoopSettings | None = None,
     limits: RecoveryLimits | None = None,
+    releases: Iterable[Logged] = (),
 ) -> Timeline:
     """The timeline of ``unit`` from journal entries in any order (journalctl's JSON objects).
 
     ``loop`` and ``limits`` are the daemon's settings, used only to say what gpuguard would
-    have done when it left no line itself.
+    have done when it left no line itself. ``releases``: the release log (core.releaselog);
+    the unit's releases within the journal read join the rows where the memory went.
     """
     acc = Acc()
     cursors: set[str] = set()
@@ -72,7 +79,43 @@ def build(
     rows += [row for row, _ in would]
     rows.sort(key=chronological(rows))
     story = tell(rows, events, tuple(text for _, text in would), replayed, holders)
+    shown = _releases_within(releases, unit, rows)
+    if shown:
+        rows += [
+            Row(
+                r.released_monotonic_s or 0.0,
+                r.released_wall_s,
+                r.boot_id,
+                GPUGUARD,
+                "gpu-released",
+                escape(row_text(r), TEXT_LIMIT),
+            )
+            for r in shown
+        ]
+        rows.sort(key=chronological(rows))
+        told = tuple(escape(g.in_words(), TEXT_LIMIT) for g in summarize(shown))
+        story = replace(story, released=told)
     return Timeline(unit, tuple(rows), story, gpuguard_seen)
+
+
+def _releases_within(releases: Iterable[Logged], unit: str, rows: list[Row]) -> list[Logged]:
+    """The unit's logged releases at a moment the journal read covers (its boot, not before).
+
+    The log keeps its newest records whatever ``--since`` says: a release before the first row
+    of its boot, or of a boot the journal read has no row of, is not this incident's.
+    """
+    first: dict[str | None, float] = {}
+    for row in rows:
+        first[row.boot_id] = min(first.get(row.boot_id, row.monotonic_s), row.monotonic_s)
+    return [
+        r
+        for r in releases
+        if r.unit == unit
+        and r.boot_id is not None
+        and r.released_monotonic_s is not None
+        and r.boot_id in first
+        and r.released_monotonic_s >= first[r.boot_id]
+    ]
 
 
 __all__ = [

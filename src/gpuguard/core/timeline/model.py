@@ -78,6 +78,9 @@ class Story:
     """The detector's verdict on the newest entries, replayed (the daemon's own code)."""
     disagreements: tuple[str, ...] = ()
     """Where a verdict the daemon logged differs from the replay at the same moment, and why."""
+    released: tuple[str, ...] = ()
+    """Per GPU, how long it took to release the memory of the holders reaped for the unit
+    (the release log's records on the timeline; core.releaselog, as status says it)."""
 
 
 @dataclass(frozen=True, slots=True)

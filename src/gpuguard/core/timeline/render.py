@@ -37,7 +37,8 @@ def render_text(timeline: Timeline, *, since: str | None) -> str:
         f"gpuguard explain: {unit}{span}: {len(timeline.rows)} rows",
         (
             "  systemd = PID 1 (journald's trusted fields); unit = the unit's own output, its "
-            "word only; gpuguard = gpuguard.service or gpuguard-gate.service as root; "
+            "word only; gpuguard = gpuguard.service or gpuguard-gate.service as root, or its "
+            "release log; "
             "kernel = Xids; would = gpuguard's detector replayed"
         ),
         "",
@@ -102,6 +103,7 @@ def _story_lines(timeline: Timeline) -> list[str]:
     else:
         lines.append("  gpuguard: left no line in this journal (not installed or not running)")
         block("what gpuguard would have done", story.would, "nothing: no restart loop")
+    block("GPU memory released after a reap", story.released, "none in the release log")
     lines.append(f"  verdict (gpuguard's detector on these entries): {story.verdict}")
     if story.disagreements:
         block("where the daemon's logged verdict differs", story.disagreements, "")
@@ -143,5 +145,6 @@ def to_json(timeline: Timeline, *, since: str | None) -> dict[str, object]:
             "findings": list(story.findings),
             "verdict": story.verdict,
             "disagreements": list(story.disagreements),
+            "released": list(story.released),
         },
     }
