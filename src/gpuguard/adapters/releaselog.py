@@ -60,7 +60,7 @@ def logged(
 def boot_id() -> str | None:
     """The running boot's ID as the journal writes ``_BOOT_ID`` (no dashes); None: unreadable."""
     try:
-        text = _BOOT_ID.read_text(encoding="ascii").strip()
+        text = _BOOT_ID.read_bytes().decode("ascii").strip()  # no codec module to import
     except (OSError, ValueError):
         return None
     return text.replace("-", "") or None

@@ -124,6 +124,7 @@ def _import_request_path() -> None:
         ledgerstore,
         logs,
         reaper,
+        releaselog,
         state,
         systemd,
         unitenv,
