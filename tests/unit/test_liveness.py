@@ -267,6 +267,21 @@ def test_a_start_past_its_learned_budget_is_stuck_in_its_phase() -> None:
     assert tracker.view(10_090.0 + 400.0).stuck_starts == 1  # one stuck start, counted once
 
 
+def test_the_daemon_is_woken_just_past_the_budget_of_a_start_that_prints_nothing() -> None:
+    """A hang logs nothing: wake_at names the moment past its phase's budget, then nothing."""
+    tracker = Liveness(UNIT, "sglang")
+    for n in range(MIN_STARTS):
+        sglang_start(tracker, f"run{n}", n * 1000.0, graphs_s=200.0)
+    assert tracker.wake_at is None  # the last start came up: nothing is due
+    started(tracker, "now", 10_000.0)
+    tracker.observe(output("Capture cuda graph begin.", invocation="now", at_s=10_090.0), live=True)
+    due = tracker.wake_at
+    assert due is not None
+    assert 10_090.0 + 300.0 < due < 10_090.0 + 301.0  # the budget: 1.5 x 200 s
+    assert tracker.view(due).state is State.STUCK
+    assert tracker.wake_at is None  # said once: no wake in the past, no busy loop
+
+
 def test_a_slow_start_without_enough_history_is_never_stuck() -> None:
     """Fewer than MIN_STARTS starts teach no budget: a slow start is only starting."""
     tracker = Liveness(UNIT, "sglang")

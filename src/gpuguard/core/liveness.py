@@ -54,6 +54,8 @@ _ENDS: Final = frozenset(
 judged apart: a clean end nobody asked for is a death)."""
 _OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
 _ENDED_KEPT: Final = 16
+_PAST_BUDGET_S: Final = 0.01
+"""A phase is stuck once *past* its budget: the wake comes just after it."""
 """Ended runs remembered, so that their late lines never open a run again."""
 
 
@@ -211,17 +213,37 @@ class Liveness:
 
     @property
     def wake_at(self) -> float | None:
-        """When a fatal line's grace ends (``tick`` is due then), None when none is pending."""
+        """When the daemon must look again though nothing new was logged; None: no such moment.
+
+        A fatal line's grace ends (``tick`` is due then), or the start's phase runs past its
+        learned budget: a hang prints nothing, so without this the stuck start is seen only at
+        the loop's next wake for something else (the watchdog's ping, the snapshot's refresh).
+        """
+        due = [at for at in (self._grace_end(), self._budget_end()) if at is not None]
+        return min(due) if due else None
+
+    def _grace_end(self) -> float | None:
         if self._dead is None or self._confirmed:
             return None
         return self._dead.since_s + ENGINE_DEAD_GRACE_S
+
+    def _budget_end(self) -> float | None:
+        """Just past the current phase's budget, until a view has called the start stuck."""
+        run = self._run
+        if run is None or run.ready or run.stuck_counted or run.phase_since_s is None:
+            return None
+        if self._dead is not None:  # its view is the dead engine's, never stuck
+            return None
+        times = self.phase_times(run.phase)
+        budget = times.budget_s if times else None
+        return None if budget is None else run.phase_since_s + budget + _PAST_BUDGET_S
 
     def tick(self, now: float) -> bool:
         """Confirm a fatal line whose run outlived its grace; True when that makes news.
 
         News is a line that came live: a death found in replayed history is shown, never news.
         """
-        due = self.wake_at
+        due = self._grace_end()
         if due is None or now < due:
             return False
         self._confirmed = True

@@ -191,6 +191,13 @@ def _parser() -> argparse.ArgumentParser:
         "($FAKE_SGLANG_DEATH_MARKER)",
     )
     parser.add_argument(
+        "--fake-hang-when-busy",
+        action="store_true",
+        default=os.environ.get("FAKE_SGLANG_HANG_WHEN_BUSY") == "1",
+        help="when another process holds the memory a rank needs, hang in the weight load "
+        "instead of failing ($FAKE_SGLANG_HANG_WHEN_BUSY=1)",
+    )
+    parser.add_argument(
         "--fake-scope-workers",
         action="store_true",
         default=os.environ.get("FAKE_SGLANG_SCOPE_WORKERS") == "1",
@@ -356,6 +363,17 @@ def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[
     return proc
 
 
+def _notify_ready() -> None:
+    """READY=1 to systemd when the unit is Type=notify (sd_notify's datagram, no library)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"READY=1", address)
+
+
 def server_main(argv: list[str]) -> None:
     """The main process: load, check, allocate, spawn workers, serve, drain on SIGTERM."""
     args = _parser().parse_args(argv)  # a bad flag exits 2 here, before any load
@@ -365,6 +383,10 @@ def server_main(argv: list[str]) -> None:
     )
     gpus = _visible_gpus(args.tp_size)
     log(f"Load weight begin. GPUs {gpus}", 0)
+    if args.fake_hang_when_busy:
+        busy = gpu_facts(gpus, args.mem_fraction_static, args.fake_main_mib)
+        while any(fact.short for fact in busy):  # as a collective waits on a rank that is not
+            time.sleep(3600)  # there: no line, no progress, until a signal ends it
     time.sleep(args.fake_load_s)
     log("Loading safetensors checkpoint shards: 100% Completed", 0)
     log("Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16", 0)
@@ -381,6 +403,7 @@ def server_main(argv: list[str]) -> None:
     log(f"Capture cuda graph end. Time elapsed: {args.fake_graph_s:.2f} s.", 0)
     log(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
     log(READY_LINE)
+    _notify_ready()
     if args.fake_engine_death_s >= 0 and _dies(args.fake_death_marker):
         _serve_until(time.monotonic() + args.fake_engine_death_s)
         if not _Stop.requested:
