@@ -22,7 +22,7 @@ from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
 from gpuguard.core.values import MIB
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Collection, Mapping, Sequence
 
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
@@ -62,6 +62,20 @@ def _last_refused(histories: dict[str, list[dict[str, Any]]]) -> dict[str, bool]
         unit: bool(entries) and entries[-1].get("result") == "refused"
         for unit, entries in histories.items()
     }
+
+
+def reaped_unit(units: Collection[str], results: Sequence[ReapResult]) -> str | None:
+    """The watched unit the daemon's reap was for; None when that cannot be told for sure.
+
+    The daemon reaps one unit's holders at a time, but the reap port is given only the
+    targets: a holder still in the unit's cgroup names it (its cgroup's unit); one that left
+    it names it in the policy's reason ("left over from an earlier run of U …"). Exactly one
+    watched unit named, by the cgroups first, else by the reasons, or none.
+    """
+    named = {r.target.unit for r in results} & set(units)
+    if not named:
+        named = {u for u in units for r in results if f" {u} " in f" {r.target.reason} "}
+    return named.pop() if len(named) == 1 else None
 
 
 class Exporter:
@@ -156,20 +170,12 @@ class Exporter:
             for result in results:
                 self.tally.count_reaped("daemon", result.outcome.value)
             # The reap was planned on the newest inventory: the GPUs it listed the holders on.
-            watch = self._releases.setdefault(self._unit_of(results), ReleaseWatch())
+            unit = reaped_unit(self._settings.units, results)
+            watch = self._releases.setdefault(unit, ReleaseWatch())
             watch.reaped(results, self._inventory.nvml if self._inventory else None)
             return results
 
         return counted
-
-    def _unit_of(self, results: Sequence[ReapResult]) -> str | None:
-        """The watched unit a reap was for, when its targets' cgroups name exactly one.
-
-        The daemon reaps one unit's holders at a time; a holder that left the unit's cgroup
-        names none, and a reap of only such holders is logged for no unit.
-        """
-        named = {r.target.unit for r in results} & set(self._settings.units)
-        return named.pop() if len(named) == 1 else None
 
     def publish(self, document: Mapping[str, Any]) -> dict[str, Any]:
         """Draw the metrics for this snapshot, write and serve them; the counters for the snapshot.
