@@ -383,11 +383,11 @@ def server_main(argv: list[str]) -> None:
     )
     gpus = _visible_gpus(args.tp_size)
     log(f"Load weight begin. GPUs {gpus}", 0)
+    time.sleep(args.fake_load_s)
     if args.fake_hang_when_busy:
         busy = gpu_facts(gpus, args.mem_fraction_static, args.fake_main_mib)
         while any(fact.short for fact in busy):  # as a collective waits on a rank that is not
             time.sleep(3600)  # there: no line, no progress, until a signal ends it
-    time.sleep(args.fake_load_s)
     log("Loading safetensors checkpoint shards: 100% Completed", 0)
     log("Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16", 0)
     facts = gpu_facts(gpus, args.mem_fraction_static, args.fake_main_mib)
