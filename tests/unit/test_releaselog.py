@@ -68,7 +68,8 @@ def test_a_record_survives_its_json_and_foreign_shapes_do_not() -> None:
     bad = [
         {**good, "by": "someone"},
         {**good, "unit": ["x"]},
-        {**good, "unit": "u" * 200},
+        {**good, "unit": "u" * 256},
+        {**good, "unit": "a b.service"},
         {**good, "time": "yesterday"},
         {**good, "time": "2026-12-02T03:00:00"},  # no offset: not ours
         {**good, "monotonic_s": -1},
@@ -78,6 +79,8 @@ def test_a_record_survives_its_json_and_foreign_shapes_do_not() -> None:
         "not a record",
     ]
     assert parse(bad) == ()
+    long_unit = {**good, "unit": "u" * 247 + ".service"}  # systemd's longest name is a unit
+    assert [r.unit for r in parse([long_unit])] == [long_unit["unit"]]
     assert parse({"not": "a list"}) == ()
 
 

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuguard.core.release import Release, labels_ok
+from gpuguard.core.unitname import UNIT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable
@@ -67,7 +68,9 @@ class Logged:
             return None
         by, unit = item.get("by"), item.get("unit")
         boot, mono = item.get("boot_id"), item.get("monotonic_s")
-        if by not in REAPERS or not (unit is None or labels_ok([unit])):
+        if by not in REAPERS or not (
+            unit is None or (isinstance(unit, str) and UNIT_NAME.fullmatch(unit))
+        ):
             return None
         if not (boot is None or labels_ok([boot])):
             return None
@@ -177,8 +180,8 @@ def summarize(
 
 
 def seconds(value: float) -> str:
-    """A release time as status and explain print it: milliseconds under 10 s."""
-    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+    """A release time as status, explain and reap print it: to the millisecond, as logged."""
+    return f"{value:.3f} s"
 
 
 def row_text(record: Logged) -> str:
