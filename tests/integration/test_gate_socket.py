@@ -1154,6 +1154,7 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
         stderr=subprocess.DEVNULL,
     )
     reused: subprocess.Popen[bytes] | None = None
+    caller: subprocess.Popen[str] | None = None
     line = json.dumps({"v": 1, "command": "reap", "unit": unit, "scope": "all"})
     queued_argv = shlex.join([sys.executable, "-c", QUEUED, str(server.path), line])
     try:
@@ -1189,5 +1190,9 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
         if reused is not None:
             reused.kill()
             reused.wait()
+        if caller is not None:  # a failure above must not leave its pipes for the collector
+            for pipe in (caller.stdin, caller.stdout):
+                if pipe is not None:
+                    pipe.close()
     assert "request refused: the caller has gone" in answer, answer
     assert f"reap for {unit}" not in server.journal()
