@@ -21,9 +21,10 @@ from gpuguard.adapters import state
 from gpuguard.commands import gate, reap
 from gpuguard.commands.output import Said
 from gpuguard.commands.reap import ReapReport
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.cgroup import Attribution
 from gpuguard.core.gateauth import Caller
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from pathlib import Path

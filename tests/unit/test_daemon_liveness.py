@@ -18,13 +18,15 @@ import snapshots
 from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
 
 from gpuguard.adapters import systemd
-from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.levels import Level
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings
+from gpuguard.unitsettings import UnitSettings
 
 UNIT = "vllm.service"
 BOOT = "b" * 32

@@ -17,9 +17,11 @@ from typing import Any
 from daemontwins import GpuHost, Process, Recorder, ReplayFollower, UnitTwin, loop_entries
 
 from gpuguard.adapters import systemd
-from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings
+from gpuguard.unitsettings import UnitSettings
 
 UNIT = "sglang.service"
 OLD_INVOCATION = "0" * 32

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 from daemontwins import GpuHost, JournaledRecorder, Process, ReplayFollower, UnitTwin
 
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core import timeline
 from gpuguard.core.values import UnitProvenance
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.unitsettings import UnitSettings
 
 UNIT = "sglang.service"
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples"
