@@ -36,7 +36,7 @@ from gpuguard.adapters import inventory, ledgerstore, procfs, reaper, runtree, s
 from gpuguard.adapters.containerstop import for_unit
 from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
-from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core import values
 from gpuguard.core.ledger import Ledger
 from gpuguard.core.levels import Level
@@ -49,6 +49,8 @@ from gpuguard.core.values import MIB
 from gpuguard.daemon import wiring
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings, MetricsSettings
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence

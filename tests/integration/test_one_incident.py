@@ -30,10 +30,11 @@ from fakestate import add_alloc
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters import inventory, reaper, state
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.values import UnitProvenance
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -111,12 +111,12 @@ def test_programs_run_in_the_fixed_environment() -> None:
 
 
 def _load(candidate: Path) -> str:
-    """Run nvml.load_library in a fresh interpreter; its answer and whether the soname resolves."""
+    """Run load_library in a fresh interpreter; its answer and whether the soname resolves."""
     code = textwrap.dedent(
         f"""
         import ctypes, os
-        from gpuguard.adapters import nvml
-        problem = nvml.load_library(({str(candidate)!r},))
+        from gpuguard.adapters import nvmllibrary
+        problem = nvmllibrary.load_library(({str(candidate)!r},))
         try:
             ctypes.CDLL("libnvidia-ml.so.1", mode=os.RTLD_NOLOAD)
             print(problem, "soname-loaded")

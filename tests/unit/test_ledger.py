@@ -255,7 +255,7 @@ def test_adopt_takes_scope_globs_only() -> None:
     import pytest  # noqa: PLC0415 - only this test raises
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from gpuguard.config import UnitSettings  # noqa: PLC0415
+    from gpuguard.unitsettings import UnitSettings  # noqa: PLC0415
 
     assert UnitSettings(adopt=("tp-worker-*.scope",)).adopt == ("tp-worker-*.scope",)
     for bad in ("*.scope", "**.scope", "a/b.scope", "x.service", "tp-worker-[0].scope"):
