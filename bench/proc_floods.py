@@ -6,12 +6,14 @@ Two loads, each measured against a quiet host in the same run: a descriptor floo
 processes as the per-process limit needs, which the scan's budget then bounds) and a mapping
 flood (``--mappings``, 64,000 single-page mappings of a file whose path is 4 KiB long, with
 alternating protections so that none merge: a 262 MB ``maps``). ``status`` runs against the C
-fake NVML (four idle GPUs); its wall time, CPU time (its own and its NVML worker's) and peak RSS
-are the median of ``--repeats`` runs. Budgets (issue 23): the time ratio to quiet <= 2x, judged
-on CPU time (wall time is printed too: on a shared host it moves with the neighbours' load more
-than with gpuguard's work), peak RSS < 100 MB. Root, so every process's
-files are read. Run: ``.venv/bin/python bench/proc_floods.py`` (``bench/hostile_inputs.py
---floods`` runs it after its parsers); ``PYTHONPATH=OTHER/src`` measures another checkout.
+fake NVML (four idle GPUs); its wall time, the part of it spent waiting for a core (the
+``cpu.pressure`` of a cgroup of its own), CPU time (its own and its NVML worker's) and peak RSS
+are the median of ``--repeats`` runs, next to a probe that reads no /proc. Budgets (issue 23):
+the ratio to quiet <= 2x, judged on own time (wall less the wait for a core: on a shared host
+that wait moves with the neighbours' load, not with gpuguard's work) and on CPU time; peak RSS
+< 100 MB. Root, so every process's files are read. Run: ``.venv/bin/python
+bench/proc_floods.py`` (``bench/hostile_inputs.py --floods`` runs it after its parsers);
+``PYTHONPATH=OTHER/src`` measures another checkout.
 """
 
 from __future__ import annotations
