@@ -44,11 +44,13 @@ from gpuguard.adapters.procdevices import (
     ScanBudget,
     Spend,
     device_files,
+    kernel_counts_fds,
     live_thread,
 )
 from gpuguard.adapters.procread import (
     VANISHED,
     StatFields,
+    parse_fd_size,
     parse_invocation_id,
     parse_uids,
     read_file,
@@ -186,9 +188,17 @@ def _read_process(
 
 
 def _fd_count(root: str, pid: int) -> int:
-    """How many descriptors ``pid`` has open, from one ``stat`` (0 when the kernel does not say)."""
+    """How many descriptors ``pid`` has open, from one ``stat`` (Linux >= 6.2)."""
     try:
         return os.stat(f"{root}/{pid}/fd").st_size
+    except OSError:
+        return 0
+
+
+def _fd_slots(root: str, pid: int) -> int:
+    """How many descriptors ``pid`` may have open, at most: its table's size (older kernels)."""
+    try:
+        return parse_fd_size(read_file(f"{root}/{pid}/status"))
     except OSError:
         return 0
 
@@ -202,13 +212,17 @@ def scan_device_holders(
     process a budget cut short is returned whether or not the part read shows a device file,
     with ``partial`` saying why (one that shows none is only named: see ``_named``); the
     processes past the budget's count or time are counted in ``not_visited``. Fewest
-    descriptors first: a flood is read last, with what is left.
+    descriptors first: a flood is read last, with what is left. Where the kernel does not count
+    them, by the size of each table (``FDSize:``, one more small read a process): a table that
+    once grew sorts late, which costs it only its place.
     """
     matcher = DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
-    spend = Spend(budget)
+    counts = kernel_counts_fds(root)
+    spend = Spend(budget, counts=counts)
     pids = [int(name) for name in os.listdir(root) if name.isdecimal()]
-    visit = sorted(pids[: budget.processes], key=lambda pid: (_fd_count(root, pid), pid))
+    size = _fd_count if counts else _fd_slots
+    visit = sorted(pids[: budget.processes], key=lambda pid: (size(root, pid), pid))
     not_visited = len(pids) - len(visit)
     found: list[ProcessFacts] = []
     unreadable = 0
