@@ -67,9 +67,15 @@ _REMAINS = re.compile(
 _GATE_SERVER_LINE = re.compile(r"\d{1,10}(?: \(uid \d{1,10}, .{0,400}\): accepted$|: (?P<said>.+))")
 _GATE_EXIT = re.compile(r"exit \d{1,3}")
 # The reaper's console line as the gate server copies it ("… from PID N: <time> [info ] reap
-# outcome command='…' detail=… outcome=exited pid=228 reason=…", keys sorted).
-_REAP_OUTCOME_TAG = re.compile(r"\[info\s{0,9}\] reap outcome ")
-_OUTCOME_PAIR = re.compile(r"\boutcome=(?P<outcome>[a-z_]{1,20}) pid=(?P<pid>\d{1,10}) ")
+# outcome outcome=exited pid=228 command='…' detail=… reason=…"): its outcome and PID lead
+# (adapters/logs.py, LEADING_FIELDS), so they are read at that one place, right after what the
+# logger itself wrote; the holder's command and the reason (cgroup names) come after and may
+# imitate a pair.
+_SAID_AFTER = re.compile(r"\d{1,10}: ")
+_REAP_OUTCOME_LINE = re.compile(
+    r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?Z \[info {0,9}\] reap outcome {1,30}"
+    r"outcome=(?P<outcome>[a-z-]{1,20}) pid=(?P<pid>\d{1,10})(?: |$)"
+)
 # The daemon's log events worth a row, and the fields that say what it decided or did.
 _DAEMON_EVENTS: Final = frozenset(
     {
@@ -221,7 +227,7 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
         return
     if owner == GATE_SERVER_UNIT or owner.startswith(GATE_SERVER_PREFIX):
         kind = _gate_server_kind(text, unit)
-        reaped = _server_reaped(text) if kind in {"gate-said", "reap-said"} else None
+        reaped = _server_reaped(text, unit) if kind in {"gate-said", "reap-said"} else None
         if reaped is not None:  # the gate or stop-reap reaped it: a survivor, like the daemon's
             kind = "reap-outcome"
             text = f"reap outcome: pid={reaped[1]} outcome={reaped[0]}; {text}"
@@ -331,14 +337,18 @@ def _micros(value: object) -> float | None:
     return None
 
 
-def _server_reaped(text: str) -> tuple[str, str] | None:
+def _server_reaped(text: str, unit: str) -> tuple[str, str] | None:
     """(outcome, pid) of a reaper outcome line the gate server copied; None for other lines.
 
-    The last pair after the tag counts: the holder's command, which comes first, may imitate
-    one. Each search is linear (bounded patterns, no backtracking over the line).
+    Only where the reaper's own line begins, right after the server's "… from PID N: ": its
+    timestamp, level and event, then the outcome and the PID, which lead the fields. Nothing
+    a process chose (its command, a cgroup name in the reason) comes before them, so none can
+    stand in for them. One anchored, bounded match: linear.
     """
-    tag = _REAP_OUTCOME_TAG.search(text)
-    if tag is None:
-        return None
-    pairs = list(_OUTCOME_PAIR.finditer(text, tag.end()))
-    return (pairs[-1]["outcome"], pairs[-1]["pid"]) if pairs else None
+    for command in ("gate", "reap"):
+        head = f"{command} for {unit} from PID "
+        if text.startswith(head):
+            after = _SAID_AFTER.match(text, len(head))
+            found = _REAP_OUTCOME_LINE.match(text, after.end()) if after else None
+            return (found["outcome"], found["pid"]) if found else None
+    return None
