@@ -35,6 +35,7 @@ from gpuguard.core.events import (
     is_trusted,
     parse_entry,
 )
+from gpuguard.core.gateproto import CLIENT_GONE
 from gpuguard.core.startfailure import named_holders
 from gpuguard.core.timeline.model import (
     DAEMON_UNIT,
@@ -286,7 +287,9 @@ def _gate_server_kind(text: str, unit: str) -> str | None:
 
     Its acceptance, the verdict, the exit, or another line it sent the client (the reaper's).
     The server writes "<gate|reap> for U from PID N (uid …): accepted", then each line the
-    request sent the client's standard error as "… from PID N: <line>", then "… : exit N".
+    request sent the client's standard error as "… from PID N: <line>", then "… : exit N" - or,
+    when the client went first and the work ended there, CLIENT_GONE (``*-abandoned``: what
+    the request did not log is unknown, it never finished).
     """
     for command in ("gate", "reap"):
         head = f"{command} for {unit} from PID "
@@ -298,12 +301,19 @@ def _gate_server_kind(text: str, unit: str) -> str | None:
         said = match["said"]
         if said is None:
             return "gate-server"
-        if _GATE_EXIT.fullmatch(said):
-            return f"{command}-exit"
-        if said.startswith((GATE_LINE_PREFIX, "gpuguard reap")):
-            return f"{command}-verdict"
-        return f"{command}-said"
+        return f"{command}-{_said_kind(said)}"
     return None
+
+
+def _said_kind(said: str) -> str:
+    """What one line a request sent is: its exit, its end with the client, a verdict, or else."""
+    if _GATE_EXIT.fullmatch(said):
+        return "exit"
+    if said == CLIENT_GONE:
+        return "abandoned"
+    if said.startswith((GATE_LINE_PREFIX, "gpuguard reap")):
+        return "verdict"
+    return "said"
 
 
 def _kernel_row(
