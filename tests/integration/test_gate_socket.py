@@ -28,16 +28,18 @@ from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CliResult
+from fakeholder import process_gone
 from slotflood import Hammer, hammer
 from socketactivate import activate, listen
 
 from gpuguard.adapters import unitenv
-from gpuguard.core.gateproto import frame_exit, parse_frame
+from gpuguard.core import timeline
+from gpuguard.core.gateproto import CLIENT_GONE, frame_exit, parse_frame
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from clirunner import Cli, UnitCgroups
+    from clirunner import Cli, FakeSystemd, UnitCgroups
     from fakeholder import HolderSpawner
 
 NOBODY = 65534
@@ -244,7 +246,75 @@ def test_the_server_ends_when_systemd_kills_its_client(
     while request in server.children() and time.monotonic() - began < 10:
         time.sleep(0.02)
     assert time.monotonic() - began < 5
-    assert "the client has gone: stopping" in server.said()
+    assert f"gate for {unit} from PID {client_process.pid}: {CLIENT_GONE}\n" in server.said()
+
+
+def test_a_stop_reap_whose_client_dies_mid_way_is_recorded_with_its_outcome_unknown(
+    cli: Cli,
+    fake_systemd: FakeSystemd,
+    unit_cgroups: UnitCgroups,
+    spawn_holder: HolderSpawner,
+    tmp_path: Path,
+    public_dir: Path,
+) -> None:
+    """The unit's ExecStopPost= reap is killed while it waits out a SIGTERM: told as cut short.
+
+    The request ends with its client (as before), and its own last journal line, under its
+    prefix and in place of "exit N", says its outcome is unknown; explain shows that, and no
+    outcome for the process it had only SIGTERMed. Before, the server wrote an unprefixed line
+    that explain dropped: the stop-reap read as accepted, a SIGTERM, and nothing more.
+    """
+    unit = watched_unit(cli)
+    fake_systemd(unit)  # stopped: everything in its cgroup is left over (User= unset: root)
+    stubborn = spawn_holder(cli.state, gpus=(0,), mib=1000, ignore_sigterm=True)
+    unit_cgroups.move(stubborn.pid, unit)
+    path = public_dir / "gate.sock"
+    log = tmp_path / "doubled-server.log"
+    with listen(path) as listener, log.open("wb") as out:
+        argv = [*cli.prefix(), *_CLIENT, "--config", str(cli.config), "serve-gate"]
+        process = activate(listener, argv, cli.env, out)
+    server = GateServer(path, process, log)
+    try:
+        procs = shlex.quote(str(unit_cgroups.ensure(unit) / "cgroup.procs"))
+        reap = shlex.join([*_CLIENT, "--config", str(cli.config), "reap", "--unit", unit])
+        client_process = subprocess.Popen(
+            ["sh", "-c", f"echo $$ > {procs} && exec {reap} --yes --grace 60 --socket {path}"],
+            env=cli.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        sigterm = re.compile(rf"\] signal +pid={stubborn.pid} .*signal=SIGTERM")
+        while not sigterm.search(server.said()):
+            assert time.monotonic() < deadline, server.said()
+            time.sleep(0.05)
+        client_process.kill()  # systemd's stop timeout ends the ExecStopPost= mid-way
+        client_process.wait()
+        server.idle()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    prefix = f"reap for {unit} from PID {client_process.pid}: "
+    lines = server.said().splitlines()
+    assert f"{prefix}{CLIENT_GONE}" in lines
+    assert not [line for line in lines if line.startswith(prefix + "exit ")]
+    entries = [
+        {
+            "__MONOTONIC_TIMESTAMP": str(1_000_000 + step),
+            "_BOOT_ID": "b" * 32,
+            "MESSAGE": line,
+            "_SYSTEMD_UNIT": "gpuguard-gate.service",
+            "_TRANSPORT": "stdout",
+            "_PID": "77",
+            "_UID": "0",
+        }
+        for step, line in enumerate(lines)
+    ]
+    found = timeline.build(entries, unit)
+    assert [row.kind for row in found.rows if row.kind.startswith("reap-a")] == ["reap-abandoned"]
+    assert f"{prefix}{CLIENT_GONE}" in found.story.gpuguard
+    assert not [row for row in found.rows if row.kind == "reap-outcome"]
+    assert not process_gone(stubborn.pid)  # SIGTERMed, never SIGKILLed: the next gate's to free
 
 
 def in_cgroup(argv: list[str], cgroup: Path) -> list[str]:

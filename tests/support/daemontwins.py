@@ -114,11 +114,15 @@ class UnitTwin:
     invocation: str
     calls: list[str] = field(default_factory=list)
     active: str = "activating"
+    kill_mode: str | None = None
+    """Its KillMode= as `systemctl show` prints it (None: not said)."""
 
     def show(self, unit: str) -> UnitState:
         """What `systemctl show` would say now."""
         sub = "auto-restart" if self.active == "activating" else "dead"
-        return UnitState(unit, self.active, sub, None, self.invocation, {}, 3)
+        return UnitState(
+            unit, self.active, sub, None, self.invocation, {}, 3, kill_mode=self.kill_mode
+        )
 
     def control(self, verb: str, unit: str) -> str | None:
         """Record the verb; stop makes the unit inactive, start makes it activate again."""
