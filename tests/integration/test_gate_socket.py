@@ -10,7 +10,6 @@ unit_cgroups fixture) where a test needs "a process of".
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 import pytest
 from clirunner import CliResult
 from fakeholder import process_gone
+from pidreuse import reuse_pid
 from slotflood import Hammer, hammer
 from socketactivate import activate, listen
 
@@ -1178,30 +1178,6 @@ def _sockets(pid: int) -> int:
     return count
 
 
-def _reuse_pid(pid: int) -> subprocess.Popen[bytes]:
-    """A new process (``sleep``) that the kernel gives ``pid`` (root: ns_last_pid), retried.
-
-    CI runs this suite under several Pythons at once, and each rewinds ns_last_pid here: a lock
-    keeps them apart. Any process forking between the write and our fork takes the PID; such a
-    stranger is waited out (the PID is free again when /proc has no entry for it).
-    """
-    last = Path("/proc/sys/kernel/ns_last_pid")
-    deadline = time.monotonic() + 60
-    with (Path(tempfile.gettempdir()) / "gpuguard-tests-ns_last_pid.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        while time.monotonic() < deadline:
-            if Path(f"/proc/{pid}").exists():
-                time.sleep(0.02)
-                continue
-            last.write_text(str(pid - 1))
-            process = subprocess.Popen(["sleep", "600"])
-            if process.pid == pid:
-                return process
-            process.kill()
-            process.wait()
-    pytest.fail(f"PID {pid} was never given out again")
-
-
 def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
 ) -> None:
@@ -1248,7 +1224,7 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
         caller.stdin.write("go\n")
         caller.stdin.close()
         assert caller.wait(timeout=30) == 0
-        reused = _reuse_pid(caller.pid)
+        reused = reuse_pid(caller.pid, ["sleep", "600"])
         session = operator_cgroup(unit_cgroups)
         (session / "cgroup.procs").write_text(str(reused.pid))
         first.kill()  # the first request ends with its client; the queued one runs
