@@ -147,9 +147,15 @@ def unit_name() -> str:
 
 
 def watched_unit(cli: Cli) -> str:
-    """A unique unit named in the configuration: the server serves only watched units."""
+    """A unique unit named in the configuration: the server serves only watched units.
+
+    The file is replaced, not rewritten in place: a request in flight reading it meanwhile must
+    see the old whole file or the new one, never an empty or half-written one.
+    """
     unit = unit_name()
-    cli.config.write_text(cli.config.read_text() + f'\n[units."{unit}"]\n')
+    fresh = cli.config.with_name(f".{cli.config.name}.{unit}")
+    fresh.write_text(cli.config.read_text() + f'\n[units."{unit}"]\n')
+    fresh.replace(cli.config)
     return unit
 
 
