@@ -61,7 +61,7 @@ from fakestate import (  # noqa: E402 - found through the path set just above
     write_state,
 )
 
-from gpuguard.adapters import nvml  # noqa: E402
+from gpuguard.adapters import nvml, nvmllibrary  # noqa: E402
 from gpuguard.config import Settings  # noqa: E402
 from gpuguard.core.values import GpuReading, MemoryApi, NvmlHealth, NvmlReading  # noqa: E402
 
@@ -420,7 +420,8 @@ def in_child(work: Callable[[], Any], timeout_s: float) -> Any:  # noqa: ANN401 
 
 def _pynvml(library: Path | None) -> Any:  # noqa: ANN401 - pynvml is untyped
     """The pynvml module over the chosen library, initialised (call in a child only)."""
-    problem = nvml.load_library(nvml.library_candidates(None if library is None else str(library)))
+    candidates = nvmllibrary.library_candidates(None if library is None else str(library))
+    problem = nvmllibrary.load_library(candidates)
     if problem is not None:
         raise CheckError(f"NVML unavailable: {problem}")
     # The adapter has no v1 read and no millisecond poll; this bench needs both.

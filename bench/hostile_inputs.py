@@ -111,6 +111,16 @@ def _cmdline(piece: str) -> Callable[[int], Callable[[], object]]:
     return make
 
 
+def _fd_size(piece: str) -> Callable[[int], Callable[[], object]]:
+    def make(size: int) -> Callable[[], object]:
+        from gpuguard.adapters.procread import parse_fd_size  # noqa: PLC0415 - the parser itself
+
+        data = b"Name:\t" + fill(piece, size).encode("utf-8", "surrogateescape") + b"\n"
+        return lambda: parse_fd_size(data)
+
+    return make
+
+
 def _entry(message: object) -> dict[str, object]:
     return {
         "__CURSOR": "s=1;i=1",
@@ -299,6 +309,7 @@ CASES: dict[str, dict[str, Callable[[int], Callable[[], object]]]] = {
         "stat: comm of ') S 1 ('": _stat(") S 1 ("),
         "cmdline: NUL-separated args": _cmdline("a\0"),
         "cmdline: undecodable bytes": _cmdline("\udcff\0"),
+        "status: FDSize: lines": _fd_size("\nFDSize:\t9"),
     },
     "journal entry (events.parse_entry)": {
         "vLLM pattern prefix repeats": _journal("Free memory on device "),

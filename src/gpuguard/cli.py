@@ -12,18 +12,37 @@ import sys
 from typing import TYPE_CHECKING
 
 from gpuguard import __version__, clihelp
+from gpuguard.commands.arguments import (
+    CommandArgs,
+    DoctorArgs,
+    ExplainArgs,
+    GateArgs,
+    InstallGateArgs,
+    ReapArgs,
+    RunArgs,
+    StatusArgs,
+    to_request,
+)
 from gpuguard.commands.reap import REAP_TIMEOUT_S
 from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
-from gpuguard.usage import UsageParser, add_global_options, timeout_seconds
+from gpuguard.usage import (
+    UsageParser,
+    add_force_option,
+    add_global_options,
+    add_scope_option,
+    since_argument,
+    timeout_seconds,
+    watch_interval,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from pathlib import Path
 
     from gpuguard.commands.output import Report
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
-    from gpuguard.core.since import Since
     from gpuguard.core.values import NvmlReading
 
 
@@ -55,13 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch",
         nargs="?",
         const=2.0,
-        type=_watch_interval,
+        type=watch_interval,
         metavar="SECONDS",
         help="redraw in place every SECONDS (default 2) until Ctrl-C; needs a terminal",
     )
     status.add_argument(
         "--since",
-        type=_since_argument,
+        type=since_argument,
         metavar="WHEN",
         help="history from WHEN on: 30m, 1h, 2d (ago), or an ISO time (default: all kept)",
     )
@@ -80,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     reap = commands.add_parser("reap", description=clihelp.REAP, formatter_class=raw)
     reap.add_argument("--unit", help="watched unit (default: the only one configured)")
-    _scope_argument(reap)
+    add_scope_option(reap)
     reap.add_argument("--dry-run", action="store_true", help="print the plan, signal nothing")
     reap.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     reap.add_argument("--json", action="store_true", help="print the plan and result as JSON")
@@ -97,13 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gate = commands.add_parser("gate", description=clihelp.GATE, formatter_class=raw)
     gate.add_argument("--unit", required=True, help="the unit this gate guards")
-    _scope_argument(gate)
+    add_scope_option(gate)
     gate.add_argument("--grace", type=float, metavar="S", help="seconds from SIGTERM to SIGKILL")
     gate.add_argument(
         "--timeout", type=float, metavar="S", help="give up after S seconds (config gate_timeout_s)"
     )
-    _force_argument(reap)
-    _force_argument(gate)
+    add_force_option(reap)
+    add_force_option(gate)
     for command in (gate, reap):
         command.epilog = clihelp.PRIVILEGES
         command.add_argument(
@@ -128,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     doctor.add_argument("--unit", help="one unit (default: every watched unit)")
-    _force_argument(doctor)
+    add_force_option(doctor)
     doctor.add_argument("--json", action="store_true", help="print a versioned JSON document")
     doctor.add_argument(
         "--fix", action="store_true", help="print a drop-in that fixes the findings"
@@ -151,42 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _force_argument(command: argparse.ArgumentParser) -> None:
-    """--force: go ahead for a unit neither configured, gated nor known to systemd."""
-    command.add_argument(
-        "--force",
-        action="store_true",
-        help="go ahead for a --unit that is neither configured, gated nor known to systemd "
-        "(refused with exit 64 otherwise, a typo being likelier); as root it runs in this "
-        "process, the gate server takes no --force",
-    )
-
-
-def _watch_interval(text: str) -> float:
-    from gpuguard.commands.status import watch_interval  # noqa: PLC0415 - only with --watch
-
-    return watch_interval(text)
-
-
-def _since_argument(text: str) -> Since:
-    """The --since type: since.parse_since, where a bad window is a usage error naming the forms."""
-    from gpuguard.core.since import parse_since  # noqa: PLC0415 - only when --since is given
-
-    try:
-        return parse_since(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _scope_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--scope",
-        choices=("unit", "patterns", "all"),
-        default="unit",
-        help="how far reaping may reach (default: unit)",
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpuguard`` command; returns the process exit status."""
     parser = build_parser()
@@ -200,83 +183,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve-gate":
         from gpuguard.commands import serve_gate  # noqa: PLC0415 - see module doc
 
-        return serve_gate.run(args, _execute)
-    signals_unasked = args.command == "reap" and args.yes and not args.dry_run and args.unit
+        return serve_gate.run(args.config, _execute)
+    command = _typed(args)
     # --force is root's own decision: the server takes none, so root runs it in this process.
-    forced_here = getattr(args, "force", False) and os.geteuid() == 0
-    if (args.command == "gate" or signals_unasked) and not forced_here:
+    request = None
+    if isinstance(command, GateArgs | ReapArgs) and not (command.force and os.geteuid() == 0):
+        request = to_request(command)
+    if request is not None:
         from gpuguard.commands import relay  # noqa: PLC0415 - see module doc
         from gpuguard.commands.output import render, say  # noqa: PLC0415 - see module doc
 
-        asked = relay.ask_gate_server(args, say)
+        asked = relay.ask_gate_server(request, args.socket, args.config, say)
         if asked is not None:
             return render(asked)
-    return _execute(args, None)
+    return _execute(args.config, command, None, as_json=getattr(args, "json", False))
 
 
-def _execute(args: argparse.Namespace, caller: Caller | None) -> int:
+def _typed(args: argparse.Namespace) -> CommandArgs:  # noqa: PLR0911 - one per command
+    """The parsed command line as its command's typed arguments (commands/arguments.py)."""
+    match args.command:
+        case "status":
+            return StatusArgs(args.prometheus, args.watch, args.since)
+        case "explain":
+            return ExplainArgs(args.unit, args.since)
+        case "gate":
+            return GateArgs(args.unit, args.scope, args.grace, args.timeout, force=args.force)
+        case "reap":
+            return ReapArgs(
+                args.unit,
+                args.scope,
+                args.grace,
+                args.timeout,
+                json=args.json,
+                dry_run=args.dry_run,
+                yes=args.yes,
+                force=args.force,
+            )
+        case "run":
+            return RunArgs()
+        case "install-gate" | "remove-gate":
+            install = args.command == "install-gate"
+            return InstallGateArgs(args.unit, install, force=install and args.force)
+        case _:
+            return DoctorArgs(args.unit, args.fix, args.force)
+
+
+def _execute(
+    config: Path | None, command: CommandArgs, caller: Caller | None, *, as_json: bool
+) -> int:
     """Run a command in this process; ``caller`` is who asked the gate server (None: we did)."""
     from gpuguard.commands.output import render  # noqa: PLC0415 - see module doc
 
     reading = None
-    if args.command == "gate":
+    if isinstance(command, GateArgs):
         from gpuguard.commands import gate  # noqa: PLC0415 - see module doc
 
-        fast, reading = gate.fast_path(args, caller)
+        fast, reading = gate.fast_path(config, command, caller)
         if fast is not None:
             return render(fast)
     from gpuguard.config import ConfigError, load_settings, warnings  # noqa: PLC0415
 
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(config)
     except ConfigError as err:
         sys.stderr.write(f"gpuguard: invalid configuration: {err}\n")
         return err.exit_code
     from gpuguard.adapters.configfile import config_path  # noqa: PLC0415 - see module doc
 
     for warning in warnings(settings):
-        sys.stderr.write(f"gpuguard: warning: {config_path(args.config)[0]}: {warning}\n")
-    return render(_dispatch(settings, args, reading, caller), as_json=getattr(args, "json", False))
+        sys.stderr.write(f"gpuguard: warning: {config_path(config)[0]}: {warning}\n")
+    return render(_dispatch(settings, command, reading, caller), as_json=as_json)
 
 
 def _dispatch(  # noqa: PLR0911 - one return per command
-    settings: Settings, args: argparse.Namespace, reading: NvmlReading | None, caller: Caller | None
+    settings: Settings, command: CommandArgs, reading: NvmlReading | None, caller: Caller | None
 ) -> Report:
-    """Hand the parsed command to its module, imported only now (see the module doc)."""
+    """Hand the typed command to its module, imported only now (see the module doc)."""
     from gpuguard.commands.output import Said, ask_on_terminal, say  # noqa: PLC0415
 
-    match args.command:
-        case "status":
+    match command:
+        case StatusArgs():
             from gpuguard.commands import status  # noqa: PLC0415
 
-            if args.prometheus:
+            if command.prometheus:
                 return status.prometheus(settings)
-            return status.run(settings, watch=args.watch, since=args.since)
-        case "explain":
+            return status.run(settings, watch=command.watch, since=command.since)
+        case ExplainArgs():
             from gpuguard.commands import explain  # noqa: PLC0415
 
-            return explain.run(settings, args.unit, args.since)
-        case "gate":
+            return explain.run(settings, command.unit, command.since)
+        case GateArgs():
             from gpuguard.commands import gate  # noqa: PLC0415
 
-            return gate.run(settings, args, reading, caller, say)
-        case "run":
+            return gate.run(settings, command, reading, caller, say)
+        case RunArgs():
             from gpuguard.daemon import wiring  # noqa: PLC0415
 
             return Said(wiring.run(settings))
-        case "reap":
+        case ReapArgs():
             from gpuguard.commands import reap  # noqa: PLC0415
 
-            return reap.run(settings, args, caller, show=sys.stdout.write, ask=ask_on_terminal)
-        case "install-gate":
+            return reap.run(settings, command, caller, show=sys.stdout.write, ask=ask_on_terminal)
+        case InstallGateArgs():
             from gpuguard.commands import install_gate  # noqa: PLC0415
 
-            return install_gate.run(args.unit, install=True, force=args.force)
-        case "remove-gate":
-            from gpuguard.commands import install_gate  # noqa: PLC0415
-
-            return install_gate.run(args.unit, install=False)
-        case _:
+            return install_gate.run(command.unit, install=command.install, force=command.force)
+        case DoctorArgs():
             from gpuguard.commands import doctor  # noqa: PLC0415
 
-            return doctor.run(settings, args)
+            return doctor.run(settings, command)

@@ -1,4 +1,4 @@
-"""The argparse parser gpuguard's command line is built with, and the options every command takes.
+"""The argparse parser gpuguard's command line is built with, and the options commands share.
 
 Usage errors exit 64 (sysexits.h EX_USAGE), not argparse's 2: gpuguard.service's
 ``RestartPreventExitStatus=64 78`` keeps systemd from restarting a daemon whose command line is
@@ -12,11 +12,14 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gateproto import MAX_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from gpuguard.core.since import Since
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -56,3 +59,41 @@ def timeout_seconds(text: str) -> float:
         message = f"must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, not {text!r}"
         raise argparse.ArgumentTypeError(message)
     return value
+
+
+def add_force_option(command: argparse.ArgumentParser) -> None:
+    """--force: go ahead for a unit neither configured, gated nor known to systemd."""
+    command.add_argument(
+        "--force",
+        action="store_true",
+        help="go ahead for a --unit that is neither configured, gated nor known to systemd "
+        "(refused with exit 64 otherwise, a typo being likelier); as root it runs in this "
+        "process, the gate server takes no --force",
+    )
+
+
+def watch_interval(text: str) -> float:
+    """The --watch type: status.watch_interval, imported only when --watch is given."""
+    from gpuguard.commands import status  # noqa: PLC0415 - only with --watch
+
+    return status.watch_interval(text)
+
+
+def since_argument(text: str) -> Since:
+    """The --since type: since.parse_since, where a bad window is a usage error naming the forms."""
+    from gpuguard.core.since import parse_since  # noqa: PLC0415 - only when --since is given
+
+    try:
+        return parse_since(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_scope_option(parser: argparse.ArgumentParser) -> None:
+    """--scope: how far the gate's and reap's reaping may reach."""
+    parser.add_argument(
+        "--scope",
+        choices=("unit", "patterns", "all"),
+        default="unit",
+        help="how far reaping may reach (default: unit)",
+    )

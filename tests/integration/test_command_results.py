@@ -8,9 +8,9 @@ command line in test_gate_fake_nvml.py.
 
 from __future__ import annotations
 
-import argparse
 import os
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -19,11 +19,13 @@ from fakestate import fake_library
 
 from gpuguard.adapters import state
 from gpuguard.commands import gate, reap
+from gpuguard.commands.arguments import GateArgs, ReapArgs
 from gpuguard.commands.output import Said
 from gpuguard.commands.reap import ReapReport
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.cgroup import Attribution
 from gpuguard.core.gateauth import Caller
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,10 +53,10 @@ def settings(
     )
 
 
-def _reap_args(*, yes: bool = False, as_json: bool = False) -> argparse.Namespace:
+def _reap_args(*, yes: bool = False, as_json: bool = False) -> ReapArgs:
     # Scope all: systemd cannot be asked here, so no uid proves a holder is the unit's and
     # scope patterns would reap nothing; the GPUs are the fake ones, their holders this test's.
-    return argparse.Namespace(
+    return ReapArgs(
         unit=UNIT, scope="all", dry_run=False, yes=yes, json=as_json, grace=1.0, timeout=10.0
     )
 
@@ -105,8 +107,7 @@ def test_reap_asks_for_the_unit_when_several_are_watched(settings: Settings) -> 
     several = settings.model_copy(
         update={"units": {UNIT: UnitSettings(), "b.service": UnitSettings()}}
     )
-    args = _reap_args()
-    args.unit = None
+    args = replace(_reap_args(), unit=None)
     result = reap.run(several, args, None, show=pytest.fail, ask=pytest.fail)
     assert isinstance(result, Said)
     assert result.exit_status == 64
@@ -119,7 +120,7 @@ def test_gate_refusal_is_a_verdict_with_its_blockers_and_its_record(
 ) -> None:
     """Someone else's job on the unit's GPUs: refused at the timeout, recorded, exit 1."""
     holder = spawn_holder(fake_state, gpus=(2,), mib=2048, name="python3 train.py")
-    args = argparse.Namespace(unit=UNIT, scope="unit", timeout=0.5, grace=1.0)
+    args = GateArgs(unit=UNIT, scope="unit", timeout=0.5, grace=1.0)
     progress: list[str] = []
     verdict = gate.run(settings, args, None, None, progress.append)
     assert isinstance(verdict, gate.GateVerdict)
@@ -146,7 +147,7 @@ def test_gate_verdict_stands_when_it_cannot_be_recorded(settings: Settings, tmp_
     blocked = tmp_path / "file"
     blocked.write_text("")
     unwritable = settings.model_copy(update={"runtime_dir": blocked / "run"})
-    args = argparse.Namespace(unit=UNIT, scope="unit", timeout=5.0, grace=1.0)
+    args = GateArgs(unit=UNIT, scope="unit", timeout=5.0, grace=1.0)
     verdict = gate.run(unwritable, args, None, None, pytest.fail)
     assert isinstance(verdict, gate.GateVerdict)
     assert verdict.exit_status == 0
@@ -174,8 +175,7 @@ def test_a_units_own_reap_waits_at_most_gate_timeout_s(
         environment=None,
         cgroup=f"/system.slice/{UNIT}",
     )
-    args = _reap_args(yes=True)
-    args.scope, args.timeout = "unit", 3600.0
+    args = replace(_reap_args(yes=True), scope="unit", timeout=3600.0)
     done: list[ReapReport | Said] = []
     worker = threading.Thread(
         target=lambda: done.append(reap.run(capped, args, own, show=len, ask=pytest.fail)),

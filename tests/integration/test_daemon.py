@@ -36,7 +36,7 @@ from gpuguard.adapters import inventory, ledgerstore, procfs, reaper, runtree, s
 from gpuguard.adapters.containerstop import for_unit
 from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
-from gpuguard.config import DaemonSettings, MetricsSettings, Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core import values
 from gpuguard.core.ledger import Ledger
 from gpuguard.core.levels import Level
@@ -49,6 +49,8 @@ from gpuguard.core.values import MIB
 from gpuguard.daemon import wiring
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings, MetricsSettings
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -151,6 +153,7 @@ def build(
     gate_timeout_s: float = 20.0,
     saved: dict[str, dict[str, Any]] | None = None,
     reaper_twin: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]] | None = None,
+    kill_mode: str | None = None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -168,7 +171,9 @@ def build(
     # The daemon's monotonic clock is the journal's: a second after the newest recorded entry.
     newest_mono = max((int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries), default=None)
     shift = UPTIME_S if newest_mono is None else newest_mono / 1e6 + 1.0 - time.monotonic()
-    twin = UnitTwin(invocation=str(entries[-1]["INVOCATION_ID"]) if entries else "a" * 32)
+    twin = UnitTwin(
+        invocation=str(entries[-1]["INVOCATION_ID"]) if entries else "a" * 32, kill_mode=kill_mode
+    )
     recorder = recorder or Recorder()
     snapshots: list[dict[str, Any]] = []
     saved = {} if saved is None else saved
@@ -543,6 +548,51 @@ def test_the_device_an_oom_line_names_is_the_units_gpu_with_its_holder(
     assert f"; cuda:1 = GPU 3 (20000 MiB used), held by PID {other.pid} (trainer, " in detail
     assert "(no stale holder found now)" in detail
     assert not process_gone(other.pid)
+
+
+@pytest.mark.parametrize(
+    ("kill_mode", "event"),
+    [
+        ("mixed", "dry run: would recover"),
+        ("process", "needs operator: gpuguard cannot prove who holds the GPUs"),
+    ],
+)
+def test_a_spared_process_in_the_units_cgroup_blocks_a_recovery_only_if_the_stop_leaves_it(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+    kill_mode: str,
+    event: str,
+) -> None:
+    """A protected process inside the looping unit's cgroup: its KillMode= says if a stop ends it.
+
+    An earlier run's worker there makes the loop one to recover; the plan never signals the
+    other (nv-hostengine is protected). With KillMode=mixed systemd's stop SIGKILLs everything
+    left in the cgroup, so the daemon would recover; with KillMode=process the stop signals the
+    main process alone, so it would stay and the daemon asks an operator. Before, the daemon
+    recovered under both.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stale = run_worker(spawn_holder, in_process_nvml, monkeypatch, OLD_INVOCATION, 1)
+    kept = spawn_holder(in_process_nvml, gpus=(0,), mib=20000, name="nv-hostengine")
+    unit_cgroups.move(stale.pid, unit)
+    unit_cgroups.move(kept.pid, unit)
+    harness = build(
+        tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=True, kill_mode=kill_mode
+    )
+
+    assert harness.daemon.run() == 0
+
+    events = [name for _, name, _ in harness.log.lines]
+    assert event in events, harness.log.lines
+    if kill_mode == "process":
+        blocked = next(f for _, name, f in harness.log.lines if name == event)
+        assert f"PID {kept.pid} (nv-hostengine) on GPU 0" in str(blocked["blockers"])
+    assert harness.unit.calls == []  # a dry run stops nothing either way
+    assert not process_gone(kept.pid)
+    assert not process_gone(stale.pid)
 
 
 def test_a_holder_sigkill_leaves_after_an_xid_naming_it_stops_the_loop_at_needs_operator(

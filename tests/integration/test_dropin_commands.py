@@ -26,11 +26,12 @@ from daemontwins import Recorder, ReplayFollower
 
 from gpuguard.adapters import dropin
 from gpuguard.adapters.systemd import parse_show, provenance
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.values import NvmlHealth, NvmlReading, ProcScan
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from gpuguard import cli
-from gpuguard.adapters import nvml
+from gpuguard.adapters import nvmllibrary
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -49,7 +49,7 @@ def test_a_daemon_that_cannot_write_its_state_stops_at_once_saying_why(tmp_path:
 
 def test_status_without_a_driver_says_why_once_and_briefly(tmp_path: Path) -> None:
     """No libnvidia-ml.so.1 anywhere: a short reason in the headline and finding, not thrice."""
-    if nvml.library_candidates(None):
+    if nvmllibrary.library_candidates(None):
         pytest.skip("this host has a libnvidia-ml.so.1")
     config = tmp_path / "gpuguard.toml"
     config.write_text(f'runtime_dir = "{tmp_path}/run"\nstate_dir = "{tmp_path}/lib"\n')

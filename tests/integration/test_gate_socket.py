@@ -10,7 +10,6 @@ unit_cgroups fixture) where a test needs "a process of".
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -28,16 +27,19 @@ from typing import TYPE_CHECKING
 
 import pytest
 from clirunner import CliResult
+from fakeholder import process_gone
+from pidreuse import reuse_pid
 from slotflood import Hammer, hammer
 from socketactivate import activate, listen
 
 from gpuguard.adapters import unitenv
-from gpuguard.core.gateproto import frame_exit, parse_frame
+from gpuguard.core import timeline
+from gpuguard.core.gateproto import CLIENT_GONE, frame_exit, parse_frame
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from clirunner import Cli, UnitCgroups
+    from clirunner import Cli, FakeSystemd, UnitCgroups
     from fakeholder import HolderSpawner
 
 NOBODY = 65534
@@ -145,9 +147,15 @@ def unit_name() -> str:
 
 
 def watched_unit(cli: Cli) -> str:
-    """A unique unit named in the configuration: the server serves only watched units."""
+    """A unique unit named in the configuration: the server serves only watched units.
+
+    The file is replaced, not rewritten in place: a request in flight reading it meanwhile must
+    see the old whole file or the new one, never an empty or half-written one.
+    """
     unit = unit_name()
-    cli.config.write_text(cli.config.read_text() + f'\n[units."{unit}"]\n')
+    fresh = cli.config.with_name(f".{cli.config.name}.{unit}")
+    fresh.write_text(cli.config.read_text() + f'\n[units."{unit}"]\n')
+    fresh.replace(cli.config)
     return unit
 
 
@@ -244,7 +252,75 @@ def test_the_server_ends_when_systemd_kills_its_client(
     while request in server.children() and time.monotonic() - began < 10:
         time.sleep(0.02)
     assert time.monotonic() - began < 5
-    assert "the client has gone: stopping" in server.said()
+    assert f"gate for {unit} from PID {client_process.pid}: {CLIENT_GONE}\n" in server.said()
+
+
+def test_a_stop_reap_whose_client_dies_mid_way_is_recorded_with_its_outcome_unknown(
+    cli: Cli,
+    fake_systemd: FakeSystemd,
+    unit_cgroups: UnitCgroups,
+    spawn_holder: HolderSpawner,
+    tmp_path: Path,
+    public_dir: Path,
+) -> None:
+    """The unit's ExecStopPost= reap is killed while it waits out a SIGTERM: told as cut short.
+
+    The request ends with its client (as before), and its own last journal line, under its
+    prefix and in place of "exit N", says its outcome is unknown; explain shows that, and no
+    outcome for the process it had only SIGTERMed. Before, the server wrote an unprefixed line
+    that explain dropped: the stop-reap read as accepted, a SIGTERM, and nothing more.
+    """
+    unit = watched_unit(cli)
+    fake_systemd(unit)  # stopped: everything in its cgroup is left over (User= unset: root)
+    stubborn = spawn_holder(cli.state, gpus=(0,), mib=1000, ignore_sigterm=True)
+    unit_cgroups.move(stubborn.pid, unit)
+    path = public_dir / "gate.sock"
+    log = tmp_path / "doubled-server.log"
+    with listen(path) as listener, log.open("wb") as out:
+        argv = [*cli.prefix(), *_CLIENT, "--config", str(cli.config), "serve-gate"]
+        process = activate(listener, argv, cli.env, out)
+    server = GateServer(path, process, log)
+    try:
+        procs = shlex.quote(str(unit_cgroups.ensure(unit) / "cgroup.procs"))
+        reap = shlex.join([*_CLIENT, "--config", str(cli.config), "reap", "--unit", unit])
+        client_process = subprocess.Popen(
+            ["sh", "-c", f"echo $$ > {procs} && exec {reap} --yes --grace 60 --socket {path}"],
+            env=cli.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        sigterm = re.compile(rf"\] signal +pid={stubborn.pid} .*signal=SIGTERM")
+        while not sigterm.search(server.said()):
+            assert time.monotonic() < deadline, server.said()
+            time.sleep(0.05)
+        client_process.kill()  # systemd's stop timeout ends the ExecStopPost= mid-way
+        client_process.wait()
+        server.idle()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    prefix = f"reap for {unit} from PID {client_process.pid}: "
+    lines = server.said().splitlines()
+    assert f"{prefix}{CLIENT_GONE}" in lines
+    assert not [line for line in lines if line.startswith(prefix + "exit ")]
+    entries = [
+        {
+            "__MONOTONIC_TIMESTAMP": str(1_000_000 + step),
+            "_BOOT_ID": "b" * 32,
+            "MESSAGE": line,
+            "_SYSTEMD_UNIT": "gpuguard-gate.service",
+            "_TRANSPORT": "stdout",
+            "_PID": "77",
+            "_UID": "0",
+        }
+        for step, line in enumerate(lines)
+    ]
+    found = timeline.build(entries, unit)
+    assert [row.kind for row in found.rows if row.kind.startswith("reap-a")] == ["reap-abandoned"]
+    assert f"{prefix}{CLIENT_GONE}" in found.story.gpuguard
+    assert not [row for row in found.rows if row.kind == "reap-outcome"]
+    assert not process_gone(stubborn.pid)  # SIGTERMed, never SIGKILLed: the next gate's to free
 
 
 def in_cgroup(argv: list[str], cgroup: Path) -> list[str]:
@@ -1108,30 +1184,6 @@ def _sockets(pid: int) -> int:
     return count
 
 
-def _reuse_pid(pid: int) -> subprocess.Popen[bytes]:
-    """A new process (``sleep``) that the kernel gives ``pid`` (root: ns_last_pid), retried.
-
-    CI runs this suite under several Pythons at once, and each rewinds ns_last_pid here: a lock
-    keeps them apart. Any process forking between the write and our fork takes the PID; such a
-    stranger is waited out (the PID is free again when /proc has no entry for it).
-    """
-    last = Path("/proc/sys/kernel/ns_last_pid")
-    deadline = time.monotonic() + 60
-    with (Path(tempfile.gettempdir()) / "gpuguard-tests-ns_last_pid.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        while time.monotonic() < deadline:
-            if Path(f"/proc/{pid}").exists():
-                time.sleep(0.02)
-                continue
-            last.write_text(str(pid - 1))
-            process = subprocess.Popen(["sleep", "600"])
-            if process.pid == pid:
-                return process
-            process.kill()
-            process.wait()
-    pytest.fail(f"PID {pid} was never given out again")
-
-
 def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
     cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
 ) -> None:
@@ -1154,6 +1206,7 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
         stderr=subprocess.DEVNULL,
     )
     reused: subprocess.Popen[bytes] | None = None
+    caller: subprocess.Popen[str] | None = None
     line = json.dumps({"v": 1, "command": "reap", "unit": unit, "scope": "all"})
     queued_argv = shlex.join([sys.executable, "-c", QUEUED, str(server.path), line])
     try:
@@ -1177,7 +1230,7 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
         caller.stdin.write("go\n")
         caller.stdin.close()
         assert caller.wait(timeout=30) == 0
-        reused = _reuse_pid(caller.pid)
+        reused = reuse_pid(caller.pid, ["sleep", "600"])
         session = operator_cgroup(unit_cgroups)
         (session / "cgroup.procs").write_text(str(reused.pid))
         first.kill()  # the first request ends with its client; the queued one runs
@@ -1189,5 +1242,9 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
         if reused is not None:
             reused.kill()
             reused.wait()
+        if caller is not None:  # a failure above must not leave its pipes for the collector
+            for pipe in (caller.stdin, caller.stdout):
+                if pipe is not None:
+                    pipe.close()
     assert "request refused: the caller has gone" in answer, answer
     assert f"reap for {unit}" not in server.journal()

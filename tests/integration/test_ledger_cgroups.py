@@ -20,7 +20,7 @@ from fakeholder import process_gone
 from fakestate import fake_library
 
 from gpuguard.adapters import inventory, ledgerstore, procfs, runtree, state
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.ledger import (
     MAX_PROCESSES,
     MAX_RUNS,
@@ -31,6 +31,7 @@ from gpuguard.core.ledger import (
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, plan
 from gpuguard.core.values import ProcessIdentity, UnitProvenance
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

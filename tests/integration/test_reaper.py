@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -19,8 +20,10 @@ import structlog
 from structlog.testing import capture_logs
 
 from gpuguard.adapters import procfs
+from gpuguard.adapters.gaterequest import _JournalCopy
 from gpuguard.adapters.logs import configure_logging, get_logger
 from gpuguard.adapters.reaper import reap
+from gpuguard.core import timeline
 from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapTarget
 
 if TYPE_CHECKING:
@@ -496,3 +499,49 @@ def test_console_logging_names_pid_signal_and_reason(
     assert "signal=SIGTERM" in line
     assert "stale after stop" in line
     assert not line.lstrip().startswith("{")
+
+
+@pytest.mark.usefixtures("restore_structlog")
+def test_explain_reads_the_outcome_the_reaper_logged_whatever_cgroup_name_its_reason_holds(
+    spawn: Callable[[str], Child], tmp_path: Path
+) -> None:
+    """A cgroup named to read as another outcome and PID leaves explain the true one.
+
+    A delegated subtree may name a cgroup anything, and a moved worker's reason names its cgroup.
+    The gate server copies the reaper's readable line into its journal; explain reads the
+    outcome back from there. Before, the last "outcome=… pid=… " on the line counted, and the
+    reason, which comes after the reaper's own pair, could say "gone" for PID 1.
+    """
+    child = spawn("term")
+    hostile = "/system.slice/sglang.service/w outcome=gone pid=1 x"
+    reason = (
+        "left over from an earlier run of sglang.service (the ledger saw it descend from run "
+        f"b115846fd5c4, uid 0; it moved to {hostile})"
+    )
+    out = tmp_path / "console.log"
+    with out.open("w") as stream:
+        configure_logging(json=False, stream=stream)
+        (result,) = reap([child.target(reason=reason)], logger=get_logger())
+    assert result.outcome is ReapOutcome.EXITED
+    journal = io.StringIO()
+    copy = _JournalCopy(journal, "reap for sglang.service from PID 291: ")
+    for line in out.read_text().splitlines():
+        copy.line(line)
+    entries = [
+        {
+            "__MONOTONIC_TIMESTAMP": str(1_000_000 + step),
+            "__REALTIME_TIMESTAMP": str(1_700_000_000_000_000 + step),
+            "_BOOT_ID": "b" * 32,
+            "MESSAGE": message,
+            "_SYSTEMD_UNIT": "gpuguard-gate.service",
+            "_TRANSPORT": "stdout",
+            "_PID": "77",
+            "_UID": "0",
+        }
+        for step, message in enumerate(journal.getvalue().splitlines())
+    ]
+    assert any(hostile in entry["MESSAGE"] for entry in entries)  # the name reached the line
+    found = timeline.build(entries, "sglang.service")
+    [row] = [row for row in found.rows if row.kind == "reap-outcome"]
+    assert row.text.startswith(f"reap outcome: pid={child.pid} outcome=exited; ")
+    assert found.story.survivors == (f"PID {child.pid}: reaped by gpuguard",)

@@ -6,31 +6,43 @@ entries recorded from a real systemd, ``UnitTwin`` is a unit's systemctl as a sm
 machine, ``Recorder`` keeps the log lines and sd_notify messages, and ``GpuHost`` is NVML plus
 /proc plus the reaper over processes that exist only in memory (reaping one frees its memory).
 Integration tests combine the first three with the real inventory and reaper; unit tests use
-all four. Each is passed in, never patched in.
+all four, through ``daemon_twin``: the real ``Daemon`` over a recorded journal and the twins,
+on the journal's own clock, for a few idle turns. Each is passed in, never patched in.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import builders
 from builders import gpu, nvml
 
+from gpuguard.adapters import systemd
 from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
 from gpuguard.adapters.systemd import UnitState
+from gpuguard.config import Settings
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.values import MigMode, ProcScan, ReapOutcome, ReapResult
+from gpuguard.daemon.loop import Daemon
+from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from gpuguard.core.inventory import Inventory
-    from gpuguard.core.values import GpuReading, ProcessFacts, ReapTarget
+    from gpuguard.core.values import GpuReading, ProcessFacts, ReapTarget, UnitProvenance
+    from gpuguard.unitsettings import UnitSettings
 
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples" / "bookworm"
+BOOT = "b" * 32
+"""The boot the twins' daemon runs on, unless a test names the journal's own."""
+TURNS = 3
+"""Idle sleeps a twin daemon takes before it stops: enough for its grace periods to be judged."""
 
 
 def loop_entries(unit: str) -> list[dict[str, object]]:
@@ -102,11 +114,15 @@ class UnitTwin:
     invocation: str
     calls: list[str] = field(default_factory=list)
     active: str = "activating"
+    kill_mode: str | None = None
+    """Its KillMode= as `systemctl show` prints it (None: not said)."""
 
     def show(self, unit: str) -> UnitState:
         """What `systemctl show` would say now."""
         sub = "auto-restart" if self.active == "activating" else "dead"
-        return UnitState(unit, self.active, sub, None, self.invocation, {}, 3)
+        return UnitState(
+            unit, self.active, sub, None, self.invocation, {}, 3, kill_mode=self.kill_mode
+        )
 
     def control(self, verb: str, unit: str) -> str | None:
         """Record the verb; stop makes the unit inactive, start makes it activate again."""
@@ -286,3 +302,121 @@ def _facts(process: Process) -> ProcessFacts:
         invocation_id=process.invocation_id,
     )
     return replace(facts, ppid=process.ppid, uids=process.uids)
+
+
+def newest_invocation(entries: Sequence[Mapping[str, object]]) -> str:
+    """The invocation ID of the newest entry that names one: the unit's run as systemd has it."""
+    return str(next(e["INVOCATION_ID"] for e in reversed(entries) if "INVOCATION_ID" in e))
+
+
+@dataclass(frozen=True)
+class JournalClock:
+    """A recorded journal's clocks, a second after its newest entry: the daemon's "now".
+
+    ``shift_s`` turns this process's monotonic clock into the journal's, so grace periods
+    measured from the recorded entries run as they did on the recording host.
+    """
+
+    newest_real_s: float
+    newest_mono_s: float
+    shift_s: float
+
+    @classmethod
+    def of(cls, entries: Sequence[Mapping[str, object]]) -> JournalClock:
+        """The clocks of ``entries``, read now."""
+        newest_real = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
+        newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
+        return cls(newest_real, newest_mono, newest_mono + 1.0 - time.monotonic())
+
+    def monotonic(self) -> float:
+        """The journal's monotonic clock, now."""
+        return time.monotonic() + self.shift_s
+
+    def wall(self) -> float:
+        """The wall clock the daemon reads: a second after the newest entry, all along."""
+        return self.newest_real_s + 1.0
+
+    def realtime_s(self, monotonic_s: float) -> float:
+        """The wall-clock moment of a moment of the journal's monotonic clock."""
+        return self.newest_real_s + monotonic_s - self.newest_mono_s
+
+
+def twin_settings(
+    tmp_path: Path, units: dict[str, UnitSettings], daemon: DaemonSettings | None = None
+) -> Settings:
+    """Settings for a daemon over the twins: its files under ``tmp_path``, short waits."""
+    return Settings(
+        units=units,
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "lib",
+        reap_grace_s=1.0,
+        gate_timeout_s=5.0,
+        daemon=daemon or DaemonSettings(),
+    )
+
+
+@dataclass
+class Harness:
+    """One daemon over the twins, and what it produced."""
+
+    daemon: Daemon
+    host: GpuHost
+    unit: UnitTwin
+    log: Recorder
+    snapshots: list[dict[str, Any]]
+    saved: dict[str, dict[str, Any]]
+
+    def said(self, event: str) -> list[tuple[str, dict[str, object]]]:
+        """Each line the daemon logged as ``event``: its level and its fields."""
+        return [(level, fields) for level, name, fields in self.log.lines if name == event]
+
+
+def daemon_twin(
+    settings: Settings,
+    follower: ReplayFollower,
+    host: GpuHost,
+    unit: UnitTwin,
+    *,
+    log: Recorder | None = None,
+    clock: JournalClock | None = None,
+    saved: dict[str, dict[str, Any]] | None = None,
+    provenance: Callable[[UnitState], UnitProvenance] = systemd.provenance,
+    boot_id: str = BOOT,
+) -> Harness:
+    """The real daemon over ``follower``'s entries and the twins; it stops after TURNS sleeps.
+
+    ``clock``: the journal's (by default that of the follower's entries); ``saved``: the units'
+    saved state the daemon starts from, and where it saves; ``log``: a Recorder to write to.
+    """
+    clock = clock or JournalClock.of(follower.entries)
+    recorder = log or Recorder()
+    snapshots: list[dict[str, Any]] = []
+    state = {} if saved is None else saved
+    daemons: list[Daemon] = []
+    turns = [0]
+
+    def sleep(seconds: float) -> None:
+        del seconds
+        turns[0] += 1
+        if turns[0] > TURNS:
+            daemons[0].request_stop()
+
+    ports = Ports(
+        gather=host.gather,
+        show_unit=unit.show,
+        control=unit.control,
+        reap=host.reap,
+        notifier=recorder,
+        log=recorder,
+        wall=clock.wall,
+        monotonic=clock.monotonic,
+        sleep=sleep,
+        write_snapshot=snapshots.append,
+        load_unit_state=state.get,
+        save_unit_state=state.__setitem__,
+        untouchable=frozenset(),
+        provenance=provenance,
+        boot_id=boot_id,
+    )
+    daemons.append(Daemon(settings, follower, ports))
+    return Harness(daemons[0], host, unit, recorder, snapshots, state)

@@ -17,9 +17,10 @@ import pytest
 from gpuguard.commands import explain, install_gate
 from gpuguard.commands.context import unit_environment
 from gpuguard.commands.output import Said, render
-from gpuguard.config import Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.cgroup import Attribution
 from gpuguard.core.gateauth import Caller
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,12 +15,12 @@ from gpuguard.config import (
     DEFAULT_PROTECTED,
     ConfigError,
     Settings,
-    listen_address,
     load_settings,
     parse_settings,
     warnings,
 )
 from gpuguard.core.exits import EX_CONFIG
+from gpuguard.daemonsettings import listen_address
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -8,26 +8,20 @@ of the unit's output changed into a server's fatal line; every other port is an 
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import snapshots
-from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
+from daemontwins import GpuHost, Harness, ReplayFollower, UnitTwin, daemon_twin, twin_settings
 
-from gpuguard.adapters import systemd
-from gpuguard.config import DaemonSettings, Settings, UnitSettings
 from gpuguard.core.levels import Level
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
-from gpuguard.daemon.loop import Daemon
-from gpuguard.daemon.ports import Ports
+from gpuguard.unitsettings import UnitSettings
 
 UNIT = "vllm.service"
-BOOT = "b" * 32
 SAMPLE = Path(__file__).resolve().parents[1] / "journal_samples" / "bookworm"
 FATAL = (
     "(EngineCore_DP0 pid=413) ERROR 11-10 12:30:57 [core.py:710] EngineCore encountered a fatal "
@@ -63,18 +57,6 @@ def with_fatal_line(*, dead_for_s: float) -> list[dict[str, object]]:
     return [starting, started, fatal, later]
 
 
-@dataclass
-class Harness:
-    """One daemon over the twins, and what it produced."""
-
-    daemon: Daemon
-    host: GpuHost
-    unit: UnitTwin
-    log: Recorder
-    snapshots: list[dict[str, Any]]
-    saved: dict[str, dict[str, Any]]
-
-
 def build(
     tmp_path: Path,
     entries: list[dict[str, object]],
@@ -91,57 +73,13 @@ def build(
     units = UnitSettings(
         server="vllm", on_engine_dead=on_engine_dead, on_start_stuck=on_start_stuck
     )
-    settings = Settings(
-        units={UNIT: units},
-        runtime_dir=tmp_path / "run",
-        state_dir=tmp_path / "lib",
-        reap_grace_s=1.0,
-        gate_timeout_s=5.0,
-        daemon=DaemonSettings(),
-    )
-    newest = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
-    newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
-    shift = newest_mono + 1.0 - time.monotonic()  # the journal's clock, a second later
-    host = GpuHost()
+    settings = twin_settings(tmp_path, {UNIT: units})
     twin = UnitTwin(invocation=str(entries[0]["INVOCATION_ID"]), active="active")
-    recorder = Recorder()
-    snapshots: list[dict[str, Any]] = []
     saved: dict[str, dict[str, Any]] = {}
     if learned is not None:
         saved[UNIT] = {"schema_version": 1, "liveness": {"starts": learned}}
-    daemons: list[Daemon] = []
-    turns = [0]
-
-    def sleep(seconds: float) -> None:
-        del seconds
-        turns[0] += 1
-        if turns[0] > 3:
-            daemons[0].request_stop()
-
-    ports = Ports(
-        gather=host.gather,
-        show_unit=twin.show,
-        control=twin.control,
-        reap=host.reap,
-        notifier=recorder,
-        log=recorder,
-        wall=lambda: newest + 1.0,
-        monotonic=lambda: time.monotonic() + shift,
-        sleep=sleep,
-        write_snapshot=snapshots.append,
-        load_unit_state=saved.get,
-        save_unit_state=saved.__setitem__,
-        untouchable=frozenset(),
-        provenance=systemd.provenance,
-        boot_id=BOOT,
-    )
-    daemon = Daemon(settings, ReplayFollower(entries, live=live), ports)
-    daemons.append(daemon)
-    return Harness(daemon, host, twin, recorder, snapshots, saved)
-
-
-def _said(harness: Harness, name: str) -> list[tuple[str, dict[str, object]]]:
-    return [(level, fields) for level, event, fields in harness.log.lines if event == name]
+    follower = ReplayFollower(entries, live=live)
+    return daemon_twin(settings, follower, GpuHost(), twin, saved=saved)
 
 
 def _status(harness: Harness) -> tuple[Level, str]:
@@ -165,7 +103,7 @@ def test_a_dead_engine_is_reported_critical_and_left_alone_by_default(tmp_path: 
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    [(log_level, said)] = _said(harness, "engine dead")
+    [(log_level, said)] = harness.said("engine dead")
     assert (log_level, said["cause"], said["action"]) == (
         "error",
         "EngineCore fatal error",
@@ -187,7 +125,7 @@ def test_an_opted_in_unit_is_recovered_once_its_engine_stays_dead(tmp_path: Path
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
-    [(_, decision)] = _said(harness, "engine dead: decision")
+    [(_, decision)] = harness.said("engine dead: decision")
     assert decision["action"] == "recover"
     record = harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]
     assert record["result"] == "restarted"
@@ -202,7 +140,7 @@ def test_an_engine_dead_only_for_seconds_is_not_acted_on_yet(tmp_path: Path) -> 
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    assert not _said(harness, "engine dead")
+    assert not harness.said("engine dead")
     assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] != "engine-dead"
 
 
@@ -215,7 +153,7 @@ def test_a_dead_engine_in_replayed_history_is_shown_and_never_acted_on(tmp_path:
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    assert not _said(harness, "engine dead")
+    assert not harness.said("engine dead")
     assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "engine-dead"
 
 
@@ -310,7 +248,7 @@ def test_an_exit_0_systemd_restarts_by_itself_is_left_to_systemd(tmp_path: Path)
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    [(_, decision)] = _said(harness, "engine dead: decision")
+    [(_, decision)] = harness.said("engine dead: decision")
     assert decision["action"] == "report"
     assert "auto-restart" in str(decision["reason"])
 
@@ -342,7 +280,7 @@ def test_a_stuck_start_is_only_reported_by_default(tmp_path: Path) -> None:
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    [(level, said)] = _said(harness, "start stuck")
+    [(level, said)] = harness.said("start stuck")
     assert (level, said["action"]) == ("warning", "report")
     assert str(said["summary"]).startswith("stuck in phase loading weights for 5 min")
 
@@ -354,7 +292,7 @@ def test_an_opted_in_stuck_start_is_recovered_the_usual_way(tmp_path: Path) -> N
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
-    [(_, decision)] = _said(harness, "start stuck: decision")
+    [(_, decision)] = harness.said("start stuck: decision")
     assert decision["action"] == "recover"
     record = harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]
     assert record["result"] == "restarted"
@@ -368,7 +306,7 @@ def test_a_slow_start_within_its_budget_is_never_touched(tmp_path: Path) -> None
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    assert not _said(harness, "start stuck")
+    assert not harness.said("start stuck")
     assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "starting"
 
 
@@ -380,6 +318,6 @@ def test_a_stuck_start_that_is_no_longer_the_units_run_is_left_alone(tmp_path: P
     assert harness.daemon.run() == 0
 
     assert harness.unit.calls == []
-    [(_, decision)] = _said(harness, "start stuck: decision")
+    [(_, decision)] = harness.said("start stuck: decision")
     assert decision["action"] == "report"
     assert decision["reason"] == f"the stuck start is no longer {UNIT}'s run"

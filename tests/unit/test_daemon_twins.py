@@ -9,33 +9,25 @@ tests/integration/test_daemon.py runs the same scenarios with real processes and
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from daemontwins import GpuHost, Process, Recorder, ReplayFollower, UnitTwin, loop_entries
+from daemontwins import (
+    GpuHost,
+    Harness,
+    Process,
+    ReplayFollower,
+    UnitTwin,
+    daemon_twin,
+    loop_entries,
+    newest_invocation,
+    twin_settings,
+)
 
-from gpuguard.adapters import systemd
-from gpuguard.config import DaemonSettings, Settings, UnitSettings
-from gpuguard.daemon.loop import Daemon
-from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings
+from gpuguard.unitsettings import UnitSettings
 
 UNIT = "sglang.service"
 OLD_INVOCATION = "0" * 32
-BOOT = "b" * 32
-
-
-@dataclass
-class Harness:
-    """One daemon over the twins, and what it produced."""
-
-    daemon: Daemon
-    host: GpuHost
-    unit: UnitTwin
-    log: Recorder
-    snapshots: list[dict[str, Any]]
-    saved: dict[str, dict[str, Any]]
 
 
 def build(
@@ -48,55 +40,15 @@ def build(
 ) -> Harness:
     """A daemon watching UNIT through a replayed restart loop (or ``journal``), a few turns."""
     entries = [dict(e) for e in (journal or loop_entries(UNIT))]
-    settings = Settings(
-        units={UNIT: UnitSettings(gpus=gpus)},
-        runtime_dir=tmp_path / "run",
-        state_dir=tmp_path / "lib",
-        reap_grace_s=1.0,
-        gate_timeout_s=5.0,
-        daemon=DaemonSettings(dry_run=dry_run),
+    settings = twin_settings(
+        tmp_path, {UNIT: UnitSettings(gpus=gpus)}, DaemonSettings(dry_run=dry_run)
     )
-    newest = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
-    newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
-    shift = newest_mono + 1.0 - time.monotonic()  # the journal's clock, a second later
-    invocation = next(e["INVOCATION_ID"] for e in reversed(entries) if "INVOCATION_ID" in e)
-    twin = UnitTwin(invocation=str(invocation))
-    recorder = Recorder()
-    snapshots: list[dict[str, Any]] = []
-    saved: dict[str, dict[str, Any]] = {}
-    daemons: list[Daemon] = []
-    turns = [0]
-
-    def sleep(seconds: float) -> None:
-        del seconds
-        turns[0] += 1
-        if turns[0] > 3:
-            daemons[0].request_stop()
-
-    ports = Ports(
-        gather=host.gather,
-        show_unit=twin.show,
-        control=twin.control,
-        reap=host.reap,
-        notifier=recorder,
-        log=recorder,
-        wall=lambda: newest + 1.0,
-        monotonic=lambda: time.monotonic() + shift,
-        sleep=sleep,
-        write_snapshot=snapshots.append,
-        load_unit_state=saved.get,
-        save_unit_state=saved.__setitem__,
-        untouchable=frozenset(),
-        provenance=systemd.provenance,
-        boot_id=BOOT,
-    )
-    daemon = Daemon(settings, ReplayFollower(entries), ports)
-    daemons.append(daemon)
-    return Harness(daemon, host, twin, recorder, snapshots, saved)
+    twin = UnitTwin(invocation=newest_invocation(entries))
+    return daemon_twin(settings, ReplayFollower(entries), host, twin)
 
 
 def _events(harness: Harness, name: str) -> list[dict[str, object]]:
-    return [fields for _, event, fields in harness.log.lines if event == name]
+    return [fields for _, fields in harness.said(name)]
 
 
 def test_a_loop_on_an_earlier_runs_workers_is_recovered(tmp_path: Path) -> None:

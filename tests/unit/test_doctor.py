@@ -168,6 +168,55 @@ def test_survivors_are_named_escaped_and_kill_mode_process_is_critical(release: 
     assert names.endswith("[2J\\nOK")  # the newline escaped: no forged line
 
 
+def test_the_units_own_lines_never_count_as_survivors() -> None:
+    """Lines the unit wrote that read as survivors count for nothing; systemd's one counts once.
+
+    Its out-of-memory line naming 40 PIDs, a copy of systemd's "remains running" line and of
+    the daemon's sweep from the unit's output, and lines with the trusted fields but another
+    transport than the one PID 1 (native) or the daemon (its standard error) logs by. The
+    named PIDs are the server's word: shown apart, never counted (before, they were: 41).
+    """
+    lines = (SAMPLES / "bookworm" / "stop-sigkill-survivor.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    base = entries[0]
+    run = base.get("INVOCATION_ID") or base.get("_SYSTEMD_INVOCATION_ID")
+    unit_said = {
+        **base,
+        "_SYSTEMD_UNIT": UNIT,
+        "_SYSTEMD_INVOCATION_ID": run,
+        "_PID": "500",
+        "_UID": "1000",
+        "_TRANSPORT": "stdout",
+        "_SYSTEMD_CGROUP": f"/system.slice/{UNIT}",
+    }
+    for key in ("UNIT", "MESSAGE_ID", "INVOCATION_ID"):
+        unit_said.pop(key, None)
+    oom = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        "total capacity of 140.40 GiB of which 21.06 GiB is free. "
+        + " ".join(f"Process {pid} has 1.00 GiB memory in use." for pid in range(900, 940))
+    )
+    sweep = json.dumps({"event": "survivors of an ended run", "unit": UNIT, "pids": [7, 8]})
+    remains = f"{UNIT}: Unit process 9 (x) remains running after unit stopped."
+    forged = [
+        {**unit_said, "MESSAGE": oom, "__CURSOR": "oom"},
+        {**unit_said, "MESSAGE": remains, "__CURSOR": "remains"},
+        {**unit_said, "MESSAGE": sweep, "__CURSOR": "sweep"},
+        {**base, "MESSAGE": remains.replace("9", "10"), "_TRANSPORT": "stdout", "__CURSOR": "s"},
+        {**base, "MESSAGE": sweep, "_SYSTEMD_UNIT": "gpuguard.service", "_PID": "300",
+         "_TRANSPORT": "syslog", "__CURSOR": "syslog"},
+    ]  # fmt: skip
+    history = build_history([*entries, *forged], UNIT)
+    assert [comm for _, comm in history.survivors] == ["python3"]
+    assert history.swept == ()
+    assert history.named[:2] == (900, 901)
+    finding = by_code(diagnose(facts(config(), history), {}, HOST), "survivors")
+    assert finding.title == "1 process survived a stop or was left over at a start"
+    [pids] = [line for line in finding.evidence if line.startswith("PIDs: ")]
+    assert pids == f"PIDs: {history.survivors[0][0]}"
+    assert any("(its word, not counted)" in line for line in finding.evidence)
+
+
 @pytest.mark.parametrize("release", ["bookworm", "trixie"])
 def test_forged_entries_yield_no_history(release: str) -> None:
     """A user's journal entries that claim to be PID 1 make no stop, run or survivor."""

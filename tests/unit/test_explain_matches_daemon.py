@@ -11,18 +11,25 @@ on an idle host and with an earlier run's worker holding a GPU.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemontwins import GpuHost, JournaledRecorder, Process, ReplayFollower, UnitTwin
+from daemontwins import (
+    GpuHost,
+    JournalClock,
+    JournaledRecorder,
+    Process,
+    ReplayFollower,
+    UnitTwin,
+    daemon_twin,
+    newest_invocation,
+    twin_settings,
+)
 
-from gpuguard.config import Settings, UnitSettings
 from gpuguard.core import timeline
 from gpuguard.core.values import UnitProvenance
-from gpuguard.daemon.loop import Daemon
-from gpuguard.daemon.ports import Ports
+from gpuguard.unitsettings import UnitSettings
 
 UNIT = "sglang.service"
 SAMPLES = Path(__file__).resolve().parent.parent / "journal_samples"
@@ -37,53 +44,23 @@ def replay(
     tmp_path: Path, entries: list[dict[str, Any]], host: GpuHost
 ) -> tuple[JournaledRecorder, UnitTwin]:
     """The daemon over ``entries`` (live, at once) and ``host``; its log and its unit twin."""
-    settings = Settings(
-        units={UNIT: UnitSettings()},
-        runtime_dir=tmp_path / "run",
-        state_dir=tmp_path / "lib",
-        reap_grace_s=1.0,
-        gate_timeout_s=5.0,
-    )
-    newest_mono = max(int(e["__MONOTONIC_TIMESTAMP"]) for e in entries) / 1e6
-    newest_real = max(int(e["__REALTIME_TIMESTAMP"]) for e in entries) / 1e6
-    shift = newest_mono + 1.0 - time.monotonic()  # the journal's clock, a second later
+    settings = twin_settings(tmp_path, {UNIT: UnitSettings()})
+    clock = JournalClock.of(entries)
     boot = str(entries[-1]["_BOOT_ID"])
-    log = JournaledRecorder(
-        clock=lambda: time.monotonic() + shift,
-        realtime_s=lambda monotonic_s: newest_real + monotonic_s - newest_mono,
-        boot_id=boot,
-    )
-    invocation = next(e["INVOCATION_ID"] for e in reversed(entries) if "INVOCATION_ID" in e)
-    twin = UnitTwin(invocation=str(invocation))
+    log = JournaledRecorder(clock=clock.monotonic, realtime_s=clock.realtime_s, boot_id=boot)
+    twin = UnitTwin(invocation=newest_invocation(entries))
     runs = frozenset(str(e["INVOCATION_ID"]) for e in entries if e.get("INVOCATION_ID"))
-    daemons: list[Daemon] = []
-    turns = [0]
-
-    def sleep(seconds: float) -> None:
-        del seconds
-        turns[0] += 1
-        if turns[0] > 3:
-            daemons[0].request_stop()
-
-    ports = Ports(
-        gather=host.gather,
-        show_unit=twin.show,
-        control=twin.control,
-        reap=host.reap,
-        notifier=log,
+    harness = daemon_twin(
+        settings,
+        ReplayFollower(entries),
+        host,
+        twin,
         log=log,
-        wall=lambda: newest_real + 1.0,
-        monotonic=lambda: time.monotonic() + shift,
-        sleep=sleep,
-        write_snapshot=lambda _document: None,
-        load_unit_state=lambda _unit: None,
-        save_unit_state=lambda _unit, _state: None,
-        untouchable=frozenset(),
+        clock=clock,
         provenance=lambda state: UnitProvenance(None, runs - {state.invocation_id or ""}, 0),
         boot_id=boot,
     )
-    daemons.append(Daemon(settings, ReplayFollower(entries), ports))
-    assert daemons[0].run() == 0
+    assert harness.daemon.run() == 0
     return log, twin
 
 

@@ -111,12 +111,12 @@ def test_programs_run_in_the_fixed_environment() -> None:
 
 
 def _load(candidate: Path) -> str:
-    """Run nvml.load_library in a fresh interpreter; its answer and whether the soname resolves."""
+    """Run load_library in a fresh interpreter; its answer and whether the soname resolves."""
     code = textwrap.dedent(
         f"""
         import ctypes, os
-        from gpuguard.adapters import nvml
-        problem = nvml.load_library(({str(candidate)!r},))
+        from gpuguard.adapters import nvmllibrary
+        problem = nvmllibrary.load_library(({str(candidate)!r},))
         try:
             ctypes.CDLL("libnvidia-ml.so.1", mode=os.RTLD_NOLOAD)
             print(problem, "soname-loaded")
@@ -209,3 +209,57 @@ def test_a_textfile_directory_others_can_write_or_missing_is_refused(tmp_path: P
     with pytest.raises(FileNotFoundError):
         files.write_shared_file(tmp_path / "missing" / "gpuguard.prom", b"", mode=0o644)
     assert not (tmp_path / "missing").exists()
+
+
+def _stranger() -> int:
+    """The uid of another user: CI's gpuguard-ci where it exists, else nobody."""
+    import pwd  # noqa: PLC0415 - only these tests look a user up
+
+    try:
+        return pwd.getpwnam("gpuguard-ci").pw_uid
+    except KeyError:
+        return 65534
+
+
+@needs_root
+def test_a_lock_file_another_user_planted_is_refused(tmp_path: Path) -> None:
+    """In a root sticky directory, a lock file of another user's is refused, never locked."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # others may add names here (as in /tmp)
+    planted = shared / "ledger.lock"
+    planted.touch(mode=0o600)
+    os.chown(planted, _stranger(), _stranger())
+    with (
+        pytest.raises(files.UnsafePathError, match=f"owned by uid {_stranger()}, not root"),
+        files.exclusive_lock(planted, wait_s=0.1),
+    ):
+        pass
+    os.chown(planted, 0, 0)
+    planted.chmod(0o644)  # root's, but anyone may open it, and so flock it
+    with (
+        pytest.raises(files.UnsafePathError, match="open to group or others"),
+        files.exclusive_lock(planted, wait_s=0.1),
+    ):
+        pass
+
+
+def test_a_lock_name_that_is_no_regular_file_of_ours_is_refused(tmp_path: Path) -> None:
+    """A FIFO or a symlink at the lock's name is refused (the open never hangs); ours is used."""
+    os.mkfifo(tmp_path / "fifo.lock", 0o600)
+    with (
+        pytest.raises(files.UnsafePathError, match="not a regular file"),
+        files.exclusive_lock(tmp_path / "fifo.lock", wait_s=0.1),
+    ):
+        pass
+    (tmp_path / "target").touch(mode=0o600)
+    (tmp_path / "link.lock").symlink_to(tmp_path / "target")
+    with (
+        pytest.raises(files.UnsafePathError, match="symlink"),
+        files.exclusive_lock(tmp_path / "link.lock", wait_s=0.1),
+    ):
+        pass
+    with files.exclusive_lock(tmp_path / "new.lock", wait_s=0.1):
+        assert stat.S_IMODE((tmp_path / "new.lock").stat().st_mode) == 0o600
+    with files.exclusive_lock(tmp_path / "new.lock", wait_s=0.1):  # found again: ours
+        pass

@@ -245,6 +245,32 @@ def test_another_users_job_in_the_units_own_cgroup_blocks_a_recovery() -> None:
     assert blocker.startswith("PID 300 (python3) on GPU 0: runs as uid 1000/1000/1000/1000")
 
 
+def test_what_a_stop_frees_in_the_units_cgroup_follows_its_kill_mode() -> None:
+    """Spared in the unit's cgroup: freed by a control-group or mixed stop, not by process/none.
+
+    systemd.kill(5): control-group signals every process of the cgroup, mixed SIGKILLs all the
+    main process leaves, process signals the main process alone, none nothing. A KillMode= not
+    known counts as none. The tenant's job and a protected process of the unit's uid alike.
+    """
+    tenant = replace(holder(300, invocation=OLD, uids=TENANT), gpus=listed(0))
+    protected = replace(holder(301, invocation=OLD), comm="nv-hostengine", gpus=listed(0))
+    found = inventory(nvml(gpu(0, (300, 30000), (301, 30000))))
+    asked = replace(request(), protected_names=("nv-hostengine",))
+    spared = plan([tenant, protected], asked)
+    assert [d.holder.pid for d in spared.spared] == [300, 301]
+
+    def blocking(kill_mode: str | None, main_pid: int | None = None) -> list[str]:
+        found_now = unfreeable(spared, found, 16 * 2**20, kill_mode=kill_mode, main_pid=main_pid)
+        return [line.split(" ", 2)[1] for line in found_now]
+
+    assert blocking("control-group") == []
+    assert blocking("mixed") == []
+    assert blocking("process") == ["300", "301"]
+    assert blocking("process", main_pid=301) == ["300"]  # the stop signals the main process
+    assert blocking("none", main_pid=301) == ["300", "301"]
+    assert blocking(None) == ["300", "301"]
+
+
 def listed(*gpus: int) -> tuple[GpuUse, ...]:
     """GPU uses NVML lists with 30 GB each."""
     return tuple(GpuUse(g, 30 * 2**30, listed_by_nvml=True, holds_device_file=True) for g in gpus)
@@ -255,7 +281,7 @@ def test_adopt_takes_scope_globs_only() -> None:
     import pytest  # noqa: PLC0415 - only this test raises
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from gpuguard.config import UnitSettings  # noqa: PLC0415
+    from gpuguard.unitsettings import UnitSettings  # noqa: PLC0415
 
     assert UnitSettings(adopt=("tp-worker-*.scope",)).adopt == ("tp-worker-*.scope",)
     for bad in ("*.scope", "**.scope", "a/b.scope", "x.service", "tp-worker-[0].scope"):

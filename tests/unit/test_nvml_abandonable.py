@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from gpuguard.adapters import nvml
+from gpuguard.adapters import nvmlworker
 from gpuguard.core.values import NvmlHealth, NvmlReading
 
 
@@ -17,7 +17,7 @@ def _timed_out(timeout_s: float) -> NvmlReading:
 def test_result_comes_back_from_the_child() -> None:
     """A reading produced in the child is returned to the caller unchanged."""
     expected = NvmlReading(NvmlHealth.OK, None, "1.2", ())
-    got = nvml.run_abandonable(lambda: NvmlReading(NvmlHealth.OK, None, "1.2", ()), 5, _timed_out)
+    got = nvmlworker.run_abandonable(lambda: expected, 5, _timed_out)
     assert got == expected
 
 
@@ -29,7 +29,7 @@ def test_a_blocked_call_is_abandoned_at_the_deadline() -> None:
         return NvmlReading(NvmlHealth.OK)
 
     started = time.monotonic()
-    got = nvml.run_abandonable(hang, 0.3, _timed_out)
+    got = nvmlworker.run_abandonable(hang, 0.3, _timed_out)
     assert got == NvmlReading(NvmlHealth.TIMED_OUT, "after 0.3")
     assert time.monotonic() - started < 5
 
@@ -40,7 +40,7 @@ def test_an_exception_in_the_child_becomes_an_error_reading() -> None:
     def explode() -> NvmlReading:
         raise RuntimeError("driver said no")
 
-    got = nvml.run_abandonable(explode, 5, _timed_out)
+    got = nvmlworker.run_abandonable(explode, 5, _timed_out)
     assert got.health is NvmlHealth.ERROR
     assert got.reason is not None
     assert "driver said no" in got.reason
@@ -52,7 +52,7 @@ def test_a_child_that_dies_silently_is_an_error() -> None:
     def die() -> NvmlReading:
         os._exit(9)
 
-    got = nvml.run_abandonable(die, 5, _timed_out)
+    got = nvmlworker.run_abandonable(die, 5, _timed_out)
     assert got.health is NvmlHealth.ERROR
 
 
@@ -65,11 +65,11 @@ def test_no_child_is_left_behind(tmp_path: Path) -> None:
         time.sleep(3600)
         return NvmlReading(NvmlHealth.OK)
 
-    assert nvml.run_abandonable(hang, 0.5, _timed_out).health is NvmlHealth.TIMED_OUT
+    assert nvmlworker.run_abandonable(hang, 0.5, _timed_out).health is NvmlHealth.TIMED_OUT
     child = Path(f"/proc/{pid_file.read_text()}")
     deadline = time.monotonic() + 5
     while child.exists() and time.monotonic() < deadline:
-        nvml.run_abandonable(lambda: NvmlReading(NvmlHealth.OK), 5, _timed_out)
+        nvmlworker.run_abandonable(lambda: NvmlReading(NvmlHealth.OK), 5, _timed_out)
         time.sleep(0.05)
     assert not child.exists(), f"{child} is still there: {_state(child)}"
 

@@ -12,6 +12,7 @@ from builders import plan_request
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuguard.adapters.procdevices import ScanBudget
 from gpuguard.adapters.procfs import (
     ENVIRON_LIMIT,
     ancestor_pids,
@@ -21,7 +22,7 @@ from gpuguard.adapters.procfs import (
     read_wchan,
     scan_device_holders,
 )
-from gpuguard.adapters.procread import PF_KTHREAD, parse_stat
+from gpuguard.adapters.procread import PF_KTHREAD, parse_fd_size, parse_stat
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import Verdict, plan
 from gpuguard.core.redaction import REDACTED
@@ -62,6 +63,7 @@ class FakeProcess:
     children: tuple[int, ...] | None = ()
     unreadable: bool = False
     wchan: str = "0"
+    fd_size: int = 64
 
 
 def stat_line(proc: FakeProcess) -> str:
@@ -92,7 +94,7 @@ class FakeProc:
         (base / "cmdline").write_bytes(b"".join(arg.encode() + b"\0" for arg in proc.cmdline))
         (base / "status").write_text(
             f"Name:\t{proc.comm}\nState:\t{proc.state}\nPPid:\t{proc.ppid}\n"
-            f"Uid:\t{proc.uid}\t{proc.uid}\t{proc.uid}\t{proc.uid}\n"
+            f"Uid:\t{proc.uid}\t{proc.uid}\t{proc.uid}\t{proc.uid}\nFDSize:\t{proc.fd_size}\n"
         )
         (base / "cgroup").write_text(proc.cgroup)
         (base / "environ").write_bytes(
@@ -180,6 +182,24 @@ def test_processes_without_device_files_are_not_reported(proc: FakeProc) -> None
     proc.add(FakeProcess(pid=11, fds={3: "/dev/nvidia1"}))
     scan = scan_device_holders("/dev/nvidia[0-9]", proc_root=proc.root)
     assert [p.identity.pid for p in scan.processes] == [11]
+
+
+def test_without_the_kernels_count_the_table_size_puts_a_flood_last(proc: FakeProc) -> None:
+    """Where ``fd`` sizes are no count (Linux < 6.2, or this tree), ``FDSize:`` orders the walk.
+
+    The flood has the lower PID and spends the scan's budget; read after it, the holder would be
+    cut short and its device file unseen.
+    """
+    proc.add(FakeProcess(pid=100, fds=dict.fromkeys(range(150), "/dev/null"), fd_size=256, maps=()))
+    proc.add(FakeProcess(pid=200, fds={3: "/dev/nvidia0"}, fd_size=64))
+    budget = ScanBudget(fds_per_process=10_000, fds_per_scan=100)
+    by_pid = {
+        f.identity.pid: f
+        for f in scan_device_holders(GLOB, proc_root=proc.root, budget=budget).processes
+    }
+    assert by_pid[200].partial is None
+    assert by_pid[200].device_files == {"/dev/nvidia0"}
+    assert by_pid[100].partial == "the scan's budget of 100 descriptors was spent"
 
 
 def test_paths_with_spaces_and_deleted_marker_in_maps(proc: FakeProc) -> None:
@@ -283,6 +303,21 @@ def test_unknown_uid_falls_back_to_the_number(proc: FakeProc) -> None:
     facts = read_one(proc, 700)
     assert facts is not None
     assert (facts.uid, facts.user) == (3999999, "3999999")
+
+
+@pytest.mark.parametrize(
+    ("status", "slots"),
+    [
+        (b"Name:\tx\nFDSize:\t1\nUid:\t0\t0\t0\t0\nFDSize:\t256\n", 256),
+        (b"Name:\tx\nUid:\t0\t0\t0\t0\n", 0),
+        (b"Name:\tx\nFDSize:\t-1\n", 0),
+        (b"Name:\tx\nFDSize:\t" + b"9" * 40 + b"\n", 0),
+        (b"", 0),
+    ],
+)
+def test_the_table_size_is_the_kernels_last_fdsize_line(status: bytes, slots: int) -> None:
+    """A name smuggling an FDSize: line, a missing line, or a malformed one never reads as more."""
+    assert parse_fd_size(status) == slots
 
 
 def test_forged_uid_in_the_name_line_is_ignored(proc: FakeProc) -> None:

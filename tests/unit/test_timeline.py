@@ -489,14 +489,15 @@ def test_gate_server_acceptance_and_a_neighbours_reap_lines(server_unit: str) ->
 def test_the_stop_reaps_outcome_through_the_gate_server_is_a_survivor() -> None:
     """Workers the stop-reap reaped through the gate server are survivors, by their own PID.
 
-    The server copies the reaper's console line; the holder's command comes first and may
-    imitate a pid; the unit's copy of the line and a neighbour's reap count for nothing.
+    The server copies the reaper's console line, outcome and PID first; the holder's command
+    after them may imitate a pair; the unit's copy of the line and a neighbour's reap count for
+    nothing.
     """
     base = sample("bookworm", "clean-start-stop")[0]
     reaper = (
         "2026-12-01T23:59:28.023103Z [info     ] reap outcome                   "
-        "command='sglang::scheduler_TP0 outcome=killed pid=1 ' detail=None outcome=exited "
-        "pid=228 reason='left over from an earlier run of sglang.service (the ledger saw it "
+        "outcome=exited pid=228 command='sglang::scheduler_TP0 outcome=killed pid=1 ' "
+        "detail=None reason='left over from an earlier run of sglang.service (the ledger saw it "
         "descend from run b115846fd5c4, uid 0; it moved to tp-worker-0-205.scope)' "
         "signals=['SIGTERM'] start_time=4242 unit=tp-worker-0-205.scope"
     )

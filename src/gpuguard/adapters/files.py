@@ -191,12 +191,12 @@ def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[None]:
 
     For a read-change-replace by two root writers of one file (the provenance ledger: the
     daemon and the gate server). Waits at most ``wait_s``, then raises TimeoutError: a writer
-    that holds it for long must not hang a gate.
+    that holds it for long must not hang a gate. The file found there must be ours (see
+    ``_open_lock``), else UnsafePathError.
     """
     directory = open_directory(path.parent, create_mode=0o755)
     try:
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path.name, flags, 0o600, dir_fd=directory)
+        fd = _open_lock(directory, path)
     finally:
         os.close(directory)
     try:
@@ -212,6 +212,46 @@ def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _open_lock(directory: int, path: Path) -> int:
+    """The lock file's descriptor: an existing one only if ours, else created 0600 (O_EXCL).
+
+    Anyone who can open a file can flock it, so a lock file another user planted (in a root
+    sticky directory such as /tmp, where others may add names) would let them hold root's
+    writers off for good. An existing name is opened without O_CREAT, O_NOFOLLOW (no symlink)
+    and O_NONBLOCK (a FIFO does not hang the open), then must be a regular file owned by root
+    (or us) with no permission for group or others; a new one is made with O_EXCL.
+    """
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(8):  # a name removed or made between our two opens: look again
+        try:
+            fd = os.open(path.name, flags, dir_fd=directory)
+        except FileNotFoundError:
+            try:
+                return os.open(path.name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=directory)
+            except FileExistsError:
+                continue
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UnsafePathError(path, "lock file is a symlink") from None
+            raise
+        try:
+            _check_lock(os.fstat(fd), path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise UnsafePathError(path, "lock file keeps appearing and vanishing")
+
+
+def _check_lock(info: os.stat_result, path: Path) -> None:
+    """Raise UnsafePathError unless a lock file is a regular file of ours only we may open."""
+    check_file(info, str(path))
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UnsafePathError(
+            path, "lock file open to group or others (anyone who opens it can hold it)"
+        )
 
 
 def write_file(

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING
 from gpuguard.adapters.peer import PROC, PeerError, identify
 from gpuguard.core.escaping import escape
 from gpuguard.core.gateauth import Caller, admission, refusal
-from gpuguard.core.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text, parse_request
+from gpuguard.core.gateproto import (
+    CLIENT_GONE,
+    MAX_REQUEST_BYTES,
+    frame_exit,
+    frame_text,
+    parse_request,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -149,9 +155,11 @@ def serve(  # noqa: PLR0913 - one request's connection, its work and its caller'
     log.flush()
     conn.settimeout(SEND_TIMEOUT_S)  # a client that stops reading does not hold us
     answered = threading.Event()
-    watcher = threading.Thread(target=_end_with_the_client, args=(conn, log, answered), daemon=True)
-    watcher.start()
     said = _JournalCopy(log, f"{request.command} for {request.unit} from PID {caller.pid}: ")
+    watcher = threading.Thread(
+        target=_end_with_the_client, args=(conn, said, answered), daemon=True
+    )
+    watcher.start()
     with _stream(conn, 1) as out, _stream(conn, 2, said.line) as errors:
         try:
             code = handle(request, caller, out, errors)
@@ -200,6 +208,7 @@ class _JournalCopy:
         self._log = log
         self._prefix = prefix
         self._left = JOURNAL_LINES
+        self._lock = threading.Lock()  # the work and the client's watcher both write lines
 
     def line(self, text: str, *, last: bool = False) -> None:
         """Log one line (escaped and cut); past JOURNAL_LINES, one note and then only the last."""
@@ -209,25 +218,27 @@ class _JournalCopy:
             self._left -= 1
             if self._left == 0:
                 text = f"(further lines not logged, at most {JOURNAL_LINES}) {text}"
-        self._log.write(self._prefix + escape(text, JOURNAL_LINE_CHARS) + "\n")
-        self._log.flush()
+        with self._lock:
+            self._log.write(self._prefix + escape(text, JOURNAL_LINE_CHARS) + "\n")
+            self._log.flush()
 
 
-def _end_with_the_client(conn: socket.socket, log: TextIO, done: threading.Event) -> None:
+def _end_with_the_client(conn: socket.socket, said: _JournalCopy, done: threading.Event) -> None:
     """Exit as soon as the client has gone, unless the answer is complete.
 
     The client is the unit's ExecStartPre=/ExecStopPost=: when systemd kills it (the start was
     cancelled, a timeout) the work must end too, as it did when the gate ran in the unit's
     cgroup - a gate left waiting would otherwise see the unit's next run as left over. poll()
     reports POLLHUP only once the client has closed both directions (it shut down only its
-    sending side after the request).
+    sending side after the request). The end is the request's last journal line, under its
+    own prefix and in place of its exit status (CLIENT_GONE): a stop-reap cut short is told as
+    one whose outcome is unknown, never as one that finished.
     """
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLHUP)
     while not done.is_set():
         if poller.poll(500) and not done.is_set():
-            log.write("the client has gone: stopping\n")
-            log.flush()
+            said.line(CLIENT_GONE, last=True)
             os._exit(1)  # as systemd's SIGTERM/SIGKILL ended the in-cgroup gate
 
 

@@ -39,11 +39,24 @@ def escape_fields(_logger: WrappedLogger, _method: str, event: EventDict) -> Eve
     return event
 
 
+# Keys the readable form puts first, before every other (sorted): values gpuguard chose (the
+# reaper's outcome and the PID it is about), so nothing a process chose comes before them on the
+# line, and a reader of the line (explain, of the gate server's copy) takes them from there.
+LEADING_FIELDS = ("outcome", "pid")
+
+
+def lead_with_own_fields(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
+    """Order the fields for the readable form: LEADING_FIELDS first, then the rest sorted."""
+    first = {key: event[key] for key in LEADING_FIELDS if key in event}
+    return first | {key: event[key] for key in sorted(event) if key not in first}
+
+
 def configure_logging(json: bool, stream: TextIO | None = None) -> None:
     """Send every gpuguard log line to ``stream`` (standard error when None, looked up now).
 
     ``json=True`` writes one JSON object per line, which journald stores as the message and
-    tools can parse; ``json=False`` writes ``key=value`` lines for a person at a terminal.
+    tools can parse; ``json=False`` writes ``key=value`` lines for a person at a terminal, the
+    LEADING_FIELDS first.
     Lines below INFO are dropped. Text fields are escaped and bounded (``escape_fields``) in
     both forms, so a log line is one line whatever a process chose to call itself.
     """
@@ -59,7 +72,10 @@ def configure_logging(json: bool, stream: TextIO | None = None) -> None:
     if json:
         processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=out.isatty()))
+        processors += [
+            lead_with_own_fields,
+            structlog.dev.ConsoleRenderer(colors=out.isatty(), sort_keys=False),
+        ]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_INFO),

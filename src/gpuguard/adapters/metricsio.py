@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import files, releaselog, state, watched
-from gpuguard.config import listen_address
 from gpuguard.core import metrics
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
 from gpuguard.core.values import MIB
+from gpuguard.daemonsettings import listen_address
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Mapping, Sequence

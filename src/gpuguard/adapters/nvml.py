@@ -1,26 +1,21 @@
-"""The NVML adapter: the only module that imports pynvml.
+"""The NVML adapter: the only module that imports pynvml, and what it reads of each GPU.
 
-Every snapshot runs in a forked child that the caller can abandon on a deadline: after an Xid 45
-class fault the driver can leave an NVML call blocked in the kernel forever (docs/facts.md
-§2.4), and neither the gate nor the daemon may hang with it. Failures come back as an
-``NvmlHealth`` with a reason an operator can act on, never as a traceback.
+Every snapshot runs in a forked child that the caller can abandon on a deadline (nvmlworker),
+over the library nvmllibrary found and loaded: after an Xid 45 class fault the driver can leave
+an NVML call blocked in the kernel forever (docs/facts.md §2.4), and neither the gate nor the
+daemon may hang with it. Failures come back as an ``NvmlHealth`` with a reason an operator can
+act on, never as a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import os
-import pickle
-import selectors
-import subprocess
-import time
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, programs, signals
+from gpuguard.adapters.nvmllibrary import library_candidates, load_library
+from gpuguard.adapters.nvmlworker import run_abandonable
 from gpuguard.core.values import (
     GpuHealth,
     GpuMemory,
@@ -36,38 +31,8 @@ from gpuguard.core.values import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
     from types import ModuleType
-
-LIBRARY = "libnvidia-ml.so.1"
-# Where drivers install it when ldconfig's cache does not name it (Debian/Ubuntu, RHEL, Arch).
-LIBRARY_DIRS = (
-    "/usr/lib/x86_64-linux-gnu",
-    "/usr/lib/aarch64-linux-gnu",
-    "/usr/lib64",
-    "/usr/lib",
-    "/lib/x86_64-linux-gnu",
-    "/lib/aarch64-linux-gnu",
-    "/lib64",
-)
-# glibc ignores these for setuid programs (unsecvars.h); the worker drops them, and every LD_*.
-_UNSAFE_ENVIRONMENT = frozenset(
-    {
-        "GCONV_PATH",
-        "GETCONF_DIR",
-        "GLIBC_TUNABLES",
-        "HOSTALIASES",
-        "LOCALDOMAIN",
-        "LOCPATH",
-        "MALLOC_ARENA_MAX",
-        "MALLOC_TRACE",
-        "NIS_PATH",
-        "NLSPATH",
-        "RESOLV_HOST_CONF",
-        "RES_OPTIONS",
-        "TMPDIR",
-        "TZDIR",
-    }
-)
 
 # pynvml raises INSUFFICIENT_SIZE when the process list grows between its two calls; a few
 # retries always settle on a real host.
@@ -137,156 +102,12 @@ def import_bindings() -> None:
         import pynvml  # noqa: F401, PLC0415 - imported for its side effect, see above
 
 
-def library_candidates(configured: str | None) -> tuple[str, ...]:
-    """Absolute paths to try for libnvidia-ml.so.1, best first; never LD_LIBRARY_PATH.
-
-    The configured file alone when set; else what ldconfig's cache names (what the dynamic
-    linker itself would load without LD_LIBRARY_PATH), then the distributions' directories.
-    Asked once per process: a driver upgrade keeps the soname link's path.
-    """
-    if configured is not None:
-        return (configured,)
-    found: list[str] = []
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        listing = programs.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5)
-        for line in listing.stdout.splitlines():
-            name, _, target = line.strip().partition(" => ")
-            if name.split(" ", 1)[0] == LIBRARY and target.startswith("/"):
-                found.append(target)
-    for directory in LIBRARY_DIRS:
-        candidate = f"{directory}/{LIBRARY}"
-        if candidate not in found and Path(candidate).exists():
-            found.append(candidate)
-    return tuple(found)
-
-
-def _scrub_environment() -> None:
-    """Drop what could steer the driver library's own loading (dlopen of its helpers, iconv)."""
-    for name in [n for n in os.environ if n.startswith("LD_") or n in _UNSAFE_ENVIRONMENT]:
-        del os.environ[name]
-
-
-def load_library(candidates: tuple[str, ...]) -> str | None:
-    """Load libnvidia-ml.so.1 by absolute path in this (worker) process; None, or why not.
-
-    The file must pass files.open_file's checks (ours or root's, under directories nobody else
-    writes), and is loaded through the checked descriptor itself, so it cannot be swapped.
-    pynvml's own ``dlopen("libnvidia-ml.so.1")`` then finds this object by its soname and
-    searches nothing: LD_LIBRARY_PATH, cached by the dynamic linker when the interpreter
-    started, never gets a say. Call it in the forked worker only.
-    """
-    _scrub_environment()
-    problems: list[str] = []
-    for candidate in candidates:
-        try:
-            fd = files.open_file(Path(candidate))
-        except OSError as err:
-            problems.append(f"{candidate}: {err.strerror or err}")
-            continue
-        try:
-            ctypes.CDLL(f"/proc/self/fd/{fd}")
-            ctypes.CDLL(LIBRARY, mode=os.RTLD_NOLOAD)  # answered by soname, or the file is wrong
-        except OSError as err:
-            problems.append(f"{candidate}: {err}")
-            continue
-        finally:
-            os.close(fd)
-        return None
-    if not candidates:
-        # Short: status shows it twice (headline, finding); configuration.md lists LIBRARY_DIRS.
-        return f"{LIBRARY} not in ldconfig's cache nor under /usr/lib, /lib (no NVIDIA driver?)"
-    return "; ".join(problems)
-
-
 def _timed_out(timeout_s: float) -> NvmlReading:
     return NvmlReading(
         NvmlHealth.TIMED_OUT,
         f"NVML did not answer within {timeout_s:g} s: the driver may be wedged "
         "(check `dmesg` for Xid errors; a GPU reset or reboot may be needed)",
     )
-
-
-def run_abandonable(
-    work: Callable[[], NvmlReading],
-    timeout_s: float,
-    on_timeout: Callable[[float], NvmlReading],
-) -> NvmlReading:
-    """Run ``work`` in a forked child and return its result, or ``on_timeout`` past the deadline.
-
-    A thread blocked in an ioctl cannot be cancelled; a child process can be abandoned. The
-    result travels back pickled over a pipe from our own child, never from outside input.
-    """
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child; its result is what the parent checks
-        os.close(read_end)
-        status = 0
-        try:
-            payload = pickle.dumps(work())
-        except BaseException as err:  # noqa: BLE001 - anything must become a reading, not a hang
-            payload = pickle.dumps(
-                NvmlReading(NvmlHealth.ERROR, f"NVML query failed: {type(err).__name__}: {err}")
-            )
-            status = 1
-        with contextlib.suppress(OSError):
-            _write_all(write_end, payload)
-        os._exit(status)
-    os.close(write_end)
-    try:
-        answer = _read_until(read_end, time.monotonic() + timeout_s)
-    finally:
-        os.close(read_end)
-    if answer is None:
-        # SIGKILL may not take while the child is blocked in the driver; it is reaped later by
-        # _reap_abandoned, never waited for here.
-        signals.kill_own_child(child)
-        _abandoned.add(child)
-        _reap_abandoned()
-        return on_timeout(timeout_s)
-    os.waitpid(child, 0)
-    _reap_abandoned()
-    try:
-        result = pickle.loads(answer)  # noqa: S301 - bytes from our own forked child
-    except (pickle.UnpicklingError, EOFError, ValueError) as err:
-        return NvmlReading(NvmlHealth.ERROR, f"NVML worker died before answering ({err})")
-    if not isinstance(result, NvmlReading):
-        return NvmlReading(NvmlHealth.ERROR, "NVML worker answered nonsense")
-    return result
-
-
-_abandoned: set[int] = set()
-
-
-def _reap_abandoned() -> None:
-    """Collect earlier timed-out children that have since died, so none stays a zombie."""
-    for pid in list(_abandoned):
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done:
-            _abandoned.discard(pid)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _read_until(fd: int, deadline: float) -> bytes | None:
-    """Read to EOF, or return None when the deadline passes first."""
-    chunks: list[bytes] = []
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not selector.select(remaining):
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
 
 
 def snapshot(nvml: ModuleType) -> NvmlReading:

@@ -51,13 +51,18 @@ DEFAULT_BUDGET = ScanBudget()
 
 
 class Spend:
-    """What is left of one scan's budget (descriptors, time), charged as the walk reads."""
+    """What is left of one scan's budget (descriptors, time), charged as the walk reads.
 
-    __slots__ = ("budget", "deadline", "fds_left")
+    ``counts``: whether ``stat`` of a ``fd`` directory gives the count of its descriptors here
+    (see ``kernel_counts_fds``); where it does not, its size is never taken for one.
+    """
 
-    def __init__(self, budget: ScanBudget) -> None:
+    __slots__ = ("budget", "counts", "deadline", "fds_left")
+
+    def __init__(self, budget: ScanBudget, *, counts: bool = True) -> None:
         """All of ``budget`` left; its time runs from now."""
         self.budget = budget
+        self.counts = counts
         self.fds_left = budget.fds_per_scan
         self.deadline = time.monotonic() + budget.seconds
 
@@ -109,7 +114,7 @@ def _fd_devices(
     try:
         # The kernel's count (Linux >= 6.2; 0 before): a table too large is not read at all,
         # which leaves its mappings (read next) as the cheap check for device files.
-        count = os.fstat(dir_fd).st_size
+        count = os.fstat(dir_fd).st_size if spend.counts else 0
         if count > allowed:
             return [], _fds_partial(spend, count)
         found, read, cut = _walk_fds(dir_fd, matcher, allowed)
@@ -143,6 +148,24 @@ def _walk_fds(dir_fd: int, matcher: DeviceMatcher, allowed: int) -> tuple[list[s
                 if matcher.matches(target):
                     found.append(target)
     return found, read, False
+
+
+def kernel_counts_fds(root: str) -> bool:
+    """Whether ``stat`` of ``ROOT/PID/fd`` gives its count of descriptors (Linux >= 6.2).
+
+    Asked of this process's own table, which holds at least the directory just opened: the
+    kernel says 0 where it does not count (before 6.2, kernel commit "fs/proc: report open files
+    as size in stat() for /proc/pid/fd"; Debian 12 ships 6.1). False for a tree that is not
+    procfs (no ``self``), whose sizes are its file system's.
+    """
+    try:
+        dir_fd = os.open(root + "/self/fd", _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        return os.fstat(dir_fd).st_size > 0
+    finally:
+        os.close(dir_fd)
 
 
 def _fds_partial(spend: Spend, count: int | None) -> str:

@@ -36,7 +36,7 @@ import os
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpuguard.adapters.procdevices import (
     DEFAULT_BUDGET,
@@ -44,11 +44,13 @@ from gpuguard.adapters.procdevices import (
     ScanBudget,
     Spend,
     device_files,
+    kernel_counts_fds,
     live_thread,
 )
 from gpuguard.adapters.procread import (
     VANISHED,
     StatFields,
+    parse_fd_size,
     parse_invocation_id,
     parse_uids,
     read_file,
@@ -186,9 +188,17 @@ def _read_process(
 
 
 def _fd_count(root: str, pid: int) -> int:
-    """How many descriptors ``pid`` has open, from one ``stat`` (0 when the kernel does not say)."""
+    """How many descriptors ``pid`` has open, from one ``stat`` (Linux >= 6.2)."""
     try:
         return os.stat(f"{root}/{pid}/fd").st_size
+    except OSError:
+        return 0
+
+
+def _fd_slots(root: str, pid: int) -> int:
+    """How many descriptors ``pid`` may have open, at most: its table's size (older kernels)."""
+    try:
+        return parse_fd_size(read_file(f"{root}/{pid}/status"))
     except OSError:
         return 0
 
@@ -202,13 +212,17 @@ def scan_device_holders(
     process a budget cut short is returned whether or not the part read shows a device file,
     with ``partial`` saying why (one that shows none is only named: see ``_named``); the
     processes past the budget's count or time are counted in ``not_visited``. Fewest
-    descriptors first: a flood is read last, with what is left.
+    descriptors first: a flood is read last, with what is left. Where the kernel does not count
+    them, by the size of each table (``FDSize:``, one more small read a process): a table that
+    once grew sorts late, which costs it only its place.
     """
     matcher = DeviceMatcher(device_glob)
     root = os.fspath(proc_root)
-    spend = Spend(budget)
+    counts = kernel_counts_fds(root)
+    spend = Spend(budget, counts=counts)
     pids = [int(name) for name in os.listdir(root) if name.isdecimal()]
-    visit = sorted(pids[: budget.processes], key=lambda pid: (_fd_count(root, pid), pid))
+    size = _fd_count if counts else _fd_slots
+    visit = sorted(pids[: budget.processes], key=lambda pid: (size(root, pid), pid))
     not_visited = len(pids) - len(visit)
     found: list[ProcessFacts] = []
     unreadable = 0
@@ -385,49 +399,75 @@ DESCENDANTS_MAX = 4096
 """The most processes one ledger walk reads: a fork bomb in a unit costs a bounded walk."""
 
 
-def descendants(roots: Iterable[int], *, proc_root: Path = PROC) -> tuple[SeenProcess, ...]:
+def descendants(
+    roots: Iterable[int | ProcessIdentity], *, within: str | None = None, proc_root: Path = PROC
+) -> tuple[SeenProcess, ...]:
     """``roots`` and every process descending from them, as the ledger records them.
 
     Children come from ``task/*/children`` (cheap: no walk over every process); on a kernel
     without it, from every ``stat``. Each process costs a ``stat``, ``status`` and ``cgroup``
-    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). A child counts
-    only while its ``stat`` still names the parent it was listed under: a PID that died and was
-    reused between the listing and the read is somebody else's. Bounded by DESCENDANTS_MAX; a
-    process whose cgroup cannot be parsed is recorded as ``?``.
+    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). Every process
+    is pinned to who it was found as, so a PID that died and was given to another process on
+    the way is never recorded as the old one: a root given as an identity (a recorded process)
+    only while its ``stat`` shows that start time; a root given as a PID (read from the cgroup
+    ``within``) only while its cgroup is ``within`` or below it; a child only while its
+    ``stat`` names the parent it was listed under and that parent's PID, read again after the
+    child's, still has the parent's start time. Bounded by DESCENDANTS_MAX; a process whose
+    cgroup cannot be parsed is recorded as ``?``.
     """
     root = os.fspath(proc_root)
-    queue: deque[tuple[int, int | None]] = deque(
-        (pid, None) for pid in sorted({pid for pid in roots if pid > 0})
+    queue: deque[_Lead] = deque(
+        sorted(
+            {
+                _Lead(r.pid, r.start_time) if isinstance(r, ProcessIdentity) else _Lead(r)
+                for r in roots
+            },
+            key=lambda lead: (lead.pid, lead.start is None),
+        )
     )
     seen: set[int] = set()
     by_ppid: dict[int, list[int]] | None = None
     found: list[SeenProcess] = []
     while queue and len(seen) < DESCENDANTS_MAX:
-        pid, parent = queue.popleft()
-        if pid in seen:
+        lead = queue.popleft()
+        if lead.pid <= 0 or lead.pid in seen:
             continue
-        seen.add(pid)
-        process = _seen(pid, f"{root}/{pid}", parent)
+        process = _seen(lead, root, within)
         if process is None:
             continue
+        seen.add(lead.pid)
         found.append(process)
+        parent = ProcessIdentity(process.pid, process.start_time)
         if by_ppid is None:
             try:
-                queue.extend((child, pid) for child in _children_of(root, pid))
+                queue.extend(_Lead(child, parent=parent) for child in _children_of(root, lead.pid))
                 continue
             except _ChildrenUnsupportedError:
                 by_ppid = _children_by_ppid(root)
-        queue.extend((child, pid) for child in by_ppid.get(pid, ()))
+        queue.extend(_Lead(child, parent=parent) for child in by_ppid.get(lead.pid, ()))
     return tuple(found)
 
 
-def _seen(pid: int, base: str, parent: int | None) -> SeenProcess | None:
+class _Lead(NamedTuple):
+    """A PID the walk is to read, and who it must still be when read."""
+
+    pid: int
+    start: int | None = None
+    """A recorded process's start time: only that process counts."""
+    parent: ProcessIdentity | None = None
+    """The process it was listed as a child of; None for a root."""
+
+
+def _seen(lead: _Lead, root: str, within: str | None) -> SeenProcess | None:
     """One process's identity, uids, name and cgroup, or None.
 
-    None when it vanished, is a kernel thread, or is no longer the child of ``parent``.
+    None when it vanished, is a kernel thread, or is no longer who ``lead`` says it was.
     """
+    pid, base = lead.pid, f"{root}/{lead.pid}"
     stat = stat_at(base)
-    if stat is None or stat.kernel_thread or (parent is not None and stat.ppid != parent):
+    if stat is None or stat.kernel_thread or lead.start not in {None, stat.start_time}:
+        return None
+    if lead.parent is not None and stat.ppid != lead.parent.pid:
         return None
     try:
         status = read_optional(base + "/status") or b""
@@ -438,4 +478,27 @@ def _seen(pid: int, base: str, parent: int | None) -> SeenProcess | None:
     if again is None or again.start_time != stat.start_time:
         return None
     path = parse_cgroup(cgroup.decode("utf-8", "backslashreplace"))
+    if not _still_who(lead, root, path, within):
+        return None
     return SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
+
+
+def _still_who(lead: _Lead, root: str, path: str | None, within: str | None) -> bool:
+    """Whether a process read whole (its cgroup ``path``) is where ``lead`` found it.
+
+    A PID of the cgroup's list must still be in the cgroup; a child's parent must still be the
+    parent found: its stat named the parent's PID, and that PID having the parent's start time
+    after the read proves it was not given to another process meanwhile.
+    """
+    if lead.parent is not None:
+        parent = stat_at(f"{root}/{lead.parent.pid}")
+        return parent is not None and parent.start_time == lead.parent.start_time
+    if lead.start is None and within is not None:
+        return path is not None and _inside(path, within)
+    return True
+
+
+def _inside(path: str, group: str) -> bool:
+    """Whether cgroup ``path`` is ``group`` or below it."""
+    top = group.rstrip("/")
+    return path == top or path.startswith(top + "/")

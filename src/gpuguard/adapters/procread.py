@@ -114,6 +114,20 @@ def parse_uids(status: bytes) -> tuple[int, ...]:
     return tuple(int(field) for field in fields)
 
 
+def parse_fd_size(status: bytes) -> int:
+    """Return ``FDSize:`` of ``/proc/PID/status``: the slots of the descriptor table; 0 if absent.
+
+    At least as many as are open (the table grows to fit the highest descriptor, and never
+    shrinks): an upper bound on the count where the kernel gives no count. The last such line
+    is used: only the ``Name:`` line before it is process-controlled.
+    """
+    at = status.rfind(b"\nFDSize:")
+    if at < 0:
+        return 0
+    value = status[at + 8 :].split(b"\n", 1)[0].strip()
+    return int(value) if value.isdigit() and len(value) <= 12 else 0
+
+
 def parse_invocation_id(environ: bytes) -> str | None:
     """Return ``INVOCATION_ID`` from a NUL-separated environment block, if it is unambiguous.
 

@@ -62,10 +62,17 @@ def run_processes(
     cgroup_root: Path = CGROUP_ROOT,
     proc_root: Path = procfs.PROC,
 ) -> tuple[SeenProcess, ...]:
-    """The run's processes now: its cgroup's, the ``recorded`` ones still alive, descendants."""
-    roots = cgroup_pids(control_group, cgroup_root=cgroup_root) if control_group else []
-    roots.extend(i.pid for i in recorded if alive(i, proc_root=proc_root))
-    return procfs.descendants(roots, proc_root=proc_root)
+    """The run's processes now: its cgroup's, the ``recorded`` ones still alive, descendants.
+
+    Each is pinned as it is read (procfs.descendants): a recorded process by its start time, a
+    PID of ``cgroup.procs`` by its cgroup, so a PID reused since it was listed or recorded is
+    never recorded in the old one's place.
+    """
+    roots: list[int | ProcessIdentity] = []
+    if control_group:
+        roots.extend(cgroup_pids(control_group, cgroup_root=cgroup_root))
+    roots.extend(recorded)
+    return procfs.descendants(roots, within=control_group, proc_root=proc_root)
 
 
 def alive(identity: ProcessIdentity, *, proc_root: Path = procfs.PROC) -> bool:

@@ -30,6 +30,7 @@ _PROPERTIES = (
     "NRestarts",
     "User",
     "DynamicUser",
+    "KillMode",
 )
 _TIMEOUT_S = 10
 _INVOCATION_ID = re.compile(r"[0-9a-f]{32}")
@@ -58,6 +59,8 @@ class UnitState:
     """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
     control_group: str | None = None
     """The unit's cgroup (``/system.slice/sglang.service``) while it has one (the ledger)."""
+    kill_mode: str | None = None
+    """``KillMode=`` (control-group, mixed, process, none): what a stop kills of the cgroup."""
 
     @property
     def not_found(self) -> bool:
@@ -152,6 +155,7 @@ def parse_show(unit: str, text: str) -> UnitState:
         load_state=values.get("LoadState") or None,
         user=values.get("User") or None,
         dynamic_user=values.get("DynamicUser") == "yes",
+        kill_mode=values.get("KillMode") or None,
     )
 
 

@@ -13,12 +13,13 @@ if TYPE_CHECKING:
 
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.commands.output import Said
-    from gpuguard.config import Settings, UnitSettings
+    from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.ledger import UnitLedger
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
+    from gpuguard.unitsettings import UnitSettings
 
 
 def unknown_unit(settings: Settings, unit: str, command: str, *, force: bool) -> Said | None:
@@ -60,7 +61,7 @@ def did_you_mean(unit: str, candidates: Sequence[str]) -> list[str]:
 
 def unit_settings(settings: Settings, unit: str) -> UnitSettings:
     """The unit's entry in the configuration, else the defaults."""
-    from gpuguard.config import UnitSettings  # noqa: PLC0415 - see the package doc
+    from gpuguard.unitsettings import UnitSettings  # noqa: PLC0415 - see the package doc
 
     return settings.units.get(unit) or UnitSettings()
 

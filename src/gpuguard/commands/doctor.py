@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.commands.context import unknown_unit
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Mapping
 
+    from gpuguard.commands.arguments import DoctorArgs
     from gpuguard.commands.output import Said
     from gpuguard.config import Settings
     from gpuguard.core.doctor import Finding
@@ -51,7 +51,7 @@ class Diagnosis:
         return doctor.render_json(self.findings)
 
 
-def run(settings: Settings, args: argparse.Namespace) -> Diagnosis | Said:
+def run(settings: Settings, args: DoctorArgs) -> Diagnosis | Said:
     """Audit each unit against its journal; the findings, to print as the options ask."""
     from gpuguard.adapters import doctorio, inventory  # noqa: PLC0415 - see the package doc
     from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc

@@ -19,9 +19,9 @@ from gpuguard.commands.context import (
 from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable, Sequence
 
+    from gpuguard.commands.arguments import GateArgs
     from gpuguard.commands.output import Said
     from gpuguard.config import Settings
     from gpuguard.core.gate import GateOutcome
@@ -67,7 +67,7 @@ class GateVerdict:
 
 
 def fast_path(
-    args: argparse.Namespace, caller: Caller | None
+    config: Path | None, args: GateArgs, caller: Caller | None
 ) -> tuple[GateVerdict | None, NvmlReading | None]:
     """Exit 0 at once when the unit's GPUs are idle, without pydantic, structlog or /proc.
 
@@ -85,7 +85,7 @@ def fast_path(
     from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
 
     started = time.monotonic()
-    cached = configfile.load_validated(args.config)
+    cached = configfile.load_validated(config)
     if cached is None:
         return None, None
     runtime_dir = Path(cached["runtime_dir"])
@@ -117,7 +117,7 @@ def fast_path(
 
 def run(
     settings: Settings,
-    args: argparse.Namespace,
+    args: GateArgs,
     reading: NvmlReading | None,
     caller: Caller | None,
     say: Callable[[str], None],
@@ -137,7 +137,7 @@ def run(
     from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415
 
-    unknown = unknown_unit(settings, args.unit, "gate", force=getattr(args, "force", False))
+    unknown = unknown_unit(settings, args.unit, "gate", force=args.force)
     if unknown is not None:
         return unknown
     first = inventory.gather(settings, reading)

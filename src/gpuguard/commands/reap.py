@@ -17,10 +17,10 @@ from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.releaselog import seconds
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable, Sequence
 
     from gpuguard.adapters.containerstop import ContainerStopper
+    from gpuguard.commands.arguments import ReapArgs
     from gpuguard.commands.context import UnitPlan
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
@@ -38,7 +38,7 @@ Containers = tuple[tuple["ContainerVerdict", "ContainerResult | None"], ...]
 
 def run(
     settings: Settings,
-    args: argparse.Namespace,
+    args: ReapArgs,
     caller: Caller | None,
     *,
     show: Callable[[str], object],
@@ -63,7 +63,7 @@ def run(
                 ),
             ),
         )
-    unknown = unknown_unit(settings, unit_name, "reap", force=getattr(args, "force", False))
+    unknown = unknown_unit(settings, unit_name, "reap", force=args.force)
     if unknown is not None:
         return unknown
     found = inventory.gather(settings)
@@ -160,7 +160,7 @@ def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
 def _container_stopper(
     settings: Settings,
     request: PlanRequest,
-    args: argparse.Namespace,
+    args: ReapArgs,
     grace_s: float,
     logger: Callable[[], Logger],
 ) -> ContainerStopper:
@@ -225,7 +225,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     kill_plan: KillPlan,
     planned: UnitPlan,
     results: tuple[ReapResult, ...],
-    args: argparse.Namespace,
+    args: ReapArgs,
     timeout: float,
     waited: bool,
     containers: Containers,

@@ -10,26 +10,29 @@ from gpuguard.adapters.configfile import DEFAULT_CONFIG_PATH
 from gpuguard.commands.output import Said
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable
     from pathlib import Path
 
+    from gpuguard.core.gateproto import Request
 
-def ask_gate_server(args: argparse.Namespace, say: Callable[[str], None]) -> Said | None:
+
+def ask_gate_server(
+    request: Request, path: str, config: Path | None, say: Callable[[str], None]
+) -> Said | None:
     """Send a gate or reap to the root gate server; None: run it here instead (root, no server).
 
     The server's answer is relayed as it comes (its output is the unit's journal); the result
-    holds its exit status, or the verdict when the server cannot be reached. ``say`` gets the
-    line that tells root the work runs in this process.
+    holds its exit status, or the verdict when the server cannot be reached. ``path``: the
+    server's socket (--socket); ``config``: --config; ``say`` gets the line that tells root the
+    work runs in this process.
 
     The rule (docs/security.md): a socket at --socket means the packaged server, so always ask
     it; no socket and root means a developer's install, which runs in-process; no socket and
     not root, or a socket nobody answers, refuses - unless gate_unreachable = "allow".
     """
     from gpuguard.adapters import gateclient  # noqa: PLC0415 - see the package doc
-    from gpuguard.core.gateproto import Request  # noqa: PLC0415
 
-    path = args.socket
+    command = request.command
     try:
         os.lstat(path)
         present = True
@@ -39,30 +42,22 @@ def ask_gate_server(args: argparse.Namespace, say: Callable[[str], None]) -> Sai
         present = True  # not ours to look at: connecting says why
     if not present:
         if os.geteuid() == 0:
-            say(f"gpuguard {args.command}: no gate server at {path}: runs here")
+            say(f"gpuguard {command}: no gate server at {path}: runs here")
             return None
         reason = "no such socket"
     else:
-        request = Request(
-            command=args.command,
-            unit=args.unit,
-            scope=args.scope,
-            grace=args.grace,
-            timeout=args.timeout,
-            json=bool(getattr(args, "json", False)),
-        )
         try:
             return Said(gateclient.ask(request, path, sys.stdout, sys.stderr))
         except gateclient.UnreachableError as err:
             reason = str(err)
-    allowed = args.command == "gate" and _unreachable_allowed(args.config)
+    allowed = command == "gate" and _unreachable_allowed(config)
     verdict = (
         "start allowed without the gate (gate_unreachable = allow)"
         if allowed
-        else ("start refused" if args.command == "gate" else "nothing reaped")
+        else ("start refused" if command == "gate" else "nothing reaped")
     )
     unreachable = f"cannot reach the gate server at {path} ({reason}): {verdict}"
-    return Said(0 if allowed else 1, notices=(f"gpuguard {args.command}: {unreachable}",))
+    return Said(0 if allowed else 1, notices=(f"gpuguard {command}: {unreachable}",))
 
 
 def _unreachable_allowed(cli_path: Path | None) -> bool:

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from gpuguard.commands.reap import REAP_TIMEOUT_S
+from gpuguard.commands.arguments import from_request
 from gpuguard.core.exits import EX_OSERR
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from pathlib import Path
-    from typing import TextIO
+    from typing import Protocol, TextIO
 
+    from gpuguard.commands.arguments import CommandArgs
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gateproto import Request as GateRequest
 
+    class Execute(Protocol):
+        """The command line's own dispatch (cli._execute)."""
 
-def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller], int]) -> int:
+        def __call__(
+            self, config: Path | None, command: CommandArgs, caller: Caller | None, *, as_json: bool
+        ) -> int:
+            """Run ``command`` in this process for ``caller``; its exit status."""
+
+
+def run(config: Path | None, execute: Execute) -> int:
     """Serve the socket gpuguard-gate.socket passed until SIGTERM.
 
-    ``execute`` is the command line's own dispatch: a request runs as the same command would.
+    ``config``: --config. ``execute`` is the command line's own dispatch: a request runs as the
+    same command would, with the arguments ``from_request`` makes of it.
     Everything a request needs is imported here, once, before the first fork, so a request
     pays for none of it; NVML itself is initialised only in each request's own process.
     """
@@ -39,23 +47,11 @@ def run(args: argparse.Namespace, execute: Callable[[argparse.Namespace, Caller]
     nvml.import_bindings()
 
     def handle(request: GateRequest, caller: Caller, out: TextIO, err: TextIO) -> int:
-        work = argparse.Namespace(
-            config=args.config,
-            command=request.command,
-            unit=request.unit,
-            scope=request.scope,
-            grace=request.grace,
-            timeout=REAP_TIMEOUT_S
-            if request.timeout is None and request.command == "reap"
-            else request.timeout,
-            json=request.json,
-            yes=True,
-            dry_run=False,
-        )
+        work = from_request(request)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            return execute(work, caller)
+            return execute(config, work, caller, as_json=request.json)
 
-    watched = Watched(args.config)
+    watched = Watched(config)
     with listener:
         return gateserver.serve_forever(
             listener,

@@ -39,6 +39,10 @@ SCOPES = ("unit", "patterns", "all")
 #: Upper bounds for the numbers a caller may send: an instance must not live for days.
 MAX_TIMEOUT_S = 3600.0
 MAX_GRACE_S = 600.0
+#: The gate server's last journal line of a request whose client went before the answer (in
+#: place of "exit N"): the work ends there, so what it had not logged yet (a target's outcome,
+#: the GPUs at the end) is unknown. ``explain`` reads it (its ``*-abandoned`` rows).
+CLIENT_GONE = "the client has gone: stopped before the end, its outcome unknown"
 
 _KEYS = frozenset({"v", "command", "unit", "scope", "grace", "timeout", "json"})
 

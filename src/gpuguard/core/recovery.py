@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Final, TypeGuard
 
 from gpuguard.core.detector import Cause
 from gpuguard.core.escaping import escape
@@ -233,8 +233,27 @@ def _kind(value: object) -> str:
     )
 
 
+# What systemd's stop does to the processes of the unit's cgroup, by KillMode= (systemd.kill(5)):
+# control-group signals every process in it, SIGTERM then SIGKILL; mixed SIGTERMs the main
+# process and SIGKILLs all that remain; process signals the main process only; none signals
+# nothing (only ExecStop= runs). Anything else, or not known, is taken as none.
+_STOP_KILLS_THE_CGROUP: Final = frozenset({"control-group", "mixed"})
+
+
+def stop_frees(pid: int, kill_mode: str | None, main_pid: int | None) -> bool:
+    """Whether systemd's stop of the unit kills a process of its cgroup, by its KillMode=."""
+    if kill_mode in _STOP_KILLS_THE_CGROUP:
+        return True
+    return kill_mode == "process" and pid == main_pid
+
+
 def unfreeable(
-    kill_plan: KillPlan, inventory: Inventory, idle_threshold_bytes: int
+    kill_plan: KillPlan,
+    inventory: Inventory,
+    idle_threshold_bytes: int,
+    *,
+    kill_mode: str | None = None,
+    main_pid: int | None = None,
 ) -> tuple[str, ...]:
     """What holds the unit's GPUs that neither its stop nor its plan would free, one phrase each.
 
@@ -242,11 +261,12 @@ def unfreeable(
     the unit's GPUs stays: a spared process outside the unit's cgroup that NVML lists with more
     than the idle threshold (or an unknown amount) - or, inside a PID namespace, where NVML's
     PIDs name nobody here, one holding the device file of a GPU whose memory is credited to its
-    holders - and memory used from outside the container. A process in the unit's own cgroup
-    goes with the stop, unless it runs as another uid: a shared service's other user's job
-    (``KillMode=process`` keeps it through the stop, and no plan reaps it). When any remains,
-    stopping the unit cannot help and only risks leaving it down: the daemon asks an operator
-    instead, and the gate's refusal names them.
+    holders - and memory used from outside the container. A process the plan spares in the
+    unit's own cgroup (another uid's job in a shared service, a protected name) goes with the
+    stop only as the unit's ``kill_mode`` says (:func:`stop_frees`: every one with
+    control-group or mixed, the main process ``main_pid`` alone with process, none with none or
+    when systemd could not say). When any remains, stopping the unit cannot help and only risks
+    leaving it down: the daemon asks an operator instead, and the gate's refusal names them.
     """
     request = kill_plan.request
     wanted = request.gpu_set
@@ -258,13 +278,12 @@ def unfreeable(
     for decision in kill_plan.spared:
         holder = decision.holder
         attribution = holder.attribution
-        uid = request.provenance.uid
         if (
             attribution.unit == request.unit
             and not attribution.user_unit
             and attribution.container is None
             and not attribution.unknown
-            and (uid is None or set(holder.uids) == {uid})
+            and stop_frees(holder.pid, kill_mode, main_pid)
         ):
             continue
         held = [

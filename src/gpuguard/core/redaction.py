@@ -3,7 +3,8 @@
 Inference servers take credentials on the command line (``--api-key``, ``HF_TOKEN=…`` through
 ``env``, a JSON ``--model-loader-extra-config``, a URL with ``?token=``), and gpuguard writes
 command lines to the journal, to ``/run/gpuguard`` and to the terminal: a leaked key there is
-readable by every operator. Everything here is pure.
+readable by every operator. Everything here is pure; which names are secret (rules 1 and 2)
+is secretnames.py's, the rest is here.
 
 The rule, applied to each argument in turn:
 
@@ -63,69 +64,17 @@ import shlex
 from typing import TYPE_CHECKING
 
 from gpuguard.core.escaping import escape
+from gpuguard.core.secretnames import SHORT_VALUE, hides, is_number, secret_words, takes_value
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 REDACTED = "<redacted>"
 
-_EXACT_OR_SUFFIX = (
-    "key",
-    "keys",
-    "token",
-    "tokens",
-    "secret",
-    "secrets",
-    "password",
-    "passwords",
-    "passwd",
-    "pwd",
-    "passphrase",
-    "credential",
-    "credentials",
-    "creds",
-    "cookie",
-    "cookies",
-)
-_PREFIXES = ("secret", "auth", "passw", "credential")
-# Secret words that are also ordinary LLM-server vocabulary (token counts, cache keys).
-_AMBIGUOUS = frozenset({"key", "keys", "token", "tokens"})
-_LIMIT_WORDS = frozenset(
-    {
-        "max",
-        "min",
-        "num",
-        "number",
-        "total",
-        "limit",
-        "limits",
-        "budget",
-        "size",
-        "len",
-        "length",
-        "count",
-        "chunk",
-        "chunked",
-        "batch",
-        "prefill",
-        "per",
-        "threshold",
-        "ratio",
-        "window",
-        "context",
-        "ctx",
-        "reserve",
-        "reserved",
-    }
-)
 # Pieces of one command line inspected one by one (rule 11): each costs a few microseconds of
 # Python, a real command line has a few hundred, a hostile 2 MiB one could have a million.
 _BUDGET = 10_000
-# A value longer than this is never treated as a number (rule 2) or a port (rule 9).
-_SHORT_VALUE = 64
-_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 _PORTISH = re.compile(r"[0-9.:\[\]-]+(?:/(?:tcp|udp|sctp))?")
-_WORD_SPLIT = re.compile(r"[-_.]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _WHITESPACE = re.compile(r"(\s+)")
 # Every rule needs one of these in the (lower-cased) text: a word without any is kept as it is
@@ -181,46 +130,6 @@ class _Budget:
 _Pending = tuple[str, str]
 
 
-def _secret_words(name: str) -> list[str]:
-    """Return the words of a flag or variable name that make it look secret."""
-    found: list[str] = []
-    for word in _WORD_SPLIT.split(name.lower()):
-        if not word:
-            continue
-        if word.endswith(_EXACT_OR_SUFFIX) or word.startswith(_PREFIXES):
-            found.append(word)
-    return found
-
-
-def _is_counter(name: str, secret_words: list[str]) -> bool:
-    """Whether a key/token name is a limit (``--max-total-tokens``) rather than a credential."""
-    if any(word not in _AMBIGUOUS for word in secret_words):
-        return False
-    words = _WORD_SPLIT.split(name.lower())
-    return any(word in _LIMIT_WORDS for word in words)
-
-
-def _is_number(text: str, start: int = 0, end: int | None = None) -> bool:
-    """Whether ``text[start:end]`` is a number; long texts never are (bounded work)."""
-    stop = len(text) if end is None else end
-    return stop - start <= _SHORT_VALUE and _NUMBER.fullmatch(text, start, stop) is not None
-
-
-def _hides(name: str, numeric: bool) -> bool:
-    """Whether a value given under ``name`` must be hidden (``numeric``: the value is a number)."""
-    words = _secret_words(name)
-    if not words:
-        return False
-    return not (numeric and _is_counter(name, words))
-
-
-def _takes_value(arg: str) -> bool:
-    """Whether ``arg`` is a bare ``--flag`` (or ``-flag``) whose name looks secret."""
-    if not arg.startswith("-") or "=" in arg:
-        return False
-    return bool(_secret_words(arg.lstrip("-")))
-
-
 def _redact_assignment(arg: str, budget: _Budget) -> str | None:
     """Redact a whole ``--flag=value`` or ``NAME=value`` argument; None when it is not secret.
 
@@ -238,11 +147,11 @@ def _redact_assignment(arg: str, budget: _Budget) -> str | None:
         budget.spend()
         start = equals + 1
         name = arg[pos:equals]
-        numeric = _is_number(arg, start)
+        numeric = is_number(arg, start)
         if not name.startswith("-"):
-            secret = _ENV_NAME.fullmatch(name) is not None and _hides(name, numeric)
+            secret = _ENV_NAME.fullmatch(name) is not None and hides(name, numeric)
             return arg[:start] + REDACTED if secret else None
-        if _hides(name.lstrip("-"), numeric):
+        if hides(name.lstrip("-"), numeric):
             return arg[:start] + REDACTED
         pos = start
 
@@ -259,10 +168,10 @@ def _redact_json(arg: str, budget: _Budget) -> str:
         budget.spend()
         pos = match.end()
         name = match["name"]
-        if not _secret_words(name):
+        if not secret_words(name):
             continue
         start, end, after = _json_value(arg, pos)
-        if end == start or not _hides(name, _is_number(arg, start, end)):
+        if end == start or not hides(name, is_number(arg, start, end)):
             continue
         if arg[start:end] != REDACTED:
             pieces += (arg[done:start], REDACTED)
@@ -318,7 +227,7 @@ def _query_spans(word: str, budget: _Budget) -> list[tuple[int, int]]:
         pos = match.end()
         value = _QUERY_VALUE.match(word, pos)
         end = pos if value is None else value.end()
-        if _hides(match["name"], _is_number(word, pos, end)):
+        if hides(match["name"], is_number(word, pos, end)):
             spans.append((pos, end))
             pos = end
     return spans
@@ -356,7 +265,7 @@ def _header(word: str) -> tuple[str, _Pending | None] | None:
     held it all.
     """
     match = _HEADER.match(word)
-    if match is None or not _secret_words(match["name"]):
+    if match is None or not secret_words(match["name"]):
         return None
     name, rest = match["name"], match["rest"]
     if not rest:
@@ -364,7 +273,7 @@ def _header(word: str) -> tuple[str, _Pending | None] | None:
     if rest.lower() in _AUTH_SCHEMES:
         return word, ("credential", "")
     # auth://…, authserver:8080, and counters (max-tokens:512) are no credentials.
-    if rest.startswith("/") or rest.isdecimal() or not _hides(name, _is_number(rest)):
+    if rest.startswith("/") or rest.isdecimal() or not hides(name, is_number(rest)):
         return None
     return word[: match.start("rest")] + REDACTED, None
 
@@ -373,7 +282,7 @@ def _keeps_short_value(value: str) -> bool:
     """Whether the value after ``-p`` is shown: a port, a port mapping or a path (rule 9)."""
     if value.startswith(_PATH_START):
         return True
-    short = len(value) <= _SHORT_VALUE
+    short = len(value) <= SHORT_VALUE
     return short and _PORTISH.fullmatch(value) is not None and any(c.isdigit() for c in value)
 
 
@@ -383,7 +292,7 @@ def _pending_hides(kind: str, name: str, word: str) -> bool:
         return True
     if kind == "short":
         return not _keeps_short_value(word)
-    return _hides(name, _is_number(word))
+    return hides(name, is_number(word))
 
 
 def _redact_words(words: Sequence[str], budget: _Budget) -> list[str]:
@@ -430,12 +339,12 @@ def _value_word(pending: _Pending, word: str) -> tuple[str, _Pending | None]:
         return word, ("credential", "")
     shown = REDACTED if _pending_hides(kind, name, word) else word
     # `--api-key -token x`: "-token" is hidden as a value and still hides "x" as a flag.
-    return shown, ("flag", word.lstrip("-")) if _takes_value(word) else None
+    return shown, ("flag", word.lstrip("-")) if takes_value(word) else None
 
 
 def _word(word: str, budget: _Budget) -> tuple[str, _Pending | None]:
     """Show a word no earlier word announced, and what it announces."""
-    if _takes_value(word):
+    if takes_value(word):
         return word, ("flag", word.lstrip("-"))
     if _ANY_WHITESPACE.search(word):
         return _redact_arg(word, budget), None

@@ -97,7 +97,11 @@ class Judging(Publishing):
         """
         request = self._request(watch.name, inventory, state, None)
         blockers = unfreeable(
-            plan(inventory.holders, request), inventory, self._settings.idle_threshold_mib * MIB
+            plan(inventory.holders, request),
+            inventory,
+            self._settings.idle_threshold_mib * MIB,
+            kill_mode=state.kill_mode,
+            main_pid=state.main_pid,
         )
         if not blockers:
             return decision

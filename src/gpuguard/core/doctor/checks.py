@@ -211,14 +211,14 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
 
 
 def _survivors(facts: UnitFacts) -> list[Finding]:
-    """Processes that outlived a stop of the unit, each PID once (as ``explain`` counts them).
+    """Processes that outlived a stop of the unit, each PID once, counted on trusted word only.
 
-    systemd's word, the daemon's sweeps, and the holders the server's out-of-memory lines name
-    outside the cgroup.
+    systemd's word and the daemon's sweeps are counted; the holders the server's out-of-memory
+    lines name outside the cgroup are the unit's own word (any of its processes can print such a
+    line, naming any PID), so they are listed apart and never counted.
     """
     history, unit, mode = facts.history, facts.config.unit, facts.config.kill_mode
     pids = {pid for pid, _ in history.survivors} | {p for ps, _ in history.swept for p in ps}
-    pids |= set(history.named)
     if not history.survivors and not history.swept and not history.named:
         return []
     evidence: list[str] = []
@@ -228,16 +228,20 @@ def _survivors(facts: UnitFacts) -> list[Finding]:
         evidence.append(f"names: {listed}")
     evidence += [f"gpuguard's daemon: {summary}" for _, summary in history.swept[-_MAX_NAMES:]]
     shown = sorted(pids)
-    evidence.append(
-        "PIDs: "
-        + ", ".join(map(str, shown[:_MAX_NAMES]))
-        + (" …" if len(shown) > _MAX_NAMES else "")
-    )
-    if history.named:
-        listed = ", ".join(str(pid) for pid in history.named[:_MAX_NAMES])
+    if shown:
         evidence.append(
-            f"the server's out-of-memory lines name PID {listed} as holding GPU memory (its "
-            "word); systemd never saw it in the unit's cgroup"
+            "PIDs: "
+            + ", ".join(map(str, shown[:_MAX_NAMES]))
+            + (" …" if len(shown) > _MAX_NAMES else "")
+        )
+    named = [pid for pid in history.named if pid not in pids]
+    if named:
+        listed = ", ".join(str(pid) for pid in named[:_MAX_NAMES])
+        evidence.append(
+            f"the server's out-of-memory lines name PID {listed}"
+            + (" …" if len(named) > _MAX_NAMES else "")
+            + " as holding GPU memory (its word, not counted); systemd never saw it in the "
+            "unit's cgroup"
         )
     prevent = (
         "install the gate: its ExecStopPost= reap and its check before each start"
@@ -245,11 +249,17 @@ def _survivors(facts: UnitFacts) -> list[Finding]:
         else "KillMode=mixed or control-group, and the gate's ExecStopPost= reap"
     )
     count = len(pids) or len(history.swept)
+    title = (
+        f"{count} {'process' if count == 1 else 'processes'} survived a stop or "
+        f"{'was' if count == 1 else 'were'} left over at a start"
+        if count
+        else "the server's out-of-memory lines name a holder outside the unit's cgroup"
+    )
     return [
         Finding(
             "survivors",
             Level.WARNING,
-            f"{count} processes survived a stop or were left over at a start",
+            title,
             tuple(evidence),
             advice=(
                 f"{prevent}; to see what holds the GPUs now: `gpuguard status`, then "

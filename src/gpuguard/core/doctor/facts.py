@@ -47,7 +47,8 @@ class History:
     start_limit_hits: int = 0
     named: tuple[int, ...] = ()
     """PIDs the unit's out-of-memory lines name as holding GPU memory (the server's word) that
-    systemd never saw in the cgroup: a worker that left it, as ``explain`` counts them."""
+    systemd never saw in the cgroup: perhaps a worker that left it. Shown, never counted: any
+    process of the unit can print such a line."""
 
 
 @dataclass(frozen=True, slots=True)

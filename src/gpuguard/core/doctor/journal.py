@@ -1,10 +1,13 @@
 """A unit's history as doctor reads it from the journal: its stops, loads, failures, survivors.
 
 Only PID 1's own messages count (``events.is_trusted``: a user's forged entry claiming to be
-systemd counts for nothing), plus the daemon's "survivors of an ended run" lines when journald
-says root's gpuguard.service wrote them. Runs are matched by INVOCATION_ID within one boot, and
-durations are the journal's per-boot monotonic stamps, so a wall clock that steps cannot stretch
-a drain.
+systemd counts for nothing; a survivor also only through journald's native protocol,
+``_TRANSPORT=journal``, the one PID 1 logs by), plus the daemon's "survivors of an ended run"
+lines when journald says root's gpuguard.service wrote them to its standard error or the native
+protocol. The unit's own output is its word: the holders its out-of-memory lines name are kept
+apart (``History.named``), never counted as survivors, since any process of the unit can print
+such a line. Runs are matched by INVOCATION_ID within one boot, and durations are the journal's
+per-boot monotonic stamps, so a wall clock that steps cannot stretch a drain.
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
             named.update(dict.fromkeys(named_holders(event.message)))
         elif event is not None:
             events.append(event)
-            if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None:
+            native = entry.get("_TRANSPORT") == _PID1_TRANSPORT
+            if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None and native:
                 survivors.append((event.pid, event.comm or ""))
-        elif is_trusted(entry, unit):
+        elif is_trusted(entry, unit) and entry.get("_TRANSPORT") == _PID1_TRANSPORT:
             text = decode_message(entry.get("MESSAGE"), limit=512) or ""
             if match := _SURVIVOR.search(text):
                 survivors.append((int(match["pid"]), match["comm"]))
@@ -69,15 +73,21 @@ def build_history(entries: Iterable[Mapping[str, object]], unit: str) -> History
 
 DAEMON_UNIT: Final = "gpuguard.service"
 SWEEP_EVENT: Final = "survivors of an ended run"
+# How journald received an entry (systemd.journal-fields(7)): PID 1 logs through the native
+# protocol; the daemon writes to its standard error (a stream, "stdout"), or natively.
+_PID1_TRANSPORT: Final = "journal"
+_DAEMON_TRANSPORTS: Final = frozenset({"stdout", "journal"})
 
 
 def _daemon_sweep(entry: Mapping[str, object], unit: str) -> tuple[tuple[int, ...], str] | None:
     """The daemon's "survivors of an ended run" line about ``unit``, else None.
 
-    Only from gpuguard.service as root (journald's fields): the unit's output can print the same
-    JSON.
+    Only from gpuguard.service as root, by its standard error or the native protocol (journald's
+    fields): the unit's output can print the same JSON.
     """
     if entry.get("_SYSTEMD_UNIT") != DAEMON_UNIT or entry.get("_UID") != "0":
+        return None
+    if entry.get("_TRANSPORT") not in _DAEMON_TRANSPORTS:
         return None
     text = decode_message(entry.get("MESSAGE"), limit=64 * 1024)
     if not text or not text.startswith("{"):

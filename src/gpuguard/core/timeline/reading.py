@@ -35,6 +35,7 @@ from gpuguard.core.events import (
     is_trusted,
     parse_entry,
 )
+from gpuguard.core.gateproto import CLIENT_GONE
 from gpuguard.core.startfailure import named_holders
 from gpuguard.core.timeline.model import (
     DAEMON_UNIT,
@@ -67,9 +68,15 @@ _REMAINS = re.compile(
 _GATE_SERVER_LINE = re.compile(r"\d{1,10}(?: \(uid \d{1,10}, .{0,400}\): accepted$|: (?P<said>.+))")
 _GATE_EXIT = re.compile(r"exit \d{1,3}")
 # The reaper's console line as the gate server copies it ("… from PID N: <time> [info ] reap
-# outcome command='…' detail=… outcome=exited pid=228 reason=…", keys sorted).
-_REAP_OUTCOME_TAG = re.compile(r"\[info\s{0,9}\] reap outcome ")
-_OUTCOME_PAIR = re.compile(r"\boutcome=(?P<outcome>[a-z_]{1,20}) pid=(?P<pid>\d{1,10}) ")
+# outcome outcome=exited pid=228 command='…' detail=… reason=…"): its outcome and PID lead
+# (adapters/logs.py, LEADING_FIELDS), so they are read at that one place, right after what the
+# logger itself wrote; the holder's command and the reason (cgroup names) come after and may
+# imitate a pair.
+_SAID_AFTER = re.compile(r"\d{1,10}: ")
+_REAP_OUTCOME_LINE = re.compile(
+    r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?Z \[info {0,9}\] reap outcome {1,30}"
+    r"outcome=(?P<outcome>[a-z-]{1,20}) pid=(?P<pid>\d{1,10})(?: |$)"
+)
 # The daemon's log events worth a row, and the fields that say what it decided or did.
 _DAEMON_EVENTS: Final = frozenset(
     {
@@ -221,7 +228,7 @@ def _gpuguard_row(  # noqa: PLR0911 - one return per kind of line that is not gp
         return
     if owner == GATE_SERVER_UNIT or owner.startswith(GATE_SERVER_PREFIX):
         kind = _gate_server_kind(text, unit)
-        reaped = _server_reaped(text) if kind in {"gate-said", "reap-said"} else None
+        reaped = _server_reaped(text, unit) if kind in {"gate-said", "reap-said"} else None
         if reaped is not None:  # the gate or stop-reap reaped it: a survivor, like the daemon's
             kind = "reap-outcome"
             text = f"reap outcome: pid={reaped[1]} outcome={reaped[0]}; {text}"
@@ -280,7 +287,9 @@ def _gate_server_kind(text: str, unit: str) -> str | None:
 
     Its acceptance, the verdict, the exit, or another line it sent the client (the reaper's).
     The server writes "<gate|reap> for U from PID N (uid …): accepted", then each line the
-    request sent the client's standard error as "… from PID N: <line>", then "… : exit N".
+    request sent the client's standard error as "… from PID N: <line>", then "… : exit N" - or,
+    when the client went first and the work ended there, CLIENT_GONE (``*-abandoned``: what
+    the request did not log is unknown, it never finished).
     """
     for command in ("gate", "reap"):
         head = f"{command} for {unit} from PID "
@@ -292,12 +301,19 @@ def _gate_server_kind(text: str, unit: str) -> str | None:
         said = match["said"]
         if said is None:
             return "gate-server"
-        if _GATE_EXIT.fullmatch(said):
-            return f"{command}-exit"
-        if said.startswith((GATE_LINE_PREFIX, "gpuguard reap")):
-            return f"{command}-verdict"
-        return f"{command}-said"
+        return f"{command}-{_said_kind(said)}"
     return None
+
+
+def _said_kind(said: str) -> str:
+    """What one line a request sent is: its exit, its end with the client, a verdict, or else."""
+    if _GATE_EXIT.fullmatch(said):
+        return "exit"
+    if said == CLIENT_GONE:
+        return "abandoned"
+    if said.startswith((GATE_LINE_PREFIX, "gpuguard reap")):
+        return "verdict"
+    return "said"
 
 
 def _kernel_row(
@@ -331,14 +347,18 @@ def _micros(value: object) -> float | None:
     return None
 
 
-def _server_reaped(text: str) -> tuple[str, str] | None:
+def _server_reaped(text: str, unit: str) -> tuple[str, str] | None:
     """(outcome, pid) of a reaper outcome line the gate server copied; None for other lines.
 
-    The last pair after the tag counts: the holder's command, which comes first, may imitate
-    one. Each search is linear (bounded patterns, no backtracking over the line).
+    Only where the reaper's own line begins, right after the server's "… from PID N: ": its
+    timestamp, level and event, then the outcome and the PID, which lead the fields. Nothing
+    a process chose (its command, a cgroup name in the reason) comes before them, so none can
+    stand in for them. One anchored, bounded match: linear.
     """
-    tag = _REAP_OUTCOME_TAG.search(text)
-    if tag is None:
-        return None
-    pairs = list(_OUTCOME_PAIR.finditer(text, tag.end()))
-    return (pairs[-1]["outcome"], pairs[-1]["pid"]) if pairs else None
+    for command in ("gate", "reap"):
+        head = f"{command} for {unit} from PID "
+        if text.startswith(head):
+            after = _SAID_AFTER.match(text, len(head))
+            found = _REAP_OUTCOME_LINE.match(text, after.end()) if after else None
+            return (found["outcome"], found["pid"]) if found else None
+    return None
