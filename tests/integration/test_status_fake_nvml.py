@@ -8,16 +8,15 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
 from fakestate import FakeGpu, fake_library, update_gpu, update_state, write_state
+from hostpids import HOST_PIDS
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.core.containment import INIT_PID_NAMESPACE_INODE
-
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from clirunner import Cli, UnitCgroups
     from fakeholder import HolderSpawner
 
@@ -87,15 +86,7 @@ def test_holder_on_four_gpus_with_inheriting_children(
         assert set(gpu["holder_pids"]) == {server.pid, *server.children}
 
 
-# In a container's own PID namespace NVML's PIDs are the host's (gpuguard says so and judges
-# memory no process here explains as "used from outside this container", a WARNING).
-_HOST_PIDS = pytest.mark.skipif(
-    Path("/proc/self/ns/pid").stat().st_ino != INIT_PID_NAMESPACE_INODE,
-    reason="assumes the host's PID namespace (NVML's PIDs are then this /proc's)",
-)
-
-
-@_HOST_PIDS
+@HOST_PIDS
 def test_unattributed_memory_is_critical(cli: Cli) -> None:
     """Memory that no process explains is reported as unattributed: exit 2."""
     update_gpu(cli.state, 2, unattributed_mib=3000)
@@ -105,7 +96,7 @@ def test_unattributed_memory_is_critical(cli: Cli) -> None:
     assert cli("status", "--json").json()["gpus"][2]["unattributed_mib"] == 3000
 
 
-@_HOST_PIDS
+@HOST_PIDS
 def test_dead_parent_named_by_nvml_and_left_child(cli: Cli, spawn_holder: HolderSpawner) -> None:
     """A killed server whose worker kept the fds: NVML's PID is vanished, the worker is found."""
     server = spawn_holder(cli.state, gpus=(1,), mib=1500, children=1, leave_child=True)

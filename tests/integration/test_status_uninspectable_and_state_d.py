@@ -15,6 +15,7 @@ import pytest
 from asnobody import public_dir, run_as_nobody
 from clirunner import Cli
 from fakestate import add_alloc, fake_library, write_state
+from hostpids import HOST_PIDS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -63,6 +64,7 @@ def test_root_job_seen_without_root_is_not_inspectable_not_vanished(
     assert next(h for h in as_root["holders"] if h["pid"] == job.pid)["files_readable"] is True
 
 
+@HOST_PIDS
 def test_a_pid_that_is_really_gone_is_still_vanished_without_root(
     public_cli: Cli, spawn_holder: HolderSpawner
 ) -> None:

@@ -19,6 +19,7 @@ import pytest
 from asnobody import public_dir, run_as_nobody
 from clirunner import Cli, CliResult
 from fakestate import FakeGpu, fake_library, update_gpu, write_state
+from hostpids import HOST_PIDS
 
 from gpuguard.core.baseline import CONFIRM_AFTER_S
 
@@ -124,6 +125,7 @@ def test_memory_no_process_explains_is_reported(old_cli: Cli, unit_cgroups: Unit
     assert "GPU 2: 3000 MiB used" in gate.err
 
 
+@HOST_PIDS
 @pytest.mark.skipif(os.geteuid() != 0, reason="the v1 reserve is learned by root alone")
 def test_a_holder_keeps_its_gpu_busy(old_cli: Cli, spawn_holder: HolderSpawner) -> None:
     """A real holder of 1000 MiB on GPU 0: busy, its memory shown, not called unattributed."""
