@@ -44,6 +44,7 @@ def test_i_survivors_of_a_crash_are_reaped_before_the_restart(
         gpubox.drop_in(UNIT, "e2e-restart.conf", ON_FAILURE)
         serving = gpubox.start_server()
         [tp3] = gpubox.pids("sglang::scheduler_TP3")
+        workers = set(gpubox.pids("sglang::scheduler_TP"))
         scope = gpubox.escape_to_scope(tp3)
         assert gpubox.allocated() == [SERVING_MIB] * 4
         timeline.mark(f"serving (run {serving[:8]}), TP3 (PID {tp3}) moved to {scope}")
@@ -75,14 +76,20 @@ def test_i_survivors_of_a_crash_are_reaped_before_the_restart(
             assert m.failed_starts == 0, m
             assert m.healthy_s is not None
             [sweep] = [e for e in swept if e.get("invocation_id") == serving]
-            assert sweep["pids"] == [tp3], sweep
-            assert str(sweep["summary"]).startswith(f"reaped 1 survivor of run {serving[:8]}")
+            # TP3, which left the cgroup, is reaped; the workers systemd kills with the cgroup
+            # may still be alive when the daemon sweeps (a race with systemd's own kill, on a
+            # loaded machine), and then are reaped too: all of the ended run, no one else.
+            assert tp3 in sweep["pids"], sweep
+            assert set(sweep["pids"]) <= workers, (sweep, workers)
+            count = len(sweep["pids"])
+            survivors = f"reaped {count} survivor{'s' if count > 1 else ''} of run {serving[:8]}"
+            assert str(sweep["summary"]).startswith(survivors), sweep
             assert tp3 in {e.get("pid") for e in daemon_events(events, "signal")}
             assert "GPUs idle before the restart" in str(started[0]["summary"]), started
             assert not daemon_events(events, "recovery finished")
             assert not alive(gpubox, tp3)
             assert gpubox.allocated() == [SERVING_MIB] * 4
             assert healthy in {h["invocation_id"] for h in gpubox.status_json()["holders"]}
-            assert f"reaped 1 survivor of run {serving[:8]} within" in status.stdout
+            assert f"{survivors} within" in status.stdout
         finally:
             gpubox.kill_server()
