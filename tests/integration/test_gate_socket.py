@@ -30,7 +30,7 @@ from clirunner import CliResult
 from fakeholder import process_gone
 from pidreuse import reuse_pid
 from slotflood import Hammer, hammer
-from socketactivate import activate, listen
+from socketactivate import activate, await_sigterm_handler, listen
 
 from gpuguard.adapters import unitenv
 from gpuguard.core import timeline
@@ -97,6 +97,7 @@ def server(cli: Cli, tmp_path: Path, public_dir: Path) -> Iterator[GateServer]:
         process = activate(listener, argv, cli.env, out)
     gate_server = GateServer(path, process, log)
     yield gate_server
+    await_sigterm_handler(process)
     process.terminate()
     try:
         process.wait(timeout=30)

@@ -7,15 +7,18 @@ by the integration tests and bench/gate.py in place of gpuguard-gate.socket.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
-    from pathlib import Path
     from typing import IO
 
 
@@ -44,6 +47,23 @@ def activate(
         stdout=log,
         stderr=log,
     )
+
+
+def await_sigterm_handler(process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Wait until ``process`` catches SIGTERM (its /proc status's SigCgt), or has ended.
+
+    A server terminated before it set its handler dies of the signal instead of stopping
+    cleanly (exit 0): a test that skips at once must not make its fixture's check fail.
+    """
+    bit = 1 << (signal.SIGTERM - 1)
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{process.pid}/status").read_text()
+            caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+            if int(caught.split()[1], 16) & bit:
+                return
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
