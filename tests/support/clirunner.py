@@ -65,12 +65,12 @@ class Cli:
         """What binds ``doubles`` in a private mount namespace, then execs the rest; [] if none."""
         if not self.doubles:
             return []
-        try:
-            binds = [str(p) for n, d in self.doubles.items() for p in (d, programs.resolve(n))]
-        except FileNotFoundError as missing:  # a tree without systemd: nothing to bind over
-            pytest.skip(
-                f"a double is bound over the system's program, and there is none: {missing}"
-            )
+        binds: list[str] = []
+        for name, double in self.doubles.items():
+            try:
+                binds += [str(double), programs.resolve(name)]
+            except FileNotFoundError:  # a tree without systemd: nothing to bind the double over
+                pytest.skip(f"a double is bound over the system's {name}, and there is none")
         script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 97; shift 2; done'
         script += '; shift; exec "$@"'
         unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
