@@ -1,9 +1,10 @@
 """Run gpuguard's CLI as user ``nobody`` (uid 65534), the way an unprivileged operator would.
 
 The interpreter and its standard library may live where ``nobody`` cannot read (a pyenv under
-/root in CI), so the child imports every module the command needs while still root, then drops
-its privileges and only then calls ``gpuguard.cli.main``: what runs unprivileged is exactly
-gpuguard's code path, with the same imports already loaded.
+/root in CI; a checkout in a 0700 home, as Debian 13 makes them), so the child imports every
+module of gpuguard, and what they import lazily, while still root, then drops its privileges and
+only then calls ``gpuguard.cli.main``: what runs unprivileged is exactly gpuguard's code path,
+with the same imports already loaded.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
 _SCRIPT = r"""
-import importlib, os, sys
+import importlib, os, pkgutil, sys
+import gpuguard
 for name in sys.argv[1].split(","):
     importlib.import_module(name)
+for module in pkgutil.walk_packages(gpuguard.__path__, "gpuguard."):
+    if not module.name.endswith("__main__"):
+        importlib.import_module(module.name)
 os.setgroups([])
 os.setgid(65534)
 os.setuid(65534)
@@ -31,42 +36,9 @@ from gpuguard.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
-# What the status, doctor, install-gate and remove-gate paths import lazily.
-PREIMPORTS = (
-    "gpuguard.cli",
-    "gpuguard.config",
-    "gpuguard.commands.status",
-    "gpuguard.commands.doctor",
-    "gpuguard.commands.install_gate",
-    "gpuguard.commands.relay",
-    "gpuguard.commands.gate",
-    "gpuguard.commands.reap",
-    "gpuguard.adapters.dropin",
-    "gpuguard.core.doctor",
-    "gpuguard.adapters.doctorio",
-    "gpuguard.adapters.systemd",
-    "gpuguard.adapters.inventory",
-    "gpuguard.adapters.nvml",
-    "gpuguard.adapters.procfs",
-    "gpuguard.adapters.state",
-    "gpuguard.adapters.daemonsnapshot",
-    "gpuguard.core.snapshot",
-    "gpuguard.core.status.judge",
-    "gpuguard.core.status.text",
-    "gpuguard.core.status.document",
-    "gpuguard.core.gpuset",
-    "gpuguard.core.redaction",
-    "gpuguard.core.inventory",
-    "gpuguard.core.policy",
-    "gpuguard.core.protection",
-    "gpuguard.core.idle",
-    "pynvml",
-    "psutil",
-    "pickle",
-    "selectors",
-    "json",
-    "encodings.idna",
-)
+# Besides every module of gpuguard's own (a hand-kept list of them went stale whenever a
+# command gained a lazy import): what those import lazily from outside.
+PREIMPORTS = ("pynvml", "psutil", "pickle", "selectors", "json", "encodings.idna")
 
 
 @dataclass(frozen=True)
