@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -80,6 +82,7 @@ PAGE_KIB = 1024
 MB = 1_000_000
 RSS_TARGET_MB = 60
 CPU_TARGET_S_PER_HOUR = 1.0
+WATCHDOG_USEC = 30_000_000  # gpuguard.service's WatchdogSec=30: a WATCHDOG=1 due every 15 s
 
 
 # --- the journal ---------------------------------------------------------------------------------
@@ -189,6 +192,7 @@ class Usage:
     tree_ticks_s: float
     tree_sched_s: float
     children: int
+    wakes: int  # voluntary context switches of the main thread: each sleep it woke from
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -196,8 +200,8 @@ def _stat_fields(pid: int) -> list[str]:
     return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on
 
 
-def _status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def _status_field(pid: int, key: str, path: str | None = None) -> int:
+    for line in Path(path or f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
     return 0  # a zombie has no VmRSS
@@ -230,7 +234,7 @@ def children_of(pid: int) -> list[int]:
 
 def usage(pid: int) -> Usage:
     """RSS and cumulative CPU of ``pid`` and its children (one level: journalctl has none)."""
-    own_rss = _status_kib(pid, "VmRSS")
+    own_rss = _status_field(pid, "VmRSS")
     own_ticks, reaped = _ticks_s(_stat_fields(pid))
     own_sched = _sched_s(pid)
     rss, tree_ticks, tree_sched = own_rss, own_ticks + reaped, own_sched + reaped
@@ -239,14 +243,15 @@ def usage(pid: int) -> Usage:
         with contextlib.suppress(OSError, ValueError, IndexError):
             ticks, its_reaped = _ticks_s(_stat_fields(child))
             sched = _sched_s(child)
-            kib = _status_kib(child, "VmRSS")
+            kib = _status_field(child, "VmRSS")
             tree_ticks += ticks + its_reaped
             tree_sched += sched + its_reaped
             rss += kib
     return Usage(
+        wakes=_status_field(pid, "voluntary_ctxt_switches", f"/proc/{pid}/task/{pid}/status"),
         rss_kib=rss,
         own_rss_kib=own_rss,
-        own_hwm_kib=_status_kib(pid, "VmHWM"),
+        own_hwm_kib=_status_field(pid, "VmHWM"),
         own_ticks_s=own_ticks,
         own_sched_s=own_sched,
         tree_ticks_s=tree_ticks,
@@ -301,10 +306,54 @@ class Series:
             return self.last.own_sched_s - self.first.own_sched_s
         return self.last.tree_sched_s - self.first.tree_sched_s
 
+    def wakes_per_minute(self) -> float:
+        """How often the main thread woke from a sleep, per minute of the span."""
+        span = self.span_s()
+        return (self.last.wakes - self.first.wakes) / span * 60 if span > 0 else 0.0
+
     def per_hour(self, *, own: bool) -> float:
         """Idle on-CPU seconds extrapolated to an hour."""
         span = self.span_s()
         return self.idle_sched_s(own=own) / span * 3600 if span > 0 else 0.0
+
+
+# --- sd_notify --------------------------------------------------------------------------------
+
+
+class NotifyListener:
+    """The daemon's ``NOTIFY_SOCKET``, as systemd's: counts its WATCHDOG=1 and STATUS= lines."""
+
+    def __init__(self, path: Path) -> None:
+        """Bind a datagram socket at ``path``."""
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.setblocking(False)  # noqa: FBT003 - socket's own API
+        self.pings: list[float] = []
+        self.statuses = 0
+
+    def drain(self) -> None:
+        """Take every message waiting, stamping each ping with the moment it was read."""
+        while True:
+            try:
+                message = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            now = time.monotonic()
+            for line in message.split(b"\n"):
+                if line == b"WATCHDOG=1":
+                    self.pings.append(now)
+                elif line.startswith(b"STATUS="):
+                    self.statuses += 1
+
+    def longest_gap_s(self, since: float, until: float) -> float:
+        """The longest time without a ping between ``since`` and ``until`` (as often as read)."""
+        times = [since, *(t for t in self.pings if since <= t <= until), until]
+        return max(b - a for a, b in itertools.pairwise(times))
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close()
 
 
 # --- running it ----------------------------------------------------------------------------------
@@ -544,6 +593,10 @@ def report(  # noqa: PLR0913 - the pieces of one report, passed once
     rss = daemon.peak_kib(own=True) * 1024
     hour = daemon.per_hour(own=False)
     print(
+        f"  wakes: the daemon's main thread woke {daemon.wakes_per_minute():.1f} times a minute",
+        file=out,
+    )
+    print(
         f"  targets: daemon RSS peak {rss / MB:.1f} MB < {RSS_TARGET_MB} MB: "
         f"{'met' if rss < RSS_TARGET_MB * MB else 'MISSED'}; CPU {hour:.2f} s/hour (with its "
         f"journalctl) < {CPU_TARGET_S_PER_HOUR:g} s: "
@@ -556,6 +609,12 @@ def report(  # noqa: PLR0913 - the pieces of one report, passed once
         f"{baseline.last.tree_sched_s:.2f} CPU s",
         file=out,
     )
+
+
+def met(daemon: Series) -> bool:
+    """Whether both targets are met: the daemon's peak RSS and its CPU per hour (children too)."""
+    rss_ok = daemon.peak_kib(own=True) * 1024 < RSS_TARGET_MB * MB
+    return rss_ok and daemon.per_hour(own=False) < CPU_TARGET_S_PER_HOUR
 
 
 def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
@@ -585,8 +644,9 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         journal = BenchJournal(root / "journal", args.release)
         journal.seed()
         env = nvml_environ(nvml_state)
-        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-            env.pop(name, None)
+        env.pop("WATCHDOG_PID", None)
+        notify = NotifyListener(root / "notify.sock")
+        env |= {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
         wrapper = journalctl_wrapper(root, journal.directory)
         served = ServedUnit.start()
         binds = f"mount --bind {wrapper} {JOURNALCTL} && "
@@ -616,6 +676,7 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
                     now = time.monotonic()
                     daemon_series.add(now, daemon.pid)
                     baseline_series.add(now, baseline.pid)
+                    notify.drain()
                     if daemon.poll() is not None or baseline.poll() is not None:
                         raise SystemExit("the daemon or the baseline journalctl exited early")
                     if now - began >= args.seconds:
@@ -624,6 +685,8 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
                         journal.health_checks(args.append_lines)
                         next_append += args.append_every
                     time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
+                ended = time.monotonic()
+                notify.drain()
                 snapshot = json.loads((root / "run" / "daemon.json").read_text())
                 metrics = (root / "node-exporter" / "gpuguard.prom").read_text()
                 ledger = ledger_line(root / "run" / "ledger.json", served)
@@ -631,6 +694,7 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
                 status = stop(daemon)
                 stop(baseline)
                 served.stop()
+                notify.close()
         lines, worse = log_summary(log)
         if args.keep_log:
             shutil.copy(log, args.keep_log)
@@ -642,6 +706,14 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         startup=startup,
         appended=journal.appended - len(journal.history),
     )
+    pings = [t for t in notify.pings if t >= began]
+    gap = notify.longest_gap_s(began, ended)
+    print(
+        f"  sd_notify (WATCHDOG_USEC={WATCHDOG_USEC}, as gpuguard.service): {len(pings)} "
+        f"WATCHDOG=1 in {daemon_series.span_s():.0f} s, longest gap "
+        f"{gap:.0f} s (read every {args.sample_every:g} s; systemd's "
+        f"limit {WATCHDOG_USEC / 1e6:g} s); {notify.statuses} STATUS= lines in all"
+    )
     print(
         f"  daemon: journal {snapshot['journal']['state']} at the end, exit status {status} on "
         f"SIGTERM, {lines} log lines, warnings/errors: {worse or 'none'}"
@@ -651,7 +723,8 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         f"  metrics on: textfile of {len(metrics.splitlines())} lines, "
         f"{sum(line.startswith('gpuguard_') for line in metrics.splitlines())} samples"
     )
-    return 0
+    missed = not met(daemon_series) or gap >= WATCHDOG_USEC / 1e6
+    return 1 if missed or status != 0 else 0
 
 
 if __name__ == "__main__":
