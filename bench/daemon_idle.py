@@ -20,7 +20,15 @@ v2 directory of the bench), with a served tree in it: a server process and four 
 of issue 22). The daemon records that tree at start, 1, 2, 4, 8, 16 s later and then every
 ``daemon.ledger_every_s``; the report says what its ledger file holds at the end.
 
-Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour.
+As under ``gpuguard.service`` (``WatchdogSec=30``), the daemon gets ``WATCHDOG_USEC`` and a
+``NOTIFY_SOCKET`` (a datagram socket of the bench, read as systemd would): its watchdog pings
+are its most frequent wakes, and the report counts them and their longest gap. Wakes are the
+main thread's voluntary context switches (``/proc/PID/task/PID/status``): each sleep it woke
+from, and each wait on a child (the NVML worker, a ``systemctl``).
+
+Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour (with its journalctl
+children); the exit status is 1 when either is missed, the watchdog went 30 s without a ping or
+the daemon did not exit 0 on SIGTERM.
 Run: ``make bench [IDLE_SECONDS=120]`` or ``.venv/bin/python bench/daemon_idle.py [--seconds N]``.
 """
 
@@ -57,7 +65,7 @@ SAMPLES = TESTS / "journal_samples"
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 JOURNALCTL = "/usr/bin/journalctl"
 SYSTEMCTL = "/usr/bin/systemctl"
-BENCH_SLICE = "gpuguard-bench.slice"
+BENCH_SLICE = "gpuguard-bench{}.slice"
 SERVING = "5e7f1a2b3c4d5e6f708192a3b4c5d6e7"
 WORKERS = 4
 # The served tree: a server whose four workers each run 8 threads, then sleep (no CPU).
@@ -399,9 +407,9 @@ class ServedUnit:
     cgroups: list[Path]
 
     @classmethod
-    def start(cls) -> ServedUnit:
+    def start(cls, bench_slice: str) -> ServedUnit:
         """Spawn the tree and move it: server into the unit's cgroup, each worker into a scope."""
-        base = cgroup2() / BENCH_SLICE
+        base = cgroup2() / bench_slice
         unit = base / UNIT
         scopes = [base / f"tp-worker-{rank}.scope" for rank in range(WORKERS)]
         for path in (base, unit, *scopes):
@@ -429,7 +437,7 @@ class ServedUnit:
                 time.sleep(0.1)
 
 
-def systemctl_double(root: Path) -> Path:
+def systemctl_double(root: Path, bench_slice: str) -> Path:
     """A ``systemctl`` whose ``show`` says the unit is active in the bench's cgroup."""
     wrapper = root / "bin" / "systemctl"
     properties = "\n".join(
@@ -438,7 +446,7 @@ def systemctl_double(root: Path) -> Path:
             "ActiveState=active",
             "SubState=running",
             f"InvocationID={SERVING}",
-            f"ControlGroup=/{BENCH_SLICE}/{UNIT}",
+            f"ControlGroup=/{bench_slice}/{UNIT}",
             "NRestarts=0",
         ]
     )
@@ -611,6 +619,93 @@ def report(  # noqa: PLR0913 - the pieces of one report, passed once
     )
 
 
+@dataclass
+class Launched:
+    """One daemon of the bench: its directory, served unit, notify socket, process, samples."""
+
+    root: Path
+    argv: list[str]
+    env: dict[str, str]
+    served: ServedUnit
+    notify: NotifyListener
+    log: Path
+    series: Series = field(default_factory=Series)
+    daemon: subprocess.Popen[bytes] = field(init=False)
+
+    @classmethod
+    def start(  # noqa: PLR0913 - the pieces of one daemon's world, passed once
+        cls,
+        root: Path,
+        journal: BenchJournal,
+        env: dict[str, str],
+        nvml_state: Path,
+        *,
+        suffix: str,
+        pythonpath: str | None = None,
+    ) -> Launched:
+        """Its directory, served unit and notify socket, ready to spawn."""
+        root.mkdir(exist_ok=True)
+        bench_slice = BENCH_SLICE.format(suffix)
+        notify = NotifyListener(root / "notify.sock")
+        env = env | {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+        if pythonpath is not None:
+            env["PYTHONPATH"] = pythonpath
+        wrapper = journalctl_wrapper(root, journal.directory)
+        binds = f"mount --bind {wrapper} {JOURNALCTL} && "
+        binds += f"mount --bind {systemctl_double(root, bench_slice)} {SYSTEMCTL} && "
+        # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
+        argv += [f'{binds}exec "$@"', "sh"]
+        argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        return cls(root, [*argv, "run"], env, ServedUnit.start(bench_slice), notify, root / "log")
+
+    def spawn(self) -> None:
+        """Start the daemon, its log to a file."""
+        with self.log.open("wb") as out:
+            self.daemon = subprocess.Popen(
+                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def sample(self, now: float) -> None:
+        """One sample, and what it said to systemd meanwhile."""
+        self.series.add(now, self.daemon.pid)
+        self.notify.drain()
+        if self.daemon.poll() is not None:
+            raise SystemExit(f"the daemon in {self.root} exited early")
+
+    def stop(self) -> int | None:
+        """SIGTERM it, remove its unit; its exit status (None: never started)."""
+        status = stop(self.daemon) if hasattr(self, "daemon") else None
+        self.served.stop()
+        self.notify.close()
+        return status
+
+
+def measure(
+    args: argparse.Namespace,
+    journal: BenchJournal,
+    daemons: Sequence[Launched],
+    baseline: tuple[subprocess.Popen[bytes], Series],
+) -> None:
+    """Sample every daemon and the baseline for ``args.seconds``, appending to the journal."""
+    process, series = baseline
+    began = time.monotonic()
+    next_append = began + args.append_every if args.append_every > 0 else None
+    while True:
+        now = time.monotonic()
+        for launched in daemons:
+            launched.sample(now)
+        series.add(now, process.pid)
+        if process.poll() is not None:
+            raise SystemExit("the baseline journalctl exited early")
+        if now - began >= args.seconds:
+            return
+        if next_append is not None and now >= next_append:
+            journal.health_checks(args.append_lines)
+            next_append += args.append_every
+        time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
+
+
 def met(daemon: Series) -> bool:
     """Whether both targets are met: the daemon's peak RSS and its CPU per hour (children too)."""
     rss_ok = daemon.peak_kib(own=True) * 1024 < RSS_TARGET_MB * MB
@@ -628,6 +723,11 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
     parser.add_argument("--append-lines", type=int, default=10)
     parser.add_argument("--release", choices=("bookworm", "trixie"), default="bookworm")
     parser.add_argument("--keep-log", type=Path, help="copy the daemon's log here")
+    parser.add_argument(
+        "--against",
+        metavar="SRC",
+        help="also run, side by side, the daemon of another checkout's src/ (e.g. main's)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (the daemon runs in a private mount namespace)", file=sys.stderr)
@@ -645,59 +745,46 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         journal.seed()
         env = nvml_environ(nvml_state)
         env.pop("WATCHDOG_PID", None)
-        notify = NotifyListener(root / "notify.sock")
-        env |= {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
-        wrapper = journalctl_wrapper(root, journal.directory)
-        served = ServedUnit.start()
-        binds = f"mount --bind {wrapper} {JOURNALCTL} && "
-        binds += f"mount --bind {systemctl_double(root)} {SYSTEMCTL} && "
-        log = root / "daemon.log"
-        # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
-        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
-        argv += [f'{binds}exec "$@"', "sh"]
-        argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        ours = Launched.start(root, journal, env, nvml_state, suffix="")
+        other = (
+            Launched.start(
+                root / "against", journal, env, nvml_state, suffix="-a", pythonpath=args.against
+            )
+            if args.against
+            else None
+        )
         baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
         baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
-        with log.open("wb") as log_out:
+        daemons = [ours, *([other] if other else [])]
+        try:
             started = time.monotonic()
-            daemon = subprocess.Popen(
-                [*argv, "run"], env=env, stdout=log_out, stderr=subprocess.STDOUT
-            )
+            for launched in daemons:
+                launched.spawn()
             baseline = subprocess.Popen(
                 baseline_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
             try:
-                wait_ready(root / "run" / "daemon.json", daemon, 60)
-                startup = (time.monotonic() - started, usage(daemon.pid).tree_sched_s)
-                daemon_series, baseline_series = Series(), Series()
+                for launched in daemons:
+                    wait_ready(launched.root / "run" / "daemon.json", launched.daemon, 60)
+                startup = (time.monotonic() - started, usage(ours.daemon.pid).tree_sched_s)
+                baseline_series = Series()
                 began = time.monotonic()
-                next_append = began + args.append_every if args.append_every > 0 else None
-                while True:
-                    now = time.monotonic()
-                    daemon_series.add(now, daemon.pid)
-                    baseline_series.add(now, baseline.pid)
-                    notify.drain()
-                    if daemon.poll() is not None or baseline.poll() is not None:
-                        raise SystemExit("the daemon or the baseline journalctl exited early")
-                    if now - began >= args.seconds:
-                        break
-                    if next_append is not None and now >= next_append:
-                        journal.health_checks(args.append_lines)
-                        next_append += args.append_every
-                    time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
+                measure(args, journal, daemons, (baseline, baseline_series))
                 ended = time.monotonic()
-                notify.drain()
+                for launched in daemons:
+                    launched.notify.drain()
                 snapshot = json.loads((root / "run" / "daemon.json").read_text())
                 metrics = (root / "node-exporter" / "gpuguard.prom").read_text()
-                ledger = ledger_line(root / "run" / "ledger.json", served)
+                ledger = ledger_line(root / "run" / "ledger.json", ours.served)
             finally:
-                status = stop(daemon)
                 stop(baseline)
-                served.stop()
-                notify.close()
-        lines, worse = log_summary(log)
+        finally:
+            statuses = [launched.stop() for launched in daemons]
+        status = statuses[0]
+        lines, worse = log_summary(ours.log)
         if args.keep_log:
-            shutil.copy(log, args.keep_log)
+            shutil.copy(ours.log, args.keep_log)
+    daemon_series, notify = ours.series, ours.notify
     report(
         sys.stdout,
         args=args,
@@ -723,8 +810,25 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         f"  metrics on: textfile of {len(metrics.splitlines())} lines, "
         f"{sum(line.startswith('gpuguard_') for line in metrics.splitlines())} samples"
     )
+    if other is not None:
+        side_by_side(args.against, other, began, statuses[1], daemon_series)
     missed = not met(daemon_series) or gap >= WATCHDOG_USEC / 1e6
     return 1 if missed or status != 0 else 0
+
+
+def side_by_side(
+    against: str, other: Launched, began: float, status: int | None, ours: Series
+) -> None:
+    """The other checkout's row, and the ratio of this one's CPU to it."""
+    theirs = other.series
+    print(
+        f"  side by side, same journal, same load: {against}: "
+        f"{mb(theirs.peak_kib(own=True))} peak, {theirs.per_hour(own=False):.3f} CPU s/hour, "
+        f"{theirs.wakes_per_minute():.1f} wakes a minute, "
+        f"{len([t for t in other.notify.pings if t >= began])} WATCHDOG=1, exit status "
+        f"{status}; this checkout's CPU = "
+        f"{ours.per_hour(own=False) / max(theirs.per_hour(own=False), 1e-6):.2f}x that"
+    )
 
 
 if __name__ == "__main__":
