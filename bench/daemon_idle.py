@@ -20,7 +20,15 @@ v2 directory of the bench), with a served tree in it: a server process and four 
 of issue 22). The daemon records that tree at start, 1, 2, 4, 8, 16 s later and then every
 ``daemon.ledger_every_s``; the report says what its ledger file holds at the end.
 
-Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour.
+As under ``gpuguard.service`` (``WatchdogSec=30``), the daemon gets ``WATCHDOG_USEC`` and a
+``NOTIFY_SOCKET`` (a datagram socket of the bench, read as systemd would): its watchdog pings
+are its most frequent wakes, and the report counts them and their longest gap. Wakes are the
+main thread's voluntary context switches (``/proc/PID/task/PID/status``): each sleep it woke
+from, and each wait on a child (the NVML worker, a ``systemctl``).
+
+Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour (with its journalctl
+children); the exit status is 1 when either is missed, the watchdog went 30 s without a ping or
+the daemon did not exit 0 on SIGTERM.
 Run: ``make bench [IDLE_SECONDS=120]`` or ``.venv/bin/python bench/daemon_idle.py [--seconds N]``.
 """
 
@@ -28,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -55,7 +65,7 @@ SAMPLES = TESTS / "journal_samples"
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 JOURNALCTL = "/usr/bin/journalctl"
 SYSTEMCTL = "/usr/bin/systemctl"
-BENCH_SLICE = "gpuguard-bench.slice"
+BENCH_SLICE = "gpuguard-bench{}.slice"
 SERVING = "5e7f1a2b3c4d5e6f708192a3b4c5d6e7"
 WORKERS = 4
 # The served tree: a server whose four workers each run 8 threads, then sleep (no CPU).
@@ -80,6 +90,7 @@ PAGE_KIB = 1024
 MB = 1_000_000
 RSS_TARGET_MB = 60
 CPU_TARGET_S_PER_HOUR = 1.0
+WATCHDOG_USEC = 30_000_000  # gpuguard.service's WatchdogSec=30: a WATCHDOG=1 due every 15 s
 
 
 # --- the journal ---------------------------------------------------------------------------------
@@ -189,6 +200,7 @@ class Usage:
     tree_ticks_s: float
     tree_sched_s: float
     children: int
+    wakes: int  # voluntary context switches of the main thread: each sleep it woke from
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -196,8 +208,8 @@ def _stat_fields(pid: int) -> list[str]:
     return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on
 
 
-def _status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def _status_field(pid: int, key: str, path: str | None = None) -> int:
+    for line in Path(path or f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
     return 0  # a zombie has no VmRSS
@@ -230,7 +242,7 @@ def children_of(pid: int) -> list[int]:
 
 def usage(pid: int) -> Usage:
     """RSS and cumulative CPU of ``pid`` and its children (one level: journalctl has none)."""
-    own_rss = _status_kib(pid, "VmRSS")
+    own_rss = _status_field(pid, "VmRSS")
     own_ticks, reaped = _ticks_s(_stat_fields(pid))
     own_sched = _sched_s(pid)
     rss, tree_ticks, tree_sched = own_rss, own_ticks + reaped, own_sched + reaped
@@ -239,14 +251,15 @@ def usage(pid: int) -> Usage:
         with contextlib.suppress(OSError, ValueError, IndexError):
             ticks, its_reaped = _ticks_s(_stat_fields(child))
             sched = _sched_s(child)
-            kib = _status_kib(child, "VmRSS")
+            kib = _status_field(child, "VmRSS")
             tree_ticks += ticks + its_reaped
             tree_sched += sched + its_reaped
             rss += kib
     return Usage(
+        wakes=_status_field(pid, "voluntary_ctxt_switches", f"/proc/{pid}/task/{pid}/status"),
         rss_kib=rss,
         own_rss_kib=own_rss,
-        own_hwm_kib=_status_kib(pid, "VmHWM"),
+        own_hwm_kib=_status_field(pid, "VmHWM"),
         own_ticks_s=own_ticks,
         own_sched_s=own_sched,
         tree_ticks_s=tree_ticks,
@@ -301,10 +314,54 @@ class Series:
             return self.last.own_sched_s - self.first.own_sched_s
         return self.last.tree_sched_s - self.first.tree_sched_s
 
+    def wakes_per_minute(self) -> float:
+        """How often the main thread woke from a sleep, per minute of the span."""
+        span = self.span_s()
+        return (self.last.wakes - self.first.wakes) / span * 60 if span > 0 else 0.0
+
     def per_hour(self, *, own: bool) -> float:
         """Idle on-CPU seconds extrapolated to an hour."""
         span = self.span_s()
         return self.idle_sched_s(own=own) / span * 3600 if span > 0 else 0.0
+
+
+# --- sd_notify --------------------------------------------------------------------------------
+
+
+class NotifyListener:
+    """The daemon's ``NOTIFY_SOCKET``, as systemd's: counts its WATCHDOG=1 and STATUS= lines."""
+
+    def __init__(self, path: Path) -> None:
+        """Bind a datagram socket at ``path``."""
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.setblocking(False)  # noqa: FBT003 - socket's own API
+        self.pings: list[float] = []
+        self.statuses = 0
+
+    def drain(self) -> None:
+        """Take every message waiting, stamping each ping with the moment it was read."""
+        while True:
+            try:
+                message = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            now = time.monotonic()
+            for line in message.split(b"\n"):
+                if line == b"WATCHDOG=1":
+                    self.pings.append(now)
+                elif line.startswith(b"STATUS="):
+                    self.statuses += 1
+
+    def longest_gap_s(self, since: float, until: float) -> float:
+        """The longest time without a ping between ``since`` and ``until`` (as often as read)."""
+        times = [since, *(t for t in self.pings if since <= t <= until), until]
+        return max(b - a for a, b in itertools.pairwise(times))
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close()
 
 
 # --- running it ----------------------------------------------------------------------------------
@@ -350,9 +407,9 @@ class ServedUnit:
     cgroups: list[Path]
 
     @classmethod
-    def start(cls) -> ServedUnit:
+    def start(cls, bench_slice: str) -> ServedUnit:
         """Spawn the tree and move it: server into the unit's cgroup, each worker into a scope."""
-        base = cgroup2() / BENCH_SLICE
+        base = cgroup2() / bench_slice
         unit = base / UNIT
         scopes = [base / f"tp-worker-{rank}.scope" for rank in range(WORKERS)]
         for path in (base, unit, *scopes):
@@ -380,7 +437,7 @@ class ServedUnit:
                 time.sleep(0.1)
 
 
-def systemctl_double(root: Path) -> Path:
+def systemctl_double(root: Path, bench_slice: str) -> Path:
     """A ``systemctl`` whose ``show`` says the unit is active in the bench's cgroup."""
     wrapper = root / "bin" / "systemctl"
     properties = "\n".join(
@@ -389,7 +446,7 @@ def systemctl_double(root: Path) -> Path:
             "ActiveState=active",
             "SubState=running",
             f"InvocationID={SERVING}",
-            f"ControlGroup=/{BENCH_SLICE}/{UNIT}",
+            f"ControlGroup=/{bench_slice}/{UNIT}",
             "NRestarts=0",
         ]
     )
@@ -544,6 +601,10 @@ def report(  # noqa: PLR0913 - the pieces of one report, passed once
     rss = daemon.peak_kib(own=True) * 1024
     hour = daemon.per_hour(own=False)
     print(
+        f"  wakes: the daemon's main thread woke {daemon.wakes_per_minute():.1f} times a minute",
+        file=out,
+    )
+    print(
         f"  targets: daemon RSS peak {rss / MB:.1f} MB < {RSS_TARGET_MB} MB: "
         f"{'met' if rss < RSS_TARGET_MB * MB else 'MISSED'}; CPU {hour:.2f} s/hour (with its "
         f"journalctl) < {CPU_TARGET_S_PER_HOUR:g} s: "
@@ -558,6 +619,99 @@ def report(  # noqa: PLR0913 - the pieces of one report, passed once
     )
 
 
+@dataclass
+class Launched:
+    """One daemon of the bench: its directory, served unit, notify socket, process, samples."""
+
+    root: Path
+    argv: list[str]
+    env: dict[str, str]
+    served: ServedUnit
+    notify: NotifyListener
+    log: Path
+    series: Series = field(default_factory=Series)
+    daemon: subprocess.Popen[bytes] = field(init=False)
+
+    @classmethod
+    def start(  # noqa: PLR0913 - the pieces of one daemon's world, passed once
+        cls,
+        root: Path,
+        journal: BenchJournal,
+        env: dict[str, str],
+        nvml_state: Path,
+        *,
+        suffix: str,
+        pythonpath: str | None = None,
+    ) -> Launched:
+        """Its directory, served unit and notify socket, ready to spawn."""
+        root.mkdir(exist_ok=True)
+        bench_slice = BENCH_SLICE.format(suffix)
+        notify = NotifyListener(root / "notify.sock")
+        env = env | {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+        if pythonpath is not None:
+            env["PYTHONPATH"] = pythonpath
+        wrapper = journalctl_wrapper(root, journal.directory)
+        binds = f"mount --bind {wrapper} {JOURNALCTL} && "
+        binds += f"mount --bind {systemctl_double(root, bench_slice)} {SYSTEMCTL} && "
+        # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
+        argv += [f'{binds}exec "$@"', "sh"]
+        argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        return cls(root, [*argv, "run"], env, ServedUnit.start(bench_slice), notify, root / "log")
+
+    def spawn(self) -> None:
+        """Start the daemon, its log to a file."""
+        with self.log.open("wb") as out:
+            self.daemon = subprocess.Popen(
+                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def sample(self, now: float) -> None:
+        """One sample, and what it said to systemd meanwhile."""
+        self.series.add(now, self.daemon.pid)
+        self.notify.drain()
+        if self.daemon.poll() is not None:
+            raise SystemExit(f"the daemon in {self.root} exited early")
+
+    def stop(self) -> int | None:
+        """SIGTERM it, remove its unit; its exit status (None: never started)."""
+        status = stop(self.daemon) if hasattr(self, "daemon") else None
+        self.served.stop()
+        self.notify.close()
+        return status
+
+
+def measure(
+    args: argparse.Namespace,
+    journal: BenchJournal,
+    daemons: Sequence[Launched],
+    baseline: tuple[subprocess.Popen[bytes], Series],
+) -> None:
+    """Sample every daemon and the baseline for ``args.seconds``, appending to the journal."""
+    process, series = baseline
+    began = time.monotonic()
+    next_append = began + args.append_every if args.append_every > 0 else None
+    while True:
+        now = time.monotonic()
+        for launched in daemons:
+            launched.sample(now)
+        series.add(now, process.pid)
+        if process.poll() is not None:
+            raise SystemExit("the baseline journalctl exited early")
+        if now - began >= args.seconds:
+            return
+        if next_append is not None and now >= next_append:
+            journal.health_checks(args.append_lines)
+            next_append += args.append_every
+        time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
+
+
+def met(daemon: Series) -> bool:
+    """Whether both targets are met: the daemon's peak RSS and its CPU per hour (children too)."""
+    rss_ok = daemon.peak_kib(own=True) * 1024 < RSS_TARGET_MB * MB
+    return rss_ok and daemon.per_hour(own=False) < CPU_TARGET_S_PER_HOUR
+
+
 def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
     """Set up the fake host and the journal, run both, sample, report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -569,6 +723,11 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
     parser.add_argument("--append-lines", type=int, default=10)
     parser.add_argument("--release", choices=("bookworm", "trixie"), default="bookworm")
     parser.add_argument("--keep-log", type=Path, help="copy the daemon's log here")
+    parser.add_argument(
+        "--against",
+        metavar="SRC",
+        help="also run, side by side, the daemon of another checkout's src/ (e.g. main's)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (the daemon runs in a private mount namespace)", file=sys.stderr)
@@ -585,55 +744,47 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         journal = BenchJournal(root / "journal", args.release)
         journal.seed()
         env = nvml_environ(nvml_state)
-        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-            env.pop(name, None)
-        wrapper = journalctl_wrapper(root, journal.directory)
-        served = ServedUnit.start()
-        binds = f"mount --bind {wrapper} {JOURNALCTL} && "
-        binds += f"mount --bind {systemctl_double(root)} {SYSTEMCTL} && "
-        log = root / "daemon.log"
-        # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
-        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
-        argv += [f'{binds}exec "$@"', "sh"]
-        argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        env.pop("WATCHDOG_PID", None)
+        ours = Launched.start(root, journal, env, nvml_state, suffix="")
+        other = (
+            Launched.start(
+                root / "against", journal, env, nvml_state, suffix="-a", pythonpath=args.against
+            )
+            if args.against
+            else None
+        )
         baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
         baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
-        with log.open("wb") as log_out:
+        daemons = [ours, *([other] if other else [])]
+        try:
             started = time.monotonic()
-            daemon = subprocess.Popen(
-                [*argv, "run"], env=env, stdout=log_out, stderr=subprocess.STDOUT
-            )
+            for launched in daemons:
+                launched.spawn()
             baseline = subprocess.Popen(
                 baseline_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
             try:
-                wait_ready(root / "run" / "daemon.json", daemon, 60)
-                startup = (time.monotonic() - started, usage(daemon.pid).tree_sched_s)
-                daemon_series, baseline_series = Series(), Series()
+                for launched in daemons:
+                    wait_ready(launched.root / "run" / "daemon.json", launched.daemon, 60)
+                startup = (time.monotonic() - started, usage(ours.daemon.pid).tree_sched_s)
+                baseline_series = Series()
                 began = time.monotonic()
-                next_append = began + args.append_every if args.append_every > 0 else None
-                while True:
-                    now = time.monotonic()
-                    daemon_series.add(now, daemon.pid)
-                    baseline_series.add(now, baseline.pid)
-                    if daemon.poll() is not None or baseline.poll() is not None:
-                        raise SystemExit("the daemon or the baseline journalctl exited early")
-                    if now - began >= args.seconds:
-                        break
-                    if next_append is not None and now >= next_append:
-                        journal.health_checks(args.append_lines)
-                        next_append += args.append_every
-                    time.sleep(min(args.sample_every, max(0.0, began + args.seconds - now)))
+                measure(args, journal, daemons, (baseline, baseline_series))
+                ended = time.monotonic()
+                for launched in daemons:
+                    launched.notify.drain()
                 snapshot = json.loads((root / "run" / "daemon.json").read_text())
                 metrics = (root / "node-exporter" / "gpuguard.prom").read_text()
-                ledger = ledger_line(root / "run" / "ledger.json", served)
+                ledger = ledger_line(root / "run" / "ledger.json", ours.served)
             finally:
-                status = stop(daemon)
                 stop(baseline)
-                served.stop()
-        lines, worse = log_summary(log)
+        finally:
+            statuses = [launched.stop() for launched in daemons]
+        status = statuses[0]
+        lines, worse = log_summary(ours.log)
         if args.keep_log:
-            shutil.copy(log, args.keep_log)
+            shutil.copy(ours.log, args.keep_log)
+    daemon_series, notify = ours.series, ours.notify
     report(
         sys.stdout,
         args=args,
@@ -641,6 +792,14 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         baseline=baseline_series,
         startup=startup,
         appended=journal.appended - len(journal.history),
+    )
+    pings = [t for t in notify.pings if t >= began]
+    gap = notify.longest_gap_s(began, ended)
+    print(
+        f"  sd_notify (WATCHDOG_USEC={WATCHDOG_USEC}, as gpuguard.service): {len(pings)} "
+        f"WATCHDOG=1 in {daemon_series.span_s():.0f} s, longest gap "
+        f"{gap:.0f} s (read every {args.sample_every:g} s; systemd's "
+        f"limit {WATCHDOG_USEC / 1e6:g} s); {notify.statuses} STATUS= lines in all"
     )
     print(
         f"  daemon: journal {snapshot['journal']['state']} at the end, exit status {status} on "
@@ -651,7 +810,25 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         f"  metrics on: textfile of {len(metrics.splitlines())} lines, "
         f"{sum(line.startswith('gpuguard_') for line in metrics.splitlines())} samples"
     )
-    return 0
+    if other is not None:
+        side_by_side(args.against, other, began, statuses[1], daemon_series)
+    missed = not met(daemon_series) or gap >= WATCHDOG_USEC / 1e6
+    return 1 if missed or status != 0 else 0
+
+
+def side_by_side(
+    against: str, other: Launched, began: float, status: int | None, ours: Series
+) -> None:
+    """The other checkout's row, and the ratio of this one's CPU to it."""
+    theirs = other.series
+    print(
+        f"  side by side, same journal, same load: {against}: "
+        f"{mb(theirs.peak_kib(own=True))} peak, {theirs.per_hour(own=False):.3f} CPU s/hour, "
+        f"{theirs.wakes_per_minute():.1f} wakes a minute, "
+        f"{len([t for t in other.notify.pings if t >= began])} WATCHDOG=1, exit status "
+        f"{status}; this checkout's CPU = "
+        f"{ours.per_hour(own=False) / max(theirs.per_hour(own=False), 1e-6):.2f}x that"
+    )
 
 
 if __name__ == "__main__":

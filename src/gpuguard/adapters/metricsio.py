@@ -2,7 +2,7 @@
 
 The daemon's ``Exporter`` sits on its ports: it sees every inventory and reap the daemon makes
 and every snapshot it writes, counts what happened (``metrics.Tally``), and draws the metrics
-each time the snapshot is written - after every change and at least every 60 s. The textfile is
+each time the snapshot is written - after every change and otherwise every 60 s. The textfile is
 written with ``files.write_shared_file``, not ``prometheus_client.write_to_textfile``: that opens
 a predictable temporary name (``PATH.PID.TID``) with ``open(..., "wb")``, following a symlink
 the directory's owner (the prometheus user on Debian) may plant there, as root.

@@ -41,6 +41,8 @@ class _Live:
     control_group: str | None
     due_s: float
     step_s: float = _FIRST_STEP_S
+    settled: bool = False
+    """The next record is a periodic one (every ``every_s``), not one of the first steps."""
 
 
 class LedgerKeeper:
@@ -87,6 +89,7 @@ class LedgerKeeper:
         if ports is None or live is None:
             return
         live.due_s = now + min(live.step_s, ports.every_s)
+        live.settled = live.step_s >= ports.every_s
         live.step_s = min(live.step_s * 2, ports.every_s)
         run = self._ledger.run_of(unit, live.invocation_id)
         recorded = [p.identity for p in run.processes] if run is not None else []
@@ -96,16 +99,24 @@ class LedgerKeeper:
         self._ledger = ledger.forget(ports.alive, keep)
         self._save()
 
-    def due_in(self, now: float) -> float | None:
-        """Seconds until the next periodic record, None when no run is live."""
-        if self._ports is None or not self._live:
-            return None
-        return max(0.0, min(live.due_s for live in self._live.values()) - now)
+    def due_in(self, now: float, *, slack_s: float = 0.0) -> float | None:
+        """Seconds until the next record, None when no run is live.
 
-    def tick(self, now: float) -> None:
-        """Record every live run whose interval is over."""
+        A settled run's periodic record may wait up to ``slack_s`` (at most ``every_s``) for a
+        wake the loop makes anyway (its watchdog's); a run's first steps after it came up,
+        when its workers appear, never wait.
+        """
+        ports = self._ports
+        if ports is None or not self._live:
+            return None
+        slack = min(slack_s, ports.every_s)
+        due = min(live.due_s + (slack if live.settled else 0.0) for live in self._live.values())
+        return max(0.0, due - now)
+
+    def tick(self, now: float, *, early_s: float = 0.0) -> None:
+        """Record every live run whose interval is over; a settled run's also within ``early_s``."""
         for unit, live in list(self._live.items()):
-            if now >= live.due_s:
+            if now + (early_s if live.settled else 0.0) >= live.due_s:
                 self.record(unit, now)
 
     def _save(self) -> None:

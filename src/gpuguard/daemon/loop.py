@@ -37,6 +37,7 @@ from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
 from gpuguard.daemon.judging import Judging
 from gpuguard.daemon.publishing import SNAPSHOT_EVERY_S
 from gpuguard.daemon.sweeps import Sweeping
+from gpuguard.daemon.watches import CHORE_EARLY_S
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -96,11 +97,14 @@ class Daemon(Judging, Sweeping):
                 ports.log.warning("journal line skipped", reason=problem)
             self._retry_waiting()
             self._refresh()
-            self._keeper.tick(ports.monotonic())
+            self._keeper.tick(ports.monotonic(), early_s=CHORE_EARLY_S)
             now = ports.monotonic()
             if ports.watchdog_interval_s is not None and now >= next_ping:
                 ports.notifier.watchdog()  # only from here: a stuck loop stops the pings
-                next_ping = now + ports.watchdog_interval_s
+                # On a fixed schedule (the chores that wait for these wakes stay on them), unless
+                # a long step made the loop miss one.
+                next_ping += ports.watchdog_interval_s
+                next_ping = next_ping if next_ping > now else now + ports.watchdog_interval_s
             self._publish()
         ports.notifier.stopping("stopping")
         self._follower.close()
@@ -113,19 +117,28 @@ class Daemon(Judging, Sweeping):
         """Sleep until journal data, a signal, or the next thing that is due - not longer.
 
         Idle cost is wake-ups: the loop wakes for the next watchdog ping, a journalctl restart,
-        the end of a recovery backoff or the snapshot's refresh, never on a fixed tick.
+        the end of a recovery backoff or a grace, never on a fixed tick. Periodic chores (the
+        snapshot's refresh, a verdict's refresh, a settled run's ledger record) may wait for the
+        next watchdog ping, up to one ping interval or their own period, and a wake up to
+        ``CHORE_EARLY_S`` before one does it: with WatchdogSec=30 an idle daemon wakes every
+        15 s, and its chores settle onto those wakes after their first round.
         """
         ports = self._ports
         now = ports.monotonic()
-        due = [MAX_SLEEP_S, self._published_at + SNAPSHOT_EVERY_S - now]
+        slack = ports.watchdog_interval_s or 0.0
+        chores = [
+            (self._published_at + SNAPSHOT_EVERY_S - now, SNAPSHOT_EVERY_S),
+            *(
+                (watch.refresh_at - now, self._refresh_every_s)
+                for watch in self._watches.values()
+                if watch.diagnosis is not None
+            ),
+        ]
+        due = [MAX_SLEEP_S, *(wait + min(slack, period) for wait, period in chores)]
         if ports.watchdog_interval_s is not None:
             due.append(next_ping - now)
-        due.extend(w for w in (self._follower.wake_in(), self._keeper.due_in(now)) if w is not None)
-        due.extend(
-            watch.refresh_at - now
-            for watch in self._watches.values()
-            if watch.diagnosis is not None
-        )
+        keeper = self._keeper.due_in(now, slack_s=slack)
+        due.extend(w for w in (self._follower.wake_in(), keeper) if w is not None)
         due.extend(
             watch.decision.not_before_s - now
             for watch in self._watches.values()
@@ -230,7 +243,7 @@ class Daemon(Judging, Sweeping):
         now = self._ports.monotonic()
         self._dead_engines()
         for watch in self._watches.values():
-            if watch.diagnosis is None or now < watch.refresh_at:
+            if watch.diagnosis is None or now + CHORE_EARLY_S < watch.refresh_at:
                 continue
             watch.refresh_at = now + self._refresh_every_s
             quick = watch.detector.diagnose(now, None)

@@ -18,7 +18,7 @@ from gpuguard.core.recovery import Action
 from gpuguard.core.snapshot import Snapshot, UnitSnapshot, XidRecord
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidfaults import to_record
-from gpuguard.daemon.watches import DaemonState
+from gpuguard.daemon.watches import CHORE_EARLY_S, DaemonState
 
 if TYPE_CHECKING:
     from gpuguard.core.recovery import RecoveryDecision
@@ -73,7 +73,7 @@ class Publishing(DaemonState):
             xids_malformed=self._xids_malformed,
         ).to_json()
         content = (json.dumps(document, sort_keys=True, default=str), self._status_line())
-        refresh_due = ports.monotonic() >= self._published_at + SNAPSHOT_EVERY_S
+        refresh_due = ports.monotonic() + CHORE_EARLY_S >= self._published_at + SNAPSHOT_EVERY_S
         if content == self._published and not refresh_due:
             return
         ports.write_snapshot(document | {"updated_at": iso(ports.wall())})

@@ -42,6 +42,9 @@ XIDS_KEPT = 50
 """Kernel Xid events the snapshot keeps (the newest), so a storm of them costs nothing."""
 # How often a verdict is re-derived from the events alone, so "starting" becomes "up".
 REFRESH_EVERY_S = 30.0
+CHORE_EARLY_S = 1.0
+"""How early a wake may do a periodic chore (a refresh, a ledger record) that is almost due, so
+that chores waiting for the watchdog's wakes stay on them instead of slipping one ping later."""
 _RECENT = 10
 
 
