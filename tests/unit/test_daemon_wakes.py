@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
 
 from gpuguard.adapters import systemd
-from gpuguard.config import DaemonSettings, Settings, UnitSettings
+from gpuguard.config import Settings
 from gpuguard.core.ledger import SeenProcess
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
+from gpuguard.daemonsettings import DaemonSettings
+from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
