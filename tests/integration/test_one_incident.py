@@ -340,12 +340,18 @@ def test_status_metrics_explain_and_doctor_tell_one_incident_alike(  # noqa: PLR
     assert verbs == {stayed.pid: "reap", escaped.pid: "reap", tenant: "spare"}, plan.out
 
     # explain, the journal alone (gpuguard not there then): the same two PIDs, and a replay
-    # that frees only what the ownership rule allows, naming the same command.
+    # that frees only what the ownership rule allows, naming the same command. As doctor does,
+    # it counts the one systemd saw, and shows the one only the server's out-of-memory line
+    # names as its word.
     doc = cli("explain", "--unit", unit, "--json").json()
     story = doc["story"]
-    assert story["survivor_pids"] == 2, story["survivors"]
+    assert story["survivor_pids"] == 1, story["survivors"]
     told = {int(x.split()[1].rstrip(":")) for x in story["survivors"] if x.startswith("PID ")}
     assert told == left
+    assert any(
+        x.startswith(f"PID {escaped.pid}: named by the server's") and "(its word)" in x
+        for x in story["survivors"]
+    ), story["survivors"]
     [would] = story["would"]
     assert would.startswith("gpuguard would have acted: needs-operator (stale-gpu-holders)")
     assert str(stayed.pid) in would
@@ -358,7 +364,7 @@ def test_status_metrics_explain_and_doctor_tell_one_incident_alike(  # noqa: PLR
     doc = cli("explain", "--unit", unit, "--json").json()
     assert doc["gpuguard_seen"]
     assert doc["story"]["disagreements"] == [], doc["story"]["disagreements"]
-    assert doc["story"]["survivor_pids"] == 2
+    assert doc["story"]["survivor_pids"] == 1
 
     # doctor: the survivors of past stops are the same two PIDs, with the same way out; the one
     # only the server's out-of-memory line names is its word, shown but not counted.

@@ -667,3 +667,26 @@ def test_a_lines_signature_label_is_the_one_the_daemons_classifier_picks() -> No
     recognised = classify(warm_up)
     assert recognised is not None
     assert recognised.signature.server == "vLLM"
+
+
+def test_pids_only_the_units_out_of_memory_lines_name_are_shown_as_its_word_not_counted() -> None:
+    """The unit prints 40 out-of-memory lines naming 40 PIDs: listed as its word, 0 counted.
+
+    Any process of the unit can print such a line naming any PID; doctor counts the same way.
+    """
+    entries = sample("bookworm", "restart-loop-start-limit")
+    base = entries[0]
+    run = next(e["INVOCATION_ID"] for e in entries if e.get("INVOCATION_ID"))
+    for step, pid in enumerate(range(5000, 5040)):
+        held = (
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 119.84 GiB. GPU 3 has "
+            f"a total capacity of 140.40 GiB of which 21.06 GiB is free. Process {pid} has "
+            "119.34 GiB memory in use."
+        )
+        entries.append({**unit_output(base, 5 + step, held), "_SYSTEMD_INVOCATION_ID": run})
+    found = timeline.build(entries, UNIT)
+    named = [line for line in found.story.survivors if "(its word)" in line]
+    assert named, found.story.survivors
+    assert all(line.startswith("PID 50") for line in named), named
+    assert found.story.survivor_pids == 0
+    assert "survivors and left-overs: 0 PIDs" in timeline.render_text(found, since=None)

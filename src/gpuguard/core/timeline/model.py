@@ -73,7 +73,8 @@ class Story:
     findings: tuple[str, ...] = ()
     """What is no loop but worth a look: left-overs found at a start."""
     survivor_pids: int = 0
-    """How many distinct PIDs ``survivors`` names (its PID-less lines not counted)."""
+    """How many distinct PIDs systemd or gpuguard named in ``survivors`` (not its PID-less
+    lines, nor the PIDs only the server's own out-of-memory lines name: its word)."""
     verdict: str = ""
     """The detector's verdict on the newest entries, replayed (the daemon's own code)."""
     disagreements: tuple[str, ...] = ()

@@ -85,8 +85,10 @@ def _story_lines(timeline: Timeline) -> list[str]:
     block("stops that timed out", story.stop_timeouts, "none")
     block("processes systemd SIGKILLed", story.sigkilled, "none")
     if story.survivors and story.survivor_pids != len(story.survivors):
-        # Lines without a PID (systemd's "Processes still around after SIGKILL"): not counted.
-        lines.append(f"  survivors and left-overs: {story.survivor_pids} PIDs")
+        # Not counted: lines without a PID (systemd's "Processes still around after SIGKILL"),
+        # and the PIDs only the server's own out-of-memory lines name (its word).
+        counted = story.survivor_pids
+        lines.append(f"  survivors and left-overs: {counted} PID{'' if counted == 1 else 's'}")
         lines.extend(f"    {item}" for item in story.survivors[:_STORY_ITEMS])
         if len(story.survivors) > _STORY_ITEMS:
             lines.append(f"    … {len(story.survivors) - _STORY_ITEMS} more (see --json)")

@@ -41,12 +41,12 @@ def tell(
     stops = [f"{short_run(r.run)}: {r.text}" for r in rows if r.kind == EventKind.STOP_TIMED_OUT]
     killed = [r.text for r in rows if r.kind == "killed"]
     ours = [r.text for r in rows if r.source == GPUGUARD and r.kind not in _TABLE_ONLY]
-    survivors = _survivors(rows, holders)
+    survivors, counted = _survivors(rows, holders)
     return Story(
         stop_timeouts=tuple(stops),
         sigkilled=tuple(killed),
         survivors=tuple(survivors),
-        survivor_pids=sum(line.startswith("PID ") for line in survivors),
+        survivor_pids=counted,
         failed_starts=tuple(_failed_starts(rows, events)),
         gpuguard=tuple(ours),
         would=would,
@@ -59,11 +59,13 @@ def tell(
     )
 
 
-def _survivors(rows: list[Row], holders: Holders) -> list[str]:
-    """One line per distinct PID that outlived a run, with everything said about it.
+def _survivors(rows: list[Row], holders: Holders) -> tuple[list[str], int]:
+    """One line per distinct PID that outlived a run, with everything said about it; how many
+    PIDs systemd or gpuguard named.
 
     A holder only the server's out-of-memory line names (outside the cgroup: systemd never saw
-    it) is one too, said to be the server's word.
+    it) gets a line too, said to be the server's word, and is not counted: any process of the
+    unit can print such a line naming any PID (doctor counts the same way).
     """
     by_pid: dict[str, list[str]] = {}
     other: list[str] = []
@@ -95,7 +97,7 @@ def _survivors(rows: list[Row], holders: Holders) -> list[str]:
         for pid in holders.named_outside
         if str(pid) not in by_pid
     ]
-    return lines + other
+    return lines + other, len(by_pid)
 
 
 _SURVIVOR_WORDS: Final = {
