@@ -60,9 +60,9 @@ def tell(
 
 
 def _survivors(rows: list[Row], holders: Holders) -> tuple[list[str], int]:
-    """One line per distinct PID that outlived a run, with everything said about it; how many
-    PIDs systemd or gpuguard named.
+    """One line per distinct PID that outlived a run, and how many PIDs systemd or gpuguard named.
 
+    Each line has everything said about its PID.
     A holder only the server's out-of-memory line names (outside the cgroup: systemd never saw
     it) gets a line too, said to be the server's word, and is not counted: any process of the
     unit can print such a line naming any PID (doctor counts the same way).
