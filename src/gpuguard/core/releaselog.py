@@ -84,6 +84,11 @@ class Logged:
         return cls(release, str(by), unit, wall, boot, None if mono is None else float(mono))
 
 
+# A record's wall time lies in this range, or the record is left out: a stamp that is valid
+# ISO but lands before year 1 or after 9999 in UTC would make every later print of it raise.
+_WALL_RANGE_S: Final = (0.0, 2.0**37)
+
+
 def _wall(text: object) -> float | None:
     if not isinstance(text, str) or len(text) > 40:
         return None
@@ -91,7 +96,14 @@ def _wall(text: object) -> float | None:
         stamp = datetime.fromisoformat(text)
     except ValueError:
         return None
-    return stamp.timestamp() if stamp.tzinfo is not None else None
+    if stamp.tzinfo is None:
+        return None
+    try:
+        wall = stamp.timestamp()
+    except (OverflowError, ValueError):
+        return None
+    low, high = _WALL_RANGE_S
+    return wall if low <= wall <= high else None
 
 
 def parse(document: object) -> tuple[Logged, ...]:
