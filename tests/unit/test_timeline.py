@@ -515,6 +515,22 @@ def test_the_stop_reaps_outcome_through_the_gate_server_is_a_survivor() -> None:
     assert found.rows[0].text.startswith("reap outcome: pid=228 outcome=exited; reap for ")
 
 
+def test_a_stop_reaps_warning_outcome_is_a_survivor_too() -> None:
+    """A holder the stop-reap could not kill (logged as a warning) is told, not dropped."""
+    base = sample("bookworm", "clean-start-stop")[0]
+    reaper = (
+        "2026-12-01T23:59:28.023103Z [warning  ] reap outcome                   "
+        "outcome=unkillable pid=231 command='sglang::scheduler_TP1' detail='D state' "
+        "reason='in sglang.service' signals=['SIGTERM', 'SIGKILL'] start_time=4243"
+    )
+    found = timeline.build(
+        [gate_server_line(base, 10, f"reap for {UNIT} from PID 291: {reaper}")], UNIT
+    )
+    assert [row.kind for row in found.rows] == ["reap-outcome"]
+    assert found.rows[0].text.startswith("reap outcome: pid=231 outcome=unkillable; reap for ")
+    assert found.story.survivor_pids == 1
+
+
 def test_an_engines_fatal_line_is_the_units_row_once_per_run() -> None:
     """Explain shows the server's fatal line as the unit's word, with its cause, once per run."""
     base = sample("bookworm", "clean-start-stop")[0]

@@ -74,7 +74,8 @@ _GATE_EXIT = re.compile(r"exit \d{1,3}")
 # imitate a pair.
 _SAID_AFTER = re.compile(r"\d{1,10}: ")
 _REAP_OUTCOME_LINE = re.compile(
-    r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?Z \[info {0,9}\] reap outcome {1,30}"
+    r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?Z "
+    r"\[(?:info|warning) {0,9}\] reap outcome {1,30}"  # unkillable and the like: warnings
     r"outcome=(?P<outcome>[a-z-]{1,20}) pid=(?P<pid>\d{1,10})(?: |$)"
 )
 # The daemon's log events worth a row, and the fields that say what it decided or did.
