@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from gpuguard.adapters.procdevices import ScanBudget
 from gpuguard.adapters.procfs import (
+    DESCENDANTS_MAX,
     ENVIRON_LIMIT,
     ancestor_pids,
     descendants,
@@ -388,6 +389,19 @@ def test_descendants_are_the_children_of_every_thread_and_theirs(proc: FakeProc)
     proc.add(FakeProcess(pid=900, fds={3: "/dev/nvidia0"}))  # unrelated holder
     found = descendants([800, 424242], proc_root=proc.root)
     assert sorted(p.pid for p in found) == [800, 801, 802, 803, 804]
+
+
+def test_descendants_count_every_lead_read_against_the_bound(proc: FakeProc) -> None:
+    """Listed children that fail their checks count too: the walk stops at DESCENDANTS_MAX.
+
+    A parent that exits right after its children are listed leaves each of them failing its
+    parent check; had only the found ones counted, a unit's process could make the root walk
+    as long as it has children.
+    """
+    gone = tuple(range(100_000, 100_000 + DESCENDANTS_MAX))  # listed, then gone (no /proc entry)
+    proc.add(FakeProcess(pid=800, children=(*gone, 801)))
+    proc.add(FakeProcess(pid=801, ppid=800))
+    assert [p.pid for p in descendants([800], proc_root=proc.root)] == [800]
 
 
 def test_descendants_fall_back_to_a_ppid_walk_without_children_files(proc: FakeProc) -> None:

@@ -412,7 +412,8 @@ def descendants(
     only while its ``stat`` shows that start time; a root given as a PID (read from the cgroup
     ``within``) only while its cgroup is ``within`` or below it; a child only while its
     ``stat`` names the parent it was listed under and that parent's PID, read again after the
-    child's, still has the parent's start time. Bounded by DESCENDANTS_MAX; a process whose
+    child's, still has the parent's start time. Bounded by DESCENDANTS_MAX leads read (found or
+    not, so children that all fail their checks cannot make it long); a process whose
     cgroup cannot be parsed is recorded as ``?``.
     """
     root = os.fspath(proc_root)
@@ -428,10 +429,13 @@ def descendants(
     seen: set[int] = set()
     by_ppid: dict[int, list[int]] | None = None
     found: list[SeenProcess] = []
-    while queue and len(seen) < DESCENDANTS_MAX:
+    reads = 0  # every lead read counts, found or not: a parent that exits right after its
+    # children are listed (each child then fails its parent check) must not make the walk endless
+    while queue and reads < DESCENDANTS_MAX:
         lead = queue.popleft()
         if lead.pid <= 0 or lead.pid in seen:
             continue
+        reads += 1
         process = _seen(lead, root, within)
         if process is None:
             continue
