@@ -14,11 +14,15 @@ from pydantic import Field, field_validator, model_validator
 
 from gpuguard.configmodel import ConfigModel
 from gpuguard.core.adopt import MAX_GLOB_CHARS
+from gpuguard.core.healthcheck import HealthTarget, parse_health_url
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
 
 ADOPT_GLOB = re.compile(r"[A-Za-z0-9:_.@*\\-]+\.scope")
 _MIN_PATTERN_CHARS = 3  # non-space characters: " " or "py" would match nearly any command line
 _MAX_PATTERN_CHARS = 256
+HEALTH_TIMEOUT_MAX_S = 5.0
+"""A probe runs in the daemon's loop: 5 s is a third of gpuguard.service's watchdog ping
+interval (WatchdogSec=30, a ping every 15 s), and a long probe is fed like any long step."""
 
 
 SERVER_PATTERNS: dict[str, tuple[str, ...]] = {
@@ -72,6 +76,30 @@ class UnitSettings(ConfigModel):
         "the unit's.",
     )
 
+    health_url: str | None = Field(
+        default=None,
+        description="An HTTP health check of the server, once its start is ready: "
+        "http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH, http://localhost:PORT/PATH, or "
+        "http://unix:/SOCKET:/PATH; a 2xx answer is healthy. TCP needs the "
+        "health-loopback.conf drop-in for gpuguard.service. Unset: no check.",
+    )
+    health_every_s: float = Field(
+        default=10.0, ge=1.0, le=3600.0, description="Seconds between health probes."
+    )
+    health_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=HEALTH_TIMEOUT_MAX_S,
+        description="The most one probe may take (connect, send, the status line), below "
+        "health_every_s; a probe that takes longer failed.",
+    )
+    health_failures: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="Failed probes in a row that make the engine dead (a success resets it).",
+    )
+
     adopt: tuple[str, ...] = Field(
         default=(),
         description="Other cgroups (scopes, by a glob where only * is special, e.g. "
@@ -91,6 +119,27 @@ class UnitSettings(ConfigModel):
             if item.replace("*", "") == ".scope":
                 raise ValueError(f"{item!r} would adopt every scope (user sessions too)")
         return value
+
+    @field_validator("health_url")
+    @classmethod
+    def _health_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_health_url(value)  # its ValueError says what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _health_timeout_below_interval(self) -> UnitSettings:
+        if self.health_timeout_s >= self.health_every_s:
+            raise ValueError(
+                f"health_timeout_s ({self.health_timeout_s}) must be below health_every_s "
+                f"({self.health_every_s})"
+            )
+        return self
+
+    @property
+    def health(self) -> HealthTarget | None:
+        """Where the unit's health check asks; None: it has none."""
+        return None if self.health_url is None else parse_health_url(self.health_url)
 
     @field_validator("container")
     @classmethod

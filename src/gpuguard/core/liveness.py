@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpuguard.core.events import UnitEvent
+    from gpuguard.core.healthcheck import HealthDeath
 
 ENGINE_DEAD_GRACE_S: Final = 10.0
 """A fatal line makes a dead engine once its run still lives this long after it: a server whose
@@ -205,6 +206,29 @@ class Liveness:
     def learned(self) -> int:
         """Starts recorded so far (a change means there is something new to save)."""
         return self._learned
+
+    @property
+    def up_run(self) -> str | None:
+        """The run that is up (past its ready line) and not dead: the one a health check asks."""
+        run = self._run
+        if run is None or not run.ready or self._dead is not None:
+            return None
+        return run.invocation_id
+
+    def health_failed(self, death: HealthDeath) -> bool:
+        """The run's health check failed often enough: its engine is dead; True when news.
+
+        Only for the run that is up now (``up_run``): a probe of an ended run says nothing. No
+        grace, unlike a fatal line: the failures in a row already took that long.
+        """
+        if death.invocation_id != self.up_run:
+            return False
+        self._dead = DeadEngine(
+            death.invocation_id, death.since_s, death.since_wall_s, death.cause, death.cause
+        )
+        self._confirmed, self._dead_live = True, True
+        self._deaths += 1
+        return True
 
     @property
     def dead(self) -> DeadEngine | None:

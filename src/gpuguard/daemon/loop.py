@@ -34,6 +34,7 @@ from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, State, acted_on, left_al
 from gpuguard.core.recovery import Action, RecoveryDecision
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
+from gpuguard.daemon.healthprobes import HealthProbing
 from gpuguard.daemon.judging import Judging
 from gpuguard.daemon.publishing import SNAPSHOT_EVERY_S
 from gpuguard.daemon.sweeps import Sweeping
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 MAX_SLEEP_S = 60.0
 
 
-class Daemon(Judging, Sweeping):
+class Daemon(Judging, Sweeping, HealthProbing):
     """The daemon's state and loop; ``run()`` returns the exit status."""
 
     # -- the loop ------------------------------------------------------------------------------
@@ -96,6 +97,10 @@ class Daemon(Judging, Sweeping):
             for problem in self._follower.take_problems():
                 ports.log.warning("journal line skipped", reason=problem)
             self._retry_waiting()
+            for watch in self._probe_health():
+                self._said_dead(watch)
+                # No grace: the failures in a row took their time (acted on in _refresh).
+                watch.dead_due = ports.monotonic()
             self._refresh()
             self._keeper.tick(ports.monotonic(), early_s=CHORE_EARLY_S)
             now = ports.monotonic()
@@ -150,6 +155,7 @@ class Daemon(Judging, Sweeping):
         due.extend(
             wake - now for w in self._watches.values() if (wake := w.liveness.wake_at) is not None
         )
+        due.extend(self._health_due(now))
         timeout = max(0.0, min(due))
         fds = self._follower.fds()
         if ports.wakeup_fd is not None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from gpuguard.adapters.journal import JournalHealth, JournalRecord
     from gpuguard.adapters.systemd import UnitState
+    from gpuguard.core.healthcheck import HealthTarget, ProbeResult
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.logger import Logger
     from gpuguard.core.policy import PlanRequest
@@ -129,3 +130,5 @@ class Ports:
     """The provenance ledger's reads and writes (ledgerkeeper); None: no ledger is kept."""
     load_ledger: Callable[[], Ledger] = Ledger
     """The ledger a previous daemon of this boot left (ledgerstore)."""
+    probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None
+    """One health probe with its timeout (healthprobe.probe); None: no unit is probed."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.detector import Detector
 from gpuguard.core.gate import GateSettings
 from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.healthcheck import HealthCheck
 from gpuguard.core.liveness import Liveness
 from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.recovery import RecoveryPlanner
@@ -75,6 +76,8 @@ class Watch:
     """The run whose stuck start was logged (once per run)."""
     dead_due: float | None = None
     """When to act on an engine seen dying live (its grace, or a recovery backoff's end)."""
+    health: HealthCheck | None = None
+    """Its health check's count (core.healthcheck); None: the unit sets no ``health_url``."""
     read_through_s: float | None = None
     """The newest journal moment (monotonic) of an event of this unit the detector has seen:
     its verdict line says it, so explain replays exactly what the daemon had read, not what
@@ -102,6 +105,9 @@ class DaemonState:
                     unit.server,
                     clean_exit_is_death=settings.daemon.clean_exit_is_death,
                 ),
+                health=None
+                if unit.health_url is None
+                else HealthCheck(unit.health_every_s, unit.health_failures),
             )
             for name, unit in settings.units.items()
         }

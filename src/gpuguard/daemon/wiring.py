@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.adapters import (
     containerstop,
     daemonsnapshot,
+    healthprobe,
     inventory,
     journal,
     ledgerstore,
@@ -127,6 +128,7 @@ def run(settings: Settings) -> int:
         ),
         ledger=ledger_ports(settings, log),
         load_ledger=lambda: load_ledger(settings, log),
+        probe_health=healthprobe.probe,
     )
     watchdog = daemon.Daemon(settings, follower, ports)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,157 @@
+"""A unit's optional HTTP health check: where it asks, and when its failures make a dead engine.
+
+The third liveness signal (docs/liveness.md): the server's own ``/health`` answer, for an engine
+that dies without a fatal line. What is at risk: calling a healthy run dead, and asking a
+stranger. So the address is loopback or a unix socket only, written one way each (no name to
+resolve, no redirect to follow), and a verdict counts only probes of the run that is up now:
+never during its start (the start phases of ``core.liveness`` say when it is ready), never a
+probe of an earlier run, and only ``failures`` in a row (a success resets the count).
+
+Pure: the probe itself is ``adapters.healthprobe``; time (monotonic) is passed in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+MAX_URL_CHARS: Final = 512
+_PATH: Final = r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]*"
+"""RFC 3986's path and query characters: no space, no CR/LF (no header injection), no '#'."""
+_TCP: Final = re.compile(
+    r"http://(?P<host>127\.0\.0\.1|\[::1\]|localhost)(?::(?P<port>[0-9]{1,5}))?(?P<path>"
+    + _PATH
+    + r")"
+)
+_UNIX: Final = re.compile(r"http://unix:(?P<socket>/[A-Za-z0-9._@+/-]+):(?P<path>" + _PATH + r")")
+"""nginx's spelling of an HTTP request over a unix socket (``proxy_pass http://unix:PATH:URI``)."""
+_SOCKET_PATH_MAX: Final = 107
+"""sun_path holds 108 bytes, the last one NUL (unix(7))."""
+_ADDRESSES: Final = {"127.0.0.1": "127.0.0.1", "[::1]": "::1", "localhost": "127.0.0.1"}
+"""``localhost`` is 127.0.0.1, never a name lookup (NSS could block the daemon or answer
+anything)."""
+_HINT: Final = (
+    "use http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH, http://localhost:PORT/PATH or "
+    "http://unix:/run/NAME.sock:/PATH (loopback or a unix socket only)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthTarget:
+    """Where a health check asks: a loopback TCP port or a unix socket, and the request path."""
+
+    path: str
+    """The request's path (and query), as written: checked, printable ASCII."""
+    address: str | None = None
+    """The loopback address to connect to ("127.0.0.1" or "::1"); None for a unix socket."""
+    port: int = 80
+    socket_path: str | None = None
+
+    @property
+    def tcp(self) -> bool:
+        """A TCP check: it needs the network the shipped gpuguard.service does not have."""
+        return self.socket_path is None
+
+    @property
+    def host_header(self) -> str:
+        """The request's ``Host:``: the loopback address, or ``localhost`` over a socket."""
+        if self.address is None:
+            return "localhost"
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+
+def parse_health_url(text: str) -> HealthTarget:
+    """The target ``text`` names; ValueError saying what is wrong and what to write instead."""
+    if len(text) > MAX_URL_CHARS:
+        raise ValueError(f"is longer than {MAX_URL_CHARS} characters")
+    if text.startswith("https://"):
+        raise ValueError(
+            f"{text!r}: https is not supported (a loopback check is plain HTTP); {_HINT}"
+        )
+    if found := _UNIX.fullmatch(text):
+        socket = found["socket"]
+        if len(socket.encode()) > _SOCKET_PATH_MAX:
+            raise ValueError(f"the socket path is longer than {_SOCKET_PATH_MAX} bytes")
+        if any(part in {".", ".."} for part in socket.split("/")):
+            raise ValueError(f"{text!r}: the socket path has a '.' or '..' part")
+        return HealthTarget(found["path"], socket_path=socket)
+    if found := _TCP.fullmatch(text):
+        port = int(found["port"] or "80")
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{text!r}: port {port} is outside 1..65535")
+        return HealthTarget(found["path"], _ADDRESSES[found["host"]], port)
+    raise ValueError(f"{text!r} is not a loopback or unix-socket HTTP URL; {_HINT}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """One probe's answer: healthy or not, and in a few words why ("HTTP 503", "timed out")."""
+
+    ok: bool
+    detail: str
+    """Our own words and the status code only: never the response's text."""
+
+
+@dataclass(frozen=True, slots=True)
+class HealthDeath:
+    """The check failed ``failures`` times in a row for one run: its engine is dead."""
+
+    invocation_id: str
+    since_s: float
+    """The first failed probe of the streak (monotonic)."""
+    since_wall_s: float
+    cause: str
+    """ "health check failed 3 times: HTTP 503"."""
+
+
+class HealthCheck:
+    """One unit's check: when the next probe is due, and what the probes' answers add up to."""
+
+    def __init__(self, every_s: float, failures: int) -> None:
+        """Probe every ``every_s`` while the run is up; ``failures`` in a row make it dead."""
+        self._every_s = every_s
+        self._needed = failures
+        self._run: str | None = None
+        self._next_s = 0.0
+        self._streak = 0
+        self._first: tuple[float, float] | None = None
+        self._dead = False
+
+    def due_in(self, up_run: str | None, now: float) -> float | None:
+        """Seconds until the next probe of ``up_run`` (the run that is up now); None: none due.
+
+        A new run that is up is probed at once; a dead verdict ends the probing of its run.
+        """
+        if up_run is None:
+            return None
+        if up_run != self._run:
+            self._run, self._next_s, self._streak, self._first = up_run, now, 0, None
+            self._dead = False
+        return None if self._dead else max(0.0, self._next_s - now)
+
+    def answered(
+        self, run: str, result: ProbeResult, *, now: float, wall: float, up_run: str | None
+    ) -> HealthDeath | None:
+        """Count a probe of ``run``'s answer; the death once ``failures`` in a row failed.
+
+        A probe of a run that is no longer the one up (it ended, or another began while the
+        probe waited) counts for nothing.
+        """
+        if run != self._run or run != up_run or self._dead:
+            return None
+        self._next_s = now + self._every_s
+        if result.ok:
+            self._streak, self._first = 0, None
+            return None
+        self._streak += 1
+        if self._first is None:
+            self._first = (now, wall)
+        if self._streak < self._needed:
+            return None
+        self._dead = True
+        times = "once" if self._needed == 1 else f"{self._needed} times"
+        since_s, since_wall = self._first
+        cause = f"health check failed {times}: {result.detail}"
+        return HealthDeath(run, since_s, since_wall, cause)

@@ -1,0 +1,54 @@
+"""The daemon's health checks: probe each unit whose run is up, when due, and count the answers.
+
+``HealthProbing`` asks ``Ports.probe_health`` (adapters/healthprobe.py) for each unit with a
+``health_url`` whose run core.liveness calls up, every ``health_every_s``; core.healthcheck counts
+the answers, and ``health_failures`` failures in a row make the run's engine dead, said and acted
+on (``on_engine_dead``) like a fatal line (loop.py). A probe is bounded by ``health_timeout_s``
+and fed like the daemon's other long steps, so the watchdog stays fed while several units are
+asked in one turn.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gpuguard.daemon.watches import DaemonState
+
+if TYPE_CHECKING:
+    from gpuguard.daemon.watches import Watch
+
+
+class HealthProbing(DaemonState):
+    """Health checks of the watched units (``loop.Daemon`` calls ``_probe_health``)."""
+
+    def _health_due(self, now: float) -> list[float]:
+        """Seconds until each unit's next probe: the loop's wait ends for the soonest."""
+        due = []
+        for watch in self._watches.values():
+            if watch.health is not None:
+                wait = watch.health.due_in(watch.liveness.up_run, now)
+                due.extend([] if wait is None else [wait])
+        return due
+
+    def _probe_health(self) -> list[Watch]:
+        """Probe each unit whose probe is due; the units whose check just made their engine dead."""
+        probe = self._ports.probe_health
+        died: list[Watch] = []
+        if probe is None:
+            return died
+        for watch in self._watches.values():
+            unit = self._settings.units[watch.name]
+            check, target = watch.health, unit.health
+            run = watch.liveness.up_run
+            if check is None or target is None or run is None:
+                continue
+            if check.due_in(run, self._ports.monotonic()) != 0.0:
+                continue
+            result = self._feeder.fed(unit.health_timeout_s, probe)(target, unit.health_timeout_s)
+            now = self._ports.monotonic()
+            death = check.answered(
+                run, result, now=now, wall=self._ports.wall(), up_run=watch.liveness.up_run
+            )
+            if death is not None and watch.liveness.health_failed(death):
+                died.append(watch)
+        return died

@@ -1,0 +1,132 @@
+"""The health check's address and verdict (core.healthcheck), and the per-unit keys that set it."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from gpuguard.core.healthcheck import HealthCheck, HealthTarget, ProbeResult, parse_health_url
+from gpuguard.unitsettings import UnitSettings
+
+FAILED = ProbeResult(ok=False, detail="HTTP 503")
+OK = ProbeResult(ok=True, detail="HTTP 200")
+
+
+@pytest.mark.parametrize(
+    ("url", "target"),
+    [
+        ("http://127.0.0.1:30000/health", HealthTarget("/health", "127.0.0.1", 30000)),
+        ("http://[::1]:8000/health?x=1", HealthTarget("/health?x=1", "::1", 8000)),
+        ("http://localhost:8000/v1/models", HealthTarget("/v1/models", "127.0.0.1", 8000)),
+        ("http://127.0.0.1/health", HealthTarget("/health", "127.0.0.1", 80)),
+        (
+            "http://unix:/run/sglang/api.sock:/health",
+            HealthTarget("/health", socket_path="/run/sglang/api.sock"),
+        ),
+    ],
+)
+def test_loopback_and_unix_socket_urls_are_taken(url: str, target: HealthTarget) -> None:
+    """The three loopback spellings and nginx's unix-socket spelling name their target."""
+    assert parse_health_url(url) == target
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://10.0.0.5:8000/health", "not a loopback or unix-socket HTTP URL"),
+        ("http://127.0.0.2:8000/health", "not a loopback"),
+        ("http://localhost.evil.example:80/health", "not a loopback"),
+        ("http://user@127.0.0.1:80/health", "not a loopback"),
+        ("http://127.0.0.1:8000", "not a loopback"),
+        ("http://127.0.0.1:8000/health\r\nHost: x", "not a loopback"),
+        ("http://127.0.0.1:8000/he alth", "not a loopback"),
+        ("http://127.0.0.1:8000/health#frag", "not a loopback"),
+        ("http://127.0.0.1:99999/health", "outside 1..65535"),
+        ("http://127.0.0.1:0/health", "outside 1..65535"),
+        ("https://127.0.0.1:8443/health", "https is not supported"),
+        ("ftp://127.0.0.1/health", "not a loopback"),
+        ("unix:/run/sglang/api.sock", "not a loopback"),
+        ("http://unix:run/api.sock:/health", "not a loopback"),
+        ("http://unix:/run/../etc/api.sock:/health", "'.' or '..' part"),
+        ("http://unix:/" + "a" * 120 + ".sock:/health", "longer than 107 bytes"),
+        ("http://127.0.0.1:80/" + "a" * 600, "longer than 512"),
+        ("http://127.0.0.1:80/\u00e9", "not a loopback"),
+    ],
+)
+def test_other_urls_are_a_config_error_that_says_what_to_write(url: str, said: str) -> None:
+    """Anything but loopback or a unix socket is refused, with the spellings that work."""
+    with pytest.raises(ValidationError) as refused:
+        UnitSettings(health_url=url)
+    assert said in str(refused.value)
+
+
+def test_a_hostile_url_is_refused_in_linear_time() -> None:
+    """A long near-miss is refused at once: the patterns never backtrack."""
+    with pytest.raises(ValueError, match="not a loopback"):
+        parse_health_url("http://unix:/" + "a/" * 240 + ":")
+
+
+def test_the_timeout_must_stay_below_the_interval() -> None:
+    """A probe that could take as long as its interval is a config error."""
+    with pytest.raises(ValidationError, match="must be below health_every_s"):
+        UnitSettings(health_url="http://127.0.0.1:1/h", health_every_s=2.0, health_timeout_s=2.0)
+    with pytest.raises(ValidationError, match="less than or equal to 5"):
+        UnitSettings(health_timeout_s=6.0, health_every_s=60.0)
+
+
+def test_the_check_is_off_by_default() -> None:
+    """No health_url, no check; the other keys have their documented defaults."""
+    unit = UnitSettings()
+    assert unit.health is None
+    assert (unit.health_every_s, unit.health_timeout_s, unit.health_failures) == (10.0, 2.0, 3)
+
+
+def test_failures_in_a_row_make_the_engine_dead() -> None:
+    """Three failed probes of the run that is up: dead since the first, named with the last."""
+    check = HealthCheck(every_s=10.0, failures=3)
+    assert check.due_in("run-a", 100.0) == 0.0
+    assert check.answered("run-a", FAILED, now=100.0, wall=1000.0, up_run="run-a") is None
+    assert check.due_in("run-a", 105.0) == 5.0
+    assert check.answered("run-a", FAILED, now=110.0, wall=1010.0, up_run="run-a") is None
+    death = check.answered(
+        "run-a",
+        ProbeResult(ok=False, detail="no answer within 2 s"),
+        now=120.0,
+        wall=1020.0,
+        up_run="run-a",
+    )
+    assert death is not None
+    assert (death.invocation_id, death.since_s, death.since_wall_s) == ("run-a", 100.0, 1000.0)
+    assert death.cause == "health check failed 3 times: no answer within 2 s"
+    assert check.due_in("run-a", 200.0) is None  # dead: no more probes of that run
+
+
+def test_a_success_resets_the_count() -> None:
+    """Two failures, a success, two failures: never three in a row, never dead."""
+    check = HealthCheck(every_s=1.0, failures=3)
+    check.due_in("run-a", 0.0)
+    for at, answer in enumerate([FAILED, FAILED, OK, FAILED, FAILED]):
+        assert check.answered("run-a", answer, now=float(at), wall=0.0, up_run="run-a") is None
+
+
+def test_no_probe_while_the_run_is_not_up() -> None:
+    """A start (no run up yet) is never probed."""
+    assert HealthCheck(every_s=10.0, failures=1).due_in(None, 50.0) is None
+
+
+def test_a_probe_answered_after_its_run_ended_counts_for_nothing() -> None:
+    """The run ended (or another began) while the probe waited: its failure counts for nothing."""
+    check = HealthCheck(every_s=10.0, failures=1)
+    check.due_in("run-a", 0.0)
+    assert check.answered("run-a", FAILED, now=1.0, wall=0.0, up_run=None) is None
+    assert check.answered("run-a", FAILED, now=1.0, wall=0.0, up_run="run-b") is None
+
+
+def test_a_new_run_starts_a_fresh_count() -> None:
+    """Failures of an earlier run never add up with the next run's."""
+    check = HealthCheck(every_s=10.0, failures=2)
+    check.due_in("run-a", 0.0)
+    assert check.answered("run-a", FAILED, now=0.0, wall=0.0, up_run="run-a") is None
+    assert check.due_in("run-b", 5.0) == 0.0  # a new run up: probed at once
+    assert check.answered("run-b", FAILED, now=5.0, wall=0.0, up_run="run-b") is None
+    assert check.answered("run-b", FAILED, now=15.0, wall=0.0, up_run="run-b") is not None
