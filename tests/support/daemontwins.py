@@ -34,6 +34,7 @@ from gpuguard.daemonsettings import DaemonSettings
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from gpuguard.core.healthcheck import HealthTarget, ProbeResult
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import GpuReading, ProcessFacts, ReapTarget, UnitProvenance
     from gpuguard.unitsettings import UnitSettings
@@ -382,6 +383,7 @@ def daemon_twin(
     saved: dict[str, dict[str, Any]] | None = None,
     provenance: Callable[[UnitState], UnitProvenance] = systemd.provenance,
     boot_id: str = BOOT,
+    probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None,
 ) -> Harness:
     """The real daemon over ``follower``'s entries and the twins; it stops after TURNS sleeps.
 
@@ -417,6 +419,7 @@ def daemon_twin(
         untouchable=frozenset(),
         provenance=provenance,
         boot_id=boot_id,
+        probe_health=probe_health,
     )
     daemons.append(Daemon(settings, follower, ports))
     return Harness(daemons[0], host, unit, recorder, snapshots, state)

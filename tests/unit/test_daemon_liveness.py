@@ -10,16 +10,20 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import snapshots
 from daemontwins import GpuHost, Harness, ReplayFollower, UnitTwin, daemon_twin, twin_settings
 
+from gpuguard.core.healthcheck import HealthTarget, ProbeResult
 from gpuguard.core.levels import Level
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
 from gpuguard.unitsettings import UnitSettings
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 UNIT = "vllm.service"
 SAMPLE = Path(__file__).resolve().parents[1] / "journal_samples" / "bookworm"
@@ -65,13 +69,19 @@ def build(
     on_start_stuck: Literal["report", "recover"] = "report",
     live: bool = True,
     learned: list[dict[str, Any]] | None = None,
+    health_url: str | None = None,
+    probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None,
 ) -> Harness:
     """A daemon watching UNIT (a vLLM unit) over ``entries``; it stops after a few idle turns.
 
     ``learned``: the starts the unit's saved state holds (core.liveness export).
     """
     units = UnitSettings(
-        server="vllm", on_engine_dead=on_engine_dead, on_start_stuck=on_start_stuck
+        server="vllm",
+        on_engine_dead=on_engine_dead,
+        on_start_stuck=on_start_stuck,
+        health_url=health_url,
+        health_failures=1,
     )
     settings = twin_settings(tmp_path, {UNIT: units})
     twin = UnitTwin(invocation=str(entries[0]["INVOCATION_ID"]), active="active")
@@ -79,7 +89,9 @@ def build(
     if learned is not None:
         saved[UNIT] = {"schema_version": 1, "liveness": {"starts": learned}}
     follower = ReplayFollower(entries, live=live)
-    return daemon_twin(settings, follower, GpuHost(), twin, saved=saved)
+    return daemon_twin(
+        settings, follower, GpuHost(), twin, saved=saved, probe_health=probe_health
+    )
 
 
 def _status(harness: Harness) -> tuple[Level, str]:
@@ -181,8 +193,8 @@ def test_an_operators_stop_is_no_dead_engine(tmp_path: Path) -> None:
     assert level is Level.OK
 
 
-def test_a_start_that_came_up_is_saved_phase_by_phase(tmp_path: Path) -> None:
-    """The phase lines of a vLLM start reach the unit's saved state, second by second."""
+def came_up() -> list[dict[str, object]]:
+    """A vLLM start with its phase lines, up to "Application startup complete." (ready)."""
     starting, started, output = clean_start_stop()[:3]
     base = int(str(output["__MONOTONIC_TIMESTAMP"]))
     lines = [
@@ -201,7 +213,12 @@ def test_a_start_that_came_up_is_saved_phase_by_phase(tmp_path: Path) -> None:
         }
         for n, (at, text) in enumerate(lines)
     ]
-    harness = build(tmp_path, [starting, started, *phases])
+    return [starting, started, *phases]
+
+
+def test_a_start_that_came_up_is_saved_phase_by_phase(tmp_path: Path) -> None:
+    """The phase lines of a vLLM start reach the unit's saved state, second by second."""
+    harness = build(tmp_path, came_up())
 
     assert harness.daemon.run() == 0
 
@@ -321,3 +338,80 @@ def test_a_stuck_start_that_is_no_longer_the_units_run_is_left_alone(tmp_path: P
     [(_, decision)] = harness.said("start stuck: decision")
     assert decision["action"] == "report"
     assert decision["reason"] == f"the stuck start is no longer {UNIT}'s run"
+
+
+class ProbeTwin:
+    """The health probe's twin: answers what it is told, and remembers each probe."""
+
+    def __init__(self, answer: ProbeResult) -> None:
+        """Answer ``answer`` to every probe."""
+        self.answer = answer
+        self.asked: list[tuple[HealthTarget, float]] = []
+
+    def __call__(self, target: HealthTarget, timeout_s: float) -> ProbeResult:
+        """One probe."""
+        self.asked.append((target, timeout_s))
+        return self.answer
+
+
+HEALTH_URL = "http://127.0.0.1:8000/health"
+
+
+def test_a_failed_health_check_makes_a_dead_engine_reported_by_default(tmp_path: Path) -> None:
+    """An up run whose health check fails: CRITICAL, named by the check, and left alone."""
+    probe = ProbeTwin(ProbeResult(ok=False, detail="HTTP 503"))
+    harness = build(tmp_path, came_up(), health_url=HEALTH_URL, probe_health=probe)
+
+    assert harness.daemon.run() == 0
+
+    assert probe.asked == [(HealthTarget("/health", "127.0.0.1", 8000), 2.0)]
+    assert harness.unit.calls == []
+    [(log_level, said)] = harness.said("engine dead")
+    assert (log_level, said["cause"], said["action"]) == (
+        "error",
+        "health check failed once: HTTP 503",
+        "report",
+    )
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert (liveness["state"], liveness["engine_deaths"]) == ("engine-dead", 1)
+    level, text = _status(harness)
+    assert level is Level.CRITICAL
+    assert "(health check failed once: HTTP 503); unit still active" in text
+
+
+def test_an_opted_in_unit_is_recovered_when_its_health_check_fails(tmp_path: Path) -> None:
+    """With on_engine_dead = "recover", a failed health check brings the usual recovery."""
+    probe = ProbeTwin(ProbeResult(ok=False, detail="connection refused"))
+    harness = build(
+        tmp_path, came_up(), on_engine_dead="recover", health_url=HEALTH_URL, probe_health=probe
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    record = harness.snapshots[-1]["units"][UNIT]["recoveries"][-1]
+    assert record["result"] == "restarted"
+    assert "health check failed once: connection refused" in str(record["reason"])
+
+
+def test_a_healthy_answer_is_no_news(tmp_path: Path) -> None:
+    """An up run that answers 200 is up, probed, and nothing is said."""
+    probe = ProbeTwin(ProbeResult(ok=True, detail="HTTP 200"))
+    harness = build(tmp_path, came_up(), health_url=HEALTH_URL, probe_health=probe)
+
+    assert harness.daemon.run() == 0
+
+    assert len(probe.asked) == 1
+    assert harness.said("engine dead") == []
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "up"
+
+
+def test_a_start_is_never_probed(tmp_path: Path) -> None:
+    """A run still loading (no ready line) is not asked for its health."""
+    probe = ProbeTwin(ProbeResult(ok=False, detail="connection refused"))
+    harness = build(tmp_path, came_up()[:-1], health_url=HEALTH_URL, probe_health=probe)
+
+    assert harness.daemon.run() == 0
+
+    assert probe.asked == []
+    assert harness.said("engine dead") == []
