@@ -89,9 +89,7 @@ def build(
     if learned is not None:
         saved[UNIT] = {"schema_version": 1, "liveness": {"starts": learned}}
     follower = ReplayFollower(entries, live=live)
-    return daemon_twin(
-        settings, follower, GpuHost(), twin, saved=saved, probe_health=probe_health
-    )
+    return daemon_twin(settings, follower, GpuHost(), twin, saved=saved, probe_health=probe_health)
 
 
 def _status(harness: Harness) -> tuple[Level, str]:
