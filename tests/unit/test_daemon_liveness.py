@@ -413,3 +413,18 @@ def test_a_start_is_never_probed(tmp_path: Path) -> None:
 
     assert probe.asked == []
     assert harness.said("engine dead") == []
+
+
+def test_a_check_its_sandbox_refuses_is_said_and_never_counted(tmp_path: Path) -> None:
+    """A TCP check under the shipped sandbox: one warning naming doctor, no dead engine."""
+    probe = ProbeTwin(
+        ProbeResult(ok=False, detail="cannot make the socket (refused)", counts=False)
+    )
+    harness = build(tmp_path, came_up(), health_url=HEALTH_URL, probe_health=probe)
+
+    assert harness.daemon.run() == 0
+
+    [(level, said)] = harness.said("health check cannot run")
+    assert (level, said["reason"]) == ("warning", "cannot make the socket (refused)")
+    assert harness.said("engine dead") == []
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "up"

@@ -130,3 +130,16 @@ def test_a_new_run_starts_a_fresh_count() -> None:
     assert check.due_in("run-b", 5.0) == 0.0  # a new run up: probed at once
     assert check.answered("run-b", FAILED, now=5.0, wall=0.0, up_run="run-b") is None
     assert check.answered("run-b", FAILED, now=15.0, wall=0.0, up_run="run-b") is not None
+
+
+def test_a_probe_the_sandbox_refused_is_neither_failure_nor_success() -> None:
+    """The daemon could not even ask: the streak stands, the reason is kept, the next is due."""
+    check = HealthCheck(every_s=10.0, failures=2)
+    check.due_in("run-a", 0.0)
+    refused = ProbeResult(ok=False, detail="cannot make the socket (refused)", counts=False)
+    assert check.answered("run-a", FAILED, now=0.0, wall=0.0, up_run="run-a") is None
+    for at in (10.0, 20.0, 30.0):
+        assert check.answered("run-a", refused, now=at, wall=0.0, up_run="run-a") is None
+    assert check.blocked == "cannot make the socket (refused)"
+    assert check.due_in("run-a", 35.0) == 5.0
+    assert check.answered("run-a", FAILED, now=40.0, wall=0.0, up_run="run-a") is not None

@@ -209,6 +209,7 @@ def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> 
         use=gpu_use(now, unit, watched.gpus if watched else None, environment),
         learned=learned_starts(settings.state_dir, unit) if watched else None,
         gate_waits=gate_waits(settings.runtime_dir, unit),
+        health_url=watched.health_url if watched else None,
     )
 
 
@@ -304,7 +305,18 @@ def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
         persistenced_running=_process_running("nvidia-persiste"),  # comm is cut to 15 chars
         persistence_off=off,
         mig_on=mig,
+        daemon_sandbox=_daemon_sandbox(settings),
     )
+
+
+def _daemon_sandbox(settings: Settings) -> dict[str, str] | None:
+    """gpuguard.service's network sandbox, asked only when a unit has a TCP health check."""
+    if not any(u.health is not None and u.health.tcp for u in settings.units.values()):
+        return None
+    found = systemd.show_properties(
+        "gpuguard.service", ("LoadState", "PrivateNetwork", "RestrictAddressFamilies")
+    )
+    return found if isinstance(found, dict) else None
 
 
 def _process_running(comm: str) -> bool:

@@ -48,22 +48,52 @@ def probe(
         "User-Agent: gpuguard\r\nConnection: close\r\n\r\n"
     ).encode("ascii")
     try:
-        with socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
-            _within(sock, deadline, clock)
-            sock.connect(where)
-            view = memoryview(request)
-            while view:
-                _within(sock, deadline, clock)
-                view = view[sock.send(view) :]
-            return _answer(sock, deadline, clock)
-    except TimeoutError:
-        return ProbeResult(ok=False, detail=f"no answer within {timeout_s:g} s")
-    except ConnectionRefusedError:
-        return ProbeResult(ok=False, detail="connection refused")
-    except FileNotFoundError:
-        return ProbeResult(ok=False, detail="no socket at the health_url's path")
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    except OSError as err:  # RestrictAddressFamilies=AF_UNIX: EAFNOSUPPORT
+        return _refused("cannot make the socket", err)
+    try:
+        with sock:
+            return _exchange(sock, where, request, deadline, clock)
     except OSError as err:
-        return ProbeResult(ok=False, detail=f"cannot ask: {err.strerror or type(err).__name__}")
+        return _failed(err, timeout_s)
+
+
+def _failed(err: OSError, timeout_s: float) -> ProbeResult:
+    """The probe's error in our own words."""
+    if isinstance(err, PermissionError):  # IPAddressDeny= without IPAddressAllow=localhost
+        return _refused("not permitted to connect", err)
+    if isinstance(err, TimeoutError):
+        detail = f"no answer within {timeout_s:g} s"
+    elif isinstance(err, ConnectionRefusedError):
+        detail = "connection refused"
+    elif isinstance(err, FileNotFoundError):
+        detail = "no socket at the health_url's path"
+    else:
+        detail = f"cannot ask: {err.strerror or type(err).__name__}"
+    return ProbeResult(ok=False, detail=detail)
+
+
+def _exchange(
+    sock: socket.socket,
+    where: str | tuple[str, int],
+    request: bytes,
+    deadline: float,
+    clock: Callable[[], float],
+) -> ProbeResult:
+    """Connect, send the request, read the status line: each step within the deadline."""
+    _within(sock, deadline, clock)
+    sock.connect(where)
+    view = memoryview(request)
+    while view:
+        _within(sock, deadline, clock)
+        view = view[sock.send(view) :]
+    return _answer(sock, deadline, clock)
+
+
+def _refused(what: str, err: OSError) -> ProbeResult:
+    """The daemon's own sandbox, not the server, refused: not counted (doctor says the fix)."""
+    why = err.strerror or type(err).__name__
+    return ProbeResult(ok=False, detail=f"{what} ({why}): see gpuguard doctor", counts=False)
 
 
 def _within(sock: socket.socket, deadline: float, clock: Callable[[], float]) -> None:

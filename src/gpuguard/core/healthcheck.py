@@ -92,6 +92,9 @@ class ProbeResult:
     ok: bool
     detail: str
     """Our own words and the status code only: never the response's text."""
+    counts: bool = True
+    """False when the daemon could not even ask (its sandbox refused the socket): that says
+    nothing about the engine, so it is neither a failure nor a success."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,8 @@ class HealthCheck:
         self._streak = 0
         self._first: tuple[float, float] | None = None
         self._dead = False
+        self.blocked: str | None = None
+        """Why the last probe could not even be made (``ProbeResult.counts`` False); None."""
 
     def due_in(self, up_run: str | None, now: float) -> float | None:
         """Seconds until the next probe of ``up_run`` (the run that is up now); None: none due.
@@ -142,6 +147,9 @@ class HealthCheck:
         if run != self._run or run != up_run or self._dead:
             return None
         self._next_s = now + self._every_s
+        self.blocked = None if result.counts else result.detail
+        if not result.counts:
+            return None
         if result.ok:
             self._streak, self._first = 0, None
             return None

@@ -46,6 +46,10 @@ class HealthProbing(DaemonState):
                 continue
             result = self._feeder.fed(unit.health_timeout_s, probe)(target, unit.health_timeout_s)
             now = self._ports.monotonic()
+            if not result.counts and check.blocked != result.detail:
+                self._ports.log.warning(
+                    "health check cannot run", unit=watch.name, reason=result.detail
+                )
             death = check.answered(
                 run, result, now=now, wall=self._ports.wall(), up_run=watch.liveness.up_run
             )

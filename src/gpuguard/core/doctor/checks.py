@@ -25,6 +25,7 @@ from gpuguard.core.doctor.findings import (
 from gpuguard.core.doctor.hostchecks import (
     gpu_set,
     gpu_use,
+    health_sandbox,
     mig,
     persistenced,
     writable_paths,
@@ -94,6 +95,7 @@ def diagnose(
         *writable_paths(facts),
         *persistenced(host),
         *mig(host),
+        *health_sandbox(facts, host),
     ]
     return tuple(sorted(findings, key=lambda f: -f.severity))
 

@@ -86,6 +86,8 @@ class UnitFacts:
     """The starts gpuguard's daemon saw come up; None: the daemon does not watch the unit."""
     gate_waits: GateWaits | None = None
     """The gate's recorded decisions; None: none recorded (no gate, or none since boot)."""
+    health_url: str | None = None
+    """The unit's ``health_url`` from gpuguard's configuration."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +137,6 @@ class HostFacts:
     """GPUs whose persistence mode NVML reports disabled; None: NVML did not say."""
     mig_on: tuple[int, ...] = ()
     """GPUs with MIG mode on (core/mig.py): gpuguard does not judge them."""
+    daemon_sandbox: Mapping[str, str] | None = None
+    """gpuguard.service's LoadState, PrivateNetwork and RestrictAddressFamilies as systemd
+    loaded them; None: not asked (no unit has a TCP health_url) or systemctl failed."""

@@ -2,12 +2,13 @@
 
 Two servers on one GPU, processes holding GPUs outside the unit's set (its gate and recoveries
 would look elsewhere), a PATH entry the service user can change while root runs in the unit's
-environment, GPUs the driver tears down between runs, and MIG GPUs gpuguard does not judge.
+environment, GPUs the driver tears down between runs, MIG GPUs gpuguard does not judge, and a
+TCP health check the daemon's sandbox cannot make.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.doctor.findings import NAME_CHARS, VALUE_CHARS, Finding, show
 from gpuguard.core.levels import Level
@@ -192,5 +193,43 @@ def persistenced(host: HostFacts) -> list[Finding]:
             f"{daemon}: the driver tears GPUs down between runs, "
             "slowing every start, and idle memory readings are less stable",
             advice=advice,
+        )
+    ]
+
+
+HEALTH_DROPIN: Final = "/usr/share/gpuguard/health-loopback.conf"
+"""The shipped drop-in that lets gpuguard.service reach loopback TCP (docs/liveness.md)."""
+HEALTH_FIX: Final = (
+    f"sudo install -D -m 0644 {HEALTH_DROPIN} "
+    "/etc/systemd/system/gpuguard.service.d/health-loopback.conf && "
+    "sudo systemctl daemon-reload && sudo systemctl restart gpuguard.service"
+)
+
+
+def health_sandbox(facts: UnitFacts, host: HostFacts) -> list[Finding]:
+    """A TCP ``health_url`` the daemon cannot reach: gpuguard.service still has no network."""
+    url, sandbox = facts.health_url, host.daemon_sandbox
+    if url is None or url.startswith("http://unix:") or not sandbox:
+        return []
+    if sandbox.get("LoadState") != "loaded":
+        return []
+    private = sandbox.get("PrivateNetwork") == "yes"
+    families = sandbox.get("RestrictAddressFamilies", "").split()
+    unix_only = bool(families) and not families[0].startswith("~") and "AF_INET" not in families
+    if not private and not unix_only:
+        return []
+    shown = [
+        *(["PrivateNetwork=yes"] if private else []),
+        *([f"RestrictAddressFamilies={' '.join(families)}"] if unix_only else []),
+    ]
+    return [
+        Finding(
+            "health-sandbox",
+            Level.WARNING,
+            f"health_url {show(url, VALUE_CHARS)} is TCP, but gpuguard.service runs with "
+            f"{' and '.join(shown)}: the daemon cannot ask it (the check is skipped, never "
+            "counted as failed)",
+            (f"gpuguard.service: {', '.join(shown)}",),
+            advice=f"install the loopback drop-in: {HEALTH_FIX}",
         )
     ]
