@@ -200,7 +200,8 @@ by a stop job (an operator's `systemctl stop`) or inactive is never started. Wit
 
 It also sees what systemd cannot: an engine dead while its unit lives (the server's own
 fatal lines in the unit's output, such as "EngineCore encountered a fatal error" or "Rank 0
-scheduler is dead", or an exit 0 no stop job asked for), reported as CRITICAL in `gpuguard
+scheduler is dead", an exit 0 no stop job asked for, or the unit's health_url failing
+health_failures times in a row once the run is up), reported as CRITICAL in `gpuguard
 status` and recovered only with the unit's on_engine_dead = "recover"; and the phases of each
 start (weights, CUDA graphs, ready), learned per unit, with a start stuck in one phase past
 its learned budget reported as a WARNING and recovered only with the unit's on_start_stuck =
