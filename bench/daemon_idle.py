@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.server
 import itertools
 import json
 import os
@@ -46,6 +47,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +158,22 @@ class BenchJournal:
             [
                 self._timed(e, start + int(str(e["__REALTIME_TIMESTAMP"])) - first)
                 for e in self.history
+            ]
+        )
+
+    def came_up(self) -> None:
+        """The served run's start and ready line, a minute ago: a run that is up (``--health``).
+
+        Its invocation is the one the systemctl double answers; liveness replays it as up, so
+        the daemon's health check probes it.
+        """
+        starting, started = self.history[0], self.history[1]
+        ready = {**self.output, "MESSAGE": "The server is fired up and ready to roll!"}
+        start = int((time.time() - 60) * 1e6)
+        self.write(
+            [
+                self._timed({**e, "INVOCATION_ID": SERVING, "_SYSTEMD_INVOCATION_ID": SERVING}, t)
+                for e, t in ((starting, start), (started, start + 1000), (ready, start + 2000))
             ]
         )
 
@@ -631,6 +649,8 @@ class Launched:
     log: Path
     series: Series = field(default_factory=Series)
     daemon: subprocess.Popen[bytes] = field(init=False)
+    health: HealthServer | None = None
+    """The loopback server its health check asks (``--health``); stopped with it."""
 
     @classmethod
     def start(  # noqa: PLR0913 - the pieces of one daemon's world, passed once
@@ -642,6 +662,7 @@ class Launched:
         *,
         suffix: str,
         pythonpath: str | None = None,
+        unit_lines: str = "",
     ) -> Launched:
         """Its directory, served unit and notify socket, ready to spawn."""
         root.mkdir(exist_ok=True)
@@ -656,7 +677,9 @@ class Launched:
         # unshare without --fork execs in place: the daemon keeps the PID the bench watches.
         argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
         argv += [f'{binds}exec "$@"', "sh"]
-        argv += [sys.executable, "-m", "gpuguard", "--config", str(write_config(root, nvml_state))]
+        config = write_config(root, nvml_state)
+        config.write_text(config.read_text() + unit_lines)  # the [units."UNIT"] section is last
+        argv += [sys.executable, "-m", "gpuguard", "--config", str(config)]
         return cls(root, [*argv, "run"], env, ServedUnit.start(bench_slice), notify, root / "log")
 
     def spawn(self) -> None:
@@ -678,6 +701,8 @@ class Launched:
         status = stop(self.daemon) if hasattr(self, "daemon") else None
         self.served.stop()
         self.notify.close()
+        if self.health is not None:
+            self.health.close()
         return status
 
 
@@ -728,6 +753,12 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         metavar="SRC",
         help="also run, side by side, the daemon of another checkout's src/ (e.g. main's)",
     )
+    parser.add_argument(
+        "--health",
+        action="store_true",
+        help="also run, side by side, this checkout's daemon with a health check every "
+        f"{HEALTH_EVERY_S:g} s of the unit against a loopback HTTP server of the bench",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (the daemon runs in a private mount namespace)", file=sys.stderr)
@@ -743,6 +774,8 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         nvml_state = write_state(root / "nvml")
         journal = BenchJournal(root / "journal", args.release)
         journal.seed()
+        if args.health:
+            journal.came_up()
         env = nvml_environ(nvml_state)
         env.pop("WATCHDOG_PID", None)
         ours = Launched.start(root, journal, env, nvml_state, suffix="")
@@ -753,9 +786,10 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
             if args.against
             else None
         )
+        checked = start_checked(root / "health", journal, env, nvml_state) if args.health else None
         baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
         baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
-        daemons = [ours, *([other] if other else [])]
+        daemons = [ours, *([other] if other else []), *([checked] if checked else [])]
         try:
             started = time.monotonic()
             for launched in daemons:
@@ -812,6 +846,8 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
     )
     if other is not None:
         side_by_side(args.against, other, began, statuses[1], daemon_series)
+    if checked is not None:
+        with_health(checked, statuses[-1], daemon_series)
     missed = not met(daemon_series) or gap >= WATCHDOG_USEC / 1e6
     return 1 if missed or status != 0 else 0
 
@@ -828,6 +864,79 @@ def side_by_side(
         f"{len([t for t in other.notify.pings if t >= began])} WATCHDOG=1, exit status "
         f"{status}; this checkout's CPU = "
         f"{ours.per_hour(own=False) / max(theirs.per_hour(own=False), 1e-6):.2f}x that"
+    )
+
+
+HEALTH_EVERY_S = 10.0
+
+
+class HealthServer:
+    """The bench's loopback HTTP server: 200 to every ``GET /health``, counted (``--health``)."""
+
+    def __init__(self, server: http.server.HTTPServer) -> None:
+        """Serve ``server`` from a thread until ``close``."""
+        self.server = server
+        self.thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def start(cls) -> HealthServer:
+        """Listen on 127.0.0.1, a free port."""
+        answered = [0]
+
+        class Healthy(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                answered[0] += 1
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *_args: object) -> None:
+                """Quiet: the bench prints the count."""
+
+        made = cls(http.server.HTTPServer(("127.0.0.1", 0), Healthy))
+        made.answered = answered
+        return made
+
+    answered: list[int]
+
+    def unit_lines(self) -> str:
+        """The unit's health keys, for the checked daemon's configuration."""
+        port = self.server.server_address[1]
+        return f'health_url = "http://127.0.0.1:{port}/health"\nhealth_every_s = {HEALTH_EVERY_S}\n'
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def start_checked(
+    root: Path, journal: BenchJournal, env: dict[str, str], nvml_state: Path
+) -> Launched:
+    """The checkout's daemon again, with a health check of the unit against the bench's server."""
+    health = HealthServer.start()
+    checked = Launched.start(
+        root, journal, env, nvml_state, suffix="-h", unit_lines=health.unit_lines()
+    )
+    checked.health = health
+    return checked
+
+
+def with_health(checked: Launched, status: int | None, ours: Series) -> None:
+    """The daemon with a health check, against the same daemon without it, side by side."""
+    theirs, health = checked.series, checked.health
+    assert health is not None  # noqa: S101 - start_checked gave it one
+    without, with_check = ours.per_hour(own=False), theirs.per_hour(own=False)
+    print(
+        f"  side by side, same journal, same load: with a health check every "
+        f"{HEALTH_EVERY_S:g} s ({health.answered[0]} probes answered): "
+        f"{mb(theirs.peak_kib(own=True))} peak, {with_check:.3f} CPU s/hour, "
+        f"{theirs.wakes_per_minute():.1f} wakes a minute, exit status {status}; without: "
+        f"{without:.3f} CPU s/hour; ratio {with_check / max(without, 1e-6):.2f}x, difference "
+        f"{with_check - without:+.3f} CPU s/hour (target < +{CPU_TARGET_S_PER_HOUR:g}: "
+        f"{'met' if with_check - without < CPU_TARGET_S_PER_HOUR else 'MISSED'})"
     )
 
 

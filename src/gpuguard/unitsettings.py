@@ -22,7 +22,7 @@ _MIN_PATTERN_CHARS = 3  # non-space characters: " " or "py" would match nearly a
 _MAX_PATTERN_CHARS = 256
 HEALTH_TIMEOUT_MAX_S = 5.0
 """A probe runs in the daemon's loop: 5 s is a third of gpuguard.service's watchdog ping
-interval (WatchdogSec=30, a ping every 15 s), and a long probe is fed like any long step."""
+interval (WatchdogSec=30, a ping every 15 s); the loop pings between two probes."""
 
 
 SERVER_PATTERNS: dict[str, tuple[str, ...]] = {

@@ -7,9 +7,9 @@ scheduler's jitter) whatever the server does: hang, trickle one byte at a time, 
 endless body. It reads at most ``MAX_HEAD`` bytes, never the body, and closes. Nothing the
 server sends is returned but the status code: the answer is foreign text.
 
-The daemon calls it from its loop, wrapped like its other long steps (daemon/watchdog.py), and
-the configuration keeps ``timeout_s`` at most 5 s and below the probe interval: a probe can
-neither block the loop past its timeout nor starve systemd's watchdog.
+The daemon calls it from its loop (daemon/healthprobes.py), and the configuration keeps
+``timeout_s`` at most 5 s and below the probe interval: a probe can neither block the loop past
+its timeout nor starve systemd's watchdog (15 s between pings under gpuguard.service).
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
 ``health_url`` whose run core.liveness calls up, every ``health_every_s``; core.healthcheck counts
 the answers, and ``health_failures`` failures in a row make the run's engine dead, said and acted
 on (``on_engine_dead``) like a fatal line (loop.py). A probe is bounded by ``health_timeout_s``
-and fed like the daemon's other long steps, so the watchdog stays fed while several units are
-asked in one turn.
+(at most 5 s, a third of gpuguard.service's 15 s ping interval) and runs in the loop itself, with
+no helper thread: idle cost is wake-ups. Before each further probe of one turn the loop pings
+systemd's watchdog, so several units that each hang to their timeout cannot add up to a silent
+gap.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class HealthProbing(DaemonState):
         died: list[Watch] = []
         if probe is None:
             return died
+        asked = 0
         for watch in self._watches.values():
             unit = self._settings.units[watch.name]
             check, target = watch.health, unit.health
@@ -44,7 +47,10 @@ class HealthProbing(DaemonState):
                 continue
             if check.due_in(run, self._ports.monotonic()) != 0.0:
                 continue
-            result = self._feeder.fed(unit.health_timeout_s, probe)(target, unit.health_timeout_s)
+            if asked and self._ports.watchdog_interval_s is not None:
+                self._ports.notifier.watchdog()  # the probe before may have taken its timeout
+            asked += 1
+            result = probe(target, unit.health_timeout_s)
             now = self._ports.monotonic()
             if not result.counts and check.blocked != result.detail:
                 self._ports.log.warning(

@@ -23,6 +23,11 @@ What it shares with ``python -m sglang.launch_server --tp-size N`` (README.md be
   and serving nothing, as SGLang's HTTP server outlives its scheduler; with
   ``--fake-exit-0-after-death`` the main process then shuts down and exits 0, as vLLM's did in
   its issue #48966. ``--fake-death-marker PATH`` makes the death happen once (PATH is created).
+  ``--fake-silent-death``: the scheduler dies without a line (only ``[fake] engine died
+  silently``, which no server prints and gpuguard does not read), as an engine killed from
+  outside or wedged would.
+* HTTP ``GET /health`` on ``--host``:``--port``, as SGLang's (``http_server.py``): 503 while
+  starting, 200 once ready, 503 once the engine died; any other path is 404.
 * SIGTERM: it drains pending requests for ``--fake-drain-s`` seconds (SGLang's drain has no upper
   bound), then terminates its workers and exits 0. ``--fake-stubborn-worker I`` (or
   ``FAKE_SGLANG_STUBBORN_WORKER=I`` in the unit's environment) makes worker I ignore SIGTERM,
@@ -43,11 +48,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -189,6 +196,12 @@ def _parser() -> argparse.ArgumentParser:
         else None,
         help="die only when this file does not exist yet, and create it "
         "($FAKE_SGLANG_DEATH_MARKER)",
+    )
+    parser.add_argument(
+        "--fake-silent-death",
+        action="store_true",
+        default=os.environ.get("FAKE_SGLANG_SILENT_DEATH") == "1",
+        help="the engine death prints no line; only /health says it ($FAKE_SGLANG_SILENT_DEATH=1)",
     )
     parser.add_argument(
         "--fake-hang-when-busy",
@@ -374,6 +387,33 @@ def _notify_ready() -> None:
         sock.sendto(b"READY=1", address)
 
 
+class _Health:
+    """What ``GET /health`` answers: 503 starting, 200 serving, 503 once the engine died."""
+
+    status = 503
+
+
+class _HealthHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        code = _Health.status if self.path == "/health" else 404
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_args: object) -> None:
+        """Quiet, unlike uvicorn: a health check every few seconds would flood the journal."""
+
+
+def _serve_health(host: str, port: int) -> None:
+    """Answer /health from a thread for as long as the process lives (uvicorn's part)."""
+    try:
+        server = http.server.ThreadingHTTPServer((host, port), _HealthHandler)
+    except OSError as err:
+        log(f"ERROR: [Errno {err.errno}] error while attempting to bind on {host}:{port}", err=True)
+        return
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
 def server_main(argv: list[str]) -> None:
     """The main process: load, check, allocate, spawn workers, serve, drain on SIGTERM."""
     args = _parser().parse_args(argv)  # a bad flag exits 2 here, before any load
@@ -381,6 +421,7 @@ def server_main(argv: list[str]) -> None:
         f"server_args=ServerArgs(model_path='{args.model_path}', tp_size={args.tp_size}, "
         f"mem_fraction_static={args.mem_fraction_static}, host='{args.host}', port={args.port})"
     )
+    _serve_health(args.host, args.port)
     gpus = _visible_gpus(args.tp_size)
     log(f"Load weight begin. GPUs {gpus}", 0)
     time.sleep(args.fake_load_s)
@@ -403,11 +444,12 @@ def server_main(argv: list[str]) -> None:
     log(f"Capture cuda graph end. Time elapsed: {args.fake_graph_s:.2f} s.", 0)
     log(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
     log(READY_LINE)
+    _Health.status = 200
     _notify_ready()
     if args.fake_engine_death_s >= 0 and _dies(args.fake_death_marker):
         _serve_until(time.monotonic() + args.fake_engine_death_s)
         if not _Stop.requested:
-            _engine_dies(workers[0])
+            _engine_dies(workers[0], silent=args.fake_silent_death)
             if args.fake_exit_0_after_death:
                 _Stop.requested = True
     _serve_until(float("inf"))
@@ -442,10 +484,17 @@ def _dies(marker: Path | None) -> bool:
     return True
 
 
-def _engine_dies(scheduler: subprocess.Popen[bytes]) -> None:
-    """The TP0 scheduler hits an exception and dies; the main process lives on, serving nothing."""
-    log("Scheduler hit an exception: Traceback (most recent call last):", 0, err=True)
-    log("RuntimeError: CUDA error: an illegal memory access was encountered", 0, err=True)
+def _engine_dies(scheduler: subprocess.Popen[bytes], *, silent: bool) -> None:
+    """The TP0 scheduler dies (with its exception's lines unless ``silent``); /health says 503.
+
+    The main process lives on, serving nothing.
+    """
+    _Health.status = 503
+    if silent:
+        log("[fake] engine died silently")
+    else:
+        log("Scheduler hit an exception: Traceback (most recent call last):", 0, err=True)
+        log("RuntimeError: CUDA error: an illegal memory access was encountered", 0, err=True)
     with contextlib.suppress(ProcessLookupError):
         scheduler.kill()
     scheduler.wait()
