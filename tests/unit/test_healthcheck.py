@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gpuguard.core.healthcheck import HealthCheck, HealthTarget, ProbeResult, parse_health_url
+from gpuguard.core.healthcheck import (
+    HealthCheck,
+    HealthDeath,
+    HealthTarget,
+    ProbeResult,
+    parse_health_url,
+)
+from gpuguard.core.liveness import Liveness, State
 from gpuguard.unitsettings import UnitSettings
 
 FAILED = ProbeResult(ok=False, detail="HTTP 503")
@@ -143,3 +150,13 @@ def test_a_probe_the_sandbox_refused_is_neither_failure_nor_success() -> None:
     assert check.blocked == "cannot make the socket (refused)"
     assert check.due_in("run-a", 35.0) == 5.0
     assert check.answered("run-a", FAILED, now=40.0, wall=0.0, up_run="run-a") is not None
+
+
+def test_liveness_takes_a_health_death_only_for_the_run_that_is_up() -> None:
+    """A death reported for a run liveness does not call up makes no dead engine."""
+    liveness = Liveness("sglang.service", "sglang")
+    death = HealthDeath("run-a", 1.0, 2.0, "health check failed 3 times: HTTP 503")
+    assert liveness.up_run is None
+    assert not liveness.health_failed(death)
+    assert liveness.dead is None
+    assert liveness.view(10.0).state is not State.ENGINE_DEAD
