@@ -157,6 +157,8 @@ def test_package_contents_follow_policy(installed: Container) -> None:
         "/usr/share/doc/gpuguard/changelog.Debian.gz",
         "/usr/share/doc/gpuguard/examples/gpuguard-gate.conf",
         "/usr/share/gpuguard/gpuguard-gate.conf",
+        "/usr/share/doc/gpuguard/examples/health-loopback.conf",
+        "/usr/share/gpuguard/health-loopback.conf",
     ):
         installed.run(["test", "-s", path])
     dropins = installed.run(
