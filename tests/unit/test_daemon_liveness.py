@@ -71,6 +71,7 @@ def build(
     learned: list[dict[str, Any]] | None = None,
     health_url: str | None = None,
     probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None,
+    active: str = "active",
 ) -> Harness:
     """A daemon watching UNIT (a vLLM unit) over ``entries``; it stops after a few idle turns.
 
@@ -84,7 +85,7 @@ def build(
         health_failures=1,
     )
     settings = twin_settings(tmp_path, {UNIT: units})
-    twin = UnitTwin(invocation=str(entries[0]["INVOCATION_ID"]), active="active")
+    twin = UnitTwin(invocation=str(entries[0]["INVOCATION_ID"]), active=active)
     saved: dict[str, dict[str, Any]] = {}
     if learned is not None:
         saved[UNIT] = {"schema_version": 1, "liveness": {"starts": learned}}
@@ -428,3 +429,23 @@ def test_a_check_its_sandbox_refuses_is_said_and_never_counted(tmp_path: Path) -
     assert (level, said["reason"]) == ("warning", "cannot make the socket (refused)")
     assert harness.said("engine dead") == []
     assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "up"
+
+
+def test_a_failed_health_check_of_a_unit_being_stopped_is_not_recovered(tmp_path: Path) -> None:
+    """The server stopped answering because it is stopping: opted in or not, no systemctl."""
+    probe = ProbeTwin(ProbeResult(ok=False, detail="connection refused"))
+    harness = build(
+        tmp_path,
+        came_up(),
+        on_engine_dead="recover",
+        health_url=HEALTH_URL,
+        probe_health=probe,
+        active="deactivating",
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    [(_, decision)] = harness.said("engine dead: decision")
+    assert decision["action"] == "report"
+    assert "its health check failed as it ends" in str(decision["reason"])

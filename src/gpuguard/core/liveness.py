@@ -85,6 +85,8 @@ class DeadEngine:
     """The line that said so (escaped by the parser), or PID 1's message."""
     unit_inactive: bool = False
     """The main process exited (status 0, no stop job): systemd has nothing left to restart."""
+    by_health: bool = False
+    """Said by the unit's health check (core.healthcheck), not by a line of the run."""
 
 
 def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) -> bool:
@@ -113,6 +115,13 @@ def left_alone(view: LivenessView, unit: str, now: UnitNow) -> str | None:
     """
     if view.dead is None and now.invocation_id != view.invocation_id:
         return f"the stuck start is no longer {unit}'s run"
+    if view.dead is not None and view.dead.by_health:
+        # A server that stops (an operator's stop whose line the daemon has not read yet) fails
+        # its health check too: only a run systemd still calls active and its own is dead.
+        if now.invocation_id != view.invocation_id:
+            return f"the run whose health check failed is no longer {unit}'s run"
+        if now.active_state != "active":
+            return f"{unit} is {now.active_state or 'unknown'}: its health check failed as it ends"
     if now.active_state == "inactive" and not (view.dead and view.dead.unit_inactive):
         return f"{unit} was stopped: gpuguard does not start it"
     if now.sub_state == "auto-restart":
@@ -224,7 +233,12 @@ class Liveness:
         if death.invocation_id != self.up_run:
             return False
         self._dead = DeadEngine(
-            death.invocation_id, death.since_s, death.since_wall_s, death.cause, death.cause
+            death.invocation_id,
+            death.since_s,
+            death.since_wall_s,
+            death.cause,
+            death.cause,
+            by_health=True,
         )
         self._confirmed, self._dead_live = True, True
         self._deaths += 1
