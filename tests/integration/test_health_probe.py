@@ -8,7 +8,11 @@ endless body. The probe must return its verdict, never the server's text, within
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -222,3 +226,37 @@ def test_a_missing_socket_is_said(tmp_path: Path) -> None:
     """No socket at the path: a failure that says so."""
     result = probe(HealthTarget("/health", socket_path=str(tmp_path / "none.sock")), TIMEOUT_S)
     assert result == ProbeResult(ok=False, detail="no socket at the health_url's path")
+
+
+def test_a_unix_socket_on_a_read_only_mount_is_asked(tmp_path: Path) -> None:
+    """As under ProtectSystem=strict: a socket on a read-only mount still takes connections."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private read-only bind mount")
+    directory = tmp_path / "run"
+    directory.mkdir()
+    path = directory / "api.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    server = Server(listener, answer(b"HTTP/1.1 200 OK\r\n\r\n"))
+    asked = (
+        "from gpuguard.adapters.healthprobe import probe; "
+        "from gpuguard.core.healthcheck import HealthTarget; "
+        f"print(probe(HealthTarget('/health', socket_path={str(path)!r}), 2.0))"
+    )
+    script = (
+        f"mount --bind {directory} {directory} && mount -o remount,bind,ro {directory} && "
+        f'! touch {directory}/written 2>/dev/null && exec {sys.executable} -c "$0"'
+    )
+    try:
+        done = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, asked],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        server.close()
+    assert done.returncode == 0, done.stderr
+    assert "ProbeResult(ok=True, detail='HTTP 200'" in done.stdout
