@@ -26,6 +26,12 @@ are its most frequent wakes, and the report counts them and their longest gap. W
 main thread's voluntary context switches (``/proc/PID/task/PID/status``): each sleep it woke
 from, and each wait on a child (the NVML worker, a ``systemctl``).
 
+``--health`` runs a second daemon of this checkout beside the first, the same but for a health
+check of the unit (``health_url``, every 10 s) against a loopback HTTP server of the bench, and
+prints its CPU per hour, the ratio and the difference to the first (target: < 1 s/hour more).
+The journal then also holds the served run's start and ready line (liveness probes only a run
+that is up). ``--health-first`` starts that daemon first.
+
 Targets (bench/README.md): daemon idle < 60 MB RSS and < 1 s CPU per hour (with its journalctl
 children); the exit status is 1 when either is missed, the watchdog went 30 s without a ping or
 the daemon did not exit 0 on SIGTERM.
@@ -759,6 +765,12 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         help="also run, side by side, this checkout's daemon with a health check every "
         f"{HEALTH_EVERY_S:g} s of the unit against a loopback HTTP server of the bench",
     )
+    parser.add_argument(
+        "--health-first",
+        action="store_true",
+        help="with --health: start the daemon with the health check first (the first one "
+        "started costs more on a loaded host: swap to read the difference both ways)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (the daemon runs in a private mount namespace)", file=sys.stderr)
@@ -789,7 +801,7 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         checked = start_checked(root / "health", journal, env, nvml_state) if args.health else None
         baseline_argv = [JOURNALCTL, f"--directory={journal.directory}", "--follow"]
         baseline_argv += ["--output=json", "--all", f"--unit={UNIT}"]
-        daemons = [ours, *([other] if other else []), *([checked] if checked else [])]
+        daemons = spawn_order(ours, other, checked, health_first=args.health_first)
         try:
             started = time.monotonic()
             for launched in daemons:
@@ -813,8 +825,8 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
             finally:
                 stop(baseline)
         finally:
-            statuses = [launched.stop() for launched in daemons]
-        status = statuses[0]
+            statuses = {id(launched): launched.stop() for launched in daemons}
+        status = statuses[id(ours)]
         lines, worse = log_summary(ours.log)
         if args.keep_log:
             shutil.copy(ours.log, args.keep_log)
@@ -845,9 +857,9 @@ def main() -> int:  # noqa: PLR0915 - set up, run, tear down, in order
         f"{sum(line.startswith('gpuguard_') for line in metrics.splitlines())} samples"
     )
     if other is not None:
-        side_by_side(args.against, other, began, statuses[1], daemon_series)
+        side_by_side(args.against, other, began, statuses[id(other)], daemon_series)
     if checked is not None:
-        with_health(checked, statuses[-1], daemon_series)
+        with_health(checked, statuses[id(checked)], daemon_series)
     missed = not met(daemon_series) or gap >= WATCHDOG_USEC / 1e6
     return 1 if missed or status != 0 else 0
 
@@ -910,6 +922,16 @@ class HealthServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+
+
+def spawn_order(
+    ours: Launched, other: Launched | None, checked: Launched | None, *, health_first: bool
+) -> list[Launched]:
+    """The daemons in the order they start: this checkout's first, unless ``health_first``."""
+    daemons = [ours, *([other] if other else [])]
+    if checked is None:
+        return daemons
+    return [checked, *daemons] if health_first else [*daemons, checked]
 
 
 def start_checked(

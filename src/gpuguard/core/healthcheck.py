@@ -12,6 +12,7 @@ Pure: the probe itself is ``adapters.healthprobe``; time (monotonic) is passed i
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -62,8 +63,12 @@ class HealthTarget:
         return f"{host}:{self.port}"
 
 
+@functools.lru_cache(maxsize=64)
 def parse_health_url(text: str) -> HealthTarget:
-    """The target ``text`` names; ValueError saying what is wrong and what to write instead."""
+    """The target ``text`` names; ValueError saying what is wrong and what to write instead.
+
+    Cached: the daemon asks for a unit's target before each probe.
+    """
     if len(text) > MAX_URL_CHARS:
         raise ValueError(f"is longer than {MAX_URL_CHARS} characters")
     if text.startswith("https://"):

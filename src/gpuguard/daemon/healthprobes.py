@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from gpuguard.daemon.watches import Watch
 
 
+_EARLY_S = 0.05
+"""A wake this close to a probe's time does it: a select() that returns a hair early must not
+cost a second wake."""
+
+
 class HealthProbing(DaemonState):
     """Health checks of the watched units (``loop.Daemon`` calls ``_probe_health``)."""
 
@@ -45,7 +50,8 @@ class HealthProbing(DaemonState):
             run = watch.liveness.up_run
             if check is None or target is None or run is None:
                 continue
-            if check.due_in(run, self._ports.monotonic()) != 0.0:
+            wait = check.due_in(run, self._ports.monotonic())
+            if wait is None or wait > _EARLY_S:
                 continue
             if asked and self._ports.watchdog_interval_s is not None:
                 self._ports.notifier.watchdog()  # the probe before may have taken its timeout
