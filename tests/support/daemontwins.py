@@ -384,6 +384,7 @@ def daemon_twin(
     provenance: Callable[[UnitState], UnitProvenance] = systemd.provenance,
     boot_id: str = BOOT,
     probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None,
+    watchdog_interval_s: float | None = None,
 ) -> Harness:
     """The real daemon over ``follower``'s entries and the twins; it stops after TURNS sleeps.
 
@@ -420,6 +421,7 @@ def daemon_twin(
         provenance=provenance,
         boot_id=boot_id,
         probe_health=probe_health,
+        watchdog_interval_s=watchdog_interval_s,
     )
     daemons.append(Daemon(settings, follower, ports))
     return Harness(daemons[0], host, unit, recorder, snapshots, state)

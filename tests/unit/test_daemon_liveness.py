@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import snapshots
-from daemontwins import GpuHost, Harness, ReplayFollower, UnitTwin, daemon_twin, twin_settings
+from daemontwins import (
+    GpuHost,
+    Harness,
+    Recorder,
+    ReplayFollower,
+    UnitTwin,
+    daemon_twin,
+    twin_settings,
+)
 
 from gpuguard.core.healthcheck import HealthTarget, ProbeResult
 from gpuguard.core.levels import Level
@@ -449,3 +457,44 @@ def test_a_failed_health_check_of_a_unit_being_stopped_is_not_recovered(tmp_path
     [(_, decision)] = harness.said("engine dead: decision")
     assert decision["action"] == "report"
     assert "its health check failed as it ends" in str(decision["reason"])
+
+
+def test_two_units_probed_in_one_turn_have_a_watchdog_ping_between(tmp_path: Path) -> None:
+    """The second probe of a turn comes after a WATCHDOG=1: two timeouts never add up silently."""
+    other = "sglang-b.service"
+    renamed = [
+        entry
+        | {key: other for key in ("UNIT", "_SYSTEMD_UNIT") if entry.get(key) == UNIT}
+        | {
+            key: f"{entry[key]}b"
+            for key in ("INVOCATION_ID", "_SYSTEMD_INVOCATION_ID", "__CURSOR")
+            if key in entry
+        }
+        for entry in came_up()
+    ]
+    recorder = Recorder()
+    asked: list[int] = []
+
+    def probe(target: HealthTarget, timeout_s: float) -> ProbeResult:
+        del target, timeout_s
+        asked.append(len(recorder.notes))
+        return ProbeResult(ok=True, detail="HTTP 200")
+
+    unit = UnitSettings(server="vllm", health_url=HEALTH_URL)
+    settings = twin_settings(tmp_path, {UNIT: unit, other: unit})
+    follower = ReplayFollower([*came_up(), *renamed])
+    twin = UnitTwin(invocation=str(came_up()[0]["INVOCATION_ID"]), active="active")
+    harness = daemon_twin(
+        settings,
+        follower,
+        GpuHost(),
+        twin,
+        log=recorder,
+        probe_health=probe,
+        watchdog_interval_s=15.0,
+    )
+
+    assert harness.daemon.run() == 0
+
+    first, second = asked
+    assert "WATCHDOG" in recorder.notes[first:second]
