@@ -6,7 +6,8 @@ EngineCore died, SGLang's HTTP server outlives its scheduler, and a server that 
 unit's runs from systemd's trusted events and from the lines its own output printed
 (``core.enginelines``), and says per unit, at a given monotonic time: up, starting (in which
 phase, for how long, against the phases of earlier starts), stuck in a phase past the budget
-those starts taught, or engine dead since T (cause). What is at risk: calling a healthy run
+those starts taught, or engine dead since T (cause); the unit's health check (core.healthcheck)
+can also make a run that is up dead. What is at risk: calling a healthy run
 dead. So a line counts only for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
 never once a stop job for that run began (servers print death-like lines while shutting down),
 and a run's end (systemd now sees it) ends its dead-engine verdict. A budget is learned, never
@@ -82,7 +83,8 @@ class DeadEngine:
     cause: str
     """"EngineCore fatal error", or the unasked clean exit."""
     line: str
-    """The line that said so (escaped by the parser), or PID 1's message."""
+    """The line that said so (escaped by the parser), PID 1's message, or the health check's
+    verdict (our own words)."""
     unit_inactive: bool = False
     """The main process exited (status 0, no stop job): systemd has nothing left to restart."""
     by_health: bool = False

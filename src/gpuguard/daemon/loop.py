@@ -8,8 +8,9 @@ Every adapter is passed in (``Ports``), so tests drive the same loop with real p
 the fake NVML, or with in-memory twins. This module owns the loop itself (the wait, the records
 fed to each unit's detector, verdicts refreshed as time passes, a dead engine's grace); its
 parts are the daemon's state (watches.py), judging and recovery (judging.py), the sweep of an
-ended run's survivors (sweeps.py), the snapshot and STATUS= (publishing.py), the watchdog's
-feeding through long steps (watchdog.py) and the ports (ports.py).
+ended run's survivors (sweeps.py), the units' health probes (healthprobes.py), the snapshot and
+STATUS= (publishing.py), the watchdog's feeding through long steps (watchdog.py) and the ports
+(ports.py).
 
 Time is ``Ports.monotonic`` (the journal's per-boot monotonic clock) for every decision: the
 detector's window, the recovery backoff, refreshes. The wall clock only stamps records for
