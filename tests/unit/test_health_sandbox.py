@@ -110,3 +110,25 @@ def test_doctor_is_quiet_when_the_check_can_be_made(
     host = replace(HOST, daemon_sandbox=sandbox)
     unit = facts(url)
     assert [f for f in diagnose(unit, {}, host) if f.code == "health-sandbox"] == []
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        (
+            "http://unix:/tmp/sglang.sock:/health",
+            "under /tmp/, which gpuguard.service does not see (PrivateTmp=yes)",
+        ),
+        (
+            "http://unix:/home/ml/api.sock:/health",
+            "under /home/, which gpuguard.service does not see (ProtectHome=yes)",
+        ),
+    ],
+)
+def test_doctor_says_a_unix_socket_the_daemon_cannot_see(url: str, said: str) -> None:
+    """A socket under /tmp or /home is hidden from the daemon: a warning says where to move it."""
+    [found] = [f for f in diagnose(facts(url), {}, HOST) if f.code == "health-sandbox"]
+    assert found.severity is Level.WARNING
+    assert said in found.title
+    assert found.advice is not None
+    assert "/run/NAME/" in found.advice

@@ -62,12 +62,14 @@ def _failed(err: OSError, timeout_s: float) -> ProbeResult:
     """The probe's error in our own words."""
     if isinstance(err, PermissionError):  # IPAddressDeny= without IPAddressAllow=localhost
         return _refused("not permitted to connect", err)
+    if isinstance(err, FileNotFoundError):
+        # A live server's socket exists; one the daemon cannot see is hidden from it (a socket
+        # under /tmp or /home: PrivateTmp=, ProtectHome=), which says nothing of the engine.
+        return _refused("no socket at the health_url's path", err)
     if isinstance(err, TimeoutError):
         detail = f"no answer within {timeout_s:g} s"
     elif isinstance(err, ConnectionRefusedError):
         detail = "connection refused"
-    elif isinstance(err, FileNotFoundError):
-        detail = "no socket at the health_url's path"
     else:
         detail = f"cannot ask: {err.strerror or type(err).__name__}"
     return ProbeResult(ok=False, detail=detail)
