@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+from gpuguard.adapters import dropin, ledgerstore, peer, procfs, systemd, unitenv
+from gpuguard.commands.output import Said
+from gpuguard.core.escaping import escape
+from gpuguard.core.exits import EX_USAGE
+from gpuguard.core.gpuset import resolve_gpu_set
+from gpuguard.core.policy import PlanRequest, Scope
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
 
     from gpuguard.adapters.systemd import UnitState
-    from gpuguard.commands.output import Said
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.ledger import UnitLedger
-    from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
     from gpuguard.unitsettings import UnitSettings
 
@@ -30,15 +36,10 @@ def unknown_unit(settings: Settings, unit: str, command: str, *, force: bool) ->
     ahead anyway. Only systemd's own answer (``LoadState=not-found``) refuses: when it cannot
     be asked the command goes on and its plan says so (nothing in the unit's cgroup is reaped).
     """
-    from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see the package doc
-
     if force or unit in settings.units or dropin.installed(unit):
         return None
     if not systemd.show_unit(unit).not_found:
         return None
-    from gpuguard.commands.output import Said  # noqa: PLC0415
-    from gpuguard.core.escaping import escape  # noqa: PLC0415
-    from gpuguard.core.exits import EX_USAGE  # noqa: PLC0415
 
     why = "not in the configuration, no gate drop-in, and systemd has no such unit"
     lines = [f"gpuguard {command}: unknown unit {escape(unit)!r}: {why} (LoadState=not-found)"]
@@ -51,10 +52,6 @@ def unknown_unit(settings: Settings, unit: str, command: str, *, force: bool) ->
 
 def did_you_mean(unit: str, candidates: Sequence[str]) -> list[str]:
     """At most three names close to ``unit`` (difflib's ratio), the closest first."""
-    import difflib  # noqa: PLC0415 - only for a refusal
-
-    from gpuguard.core.escaping import escape  # noqa: PLC0415
-
     names = list(dict.fromkeys(candidates))
     return [escape(n) for n in difflib.get_close_matches(unit, names, n=3, cutoff=0.75)]
 
@@ -68,8 +65,6 @@ def unit_settings(settings: Settings, unit: str) -> UnitSettings:
 
 def untouchable(caller: Caller | None = None) -> frozenset[int]:
     """Our own PID and every ancestor's, and the caller's: the gate's client runs in the unit."""
-    from gpuguard.adapters import procfs  # noqa: PLC0415 - see the package doc
-
     return procfs.lineage(os.getpid(), *(() if caller is None else (caller.pid,)))
 
 
@@ -84,8 +79,6 @@ def plan_request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from w
     caller: Caller | None = None,
 ) -> PlanRequest:
     """The kill policy's request for ``unit``, assembled from what the command learned."""
-    from gpuguard.core.policy import PlanRequest, Scope  # noqa: PLC0415 - see the package doc
-
     return PlanRequest(
         unit=unit,
         scope=Scope(scope),
@@ -101,8 +94,6 @@ def plan_request(  # noqa: PLR0913, PLR0917 - one plan request, assembled from w
 
 def asker(caller: Caller | None) -> Caller:
     """Who the command runs for: the gate server's caller, else this process itself."""
-    from gpuguard.adapters import peer  # noqa: PLC0415 - see the package doc
-
     return caller if caller is not None else peer.own_caller()
 
 
@@ -118,8 +109,6 @@ def unit_environment(
     if not caller.runs_in(unit) or caller.environment is None:
         return None, None
     if os.geteuid() == 0:
-        from gpuguard.adapters import unitenv  # noqa: PLC0415 - see the package doc
-
         try:
             unitenv.record(runtime_dir, unit, caller.environment, caller.pid)
         except OSError as err:
@@ -172,9 +161,6 @@ def unit_plan(
     names the unit's user and runs, and the daemon's ledger (read from the runtime directory)
     what descended from each run: the evidence for its left-overs.
     """
-    from gpuguard.adapters import systemd  # noqa: PLC0415 - see the package doc
-    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
-
     who = asker(caller)
     unit_state = systemd.show_unit(unit)
     inside = who.runs_in(unit) and systemd.is_control_process(
@@ -210,8 +196,6 @@ def _ledger_evidence(
     the gate alone, with no daemon, still knows a worker that a left-over in the cgroup started
     and that moved into a scope of its own. Not recorded: a notice, and the file as it is.
     """
-    from gpuguard.adapters import ledgerstore, systemd  # noqa: PLC0415 - see the package doc
-
     if os.geteuid() != 0:
         return ledgerstore.evidence(runtime_dir, unit), None
     ending = systemd.ending_run(unit_state) if inside else None

@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuguard.adapters import configfile, daemonsnapshot, nvml, state
 from gpuguard.commands.context import (
     asker,
     result_json,
@@ -16,7 +17,12 @@ from gpuguard.commands.context import (
     unit_settings,
     unknown_unit,
 )
+from gpuguard.core import gate
 from gpuguard.core.escaping import escape
+from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
+from gpuguard.core.health import reset_reasons
+from gpuguard.core.idle import is_idle
+from gpuguard.core.values import MIB, NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -77,13 +83,6 @@ def fast_path(
     a reset; the NVML reading taken on the way is handed on so the full path does not read it
     again.
     """
-    from gpuguard.adapters import configfile, daemonsnapshot, nvml  # noqa: PLC0415
-    from gpuguard.core import gate  # noqa: PLC0415
-    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
-    from gpuguard.core.health import reset_reasons  # noqa: PLC0415
-    from gpuguard.core.idle import is_idle  # noqa: PLC0415
-    from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
-
     started = time.monotonic()
     cached = configfile.load_validated(config)
     if cached is None:
@@ -126,7 +125,8 @@ def run(
 
     While it waits, ``say`` gets a line per blocker every 10 s (the unit's journal reads them).
     """
-    from gpuguard.adapters import (  # noqa: PLC0415
+    # The full path's modules, imported only here: the in-process fast path pays ~20 ms less.
+    from gpuguard.adapters import (  # noqa: PLC0415 - see the package doc
         containerstop,
         daemonsnapshot,
         inventory,
@@ -134,7 +134,6 @@ def run(
         procfs,
         reaper,
     )
-    from gpuguard.core import gate  # noqa: PLC0415
     from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415
 
     unknown = unknown_unit(settings, args.unit, "gate", force=args.force)
@@ -231,8 +230,6 @@ def oom_gpu(
     The device comes from the unit's output (the running daemon read it); the unit's own
     CUDA_VISIBLE_DEVICES maps it, and a number past the unit's GPUs maps to nothing.
     """
-    from gpuguard.core.gpuset import cuda_view  # noqa: PLC0415 - see the package doc
-
     if device is None:
         return None
     indices = cuda_view(environment, found.nvml.gpus).indices
@@ -249,8 +246,6 @@ def _finish_gate(
     released: tuple[Release, ...] = (),
 ) -> GateVerdict:
     """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
-    from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
-
     record = {
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "unit": outcome.unit,
