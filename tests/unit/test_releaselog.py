@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters.metricsio import reaped_unit
 from gpuguard.core import metrics, timeline
 from gpuguard.core.metrics import Tally
 from gpuguard.core.release import Release
 from gpuguard.core.releaselog import KEPT, Logged, appended, parse, summarize
-from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapResult, ReapTarget
 
 if TYPE_CHECKING:
     from typing import Any
@@ -171,19 +169,3 @@ def test_explain_puts_the_units_releases_on_its_timeline_where_the_memory_went()
     assert said == summarize([shown])[0].in_words()
     assert not told.gpuguard_seen  # the log is not a line of the journal
     assert timeline.build(entries, UNIT).story.released == ()
-
-
-def _reaped(unit: str | None, reason: str) -> ReapResult:
-    target = ReapTarget(ProcessIdentity(7, 1), 1, "sglang::scheduler_TP3", unit, reason)
-    return ReapResult(target, ReapOutcome.KILLED, ("SIGTERM", "SIGKILL"), None, 1.0)
-
-
-def test_the_daemons_release_names_the_unit_its_reap_was_for_or_none() -> None:
-    """The holders' cgroup names the unit, else the policy's reason; two units or none: None."""
-    units = ("sglang.service", "sglang-b.service")
-    escaped = "left over from an earlier run of sglang.service (invocation 61fb7cdc, uid 0)"
-    assert reaped_unit(units, [_reaped("sglang.service", "in its cgroup")]) == "sglang.service"
-    assert reaped_unit(units, [_reaped("run-u7.scope", escaped)]) == "sglang.service"
-    both = [_reaped("sglang.service", "x"), _reaped("sglang-b.service", "y")]
-    assert reaped_unit(units, both) is None
-    assert reaped_unit(units, [_reaped(None, "scope all: not protected")]) is None

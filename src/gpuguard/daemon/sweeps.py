@@ -163,7 +163,7 @@ class Sweeping(Publishing):
 
         def reap(fresh: Sequence[Decision]) -> tuple[ReapResult, ...]:
             nonlocal reaped_at
-            results = tuple(self._reap(reap_targets(fresh)))
+            results = tuple(self._reap(request.unit, reap_targets(fresh)))
             reaped_at = ports.monotonic()
             return results
 
