@@ -41,14 +41,14 @@ def test_last_is_the_newest_and_typical_the_median_per_gpu() -> None:
         logged(9.0, gpu=1, at=5.0, by="gate"),
     ]
     zero, one = summarize(records)
-    assert (zero.gpu, zero.last_s, zero.last_by, zero.typical_s, zero.count) == (
+    assert (zero.gpu, zero.last.release.seconds, zero.last.by, zero.typical_s, zero.count) == (
         0,
         3.0,
         "daemon",
         2.0,
         3,
     )
-    assert (one.gpu, one.last_s, one.typical_s, one.count) == (1, 9.0, 9.0, 1)
+    assert (one.gpu, one.last.release.seconds, one.typical_s, one.count) == (1, 9.0, 9.0, 1)
     assert [g.gpu for g in summarize(records, frozenset({1}))] == [1]
     assert summarize(records, frozenset()) == ()
     assert zero.in_words() == (
@@ -126,7 +126,9 @@ def test_the_gauges_are_the_summary() -> None:
     [gpu] = summarize(records)
     found = _gauges(records)
     key = ("0", f"{UUID}0")
-    assert found["gpuguard_holder_release_last_seconds"] == {key: round(gpu.last_s, 3)}
+    assert found["gpuguard_holder_release_last_seconds"] == {
+        key: round(gpu.last.release.seconds, 3)
+    }
     assert found["gpuguard_holder_release_typical_seconds"] == {key: round(gpu.typical_s, 3)}
 
 
