@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import configfile, daemonsnapshot, nvml, state
+from gpuguard.adapters import configfile, daemonsnapshot, nvml, procfs, state
 from gpuguard.commands.context import (
     asker,
     result_json,
@@ -126,14 +126,7 @@ def run(
     While it waits, ``say`` gets a line per blocker every 10 s (the unit's journal reads them).
     """
     # The full path's modules, imported only here: the in-process fast path pays ~20 ms less.
-    from gpuguard.adapters import (  # noqa: PLC0415 - see the package doc
-        containerstop,
-        daemonsnapshot,
-        inventory,
-        logs,
-        procfs,
-        reaper,
-    )
+    from gpuguard.adapters import containerstop, inventory, logs, reaper  # noqa: PLC0415
     from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415
 
     unknown = unknown_unit(settings, args.unit, "gate", force=args.force)
