@@ -8,11 +8,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import configfile, daemonsnapshot, nvml, procfs, state
+from gpuguard.adapters import configfile, daemonsnapshot, nvml, procfs, state, unitfacts
 from gpuguard.commands.context import (
     asker,
     result_json,
-    unit_environment,
     unit_plan,
     unit_settings,
     unknown_unit,
@@ -88,7 +87,7 @@ def fast_path(
     if cached is None:
         return None, None
     runtime_dir = Path(cached["runtime_dir"])
-    environment, problem = unit_environment(asker(caller), args.unit, runtime_dir)
+    environment, problem = unitfacts.own_environment(asker(caller), args.unit, runtime_dir)
     if environment is None:
         return None, None
     unit = cached["units"].get(args.unit) or {}
