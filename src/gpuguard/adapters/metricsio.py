@@ -89,7 +89,7 @@ class Exporter:
         self.tally = metrics.Tally()
         self.latest = metrics.Latest()
         self._releases: dict[str, ReleaseWatch] = {}
-        """Per watched unit reaped (None: one the targets did not name), its GPUs followed."""
+        """Per watched unit reaped for, its GPUs followed until they let go."""
         self._inventory: Inventory | None = None
         self._inventory_at = float("-inf")
         self._watched: tuple[WatchedUnit, ...] = ()

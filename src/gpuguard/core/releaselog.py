@@ -37,7 +37,8 @@ class Logged:
     by: str
     """One of ``REAPERS``."""
     unit: str | None
-    """The watched unit whose holders were reaped; None when the reaper could not tell."""
+    """The watched unit whose holders were reaped; None in a record an older gpuguard's daemon
+    wrote when it could not tell."""
     released_wall_s: float
     """When the reading showed the memory gone (the wall clock, seconds since the epoch)."""
     boot_id: str | None
