@@ -220,6 +220,7 @@ def main() -> int:
                 "allow_plain_device_files = true\n"
                 f'nvml_library = "{fake_library()}"\n'
                 f'device_glob = "{state}/dev/nvidia*"\nruntime_dir = "{tmp}/run"\n'
+                f'[units."{unit}"]\n'  # the server serves a watched unit's processes only
             )
             env = nvml_environ(state)
             # As installed (py3compile): gpuguard's byte code is compiled once, not per run.

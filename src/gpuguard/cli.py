@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard import __version__, clihelp
 from gpuguard.commands.arguments import (
+    REAP_TIMEOUT_S,
     CommandArgs,
     DoctorArgs,
     ExplainArgs,
@@ -23,7 +24,6 @@ from gpuguard.commands.arguments import (
     StatusArgs,
     to_request,
 )
-from gpuguard.commands.reap import REAP_TIMEOUT_S
 from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
 from gpuguard.usage import (

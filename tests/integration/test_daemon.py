@@ -186,14 +186,16 @@ def build(
             holder[0].request_stop()
         del seconds
 
-    def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+    def reap(_unit: str, targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        if reaper_twin is not None:
+            return reaper_twin(targets)
         return reaper.reap(targets, grace_s=settings.reap_grace_s, logger=recorder)
 
     ports = Ports(
         gather=lambda: inventory.gather(settings),
         show_unit=twin.show,
         control=twin.control,
-        reap=reap if reaper_twin is None else reaper_twin,
+        reap=reap,
         notifier=recorder,
         log=recorder,
         wall=lambda: newest + 1.0,

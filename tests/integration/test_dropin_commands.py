@@ -225,7 +225,7 @@ def test_daemon_says_a_watched_unit_is_not_found(tmp_path: Path) -> None:
         gather=lambda: empty,
         show_unit=lambda name: parse_show(name, SHOW_NOT_FOUND.replace("\\n", "\n")),
         control=lambda verb, name: f"unexpected {verb} {name}",
-        reap=lambda _targets: (),
+        reap=lambda _unit, _targets: (),
         notifier=log,
         log=log,
         wall=time.time,

@@ -199,7 +199,7 @@ def run_daemon(cli: Cli, unit: str, entries: list[dict[str, Any]]) -> DaemonRun:
         gather=lambda: inventory.gather(settings),
         show_unit=twin.show,
         control=twin.control,
-        reap=lambda targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log),
+        reap=lambda _unit, targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log),
         notifier=log,
         log=log,
         wall=lambda: newest_real + 1.0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clirunner import unit_name
 from fakestate import update_gpu
@@ -41,8 +41,9 @@ exporter = metricsio.Exporter(
 )
 pid = int(sys.argv[2])
 (holder,) = [h for h in exporter.gather().holders if h.pid == pid]
-reap = exporter.reaped(lambda targets: reaper.reap(targets, grace_s=5.0, logger=log))
-(result,) = reap([ReapTarget(holder.identity, holder.ppid, "holder", sys.argv[3], "test")])
+reap = exporter.reaped(lambda _unit, targets: reaper.reap(targets, grace_s=5.0, logger=log))
+target = ReapTarget(holder.identity, holder.ppid, "holder", sys.argv[4] or None, sys.argv[5])
+(result,) = reap(sys.argv[3], [target])
 deadline = time.monotonic() + 20
 while not exporter.tally.releases.series and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -69,16 +70,7 @@ def test_the_seconds_from_the_last_signal_to_the_drivers_release_are_measured(
     cli.configure(f'[units."{unit}"]\n')
     update_gpu(cli.state, 0, release_delay_ms=1500)
     holder = spawn_holder(cli.state, gpus=(0,), mib=2000, name="sglang::scheduler")
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(cli.config), str(holder.pid), unit],
-        env=cli.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    found = json.loads(done.stdout)
+    found = _measure(cli, holder.pid, unit, unit, "test")
     assert found["outcome"] == "exited"
     assert found["signals"] == ["SIGTERM"]
     [[gpu, uuid, model, driver, counts, total]] = found["releases"]
@@ -100,3 +92,39 @@ def test_the_seconds_from_the_last_signal_to_the_drivers_release_are_measured(
         f'gpuguard_holder_release_seconds_count{{UUID="{uuid}",driver="{driver}",gpu="0",'
         f'modelName="NVIDIA H200"}} 1.0'
     ) in found["exposition"]
+
+
+def test_a_release_is_the_unit_the_daemon_reaped_for_whatever_the_cgroup_says(
+    cli: Cli, spawn_holder: HolderSpawner
+) -> None:
+    """A worker's release is the unit the daemon reaped it for, whatever its cgroup's name says.
+
+    An escaped worker whose user named its cgroup after another watched unit: the unit was read
+    from the policy's reason text before, where both names stood, and the release had none.
+    """
+    unit, other = unit_name(), unit_name()
+    cli.configure(f'[units."{unit}"]\n[units."{other}"]\n')
+    holder = spawn_holder(cli.state, gpus=(0,), mib=2000, name="sglang::scheduler")
+    crafted = f"/user.slice/user-1000.slice/user@1000.service/app.slice/ {other} .scope"
+    reason = f"left over from an earlier run of {unit} (cgroup {crafted})"
+    found = _measure(cli, holder.pid, unit, "", reason)
+    assert found["outcome"] == "exited"
+    [logged] = found["logged"]
+    assert logged["unit"] == unit
+    [record] = json.loads((cli.config.parent / "run" / "releases.json").read_text())
+    assert record["unit"] == unit
+
+
+def _measure(cli: Cli, pid: int, unit: str, cgroup_unit: str, reason: str) -> dict[str, Any]:
+    """Run MEASURE: reap ``pid`` for ``unit`` (its target's cgroup unit and reason as given)."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(cli.config), str(pid), unit, cgroup_unit, reason],
+        env=cli.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout)
+    return found

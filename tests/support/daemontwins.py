@@ -408,7 +408,7 @@ def daemon_twin(
         gather=host.gather,
         show_unit=unit.show,
         control=unit.control,
-        reap=host.reap,
+        reap=lambda _unit, targets: host.reap(targets),
         notifier=recorder,
         log=recorder,
         wall=clock.wall,

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from gpuguard.adapters.unitfacts import own_environment
 from gpuguard.commands import explain, install_gate
-from gpuguard.commands.context import unit_environment
 from gpuguard.commands.output import Said, render
 from gpuguard.config import Settings
 from gpuguard.core.cgroup import Attribution
@@ -196,10 +196,10 @@ def test_unit_environment_that_cannot_be_recorded_is_a_notice(tmp_path: Path) ->
     blocked.write_text("")
     environment = {"CUDA_VISIBLE_DEVICES": "1"}
     caller = Caller(4242, 1000, Attribution(unit="a.service"), environment)
-    assert unit_environment(caller, "a.service", tmp_path / "run") == (environment, None)
-    found, problem = unit_environment(caller, "a.service", blocked / "run")
+    assert own_environment(caller, "a.service", tmp_path / "run") == (environment, None)
+    found, problem = own_environment(caller, "a.service", blocked / "run")
     assert found == environment
     assert problem is not None
     assert problem.startswith("gpuguard: cannot record a.service's GPU variables: ")
     outside = Caller(4242, 1000, Attribution(unit="b.service"), environment)
-    assert unit_environment(outside, "a.service", blocked / "run") == (None, None)
+    assert own_environment(outside, "a.service", blocked / "run") == (None, None)

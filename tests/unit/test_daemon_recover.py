@@ -89,7 +89,7 @@ def steps(unit: Unit, world: World, timeout_s: float = 30.0) -> Steps:
         request = replace(plan_request(gpu_set=frozenset({0})), unit=name, patterns=())
         return GateSettings(request, 16 * MIB, timeout_s, poll_s=0.5)
 
-    def reap(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+    def reap(_unit: str, targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
         raise AssertionError(f"nothing here is stale: {targets}")
 
     return Steps(

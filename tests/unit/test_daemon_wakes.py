@@ -60,11 +60,12 @@ class Idle:
         def write(_document: dict[str, Any]) -> None:
             self.writes.append(self.now)
 
+        host = GpuHost()
         ports = Ports(
             gather=GpuHost().gather,
             show_unit=show,
             control=twin.control,
-            reap=GpuHost().reap,
+            reap=lambda _unit, targets: host.reap(targets),
             notifier=self.log,
             log=self.log,
             wall=lambda: 1_700_000_000.0 + self.now,

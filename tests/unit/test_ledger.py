@@ -259,16 +259,30 @@ def test_what_a_stop_frees_in_the_units_cgroup_follows_its_kill_mode() -> None:
     spared = plan([tenant, protected], asked)
     assert [d.holder.pid for d in spared.spared] == [300, 301]
 
-    def blocking(kill_mode: str | None, main_pid: int | None = None) -> list[str]:
-        found_now = unfreeable(spared, found, 16 * 2**20, kill_mode=kill_mode, main_pid=main_pid)
+    def blocking(kill_mode: str | None, main: ProcessIdentity | None = None) -> list[str]:
+        found_now = unfreeable(spared, found, 16 * 2**20, kill_mode=kill_mode, main=main)
         return [line.split(" ", 2)[1] for line in found_now]
 
+    main = protected.identity
     assert blocking("control-group") == []
     assert blocking("mixed") == []
     assert blocking("process") == ["300", "301"]
-    assert blocking("process", main_pid=301) == ["300"]  # the stop signals the main process
-    assert blocking("none", main_pid=301) == ["300", "301"]
+    assert blocking("process", main=main) == ["300"]  # the stop signals the main process
+    assert blocking("none", main=main) == ["300", "301"]
     assert blocking(None) == ["300", "301"]
+
+
+def test_a_pid_the_main_process_was_given_later_is_not_freed_by_a_process_stop() -> None:
+    """KillMode=process: a spared holder with the main process's PID but another start blocks.
+
+    Its PID was reused between the two reads: it is not the process systemd's stop signals.
+    """
+    protected = replace(holder(301, invocation=OLD), comm="nv-hostengine", gpus=listed(0))
+    found = inventory(nvml(gpu(0, (301, 30000))))
+    spared = plan([protected], replace(request(), protected_names=("nv-hostengine",)))
+    reused = ProcessIdentity(301, protected.identity.start_time + 1)
+    [blocker] = unfreeable(spared, found, 16 * 2**20, kill_mode="process", main=reused)
+    assert blocker.startswith("PID 301 (nv-hostengine) on GPU 0")
 
 
 def listed(*gpus: int) -> tuple[GpuUse, ...]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters.metricsio import reaped_unit
 from gpuguard.core import metrics, timeline
 from gpuguard.core.metrics import Tally
 from gpuguard.core.release import Release
 from gpuguard.core.releaselog import KEPT, Logged, appended, parse, summarize
-from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapResult, ReapTarget
 
 if TYPE_CHECKING:
     from typing import Any
@@ -43,14 +41,14 @@ def test_last_is_the_newest_and_typical_the_median_per_gpu() -> None:
         logged(9.0, gpu=1, at=5.0, by="gate"),
     ]
     zero, one = summarize(records)
-    assert (zero.gpu, zero.last_s, zero.last_by, zero.typical_s, zero.count) == (
+    assert (zero.gpu, zero.last.release.seconds, zero.last.by, zero.typical_s, zero.count) == (
         0,
         3.0,
         "daemon",
         2.0,
         3,
     )
-    assert (one.gpu, one.last_s, one.typical_s, one.count) == (1, 9.0, 9.0, 1)
+    assert (one.gpu, one.last.release.seconds, one.typical_s, one.count) == (1, 9.0, 9.0, 1)
     assert [g.gpu for g in summarize(records, frozenset({1}))] == [1]
     assert summarize(records, frozenset()) == ()
     assert zero.in_words() == (
@@ -128,7 +126,9 @@ def test_the_gauges_are_the_summary() -> None:
     [gpu] = summarize(records)
     found = _gauges(records)
     key = ("0", f"{UUID}0")
-    assert found["gpuguard_holder_release_last_seconds"] == {key: round(gpu.last_s, 3)}
+    assert found["gpuguard_holder_release_last_seconds"] == {
+        key: round(gpu.last.release.seconds, 3)
+    }
     assert found["gpuguard_holder_release_typical_seconds"] == {key: round(gpu.typical_s, 3)}
 
 
@@ -171,19 +171,3 @@ def test_explain_puts_the_units_releases_on_its_timeline_where_the_memory_went()
     assert said == summarize([shown])[0].in_words()
     assert not told.gpuguard_seen  # the log is not a line of the journal
     assert timeline.build(entries, UNIT).story.released == ()
-
-
-def _reaped(unit: str | None, reason: str) -> ReapResult:
-    target = ReapTarget(ProcessIdentity(7, 1), 1, "sglang::scheduler_TP3", unit, reason)
-    return ReapResult(target, ReapOutcome.KILLED, ("SIGTERM", "SIGKILL"), None, 1.0)
-
-
-def test_the_daemons_release_names_the_unit_its_reap_was_for_or_none() -> None:
-    """The holders' cgroup names the unit, else the policy's reason; two units or none: None."""
-    units = ("sglang.service", "sglang-b.service")
-    escaped = "left over from an earlier run of sglang.service (invocation 61fb7cdc, uid 0)"
-    assert reaped_unit(units, [_reaped("sglang.service", "in its cgroup")]) == "sglang.service"
-    assert reaped_unit(units, [_reaped("run-u7.scope", escaped)]) == "sglang.service"
-    both = [_reaped("sglang.service", "x"), _reaped("sglang-b.service", "y")]
-    assert reaped_unit(units, both) is None
-    assert reaped_unit(units, [_reaped(None, "scope all: not protected")]) is None

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import procfs
+from gpuguard.adapters import procfs, systemd
 from gpuguard.adapters.engineapi import EngineClient, EngineError
 from gpuguard.core.cgroup import attribute
 from gpuguard.core.unitconfig import exec_argvs
@@ -236,7 +236,6 @@ def _asking_systemd(
     unit: str, configured: str | None
 ) -> tuple[Callable[[], tuple[Claim, ...]], Callable[[], float | None]]:
     """The unit's container names and its running invocation's start, as systemd gives them."""
-    from gpuguard.adapters import systemd  # noqa: PLC0415 - only once a container holds a GPU
 
     def names() -> tuple[Claim, ...]:
         shown = systemd.show_properties(unit, ("ExecStart",))

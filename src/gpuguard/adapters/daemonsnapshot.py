@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpuguard.adapters import files, state
+from gpuguard.adapters import files, procfs, state
 from gpuguard.core.snapshot import SNAPSHOT_FILE, DaemonView, Problem, Snapshot, Unreadable, parse
+from gpuguard.core.values import ProcessIdentity
+from gpuguard.core.xidfaults import from_records
+from gpuguard.core.xidstuck import claims_from_snapshot
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -42,9 +45,6 @@ def read(runtime_dir: Path) -> Snapshot | Unreadable | None:
 
 def daemon_view(runtime_dir: Path) -> DaemonView:
     """The daemon's snapshot and whether the process that wrote it still lives."""
-    from gpuguard.adapters import procfs  # noqa: PLC0415 - see the module doc
-    from gpuguard.core.values import ProcessIdentity  # noqa: PLC0415
-
     found = read(runtime_dir)
     if not isinstance(found, Snapshot) or not found.running:
         return DaemonView.of(found)
@@ -62,16 +62,12 @@ def lists_reset_xids(runtime_dir: Path, unit: str) -> bool:
 
 def reset_xids(runtime_dir: Path, unit: str) -> tuple[XidFault, ...]:
     """The reset-class Xids the running daemon counts for ``unit`` (xidfaults)."""
-    from gpuguard.core.xidfaults import from_records  # noqa: PLC0415
-
     watch = _running_unit(runtime_dir, unit)
     return from_records(list(watch.reset_xids)) if watch else ()
 
 
 def xid_claims(runtime_dir: Path) -> tuple[XidClaim, ...]:
     """The application Xids naming a process that the running daemon saw (xidstuck)."""
-    from gpuguard.core.xidstuck import claims_from_snapshot  # noqa: PLC0415
-
     running = _running(runtime_dir)
     return tuple(claims_from_snapshot(running.xids)) if running else ()
 

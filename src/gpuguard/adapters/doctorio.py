@@ -88,36 +88,24 @@ def unit_config(unit: str) -> tuple[UnitConfig, str | None]:
 def history(unit: str) -> tuple[History, str | None]:
     """PID 1's messages about the unit: the newest JOURNAL_MAX_ENTRIES of the last 30 days."""
     since = time.time() - JOURNAL_MAX_AGE_S
+    query = [
+        "journalctl",
+        "--output=json",
+        "--no-pager",
+        "--quiet",
+        f"--output-fields={','.join(FIELDS_READ)}",
+        f"--since=@{since:.0f}",
+        f"--lines={JOURNAL_MAX_ENTRIES}",
+    ]
     units = [f"UNIT={unit}"]
-    out, problem = _run(
-        [
-            "journalctl",
-            "--output=json",
-            "--no-pager",
-            "--quiet",
-            f"--output-fields={','.join(FIELDS_READ)}",
-            f"--since=@{since:.0f}",
-            f"--lines={JOURNAL_MAX_ENTRIES}",
-            "_PID=1",
-            *units,
-            "+",
-            "_SYSTEMD_CGROUP=/init.scope",
-            *units,
-        ]
-    )
+    out, problem = _run([*query, "_PID=1", *units, "+", "_SYSTEMD_CGROUP=/init.scope", *units])
     if out is None:
         return History(), problem
     # The daemon's sweeps of an ended run's survivors: the workers that left the unit's cgroup,
     # which systemd never names (trust is judged again on _SYSTEMD_UNIT and _UID).
     swept, _ = _run(
         [
-            "journalctl",
-            "--output=json",
-            "--no-pager",
-            "--quiet",
-            f"--output-fields={','.join(FIELDS_READ)}",
-            f"--since=@{since:.0f}",
-            f"--lines={JOURNAL_MAX_ENTRIES}",
+            *query,
             f"--grep={SWEEP_EVENT}",
             "--case-sensitive=yes",
             f"_SYSTEMD_UNIT={DAEMON_UNIT}",

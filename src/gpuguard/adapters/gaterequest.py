@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.adapters.peer import PROC, PeerError, identify
 from gpuguard.core.escaping import escape
+from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gateauth import Caller, admission, refusal
 from gpuguard.core.gateproto import (
     CLIENT_GONE,
@@ -194,7 +195,8 @@ def _admit(
     line = _read_request(conn)
     request = parse_request(line) if line is not None else "no request line"
     if isinstance(request, str):
-        return _answer(conn, log, f"gpuguard: bad request from PID {caller.pid}: {request}", 64)
+        problem = f"gpuguard: bad request from PID {caller.pid}: {request}"
+        return _answer(conn, log, problem, EX_USAGE)
     refused = refusal(request, caller)
     if refused is not None:
         return _answer(conn, log, f"gpuguard {request.command}: {refused}", 1)

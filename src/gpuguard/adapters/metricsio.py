@@ -22,7 +22,7 @@ from gpuguard.core.values import MIB
 from gpuguard.daemonsettings import listen_address
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection, Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
@@ -64,20 +64,6 @@ def _last_refused(histories: dict[str, list[dict[str, Any]]]) -> dict[str, bool]
     }
 
 
-def reaped_unit(units: Collection[str], results: Sequence[ReapResult]) -> str | None:
-    """The watched unit the daemon's reap was for; None when that cannot be told for sure.
-
-    The daemon reaps one unit's holders at a time, but the reap port is given only the
-    targets: a holder still in the unit's cgroup names it (its cgroup's unit); one that left
-    it names it in the policy's reason ("left over from an earlier run of U …"). Exactly one
-    watched unit named, by the cgroups first, else by the reasons, or none.
-    """
-    named = {r.target.unit for r in results} & set(units)
-    if not named:
-        named = {u for u in units for r in results if f" {u} " in f" {r.target.reason} "}
-    return named.pop() if len(named) == 1 else None
-
-
 class Exporter:
     """The daemon's metrics: counters, the newest inventory, the textfile and the listener."""
 
@@ -102,8 +88,8 @@ class Exporter:
         self._wall = wall
         self.tally = metrics.Tally()
         self.latest = metrics.Latest()
-        self._releases: dict[str | None, ReleaseWatch] = {}
-        """Per watched unit reaped (None: one the targets did not name), its GPUs followed."""
+        self._releases: dict[str, ReleaseWatch] = {}
+        """Per watched unit reaped for, its GPUs followed until they let go."""
         self._inventory: Inventory | None = None
         self._inventory_at = float("-inf")
         self._watched: tuple[WatchedUnit, ...] = ()
@@ -151,7 +137,7 @@ class Exporter:
             self._log_releases(unit, [(release, begun) for release in found])
         return inventory
 
-    def _log_releases(self, unit: str | None, found: list[tuple[Release, float]]) -> None:
+    def _log_releases(self, unit: str, found: list[tuple[Release, float]]) -> None:
         """Append the daemon's releases to the release log (status and explain read it there)."""
         try:
             releaselog.record(
@@ -161,16 +147,19 @@ class Exporter:
             self._log.warning("cannot record release times", error=str(err))
 
     def reaped(
-        self, reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
-    ) -> Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]:
-        """The daemon's reap, with each process's outcome counted and its GPUs' release timed."""
+        self, reap: Callable[[str, Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    ) -> Callable[[str, Sequence[ReapTarget]], tuple[ReapResult, ...]]:
+        """The daemon's reap, with each process's outcome counted and its GPUs' release timed.
 
-        def counted(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
-            results = reap(targets)
+        The release is the unit's the daemon reaped for, as it says (never read from the
+        targets' text, which holds names the unit's user chose).
+        """
+
+        def counted(unit: str, targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+            results = reap(unit, targets)
             for result in results:
                 self.tally.count_reaped("daemon", result.outcome.value)
             # The reap was planned on the newest inventory: the GPUs it listed the holders on.
-            unit = reaped_unit(self._settings.units, results)
             watch = self._releases.setdefault(unit, ReleaseWatch())
             watch.reaped(results, self._inventory.nvml if self._inventory else None)
             return results

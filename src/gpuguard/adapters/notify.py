@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import sdnotify
+
 from gpuguard.core.escaping import escape
 
 
@@ -19,8 +21,6 @@ class Notifier:
 
         sdnotify itself, constructed without NOTIFY_SOCKET, leaks the socket it opened.
         """
-        import sdnotify  # noqa: PLC0415 - only the daemon needs it
-
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self._notifier = sdnotify.SystemdNotifier() if self.enabled else None
 

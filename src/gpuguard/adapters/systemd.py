@@ -11,12 +11,12 @@ import json
 import pwd
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from gpuguard.adapters import programs
+from gpuguard.adapters import procfs, programs
 from gpuguard.core import unitconfig
 from gpuguard.core.ledger import is_invocation_id
-from gpuguard.core.values import UnitProvenance
+from gpuguard.core.values import ProcessIdentity, UnitProvenance
 
 _PROPERTIES = (
     "LoadState",
@@ -61,6 +61,9 @@ class UnitState:
     """The unit's cgroup (``/system.slice/sglang.service``) while it has one (the ledger)."""
     kill_mode: str | None = None
     """``KillMode=`` (control-group, mixed, process, none): what a stop kills of the cgroup."""
+    main: ProcessIdentity | None = None
+    """The process at ``main_pid`` as /proc named it right after systemd did (``show_unit``):
+    what a KillMode=process stop signals, which a process given its PID later is not."""
 
     @property
     def not_found(self) -> bool:
@@ -108,7 +111,12 @@ def systemctl(*args: str, timeout: float = _TIMEOUT_S) -> tuple[str | None, str 
 def show_unit(unit: str) -> UnitState:
     """Ask systemd for the unit's state; failures become ``error``, never exceptions."""
     out, problem = systemctl("show", unit, *(f"--property={p}" for p in _PROPERTIES))
-    return UnitState(unit, error=problem) if out is None else parse_show(unit, out)
+    if out is None:
+        return UnitState(unit, error=problem)
+    state = parse_show(unit, out)
+    if state.main_pid is None:
+        return state
+    return replace(state, main=procfs.read_identity(state.main_pid))
 
 
 def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpuguard.commands.reap import REAP_TIMEOUT_S
 from gpuguard.core.gateproto import Request
 
 if TYPE_CHECKING:
@@ -46,6 +45,10 @@ class GateArgs:
     grace: float | None = None
     timeout: float | None = None
     force: bool = False
+
+
+#: How long ``reap`` waits for the GPUs to go idle when --timeout does not say.
+REAP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.adapters import doctorio, inventory
 from gpuguard.commands.context import unknown_unit
+from gpuguard.core import doctor
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -27,8 +29,6 @@ class Diagnosis:
     @property
     def exit_status(self) -> int:
         """The worst finding: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
-        from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
-
         return int(doctor.worst(f for found in self.findings.values() for f in found))
 
     @property
@@ -38,24 +38,17 @@ class Diagnosis:
 
     def to_text(self) -> str:
         """The findings with their evidence, or (--fix) one drop-in per unit."""
-        from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
-
         if self.fix:
             return "\n".join(doctor.render_fix(u, f) for u, f in self.findings.items())
         return doctor.render_text(self.findings)
 
     def to_json(self) -> dict[str, Any]:
         """``doctor --json`` (docs/doctor.md)."""
-        from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
-
         return doctor.render_json(self.findings)
 
 
 def run(settings: Settings, args: DoctorArgs) -> Diagnosis | Said:
     """Audit each unit against its journal; the findings, to print as the options ask."""
-    from gpuguard.adapters import doctorio, inventory  # noqa: PLC0415 - see the package doc
-    from gpuguard.core import doctor  # noqa: PLC0415 - see the package doc
-
     if args.unit:
         unknown = unknown_unit(settings, args.unit, "doctor", force=args.force)
         if unknown is not None:

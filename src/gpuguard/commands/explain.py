@@ -11,7 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.adapters import journalquery, releaselog
 from gpuguard.commands.output import Said
+from gpuguard.core import timeline
+from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_UNAVAILABLE, EX_USAGE
 from gpuguard.core.unitname import UNIT_NAME
 
@@ -40,23 +43,15 @@ class Explained:
 
     def to_text(self) -> str:
         """The timeline as ``explain`` prints it."""
-        from gpuguard.core import timeline  # noqa: PLC0415 - see the package doc
-
         return timeline.render_text(self.timeline, since=self.since)
 
     def to_json(self) -> dict[str, Any]:
         """``explain --json`` (docs/explain.md)."""
-        from gpuguard.core import timeline  # noqa: PLC0415 - see the package doc
-
         return timeline.to_json(self.timeline, since=self.since)
 
 
 def run(settings: Settings, unit: str | None, since: str | None) -> Explained | Said:
     """Read the unit's journal and build its timeline; a usage error or a failed read says so."""
-    from gpuguard.adapters import journalquery, releaselog  # noqa: PLC0415 - see the package doc
-    from gpuguard.core import timeline  # noqa: PLC0415
-    from gpuguard.core.escaping import escape  # noqa: PLC0415
-
     if unit is None:
         if len(settings.units) != 1:
             return Said(

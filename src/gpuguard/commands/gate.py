@@ -8,15 +8,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuguard.adapters import configfile, daemonsnapshot, nvml, procfs, state, unitfacts
 from gpuguard.commands.context import (
     asker,
     result_json,
-    unit_environment,
     unit_plan,
     unit_settings,
     unknown_unit,
 )
+from gpuguard.core import gate
 from gpuguard.core.escaping import escape
+from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
+from gpuguard.core.health import reset_reasons
+from gpuguard.core.idle import is_idle
+from gpuguard.core.values import MIB, NvmlHealth
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -77,19 +82,12 @@ def fast_path(
     a reset; the NVML reading taken on the way is handed on so the full path does not read it
     again.
     """
-    from gpuguard.adapters import configfile, daemonsnapshot, nvml  # noqa: PLC0415
-    from gpuguard.core import gate  # noqa: PLC0415
-    from gpuguard.core.gpuset import resolve_gpu_set  # noqa: PLC0415
-    from gpuguard.core.health import reset_reasons  # noqa: PLC0415
-    from gpuguard.core.idle import is_idle  # noqa: PLC0415
-    from gpuguard.core.values import MIB, NvmlHealth  # noqa: PLC0415
-
     started = time.monotonic()
     cached = configfile.load_validated(config)
     if cached is None:
         return None, None
     runtime_dir = Path(cached["runtime_dir"])
-    environment, problem = unit_environment(asker(caller), args.unit, runtime_dir)
+    environment, problem = unitfacts.own_environment(asker(caller), args.unit, runtime_dir)
     if environment is None:
         return None, None
     unit = cached["units"].get(args.unit) or {}
@@ -126,15 +124,8 @@ def run(
 
     While it waits, ``say`` gets a line per blocker every 10 s (the unit's journal reads them).
     """
-    from gpuguard.adapters import (  # noqa: PLC0415
-        containerstop,
-        daemonsnapshot,
-        inventory,
-        logs,
-        procfs,
-        reaper,
-    )
-    from gpuguard.core import gate  # noqa: PLC0415
+    # The full path's modules, imported only here: the in-process fast path pays ~20 ms less.
+    from gpuguard.adapters import containerstop, inventory, logs, reaper  # noqa: PLC0415
     from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415
 
     unknown = unknown_unit(settings, args.unit, "gate", force=args.force)
@@ -231,8 +222,6 @@ def oom_gpu(
     The device comes from the unit's output (the running daemon read it); the unit's own
     CUDA_VISIBLE_DEVICES maps it, and a number past the unit's GPUs maps to nothing.
     """
-    from gpuguard.core.gpuset import cuda_view  # noqa: PLC0415 - see the package doc
-
     if device is None:
         return None
     indices = cuda_view(environment, found.nvml.gpus).indices
@@ -249,8 +238,6 @@ def _finish_gate(
     released: tuple[Release, ...] = (),
 ) -> GateVerdict:
     """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
-    from gpuguard.adapters import state  # noqa: PLC0415 - see the package doc
-
     record = {
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "unit": outcome.unit,

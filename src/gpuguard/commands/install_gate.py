@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuguard.adapters import dropin, files, systemd
 from gpuguard.commands.output import Said
 from gpuguard.core.exits import EX_NOPERM, EX_USAGE
 from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
@@ -22,8 +23,6 @@ _PLAIN_PATH = re.compile(r"/[A-Za-z0-9/._+-]*")
 
 def run(unit: str, *, install: bool, force: bool = False) -> Said:
     """Install or remove the gate drop-in, then make systemd read it."""
-    from gpuguard.adapters import dropin  # noqa: PLC0415 - see the package doc
-
     command = "install-gate" if install else "remove-gate"
     refused = _gate_change_refused(command, unit, check_unit=install and not force)
     if refused is None and install:
@@ -72,8 +71,6 @@ def own_executable() -> str | Said:
     missing, or it or a directory above it is not root's alone (adapters.files' rule), or its
     path holds a character the drop-in line could not carry as it is.
     """
-    from gpuguard.adapters import files  # noqa: PLC0415 - see the package doc
-
     argv0 = Path(sys.argv[0])
     script = Path(sys.executable).parent / "gpuguard"
     candidate = argv0.absolute() if argv0.name == "gpuguard" else script
@@ -104,8 +101,6 @@ def _not_installed(problem: str) -> str:
 
 def _sandbox_refused(unit: str, *, force: bool) -> Said | None:
     """Exit 1, saying why, when the unit's own sandbox would keep its gate from the socket."""
-    from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see the package doc
-
     properties = systemd.show_properties(unit, dropin.SANDBOX_PROPERTIES)
     if isinstance(properties, str):
         if force:
@@ -130,8 +125,6 @@ def _sandbox_refused(unit: str, *, force: bool) -> Said | None:
 
 def _gate_change_refused(command: str, unit: str, *, check_unit: bool) -> Said | None:
     """Why the change must not be tried at all, with its exit status; None to go ahead."""
-    from gpuguard.adapters import dropin, systemd  # noqa: PLC0415 - see the package doc
-
     if not unit.endswith(".service"):
         return Said(
             EX_USAGE,

@@ -6,14 +6,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.adapters import containerstop, inventory, logs, reaper, releaselog
 from gpuguard.commands.context import (
     result_json,
     unit_plan,
+    unit_settings,
     unknown_unit,
 )
 from gpuguard.commands.output import Said
+from gpuguard.core import gate, policy
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
+from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.releaselog import seconds
 
 if TYPE_CHECKING:
@@ -32,7 +36,6 @@ if TYPE_CHECKING:
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
     from gpuguard.core.values import ReapResult
 
-REAP_TIMEOUT_S = 60.0
 Containers = tuple[tuple["ContainerVerdict", "ContainerResult | None"], ...]
 
 
@@ -49,9 +52,6 @@ def run(
     The plan goes to ``show`` (as text, unless --json) before anything is signalled, and
     ``ask`` gets the question when the plan needs a yes and --yes was not given.
     """
-    from gpuguard.adapters import inventory, logs, reaper  # noqa: PLC0415
-    from gpuguard.core import policy  # noqa: PLC0415
-
     unit_name = args.unit or _only_unit(settings)
     if unit_name is None:
         return Said(
@@ -101,10 +101,9 @@ def run(
     if not args.yes and not ask(f"Signal {len(kill_plan.to_reap)} process(es){also}?"):
         declined = "gpuguard reap: nothing signalled (confirm on a terminal, or --yes)"
         return Said(1, notices=(*planned.notices, declined))
-    from gpuguard.core.gate import reap_targets  # noqa: PLC0415
 
     containers = _stop_containers(stopper, verdicts)  # first: as the gate does
-    results = reaper.reap(reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
+    results = reaper.reap(gate.reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
     return _reap_finish(
         settings,
         found,
@@ -165,9 +164,6 @@ def _container_stopper(
     logger: Callable[[], Logger],
 ) -> ContainerStopper:
     """The gate's stopper of the unit's left-over containers, with reap's grace and dry run."""
-    from gpuguard.adapters import containerstop  # noqa: PLC0415 - see the package doc
-    from gpuguard.commands.context import unit_settings  # noqa: PLC0415
-
     return containerstop.for_unit(
         request,
         unit_settings(settings, request.unit).container,
@@ -230,10 +226,6 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     waited: bool,
     containers: Containers,
 ) -> ReapReport:
-    from gpuguard.adapters import inventory  # noqa: PLC0415 - see the package doc
-    from gpuguard.core import gate  # noqa: PLC0415 - see the package doc
-    from gpuguard.core.release import ReleaseWatch  # noqa: PLC0415 - see the package doc
-
     gate_settings = gate.GateSettings(
         kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, timeout, poll_s=0.2
     )
@@ -277,8 +269,6 @@ def _log_releases(
     settings: Settings, unit: str, released: Sequence[tuple[Release, float]]
 ) -> tuple[str, ...]:
     """Append the measured releases to the release log, as the daemon and the gate do."""
-    from gpuguard.adapters import releaselog  # noqa: PLC0415 - see the package doc
-
     try:
         releaselog.record(settings.runtime_dir, releaselog.logged(released, by="reap", unit=unit))
     except OSError as err:

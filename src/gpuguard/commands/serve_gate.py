@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import pkgutil
 import sys
 from typing import TYPE_CHECKING
 
+import gpuguard
+from gpuguard.adapters import dropin, gaterequest, gateserver, nvml
+from gpuguard.adapters.configfile import config_path
 from gpuguard.commands.arguments import from_request
+from gpuguard.config import ConfigError, load_settings
 from gpuguard.core.exits import EX_OSERR
+
+# A request never runs the daemon; the entry point's module would run gpuguard on import.
+_NEVER_REQUESTED = ("gpuguard.daemon.", "gpuguard.__main__")
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,11 +44,6 @@ def run(config: Path | None, execute: Execute) -> int:
     Everything a request needs is imported here, once, before the first fork, so a request
     pays for none of it; NVML itself is initialised only in each request's own process.
     """
-    import contextlib  # noqa: PLC0415 - see the package doc
-    import os  # noqa: PLC0415
-
-    from gpuguard.adapters import gaterequest, gateserver, nvml  # noqa: PLC0415
-
     try:
         listener = gateserver.take_listener(os.environ)
     except gateserver.ActivationError as err:
@@ -80,14 +86,9 @@ class Watched:
 
     def __call__(self, unit: str) -> bool:
         """Whether ``unit`` is watched."""
-        from gpuguard.adapters import dropin  # noqa: PLC0415 - see the package doc
-
         return unit in self._configured() or dropin.installed(unit)
 
     def _configured(self) -> frozenset[str]:
-        from gpuguard.adapters.configfile import config_path  # noqa: PLC0415
-        from gpuguard.config import ConfigError, load_settings  # noqa: PLC0415
-
         path, _ = config_path(self._config)
         try:
             info = path.stat()
@@ -104,47 +105,15 @@ class Watched:
 
 
 def _import_request_path() -> None:
-    """Import what the gate and the reap import only when they run, once, in the parent.
+    """Import, once, in the parent, every module a request could reach, found from the package.
 
-    tests/integration/test_gate_socket.py fails when a request still imports a module of its
-    own (the list has gone stale).
+    That is all of gpuguard but the daemon (``gpuguard run``: no command imports it, an
+    import-linter contract) and the ``-m`` entry point; walking the package cannot miss a module
+    a command gains, as a hand-kept list of them did. What a module imports from outside only
+    on first use stays lazy (structlog, once something is logged) except NVML's bindings,
+    which every request uses (``nvml.import_bindings``).
+    tests/integration/test_gate_socket.py fails when a request still imports a module itself.
     """
-    from gpuguard import config  # noqa: PLC0415, F401 - pydantic: the full path's settings
-    from gpuguard.adapters import (  # noqa: PLC0415, F401
-        containerprobe,
-        containerstop,
-        daemonsnapshot,
-        dropin,
-        engineapi,
-        inventory,
-        ledgerstore,
-        logs,
-        reaper,
-        releaselog,
-        state,
-        systemd,
-        unitenv,
-    )
-    from gpuguard.commands import gate, reap  # noqa: PLC0415, F401
-    from gpuguard.core import (  # noqa: PLC0415, F401
-        baseline,
-        containment,
-        events,
-        gpuset,
-        health,
-        idle,
-        policy,
-        protection,
-        records,
-        redaction,
-        release,
-        since,
-        snapshot,
-        unitconfig,
-        xid,
-        xidevents,
-        xidfaults,
-        xidstuck,
-    )
-    from gpuguard.core import gate as gate_core  # noqa: PLC0415, F401
-    from gpuguard.core import inventory as inventory_core  # noqa: PLC0415, F401
+    for module in pkgutil.walk_packages(gpuguard.__path__, "gpuguard."):
+        if not module.name.startswith(_NEVER_REQUESTED):
+            importlib.import_module(module.name)

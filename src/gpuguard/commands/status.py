@@ -9,7 +9,23 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.adapters import (
+    daemonsnapshot,
+    inventory,
+    procfs,
+    releaselog,
+    state,
+    terminal,
+    watched,
+)
 from gpuguard.commands.output import Said
+from gpuguard.core.releaselog import summarize
+from gpuguard.core.since import within
+from gpuguard.core.status import document
+from gpuguard.core.status.judge import assess
+from gpuguard.core.status.report import StatusContext, UnitView
+from gpuguard.core.status.text import render_text
+from gpuguard.core.watchframe import interval
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -37,15 +53,11 @@ class StatusAnswer:
 
     def to_text(self) -> str:
         """The one screen ``gpuguard status`` prints."""
-        from gpuguard.core.status.text import render_text  # noqa: PLC0415
-
         return render_text(self.report)
 
     def to_json(self) -> dict[str, Any]:
         """``status --json`` (docs/status.md)."""
-        from gpuguard.core.status.document import to_json  # noqa: PLC0415
-
-        return to_json(self.report)
+        return document.to_json(self.report)
 
 
 def run(
@@ -58,17 +70,12 @@ def run(
     all that is kept.
     """
     if watch is not None:
-        from gpuguard.adapters import terminal  # noqa: PLC0415
-        from gpuguard.core.status.text import render_text  # noqa: PLC0415
-
         return Said(terminal.run(lambda: render_text(_report(settings, since)), watch, sys.stdout))
     return StatusAnswer(_report(settings, since))
 
 
 def watch_interval(text: str) -> float:
     """``--watch``'s SECONDS for argparse: 0.1 to 86400, else a usage error."""
-    from gpuguard.core.watchframe import interval  # noqa: PLC0415
-
     try:
         return interval(text)
     except ValueError as err:
@@ -77,19 +84,6 @@ def watch_interval(text: str) -> float:
 
 def _report(settings: Settings, since: Since | None) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
-    from gpuguard.adapters import (  # noqa: PLC0415
-        daemonsnapshot,
-        inventory,
-        procfs,
-        releaselog,
-        state,
-        watched,
-    )
-    from gpuguard.core.releaselog import summarize  # noqa: PLC0415
-    from gpuguard.core.since import within  # noqa: PLC0415
-    from gpuguard.core.status.judge import assess  # noqa: PLC0415
-    from gpuguard.core.status.report import StatusContext, UnitView  # noqa: PLC0415
-
     now = datetime.now(timezone.utc)
     start = None if since is None else since.start(now)
     found = inventory.gather(settings)

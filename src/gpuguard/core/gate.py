@@ -19,6 +19,7 @@ from gpuguard.core.idle import is_idle
 from gpuguard.core.leftovers import WatchedUnit
 from gpuguard.core.leftovers import blockers as kept_blockers
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
+from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget, ReservedSource
 from gpuguard.core.xidfaults import blockers as xid_blockers
 from gpuguard.core.xidstuck import named_by, stuck_phrase
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.core.inventory import Holder, Inventory
-    from gpuguard.core.values import ProcessIdentity, ReapResult
+    from gpuguard.core.values import ReapResult
     from gpuguard.core.xidfaults import XidFault
     from gpuguard.core.xidstuck import XidClaim
 
@@ -225,12 +226,16 @@ def wait_until_idle(  # noqa: PLR0913 - the wait's whole world, injected
     blockers, empty when the unit's GPUs are idle.
     """
     deadline = clock() + wait_s
-    blockers = set_blockers(inventory, settings)
-    while blockers and clock() < deadline and not only_kept(inventory, settings):
-        sleep(settings.poll_s)
-        inventory = gather()
-        blockers = set_blockers(inventory, settings)
-    return inventory, blockers
+
+    def done(found: Inventory) -> tuple[Inventory, tuple[str, ...]] | None:
+        blockers = set_blockers(found, settings)
+        if not blockers or clock() >= deadline or only_kept(found, settings):
+            return found, blockers
+        return None
+
+    return ReapUntilIdle(settings.request, gather, lambda: sleep(settings.poll_s), done).run(
+        inventory
+    )
 
 
 def only_kept(inventory: Inventory, settings: GateSettings) -> bool:
@@ -304,53 +309,56 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
         return outcome(unit, clock() - started, blockers=at_once, hopeless=True)
     if not set_blockers(inventory, settings):
         return outcome(unit, clock() - started, fast_path=True)
-    reaped: list[ReapResult] = []
-    signalled: set[ProcessIdentity] = set()
-    spared: dict[int, Decision] = {}
     progress = _Progress(settings, report)
-    while True:
-        if containers is not None and containers(inventory):
-            inventory = gather()
-        current = plan(inventory.holders, settings.request)
-        spared.update({d.holder.pid: d for d in current.spared})
-        fresh = [d for d in current.to_reap if d.holder.identity not in signalled]
-        if fresh:
-            results = reap(reap_targets(fresh))
-            reaped.extend(results)
-            signalled.update(d.holder.identity for d in fresh)
-            if stuck := stuck_blockers(results, settings):
-                return outcome(
-                    unit,
-                    clock() - started,
-                    reaped=reaped,
-                    spared=list(spared.values()),
-                    blockers=stuck,
-                    hopeless=True,
-                )
-            inventory = gather()
+    waited = 0.0
+
+    def first(found: Inventory) -> Inventory:
+        return gather() if containers is not None and containers(found) else found
+
+    def stuck(results: tuple[ReapResult, ...]) -> GateOutcome | None:
+        if at_once := stuck_blockers(results, settings):
+            return ended(clock() - started, at_once, hopeless=True)
+        return None
+
+    def done(found: Inventory) -> GateOutcome | None:
+        nonlocal waited
         waited = clock() - started
-        if at_once := hopeless(inventory, settings):
-            return outcome(
-                unit,
-                waited,
-                reaped=reaped,
-                spared=list(spared.values()),
-                blockers=at_once,
-                hopeless=True,
-            )
-        blockers = set_blockers(inventory, settings)
+        if at_once := hopeless(found, settings):
+            return ended(waited, at_once, hopeless=True)
+        blockers = set_blockers(found, settings)
         if not blockers or waited >= settings.timeout_s:
-            return outcome(
-                unit,
-                waited,
-                reaped=reaped,
-                spared=list(spared.values()),
-                blockers=blockers,
-                way_out=operator_command(inventory, settings.request) if blockers else None,
-            )
+            way_out = operator_command(found, settings.request) if blockers else None
+            return ended(waited, blockers, way_out=way_out)
         progress.tell(waited, blockers)
-        sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0)))
-        inventory = gather()
+        return None
+
+    def ended(
+        waited_s: float,
+        blockers: tuple[str, ...],
+        *,
+        hopeless: bool = False,
+        way_out: str | None = None,
+    ) -> GateOutcome:
+        return outcome(
+            unit,
+            waited_s,
+            reaped=loop.reaped,
+            spared=list(loop.spared.values()),
+            blockers=blockers,
+            hopeless=hopeless,
+            way_out=way_out,
+        )
+
+    loop: ReapUntilIdle[GateOutcome] = ReapUntilIdle(
+        settings.request,
+        gather,
+        lambda: sleep(min(settings.poll_s, max(settings.timeout_s - waited, 0.0))),
+        done,
+        reap=lambda fresh: reap(reap_targets(fresh)),
+        first=first,
+        after_reap=stuck,
+    )
+    return loop.run(inventory)
 
 
 def stuck_blockers(results: Sequence[ReapResult], settings: GateSettings) -> tuple[str, ...]:

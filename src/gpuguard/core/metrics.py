@@ -249,7 +249,7 @@ def _release_families(records: Sequence[Logged]) -> list[Metric]:
         labels,
     )
     for gpu in summarize(records):
-        last.add_metric(list(gpu.labels), round(gpu.last_s, 3))
+        last.add_metric(list(gpu.labels), round(gpu.last.release.seconds, 3))
         typical.add_metric(list(gpu.labels), round(gpu.typical_s, 3))
     return [last, typical]
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import KillPlan
+    from gpuguard.core.values import ProcessIdentity
 
 
 class Action(StrEnum):
@@ -240,11 +241,17 @@ def _kind(value: object) -> str:
 _STOP_KILLS_THE_CGROUP: Final = frozenset({"control-group", "mixed"})
 
 
-def stop_frees(pid: int, kill_mode: str | None, main_pid: int | None) -> bool:
-    """Whether systemd's stop of the unit kills a process of its cgroup, by its KillMode=."""
+def stop_frees(
+    process: ProcessIdentity, kill_mode: str | None, main: ProcessIdentity | None
+) -> bool:
+    """Whether systemd's stop of the unit kills a process of its cgroup, by its KillMode=.
+
+    Under KillMode=process only the main process: the same process (PID and start time), not
+    one that was given its PID between the two reads.
+    """
     if kill_mode in _STOP_KILLS_THE_CGROUP:
         return True
-    return kill_mode == "process" and pid == main_pid
+    return kill_mode == "process" and main is not None and process == main
 
 
 def unfreeable(
@@ -253,7 +260,7 @@ def unfreeable(
     idle_threshold_bytes: int,
     *,
     kill_mode: str | None = None,
-    main_pid: int | None = None,
+    main: ProcessIdentity | None = None,
 ) -> tuple[str, ...]:
     """What holds the unit's GPUs that neither its stop nor its plan would free, one phrase each.
 
@@ -264,7 +271,7 @@ def unfreeable(
     holders - and memory used from outside the container. A process the plan spares in the
     unit's own cgroup (another uid's job in a shared service, a protected name) goes with the
     stop only as the unit's ``kill_mode`` says (:func:`stop_frees`: every one with
-    control-group or mixed, the main process ``main_pid`` alone with process, none with none or
+    control-group or mixed, the main process ``main`` alone with process, none with none or
     when systemd could not say). When any remains, stopping the unit cannot help and only risks
     leaving it down: the daemon asks an operator instead, and the gate's refusal names them.
     """
@@ -283,7 +290,7 @@ def unfreeable(
             and not attribution.user_unit
             and attribution.container is None
             and not attribution.unknown
-            and stop_frees(holder.pid, kill_mode, main_pid)
+            and stop_frees(holder.identity, kill_mode, main)
         ):
             continue
         held = [

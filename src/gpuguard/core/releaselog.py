@@ -37,7 +37,8 @@ class Logged:
     by: str
     """One of ``REAPERS``."""
     unit: str | None
-    """The watched unit whose holders were reaped; None when the reaper could not tell."""
+    """The watched unit whose holders were reaped; None in a record an older gpuguard's daemon
+    wrote when it could not tell."""
     released_wall_s: float
     """When the reading showed the memory gone (the wall clock, seconds since the epoch)."""
     boot_id: str | None
@@ -122,43 +123,43 @@ def appended(document: object, new: Iterable[Logged]) -> list[dict[str, Any]]:
 class GpuReleases:
     """What the log says of one GPU (one label set): the last release, the typical one."""
 
-    gpu: int
-    uuid: str
-    model: str
-    driver: str
-    last_s: float
-    last_wall_s: float
-    last_by: str
+    last: Logged
+    """The GPU's newest record: its labels (``Release``), seconds, who reaped and when."""
     typical_s: float
     """The median of the kept releases of this GPU."""
     count: int
 
     @property
+    def gpu(self) -> int:
+        """The GPU's NVML index."""
+        return self.last.release.gpu
+
+    @property
     def labels(self) -> tuple[str, str, str, str]:
-        """The histogram's labels (``gpu``, ``UUID``, ``modelName``, ``driver``)."""
-        return (str(self.gpu), self.uuid, self.model, self.driver)
+        """The histogram's labels (``Release.labels``)."""
+        return self.last.release.labels
 
     def in_words(self) -> str:
         """One line for status: how long a wait for this GPU's memory has taken."""
-        at = datetime.fromtimestamp(self.last_wall_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        last = self.last
+        at = datetime.fromtimestamp(last.released_wall_s, timezone.utc)
         return (
-            f"GPU {self.gpu} released reaped memory after {seconds(self.last_s)} last time "
-            f"({self.last_by}, {at} UTC), typically {seconds(self.typical_s)} "
+            f"GPU {self.gpu} released reaped memory after {seconds(last.release.seconds)} last "
+            f"time ({last.by}, {at:%Y-%m-%d %H:%M:%S} UTC), typically {seconds(self.typical_s)} "
             f"({self.count} release{'s' if self.count != 1 else ''} logged)"
         )
 
     def to_json(self) -> dict[str, Any]:
-        """For ``status --json``."""
+        """For ``status --json``: the release's labels, then the summary."""
+        shown = self.last.release.to_json()
+        last_s = shown.pop("seconds")
         return {
-            "gpu": self.gpu,
-            "uuid": self.uuid,
-            "model": self.model,
-            "driver": self.driver,
-            "last_s": round(self.last_s, 3),
-            "last_time": datetime.fromtimestamp(self.last_wall_s, timezone.utc).isoformat(
+            **shown,
+            "last_s": last_s,
+            "last_time": datetime.fromtimestamp(self.last.released_wall_s, timezone.utc).isoformat(
                 timespec="seconds"
             ),
-            "last_by": self.last_by,
+            "last_by": self.last.by,
             "typical_s": round(self.typical_s, 3),
             "count": self.count,
         }
@@ -176,17 +177,7 @@ def summarize(
     for group in grouped.values():
         last = max(group, key=lambda r: r.released_wall_s)
         found.append(
-            GpuReleases(
-                last.release.gpu,
-                last.release.uuid,
-                last.release.model,
-                last.release.driver,
-                last.release.seconds,
-                last.released_wall_s,
-                last.by,
-                statistics.median(r.release.seconds for r in group),
-                len(group),
-            )
+            GpuReleases(last, statistics.median(r.release.seconds for r in group), len(group))
         )
     return tuple(sorted(found, key=lambda g: (g.gpu, g.labels)))
 

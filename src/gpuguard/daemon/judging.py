@@ -101,7 +101,7 @@ class Judging(Publishing):
             inventory,
             self._settings.idle_threshold_mib * MIB,
             kill_mode=state.kill_mode,
-            main_pid=state.main_pid,
+            main=state.main,
         )
         if not blockers:
             return decision

@@ -102,7 +102,8 @@ class Ports:
     gather: Callable[[], Inventory]
     show_unit: Callable[[str], UnitState]
     control: Callable[[str, str], str | None]
-    reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    reap: Callable[[str, Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    """Signal the targets a plan for this watched unit chose (the unit is said, never guessed)."""
     notifier: NotifierPort
     log: Logger
     wall: Callable[[], float]

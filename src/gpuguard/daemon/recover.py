@@ -39,7 +39,8 @@ class Steps:
     show_unit: Callable[[str], UnitState]
     gather: Callable[[], Inventory]
     gate_settings: Callable[[str, Inventory, UnitState], GateSettings]
-    reap: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    reap: Callable[[str, Sequence[ReapTarget]], tuple[ReapResult, ...]]
+    """The daemon's reap port: the targets chosen for the unit named first."""
     containers: Callable[[PlanRequest], Callable[[Inventory], bool] | None]
     """The stopper of the unit's left-over containers for the gate's loop, if any."""
     monotonic: Callable[[], float]
@@ -113,7 +114,7 @@ def carry_out(unit: str, steps: Steps) -> Recovery:
         outcome = run_gate(
             settings,
             gather,
-            steps.reap,
+            lambda targets: steps.reap(unit, targets),
             steps.monotonic,
             steps.sleep,
             containers=steps.containers(settings.request),

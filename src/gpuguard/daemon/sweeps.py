@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.gate import reap_targets, set_blockers
 from gpuguard.core.policy import plan
+from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.runend import Sweep, describe, live_invocation, next_start, over_problem
 from gpuguard.core.unitcontainers import container_of
 from gpuguard.core.values import UnitProvenance
@@ -26,10 +27,10 @@ if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.events import UnitEvent
     from gpuguard.core.inventory import Inventory
-    from gpuguard.core.policy import PlanRequest
+    from gpuguard.core.policy import Decision, PlanRequest
     from gpuguard.core.runend import RunEnd
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
-    from gpuguard.core.values import ProcessIdentity, ReapResult
+    from gpuguard.core.values import ReapResult
     from gpuguard.daemon.ports import UnitContainers
     from gpuguard.daemon.watches import Watch
 
@@ -157,32 +158,33 @@ class Sweeping(Publishing):
         ports = self._ports
         settings = self._gate_settings(request)
         deadline = ports.monotonic() + self._settings.gate_timeout_s
-        signalled: set[ProcessIdentity] = set()
-        reaped: list[ReapResult] = []
         reaped_at = ports.monotonic()
         released_at: float | None = None
-        while True:
-            fresh = [
-                d
-                for d in plan(inventory.holders, request).to_reap
-                if d.holder.identity not in signalled
-            ]
-            if fresh:
-                reaped.extend(self._reap(reap_targets(fresh)))
-                signalled.update(d.holder.identity for d in fresh)
-                reaped_at = ports.monotonic()
-                inventory = self._gather()
+
+        def reap(fresh: Sequence[Decision]) -> tuple[ReapResult, ...]:
+            nonlocal reaped_at
+            results = tuple(self._reap(request.unit, reap_targets(fresh)))
+            reaped_at = ports.monotonic()
+            return results
+
+        def done(found: Inventory) -> tuple[float, float | None] | None:
+            nonlocal released_at
             now = ports.monotonic()
-            if not set_blockers(inventory, settings):
-                return reaped, reaped_at, now
-            if plan(inventory.holders, request).to_reap:
+            if not set_blockers(found, settings):
+                return reaped_at, now
+            if plan(found.holders, request).to_reap:
                 released_at = None
             elif released_at is None:
                 released_at = now
             if now >= deadline or (released_at is not None and now - released_at >= _RELEASE_S):
-                return reaped, reaped_at, None
-            self._feeder.sleep(settings.poll_s)
-            inventory = self._gather()
+                return reaped_at, None
+            return None
+
+        loop: ReapUntilIdle[tuple[float, float | None]] = ReapUntilIdle(
+            request, self._gather, lambda: self._feeder.sleep(settings.poll_s), done, reap=reap
+        )
+        last_reap, idle_at = loop.run(inventory)
+        return loop.reaped, last_reap, idle_at
 
     def _swept(self, watch: Watch, sweep: Sweep, pids: list[int]) -> None:
         """Record and say what a sweep did; the next start's time is added when it comes."""

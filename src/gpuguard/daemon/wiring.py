@@ -100,7 +100,7 @@ def run(settings: Settings) -> int:
         show_unit=systemd.show_unit,
         control=systemd.control,
         reap=exporter.reaped(
-            lambda targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log)
+            lambda _unit, targets: reaper.reap(targets, grace_s=settings.reap_grace_s, logger=log)
         ),
         notifier=notifier,
         log=log,

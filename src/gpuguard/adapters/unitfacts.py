@@ -1,0 +1,111 @@
+"""One unit's facts as a gate or a reap needs them, gathered in one call before anything decides.
+
+``gather`` asks systemd once for the unit (its state, user, runs, control process), tells
+whether the asker is the unit's own control process, takes the unit's environment (the
+caller's own, recorded for the daemon's recoveries when root; else systemd's Environment=), and
+reads the provenance: what systemd and its journal say of the unit's runs and user, with the
+provenance ledger's evidence (root first records what it sees of the runs now). The command
+then decides from this one value (commands/context.unit_plan): the live run, the GPU set, the
+policy's request. Nothing here decides who may be killed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters import ledgerstore, systemd, unitenv
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gpuguard.adapters.systemd import UnitState
+    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.ledger import UnitLedger
+    from gpuguard.core.values import UnitProvenance
+
+
+@dataclass(frozen=True, slots=True)
+class UnitFacts:
+    """What systemd, the asking process and the provenance ledger say of one unit, read once."""
+
+    state: UnitState
+    inside: bool
+    """The asker is the unit's own ExecStartPre=/ExecStopPost= process: its run is over."""
+    environment: dict[str, str]
+    """The unit's environment: the asker's own when it runs in the unit, else systemd's."""
+    provenance: UnitProvenance
+    """What ties a process to an ended run: systemd's runs and user, the ledger's claims."""
+    notices: tuple[str, ...]
+    """What could not be recorded on the way (the unit's GPU variables, the ledger)."""
+
+
+def gather(unit: str, who: Caller, runtime_dir: Path, *, trust_unknown: bool) -> UnitFacts:
+    """The unit's facts for ``who``; ``trust_unknown``: root runs gpuguard itself (no server).
+
+    When systemd cannot be asked, ``trust_unknown`` decides whether a caller in the unit's
+    cgroup counts as its control process (systemd.is_control_process).
+    """
+    state = systemd.show_unit(unit)
+    inside = who.runs_in(unit) and systemd.is_control_process(
+        state, who.pid, trust_unknown=trust_unknown
+    )
+    own, problem = own_environment(who, unit, runtime_dir)
+    recorded, noted = _ledger_evidence(runtime_dir, unit, state, inside=inside)
+    provenance = replace(
+        systemd.provenance(state, inside=inside),
+        ledger=recorded.claims,
+        elsewhere=recorded.elsewhere,
+    )
+    return UnitFacts(
+        state,
+        inside,
+        state.environment if own is None else own,
+        provenance,
+        tuple(line for line in (problem, noted) if line is not None),
+    )
+
+
+def own_environment(
+    caller: Caller, unit: str, runtime_dir: Path
+) -> tuple[dict[str, str] | None, str | None]:
+    """The unit's real environment when the caller is one of its processes (else None).
+
+    An ExecStartPre=/ExecStopPost= process has the unit's environment, EnvironmentFile= values
+    included. Root records its GPU variables for the daemon's recoveries (unitenv); the second
+    value says why that failed, for the command's notices.
+    """
+    if not caller.runs_in(unit) or caller.environment is None:
+        return None, None
+    if os.geteuid() == 0:
+        try:
+            unitenv.record(runtime_dir, unit, caller.environment, caller.pid)
+        except OSError as err:
+            return caller.environment, f"gpuguard: cannot record {unit}'s GPU variables: {err}"
+    return caller.environment, None
+
+
+def _ledger_evidence(
+    runtime_dir: Path, unit: str, unit_state: UnitState, *, inside: bool
+) -> tuple[UnitLedger, str | None]:
+    """The ledger's evidence for ``unit``, after adding what root sees of its runs now.
+
+    Root (the gate server, an in-process gate or reap) records as the daemon does: the live
+    descendants of every recorded process of the unit's runs, and, serving the unit's own
+    stop-reap, the ending run's cgroup and what descends from it (ledgerstore.record_seen). So
+    the gate alone, with no daemon, still knows a worker that a left-over in the cgroup started
+    and that moved into a scope of its own. Not recorded: a notice, and the file as it is.
+    """
+    if os.geteuid() != 0:
+        return ledgerstore.evidence(runtime_dir, unit), None
+    ending = systemd.ending_run(unit_state) if inside else None
+    try:
+        seen = ledgerstore.record_seen(
+            runtime_dir, unit, ending, unit_state.control_group, time.time()
+        )
+    except OSError as err:
+        problem = f"gpuguard: cannot record {unit}'s processes in the provenance ledger: {err}"
+        return ledgerstore.evidence(runtime_dir, unit), problem
+    return seen.for_unit(unit), None
