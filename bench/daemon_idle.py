@@ -73,7 +73,10 @@ SAMPLES = TESTS / "journal_samples"
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 JOURNALCTL = "/usr/bin/journalctl"
 SYSTEMCTL = "/usr/bin/systemctl"
-BENCH_SLICE = "gpuguard-bench{}.slice"
+BENCH_SLICE = "gpuguard-bench{}-{}.slice"
+"""Its served unit's cgroups: the daemon's suffix, and this run's own tag, so that two benches
+at once (another checkout's) never share a cgroup and each daemon sees its own tree only."""
+RUN_TAG = os.urandom(4).hex()
 SERVING = "5e7f1a2b3c4d5e6f708192a3b4c5d6e7"
 WORKERS = 4
 # The served tree: a server whose four workers each run 8 threads, then sleep (no CPU).
@@ -672,7 +675,7 @@ class Launched:
     ) -> Launched:
         """Its directory, served unit and notify socket, ready to spawn."""
         root.mkdir(exist_ok=True)
-        bench_slice = BENCH_SLICE.format(suffix)
+        bench_slice = BENCH_SLICE.format(suffix, RUN_TAG)
         notify = NotifyListener(root / "notify.sock")
         env = env | {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
         if pythonpath is not None:

@@ -68,7 +68,8 @@ class DaemonSettings(ConfigModel):
         ge=1.0,
         le=DAY_S,
         description="How often the provenance ledger re-reads each running watched unit's "
-        "processes (also at each start and stop); a process forked and moved out between two "
+        "processes (also at each start and stop), skipped while no process or thread was "
+        "created since its last full read; a process forked and moved out between two "
         "records is not in it.",
     )
     watch_output: bool = Field(

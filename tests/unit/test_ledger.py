@@ -383,6 +383,90 @@ def test_a_write_that_failed_is_tried_again_at_the_next_record() -> None:
     assert len(attempts) == 2  # written: nothing new to write
 
 
+def test_a_periodic_record_is_skipped_while_no_process_was_created_since_the_last_full_one() -> (
+    None
+):
+    """The namespace's last PID unmoved: no re-read; moved, unknown or 10 intervals on: read."""
+    reads: list[float] = []
+    clock = [0.0]
+    last_pid: list[int | None] = [700]
+
+    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+        reads.append(clock[0])
+        return (seen(1),)
+
+    ports = LedgerPorts(
+        run_processes=read,
+        alive=lambda _i: True,
+        save=lambda ledger: ledger,
+        every_s=5.0,
+        last_pid=lambda: last_pid[0],
+    )
+    keeper = LedgerKeeper(ports, Ledger(), lambda: clock[0])
+
+    def tick_to(moment: float) -> None:
+        while True:
+            due = keeper.due_in(clock[0])
+            assert due is not None
+            if clock[0] + due > moment:
+                return
+            clock[0] += due
+            keeper.tick(clock[0])
+
+    def record(moment: float, *, periodic: bool = True) -> None:
+        clock[0] = moment
+        keeper.record(UNIT, moment, periodic=periodic)
+
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)
+    tick_to(12.0)
+    assert reads == [0.0]  # the first steps (1, 3, 7 s) and the first period: nothing created
+    last_pid[0] = 701  # a fork (or a thread) anywhere in the namespace
+    tick_to(17.0)
+    assert reads == [0.0, 17.0]
+    record(18.0, periodic=False)  # a stop announced: always read
+    record(19.0)  # nothing since then
+    assert reads == [0.0, 17.0, 18.0]
+    last_pid[0] = None  # the counter unreadable or not this namespace's: unsure, read
+    record(20.0)
+    record(21.0)
+    assert reads == [0.0, 17.0, 18.0, 20.0, 21.0]
+    last_pid[0] = 701
+    record(22.0)  # stamped now
+    for moment in range(23, 33):
+        record(float(moment))
+    assert reads[-2:] == [22.0, 32.0]  # read in full at least every 10th interval anyway
+
+
+def test_a_run_the_caps_cut_or_whose_write_failed_is_read_in_full_each_time() -> None:
+    """An exit may make room for a process that was cut; a failed write is retried at once."""
+    reads: list[float] = []
+    refuse = [True]
+    gone: set[int] = set()
+
+    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+        reads.append(0.0)
+        return tuple(seen(pid) for pid in range(1, MAX_PROCESSES + 2) if pid not in gone)
+
+    ports = LedgerPorts(
+        run_processes=read,
+        alive=lambda identity: identity.pid not in gone,
+        save=lambda ledger: None if refuse[0] else ledger,
+        every_s=5.0,
+        last_pid=lambda: 700,
+    )
+    keeper = LedgerKeeper(ports, Ledger(), lambda: 0.0)
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)  # one more than the cap: one cut
+    refuse[0] = False
+    keeper.record(UNIT, 1.0, periodic=True)  # the first write failed: read and written again
+    gone.add(2)
+    keeper.record(UNIT, 2.0, periodic=True)  # still one cut (PID 2 is forgotten after it)
+    keeper.record(UNIT, 3.0, periodic=True)  # room for the one cut: recorded
+    assert MAX_PROCESSES + 1 in {p.pid for p in keeper.ledger.runs[0].processes}
+    keeper.record(UNIT, 4.0, periodic=True)  # all recorded, written, nothing created: skipped
+    keeper.record(UNIT, 5.0, periodic=True)
+    assert len(reads) == 4
+
+
 def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() -> None:
     """NVML names host PIDs there: the memory is its device-file holders', and blocks a stop."""
     worker = replace(

@@ -21,6 +21,7 @@ from gpuguard.core.metrics import (
     GATE_RESULTS,
     HEALTH_STATES,
     Observed,
+    Rendered,
     Tally,
     exposition,
     families,
@@ -197,6 +198,25 @@ def test_nvml_down_and_inventory_age() -> None:
     found = scrape(observed(health=NvmlHealth.TIMED_OUT))
     assert found["gpuguard_nvml_up", ()] == 0
     assert found["gpuguard_inventory_age_seconds", ()] == 12.5
+
+
+def test_drawn_again_only_what_changed_is_rendered_and_the_text_is_a_full_renders() -> None:
+    """Each draw reads as a fresh render (timestamps move on); unchanged families are kept."""
+    rendered = Rendered()
+    first = observed((gpu(0, used_mib=500),))
+    assert rendered.exposition(families(first)) == exposition(families(first))
+    drawn = len(families(first))
+    assert rendered.rendered == drawn
+    later = replace(first, now_wall=first.now_wall + 60, inventory_age_s=72.5)
+    text = rendered.exposition(families(later))
+    assert text == exposition(families(later))
+    assert rendered.rendered == 2  # the draw's timestamp and the inventory's age
+    assert b"gpuguard_metrics_updated_timestamp_seconds 1.70000006e+09" in text
+    moved = observed((gpu(0, used_mib=900),))
+    assert rendered.exposition(families(moved)) == exposition(families(moved))
+    assert 2 < rendered.rendered < drawn
+    assert rendered.exposition(families(moved)) == exposition(families(moved))
+    assert rendered.rendered == 0
 
 
 def test_labels_are_bounded_and_names_follow_the_conventions() -> None:

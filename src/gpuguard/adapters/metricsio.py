@@ -96,6 +96,7 @@ class Exporter:
         self._live_for = float("-inf")
         """The inventory time ``_live`` was asked after: asked again only for a newer one."""
         self._write_failed: str | None = None
+        self._rendered = metrics.Rendered()
         for unit, entries in gate_histories(settings).items():
             self.tally.baseline(f"gate/{unit}", entries)
         logged = releaselog.read(settings.runtime_dir)
@@ -218,7 +219,7 @@ class Exporter:
         )
         drawn = metrics.families(observed)
         self.latest.publish(drawn)
-        self._write(metrics.exposition(drawn))
+        self._write(self._rendered.exposition(drawn))
         return self.tally.to_json()
 
     def _write(self, data: bytes) -> None:

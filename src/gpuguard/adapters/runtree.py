@@ -5,6 +5,9 @@ A unit's cgroup (systemd's ``ControlGroup``, below ``/sys/fs/cgroup``) lists its
 /proc (procfs.descendants), so a worker that moved into a transient scope is still seen while
 its parent is in the run. Processes the ledger already recorded are roots too: a moved worker's
 own children are found after its parent died.
+
+``last_pid`` tells the ledger keeper when a re-read cannot find anything new (no process or
+thread created since the last one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 _HIERARCHIES = ("", "unified", "systemd")
 _MAX_CGROUPS = 256
 _PROCS_LIMIT = 1 << 20
+_STATUS_LIMIT = 1 << 16
+_LOADAVG_LIMIT = 256
+_LOADAVG_FIELDS = 5
 
 
 def cgroup_pids(control_group: str, *, cgroup_root: Path = CGROUP_ROOT) -> list[int]:
@@ -78,3 +84,29 @@ def run_processes(
 def alive(identity: ProcessIdentity, *, proc_root: Path = procfs.PROC) -> bool:
     """Whether this very process (PID and start time) still exists."""
     return procfs.read_identity(identity.pid, proc_root=proc_root) == identity
+
+
+def last_pid(*, proc_root: Path = procfs.PROC) -> int | None:
+    """The PID namespace's last allocated PID (/proc/loadavg, 5th field; proc(5)), or None.
+
+    It moves on every fork and clone, threads included, and on every one in a nested namespace
+    (whose processes get a PID in ours too). The kernel reports the *reader's* namespace, so
+    this answers only while that is also the namespace /proc shows (``NSpid`` of
+    /proc/self/status has one entry; proc(5)): were the daemon in a namespace nested below
+    /proc's, processes it sees could fork without moving its counter. None whenever unsure
+    (unreadable, unparsable, another namespace): the caller then reads the run again.
+    """
+    root = os.fspath(proc_root)
+    try:
+        with open(f"{root}/self/status", "rb") as status:  # noqa: PTH123 - hot path, plain os calls
+            own = status.read(_STATUS_LIMIT)
+        with open(f"{root}/loadavg", "rb") as loadavg:  # noqa: PTH123 - hot path, plain os calls
+            fields = loadavg.read(_LOADAVG_LIMIT).split()
+    except OSError:
+        return None
+    namespaces = next(
+        (line.split()[1:] for line in own.splitlines() if line.startswith(b"NSpid:")), []
+    )
+    if len(namespaces) != 1 or len(fields) < _LOADAVG_FIELDS or not fields[4].isdigit():
+        return None
+    return int(fields[4])

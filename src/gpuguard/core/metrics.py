@@ -523,3 +523,33 @@ def registry_of(collector: Collector) -> CollectorRegistry:
 def exposition(metrics: Iterable[Metric]) -> bytes:
     """The Prometheus text format of ``metrics``, as node_exporter's textfile collector reads."""
     return bytes(generate_latest(registry_of(_Fixed(metrics))))
+
+
+class Rendered:
+    """``exposition`` for a writer that draws the same metrics again and again (the daemon's).
+
+    The text format is each family's lines in turn, so a family equal to the one drawn last
+    time (name, help, type and every sample: labels, value) has the same text, kept from then;
+    only the families that changed are rendered. An idle daemon's are its timestamps and ages.
+    """
+
+    def __init__(self) -> None:
+        """Nothing rendered yet."""
+        self._last: dict[str, tuple[Metric, bytes]] = {}
+        self.rendered = 0
+        """How many families the last ``exposition`` rendered anew."""
+
+    def exposition(self, metrics: Iterable[Metric]) -> bytes:
+        """The text ``exposition(metrics)`` returns, rendering only what changed."""
+        drawn: dict[str, tuple[Metric, bytes]] = {}
+        parts: list[bytes] = []
+        self.rendered = 0
+        for metric in metrics:
+            last = self._last.get(metric.name)
+            if last is None or last[0] != metric:
+                last = (metric, exposition([metric]))
+                self.rendered += 1
+            drawn[metric.name] = last
+            parts.append(last[1])
+        self._last = drawn
+        return b"".join(parts)

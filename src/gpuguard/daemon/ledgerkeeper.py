@@ -5,8 +5,22 @@ it ends, and while it runs - 1, 2, 4, 8 … s after it came up (a server's worke
 its model load), then every ``daemon.ledger_every_s`` - the run's processes are read
 (runtree: its cgroup and the descendants of every process in it or recorded before) and added
 to the ledger (core.ledger). Processes that exited are forgotten at each record, runs left
-empty with them; the file is rewritten only when what it proves changed, so an idle host costs
-one cgroup read and a few ``stat`` reads per interval, and no write.
+empty with them; the file is rewritten only when what it proves changed.
+
+A periodic record with nothing new to see is skipped: when no process or thread was created
+in the PID namespace since the run's last full record (its last allocated PID, the 5th field of
+/proc/loadavg, proc(5), has not moved), the run cannot have gained a descendant, and a PID the
+ledger holds cannot have been reused. What a record would still notice without a fork changes
+no decision: exits are forgotten at the next full record (an entry names a PID *and* its start
+time, which no later process shares); a recorded process's cgroup, uids and name are kept as
+first seen, and the kill policy reads the live uids and cgroup at kill time; a process moved
+into the unit's cgroup without a fork (an attach by root) is still the run's by that cgroup
+then, and recorded at the next full record. Whenever the counter cannot be read or trusted
+(runtree.last_pid: another PID namespace), while the ledger's caps cut some of what a record
+saw (an exit may make room for one), and at least every ``_FULL_EVERY`` intervals
+(a counter that wrapped round to the same value), the run is read in full; the start, the
+stop's announcement and the end always are. So an idle host costs two small reads per
+interval, and no write.
 """
 
 from __future__ import annotations
@@ -30,9 +44,13 @@ class LedgerPorts:
     save: Callable[[Ledger], Ledger | None]
     """Write the ledger; what was written when the file held more (the gate server's records)."""
     every_s: float
+    last_pid: Callable[[], int | None] = lambda: None
+    """The PID namespace's last allocated PID (runtree.last_pid); None: unknown, read in full."""
 
 
 _FIRST_STEP_S = 1.0
+_FULL_EVERY = 10
+"""A run is read in full at least every this many intervals, forks or not (fail safe)."""
 
 
 @dataclass(slots=True)
@@ -43,6 +61,10 @@ class _Live:
     step_s: float = _FIRST_STEP_S
     settled: bool = False
     """The next record is a periodic one (every ``every_s``), not one of the first steps."""
+    last_pid: int | None = None
+    """The namespace's last allocated PID before the run's last full record (None: unknown)."""
+    skipped: int = 0
+    """Periodic records skipped in a row since then (nothing created in between)."""
 
 
 class LedgerKeeper:
@@ -57,6 +79,8 @@ class LedgerKeeper:
         self._wall = wall
         self._live: dict[str, _Live] = {}
         self._saved = initial.to_json()["runs"]
+        self._unsaved = False
+        """The last write failed: the next record is a full one, and writes again."""
 
     @property
     def ledger(self) -> Ledger:
@@ -83,18 +107,31 @@ class LedgerKeeper:
             self.record(unit, now)
             del self._live[unit]
 
-    def record(self, unit: str, now: float) -> None:
-        """Read the live run of ``unit`` now (nothing when none is live), then forget the dead."""
+    def record(self, unit: str, now: float, *, periodic: bool = False) -> None:
+        """Read the live run of ``unit`` now (nothing when none is live), then forget the dead.
+
+        A ``periodic`` record is skipped while nothing was created since the run's last full
+        record (the module's docstring says why that is safe).
+        """
         ports, live = self._ports, self._live.get(unit)
         if ports is None or live is None:
             return
         live.due_s = now + min(live.step_s, ports.every_s)
         live.settled = live.step_s >= ports.every_s
         live.step_s = min(live.step_s * 2, ports.every_s)
+        last_pid = ports.last_pid()  # before the walk: a fork during it moves it for next time
+        unchanged = last_pid is not None and last_pid == live.last_pid and not self._unsaved
+        if periodic and unchanged and live.skipped + 1 < _FULL_EVERY:
+            live.skipped += 1
+            return
+        live.last_pid, live.skipped = last_pid, 0
         run = self._ledger.run_of(unit, live.invocation_id)
         recorded = [p.identity for p in run.processes] if run is not None else []
         seen = ports.run_processes(live.control_group, recorded)
         ledger = self._ledger.record(unit, live.invocation_id, seen, self._wall())
+        kept = {p.identity for run in ledger.runs for p in run.processes}
+        if any(p.identity not in kept for p in seen):
+            live.last_pid = None  # some cut by the caps: an exit may make room, read each time
         keep = frozenset(v.invocation_id for v in self._live.values())
         self._ledger = ledger.forget(ports.alive, keep)
         self._save()
@@ -117,7 +154,7 @@ class LedgerKeeper:
         """Record every live run whose interval is over; a settled run's also within ``early_s``."""
         for unit, live in list(self._live.items()):
             if now + (early_s if live.settled else 0.0) >= live.due_s:
-                self.record(unit, now)
+                self.record(unit, now, periodic=True)
 
     def _save(self) -> None:
         """Write the file when what it proves changed (the times of a record alone do not)."""
@@ -129,6 +166,7 @@ class LedgerKeeper:
         ]:
             return
         merged = ports.save(self._ledger)
+        self._unsaved = merged is None
         if merged is None:
             return  # not written (the lock was held, the disk refused): the next record retries
         self._ledger = merged

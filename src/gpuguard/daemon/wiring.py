@@ -152,6 +152,7 @@ def ledger_ports(settings: Settings, log: Logger) -> LedgerPorts:
         alive=runtree.alive,
         save=save,
         every_s=settings.daemon.ledger_every_s,
+        last_pid=runtree.last_pid,
     )
 
 
