@@ -2,8 +2,9 @@
 
 The third liveness signal (docs/liveness.md): the server's own ``/health`` answer, for an engine
 that dies without a fatal line. What is at risk: calling a healthy run dead, and asking a
-stranger. So the address is loopback or a unix socket only, written one way each (no name to
-resolve, no redirect to follow), and a verdict counts only probes of the run that is up now:
+stranger, or being led by the unit's user. So the address is TCP loopback only, written one
+way each (no name to resolve, no redirect to follow, no path to look up: a unix socket is
+refused, docs/liveness.md says why), and a verdict counts only probes of the run that is up now:
 never during its start (the start phases of ``core.liveness`` say when it is ready), never a
 probe of an earlier run, and only ``failures`` in a row (a success resets the count).
 
@@ -25,40 +26,33 @@ _TCP: Final = re.compile(
     + _PATH
     + r")"
 )
-_UNIX: Final = re.compile(r"http://unix:(?P<socket>/[A-Za-z0-9._@+/-]+):(?P<path>" + _PATH + r")")
-"""nginx's spelling of an HTTP request over a unix socket (``proxy_pass http://unix:PATH:URI``)."""
-_SOCKET_PATH_MAX: Final = 107
-"""sun_path holds 108 bytes, the last one NUL (unix(7))."""
 _ADDRESSES: Final = {"127.0.0.1": "127.0.0.1", "[::1]": "::1", "localhost": "127.0.0.1"}
 """``localhost`` is 127.0.0.1, never a name lookup (NSS could block the daemon or answer
 anything)."""
 _HINT: Final = (
-    "use http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH, http://localhost:PORT/PATH or "
-    "http://unix:/run/NAME.sock:/PATH (loopback or a unix socket only)"
+    "use http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH or http://localhost:PORT/PATH "
+    "(TCP loopback only)"
+)
+_NO_UNIX: Final = (
+    "a unix socket is not supported: the root daemon would connect through a path the unit's "
+    "user controls (a symlink to a root-only socket, or a FUSE mount that blocks the lookup "
+    "and stops the daemon's loop); see docs/liveness.md"
 )
 
 
 @dataclass(frozen=True, slots=True)
 class HealthTarget:
-    """Where a health check asks: a loopback TCP port or a unix socket, and the request path."""
+    """Where a health check asks: a loopback TCP address and port, and the request path."""
 
     path: str
     """The request's path (and query), as written: checked, printable ASCII."""
-    address: str | None = None
-    """The loopback address to connect to ("127.0.0.1" or "::1"); None for a unix socket."""
+    address: str
+    """The loopback address to connect to: "127.0.0.1" or "::1"."""
     port: int = 80
-    socket_path: str | None = None
-
-    @property
-    def tcp(self) -> bool:
-        """A TCP check: it needs the network the shipped gpuguard.service does not have."""
-        return self.socket_path is None
 
     @property
     def host_header(self) -> str:
-        """The request's ``Host:``: the loopback address, or ``localhost`` over a socket."""
-        if self.address is None:
-            return "localhost"
+        """The request's ``Host:``: the loopback address and port."""
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"{host}:{self.port}"
 
@@ -75,19 +69,14 @@ def parse_health_url(text: str) -> HealthTarget:
         raise ValueError(
             f"{text!r}: https is not supported (a loopback check is plain HTTP); {_HINT}"
         )
-    if found := _UNIX.fullmatch(text):
-        socket = found["socket"]
-        if len(socket.encode()) > _SOCKET_PATH_MAX:
-            raise ValueError(f"the socket path is longer than {_SOCKET_PATH_MAX} bytes")
-        if any(part in {".", ".."} for part in socket.split("/")):
-            raise ValueError(f"{text!r}: the socket path has a '.' or '..' part")
-        return HealthTarget(found["path"], socket_path=socket)
+    if text.startswith(("http://unix:", "unix:")):
+        raise ValueError(f"{text!r}: {_NO_UNIX}; {_HINT}")
     if found := _TCP.fullmatch(text):
         port = int(found["port"] or "80")
         if not 1 <= port <= 65535:
             raise ValueError(f"{text!r}: port {port} is outside 1..65535")
         return HealthTarget(found["path"], _ADDRESSES[found["host"]], port)
-    raise ValueError(f"{text!r} is not a loopback or unix-socket HTTP URL; {_HINT}")
+    raise ValueError(f"{text!r} is not a loopback HTTP URL; {_HINT}")
 
 
 @dataclass(frozen=True, slots=True)
