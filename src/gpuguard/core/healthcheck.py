@@ -103,6 +103,15 @@ class HealthDeath:
     """ "health check failed 3 times: HTTP 503"."""
 
 
+@dataclass(frozen=True, slots=True)
+class HealthBack:
+    """A run the check had made dead answered healthy again: that verdict ends."""
+
+    invocation_id: str
+    detail: str
+    """ "HTTP 200"."""
+
+
 class HealthCheck:
     """One unit's check: when the next probe is due, and what the probes' answers add up to."""
 
@@ -114,31 +123,43 @@ class HealthCheck:
         self._next_s = 0.0
         self._streak = 0
         self._first: tuple[float, float] | None = None
-        self._dead = False
         self.blocked: str | None = None
         """Why the last probe could not even be made (``ProbeResult.counts`` False); None."""
 
-    def due_in(self, up_run: str | None, now: float) -> float | None:
-        """Seconds until the next probe of ``up_run`` (the run that is up now); None: none due.
+    def due_in(self, probed_run: str | None, now: float) -> float | None:
+        """Seconds until the next probe of ``probed_run``; None: no run to probe.
 
-        A new run that is up is probed at once; a dead verdict ends the probing of its run.
+        ``probed_run`` is the run core.liveness lets the check ask (``Liveness.probed_run``):
+        up, or dead by this check only. A new run is probed at once.
         """
-        if up_run is None:
+        if probed_run is None:
             return None
-        if up_run != self._run:
-            self._run, self._next_s, self._streak, self._first = up_run, now, 0, None
-            self._dead = False
-        return None if self._dead else max(0.0, self._next_s - now)
+        if probed_run != self._run:
+            self._run, self._next_s, self._streak, self._first = probed_run, now, 0, None
+        return max(0.0, self._next_s - now)
 
-    def answered(
-        self, run: str, result: ProbeResult, *, now: float, wall: float, up_run: str | None
-    ) -> HealthDeath | None:
-        """Count a probe of ``run``'s answer; the death once ``failures`` in a row failed.
+    @property
+    def next_s(self) -> float:
+        """When the next probe of the current run is due (monotonic): the oldest goes first."""
+        return self._next_s
 
-        A probe of a run that is no longer the one up (it ended, or another began while the
-        probe waited) counts for nothing.
+    def answered(  # noqa: PLR0913 - one answer, its moment, and the run's state then
+        self,
+        run: str,
+        result: ProbeResult,
+        *,
+        now: float,
+        wall: float,
+        probed_run: str | None,
+        dead: bool = False,
+    ) -> HealthDeath | HealthBack | None:
+        """Count a probe of ``run``'s answer: the death once ``failures`` in a row failed.
+
+        For a run this check made ``dead``, the first success ends that verdict. A probe of a
+        run that is no longer the one probed (it ended, or another began while the probe
+        waited) counts for nothing.
         """
-        if run != self._run or run != up_run or self._dead:
+        if run != self._run or run != probed_run:
             return None
         self._next_s = now + self._every_s
         self.blocked = None if result.counts else result.detail
@@ -146,14 +167,20 @@ class HealthCheck:
             return None
         if result.ok:
             self._streak, self._first = 0, None
-            return None
+            return HealthBack(run, result.detail) if dead else None
         self._streak += 1
         if self._first is None:
             self._first = (now, wall)
-        if self._streak < self._needed:
+        if dead or self._streak < self._needed:
             return None
-        self._dead = True
         times = "once" if self._needed == 1 else f"{self._needed} times"
         since_s, since_wall = self._first
         cause = f"health check failed {times}: {result.detail}"
         return HealthDeath(run, since_s, since_wall, cause)
+
+    def dropped(self) -> None:
+        """The death just returned did not count (systemd no longer runs that run, active).
+
+        The streak starts over.
+        """
+        self._streak, self._first = 0, None

@@ -7,8 +7,9 @@ unit's runs from systemd's trusted events and from the lines its own output prin
 (``core.enginelines``), and says per unit, at a given monotonic time: up, starting (in which
 phase, for how long, against the phases of earlier starts), stuck in a phase past the budget
 those starts taught, or engine dead since T (cause); the unit's health check (core.healthcheck)
-can also make a run that is up dead. What is at risk: calling a healthy run
-dead. So a line counts only for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
+can also make a run that is up dead, and, for as long as no line or exit said so, alive again
+at its first healthy answer. What is at risk: calling a healthy run dead. So a line counts only
+for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
 never once a stop job for that run began (servers print death-like lines while shutting down),
 and a run's end (systemd now sees it) ends its dead-engine verdict. A budget is learned, never
 guessed: with fewer than ``MIN_STARTS`` starts that came up, a slow start is only "starting".
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpuguard.core.events import UnitEvent
-    from gpuguard.core.healthcheck import HealthDeath
+    from gpuguard.core.healthcheck import HealthBack, HealthDeath
 
 ENGINE_DEAD_GRACE_S: Final = 10.0
 """A fatal line makes a dead engine once its run still lives this long after it: a server whose
@@ -220,9 +221,23 @@ class Liveness:
 
     @property
     def up_run(self) -> str | None:
-        """The run that is up (past its ready line) and not dead: the one a health check asks."""
+        """The run that is up (past its ready line) and not dead."""
         run = self._run
         if run is None or not run.ready or self._dead is not None:
+            return None
+        return run.invocation_id
+
+    @property
+    def probed_run(self) -> str | None:
+        """The run a health check asks: the one up, or one only that check called dead.
+
+        A run dead by its health check alone is still probed, so that a healthy answer can end
+        a verdict of three slow probes; a fatal line or an exit 0 is never undone.
+        """
+        run, dead = self._run, self._dead
+        if run is None or not run.ready:
+            return None
+        if dead is not None and not dead.by_health:
             return None
         return run.invocation_id
 
@@ -244,6 +259,17 @@ class Liveness:
         )
         self._confirmed, self._dead_live = True, True
         self._deaths += 1
+        return True
+
+    def health_back(self, back: HealthBack) -> bool:
+        """The run the health check made dead answered healthy: up again; True when news.
+
+        Only a verdict of the check itself ends so; the deaths counted stay counted.
+        """
+        dead = self._dead
+        if dead is None or not dead.by_health or dead.invocation_id != back.invocation_id:
+            return False
+        self._dead, self._confirmed = None, False
         return True
 
     @property
@@ -355,9 +381,17 @@ class Liveness:
         return False
 
     def _fatal(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
-        if run.stop_asked or self._dead is not None:
-            return False
         line = BY_KEY.get(event.line or "")
+        dead = self._dead
+        if dead is not None and dead.by_health and not run.stop_asked:
+            # Dead already by the check; now the line says why, and no healthy answer undoes it.
+            cause = line.cause if line else "the server's fatal line"
+            self._dead = replace(
+                dead, cause=f"{dead.cause}; then {cause}", line=event.message, by_health=False
+            )
+            return False
+        if run.stop_asked or dead is not None:
+            return False
         self._dead = DeadEngine(
             run.invocation_id,
             event.monotonic_s,
