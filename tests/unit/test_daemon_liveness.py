@@ -610,3 +610,31 @@ def test_probes_that_take_their_timeout_share_one_budget_per_turn(tmp_path: Path
     assert harness.daemon.run() == 0
 
     assert seen[:3] == [(1, 8001), (2, 8002), (3, 8003)]
+
+
+def test_a_restarted_daemon_probes_the_run_it_saw_ready_before(tmp_path: Path) -> None:
+    """After a restart, the journal past its cursor is quiet: the saved ready run is still up."""
+    invocation = str(came_up()[0]["INVOCATION_ID"])
+    first = build(tmp_path, came_up())
+    assert first.daemon.run() == 0
+    saved = first.saved[UNIT]["liveness"]
+    assert saved["ready_invocation_id"] == invocation
+
+    probe = ProbeTwin(ProbeResult(ok=True, detail="HTTP 200"))
+    units = UnitSettings(server="vllm", health_url=HEALTH_URL)
+    harness = daemon_twin(
+        twin_settings(tmp_path, {UNIT: units}),
+        ReplayFollower([]),
+        GpuHost(),
+        UnitTwin(invocation=invocation, active="active"),
+        clock=JournalClock.of(came_up()),
+        saved={UNIT: {"schema_version": 1, "liveness": saved}},
+        probe_health=probe,
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert len(probe.asked) == 1
+    [(_, said)] = harness.said("run up since before")
+    assert said["invocation_id"] == invocation
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "up"

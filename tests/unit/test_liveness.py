@@ -425,3 +425,27 @@ def test_a_fatal_line_after_a_health_death_is_never_undone() -> None:
     assert view.state is State.ENGINE_DEAD
     assert view.dead is not None
     assert view.dead.cause.endswith("; then SGLang scheduler dead")
+
+
+def test_a_restarted_daemon_resumes_the_run_an_earlier_one_saw_ready() -> None:
+    """The saved ready run, active in systemd now: up (and probed); any other run is not."""
+    tracker = Liveness(UNIT, "sglang")
+    sglang_start(tracker, "run1", 0.0, graphs_s=30.0)
+    saved = tracker.export()
+    assert saved["ready_invocation_id"] == "run1"
+    again = Liveness(UNIT, "sglang")
+    assert again.restore(saved) == []
+    assert not again.resume("run2")  # another run: its start was not seen, nothing is known
+    assert again.view(400.0).state is not State.UP
+    assert again.resume("run1")
+    assert (again.up_run, again.probed_run) == ("run1", "run1")
+    assert again.view(500.0).state is State.UP
+
+
+def test_a_malformed_saved_ready_run_is_named_and_ignored() -> None:
+    """A ready_invocation_id that is no ID is a problem named, and resumes nothing."""
+    tracker = Liveness(UNIT, "sglang")
+    assert tracker.restore({"starts": [], "ready_invocation_id": "x\n" * 3}) == [
+        "liveness ready_invocation_id is not an invocation ID"
+    ]
+    assert not tracker.resume("x\n" * 3)

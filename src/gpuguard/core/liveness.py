@@ -19,6 +19,7 @@ Time is the journal's per-boot monotonic clock, passed in; the wall clock only l
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,8 @@ _ENDS: Final = frozenset(
 """PID 1's words for "this run is over" (a main-process exit and "Deactivated successfully" are
 judged apart: a clean end nobody asked for is a death)."""
 _OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
+_INVOCATION_ID: Final = re.compile(r"[0-9A-Za-z_-]{1,64}")
+"""A saved invocation ID, only ever compared with systemd's (32 hex digits, sd-id128)."""
 _ENDED_KEPT: Final = 16
 _PAST_BUDGET_S: Final = 0.01
 """A phase is stuck once *past* its budget: the wake comes just after it."""
@@ -213,6 +216,8 @@ class Liveness:
         self._stuck = 0
         self._learned = 0
         self._ended_runs: deque[str] = deque(maxlen=_ENDED_KEPT)
+        self._saved_ready: str | None = None
+        """The run an earlier daemon process saw ready (its saved state), for ``resume``."""
 
     @property
     def learned(self) -> int:
@@ -226,6 +231,23 @@ class Liveness:
         if run is None or not run.ready or self._dead is not None:
             return None
         return run.invocation_id
+
+    @property
+    def ready_run(self) -> str | None:
+        """The current run once its ready line was seen (saved: a restarted daemon resumes it)."""
+        run = self._run
+        return run.invocation_id if run is not None and run.ready else None
+
+    def resume(self, invocation_id: str) -> bool:
+        """The run systemd runs active now: up again if an earlier daemon saw it ready.
+
+        After a restart of the daemon the journal is read from its saved cursor, past the run's
+        ready line; the invocation ID names one run only, so the saved one is still that run.
+        """
+        if self._run is not None or invocation_id != self._saved_ready:
+            return False
+        self._run = _Run(invocation_id, None, Phase.READY, ready=True)
+        return True
 
     @property
     def probed_run(self) -> str | None:
@@ -554,13 +576,21 @@ class Liveness:
     # -- what survives a restart of the daemon --------------------------------------------------
 
     def export(self) -> dict[str, Any]:
-        """The remembered starts, for the unit's saved state."""
-        return {"starts": [start.to_json() for start in self._starts]}
+        """The remembered starts and the run seen ready, for the unit's saved state."""
+        return {
+            "starts": [start.to_json() for start in self._starts],
+            "ready_invocation_id": self.ready_run or self._saved_ready,
+        }
 
     def restore(self, saved: Mapping[str, Any]) -> list[str]:
-        """Take back what ``export`` saved; each malformed start is left out and named."""
+        """Take back what ``export`` saved; each malformed part is left out and named."""
         kept, problems = parse_starts(saved)
         self._starts.extend(kept)
+        ready = saved.get("ready_invocation_id")
+        if isinstance(ready, str) and _INVOCATION_ID.fullmatch(ready):
+            self._saved_ready = ready
+        elif ready is not None:
+            problems.append("liveness ready_invocation_id is not an invocation ID")
         return problems
 
 
