@@ -24,7 +24,7 @@ from gpuguard.core.healthcheck import HealthBack
 from gpuguard.daemon.watches import DaemonState
 
 if TYPE_CHECKING:
-    from gpuguard.core.healthcheck import HealthDeath
+    from gpuguard.core.healthcheck import HealthCheck, HealthDeath
     from gpuguard.daemon.watches import Watch
 
 
@@ -100,9 +100,9 @@ class HealthProbing(DaemonState):
                     "engine answers again", unit=watch.name, invocation_id=run, detail=result.detail
                 )
             return False
-        return verdict is not None and self._counted(watch, verdict)
+        return verdict is not None and self._counted(watch, check, verdict)
 
-    def _counted(self, watch: Watch, death: HealthDeath) -> bool:
+    def _counted(self, watch: Watch, check: HealthCheck, death: HealthDeath) -> bool:
         """Whether the check's death counts: systemd still runs the probed run, active.
 
         Asked once, at the failure that makes the death: a stop or restart job whose lines the
@@ -112,8 +112,7 @@ class HealthProbing(DaemonState):
         self._note_state(watch, state)
         if state.active_state == "active" and state.invocation_id == death.invocation_id:
             return watch.liveness.health_failed(death)
-        assert watch.health is not None  # noqa: S101 - only a unit with a check gets here
-        watch.health.dropped()
+        check.dropped()
         self._ports.log.debug(
             "health check failures not counted",
             unit=watch.name,

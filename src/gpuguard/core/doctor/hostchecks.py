@@ -226,7 +226,7 @@ def health_sandbox(facts: UnitFacts, host: HostFacts) -> list[Finding]:
         Finding(
             "health-sandbox",
             Level.WARNING,
-            f"health_url {show(url, VALUE_CHARS)} needs TCP, but gpuguard.service runs with "
+            f"health_url {show(url, VALUE_CHARS)} is TCP, but gpuguard.service runs with "
             f"{' and '.join(shown)}: the daemon cannot ask it (the check is skipped, never "
             "counted as failed)",
             (f"gpuguard.service: {', '.join(shown)}",),
