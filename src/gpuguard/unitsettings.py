@@ -79,9 +79,10 @@ class UnitSettings(ConfigModel):
     health_url: str | None = Field(
         default=None,
         description="An HTTP health check of the server, once its start is ready: "
-        "http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH, http://localhost:PORT/PATH, or "
-        "http://unix:/SOCKET:/PATH; a 2xx answer is healthy. TCP needs the "
-        "health-loopback.conf drop-in for gpuguard.service. Unset: no check.",
+        "http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH or http://localhost:PORT/PATH "
+        "(TCP loopback only: a unix socket is refused, docs/liveness.md says why); a 2xx answer "
+        "is healthy. It needs the health-loopback.conf drop-in for gpuguard.service. Unset: no "
+        "check.",
     )
     health_every_s: float = Field(
         default=10.0, ge=1.0, le=3600.0, description="Seconds between health probes."

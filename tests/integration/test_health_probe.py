@@ -1,6 +1,6 @@
 """The health probe against real local servers: it answers within its timeout whatever they do.
 
-Each server is a real listening socket (TCP loopback, IPv4 and IPv6, or a unix socket) served
+Each server is a real listening socket (TCP loopback, IPv4 and IPv6) served
 by a thread that behaves one way: answers 200 or 503, hangs, resets, trickles, or sends an
 endless body. The probe must return its verdict, never the server's text, within its timeout.
 """
@@ -8,11 +8,7 @@ endless body. The probe must return its verdict, never the server's text, within
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -24,7 +20,6 @@ from gpuguard.core.healthcheck import HealthTarget, ProbeResult
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-    from pathlib import Path
 
 TIMEOUT_S = 0.5
 SLACK_S = 0.5
@@ -205,60 +200,3 @@ def test_nothing_listening_is_connection_refused() -> None:
     result, took = timed(HealthTarget("/health", "127.0.0.1", port))
     assert result == ProbeResult(ok=False, detail="connection refused")
     assert took < TIMEOUT_S + SLACK_S
-
-
-def test_a_unix_socket_server_is_asked(tmp_path: Path) -> None:
-    """http://unix:/PATH:/health asks the server on that socket, Host localhost."""
-    path = tmp_path / "api.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(1)
-    server = Server(listener, answer(b"HTTP/1.1 200 OK\r\n\r\n"))
-    try:
-        target = HealthTarget("/health", socket_path=str(path))
-        assert probe(target, TIMEOUT_S) == ProbeResult(ok=True, detail="HTTP 200")
-        assert server.requests[0].startswith(b"GET /health HTTP/1.0\r\nHost: localhost\r\n")
-    finally:
-        server.close()
-
-
-def test_a_missing_socket_is_said(tmp_path: Path) -> None:
-    """No socket at the path: said, and not counted (the daemon's sandbox may hide it)."""
-    result = probe(HealthTarget("/health", socket_path=str(tmp_path / "none.sock")), TIMEOUT_S)
-    assert not result.ok
-    assert not result.counts  # hidden from the daemon (PrivateTmp=), not a dead engine
-    assert result.detail.startswith("no socket at the health_url's path (")
-
-
-def test_a_unix_socket_on_a_read_only_mount_is_asked(tmp_path: Path) -> None:
-    """As under ProtectSystem=strict: a socket on a read-only mount still takes connections."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a private read-only bind mount")
-    directory = tmp_path / "run"
-    directory.mkdir()
-    path = directory / "api.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(1)
-    server = Server(listener, answer(b"HTTP/1.1 200 OK\r\n\r\n"))
-    asked = (
-        "from gpuguard.adapters.healthprobe import probe; "
-        "from gpuguard.core.healthcheck import HealthTarget; "
-        f"print(probe(HealthTarget('/health', socket_path={str(path)!r}), 2.0))"
-    )
-    script = (
-        f"mount --bind {directory} {directory} && mount -o remount,bind,ro {directory} && "
-        f'! touch {directory}/written 2>/dev/null && exec {sys.executable} -c "$0"'
-    )
-    try:
-        done = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, asked],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
-    finally:
-        server.close()
-    assert done.returncode == 0, done.stderr
-    assert "ProbeResult(ok=True, detail='HTTP 200'" in done.stdout

@@ -61,6 +61,11 @@ class Log:
         self.lines.append((event, kw))
         return None
 
+    def debug(self, event: str, **kw: object) -> object:
+        """Record a debug line."""
+        self.lines.append((event, kw))
+        return None
+
     def error(self, event: str, **kw: object) -> object:
         """Record an error line."""
         self.lines.append((event, kw))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import builders
 from builders import gpu, nvml
+from typing_extensions import Self
 
 from gpuguard.adapters import systemd
 from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
@@ -141,6 +142,10 @@ class Recorder:
 
     lines: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def debug(self, event: str, **fields: object) -> None:
+        """Keep a debug line."""
+        self.lines.append(("debug", event, fields))
 
     def info(self, event: str, **fields: object) -> None:
         """Keep an info line."""
@@ -323,7 +328,7 @@ class JournalClock:
     shift_s: float
 
     @classmethod
-    def of(cls, entries: Sequence[Mapping[str, object]]) -> JournalClock:
+    def of(cls, entries: Sequence[Mapping[str, object]]) -> Self:
         """The clocks of ``entries``, read now."""
         newest_real = max(int(str(e["__REALTIME_TIMESTAMP"])) for e in entries) / 1e6
         newest_mono = max(int(str(e["__MONOTONIC_TIMESTAMP"])) for e in entries) / 1e6
@@ -340,6 +345,21 @@ class JournalClock:
     def realtime_s(self, monotonic_s: float) -> float:
         """The wall-clock moment of a moment of the journal's monotonic clock."""
         return self.newest_real_s + monotonic_s - self.newest_mono_s
+
+
+@dataclass(frozen=True)
+class SteppedClock(JournalClock):
+    """A JournalClock the twins move on: a sleep or a probe's wait takes its time at once."""
+
+    stepped: list[float] = field(default_factory=lambda: [0.0])
+
+    def monotonic(self) -> float:
+        """The journal's monotonic clock, now, plus every step taken."""
+        return super().monotonic() + self.stepped[0]
+
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass."""
+        self.stepped[0] += seconds
 
 
 def twin_settings(
@@ -366,6 +386,8 @@ class Harness:
     log: Recorder
     snapshots: list[dict[str, Any]]
     saved: dict[str, dict[str, Any]]
+    turns: list[int] = field(default_factory=lambda: [0])
+    """The loop's sleeps so far (one per turn)."""
 
     def said(self, event: str) -> list[tuple[str, dict[str, object]]]:
         """Each line the daemon logged as ``event``: its level and its fields."""
@@ -385,23 +407,26 @@ def daemon_twin(
     boot_id: str = BOOT,
     probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None,
     watchdog_interval_s: float | None = None,
+    turns: int = TURNS,
 ) -> Harness:
     """The real daemon over ``follower``'s entries and the twins; it stops after TURNS sleeps.
 
-    ``clock``: the journal's (by default that of the follower's entries); ``saved``: the units'
-    saved state the daemon starts from, and where it saves; ``log``: a Recorder to write to.
+    ``clock``: the journal's (by default that of the follower's entries; a SteppedClock moves
+    on by each sleep); ``saved``: the units' saved state the daemon starts from, and where it
+    saves; ``log``: a Recorder to write to; ``turns``: the sleeps before it stops.
     """
     clock = clock or JournalClock.of(follower.entries)
     recorder = log or Recorder()
     snapshots: list[dict[str, Any]] = []
     state = {} if saved is None else saved
     daemons: list[Daemon] = []
-    turns = [0]
+    slept = [0]
 
     def sleep(seconds: float) -> None:
-        del seconds
-        turns[0] += 1
-        if turns[0] > TURNS:
+        if isinstance(clock, SteppedClock):
+            clock.advance(seconds)
+        slept[0] += 1
+        if slept[0] > turns:
             daemons[0].request_stop()
 
     ports = Ports(
@@ -424,4 +449,4 @@ def daemon_twin(
         watchdog_interval_s=watchdog_interval_s,
     )
     daemons.append(Daemon(settings, follower, ports))
-    return Harness(daemons[0], host, unit, recorder, snapshots, state)
+    return Harness(daemons[0], host, unit, recorder, snapshots, state, slept)

@@ -12,12 +12,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import pytest
 import snapshots
 from daemontwins import (
+    TURNS,
     GpuHost,
     Harness,
+    JournalClock,
     Recorder,
     ReplayFollower,
+    SteppedClock,
     UnitTwin,
     daemon_twin,
     twin_settings,
@@ -80,6 +84,8 @@ def build(
     health_url: str | None = None,
     probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None,
     active: str = "active",
+    clock: JournalClock | None = None,
+    turns: int = TURNS,
 ) -> Harness:
     """A daemon watching UNIT (a vLLM unit) over ``entries``; it stops after a few idle turns.
 
@@ -98,7 +104,16 @@ def build(
     if learned is not None:
         saved[UNIT] = {"schema_version": 1, "liveness": {"starts": learned}}
     follower = ReplayFollower(entries, live=live)
-    return daemon_twin(settings, follower, GpuHost(), twin, saved=saved, probe_health=probe_health)
+    return daemon_twin(
+        settings,
+        follower,
+        GpuHost(),
+        twin,
+        saved=saved,
+        probe_health=probe_health,
+        clock=clock,
+        turns=turns,
+    )
 
 
 def _status(harness: Harness) -> tuple[Level, str]:
@@ -439,8 +454,15 @@ def test_a_check_its_sandbox_refuses_is_said_and_never_counted(tmp_path: Path) -
     assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "up"
 
 
-def test_a_failed_health_check_of_a_unit_being_stopped_is_not_recovered(tmp_path: Path) -> None:
-    """The server stopped answering because it is stopping: opted in or not, no systemctl."""
+@pytest.mark.parametrize(
+    ("active", "invocation"),
+    [("deactivating", None), ("active", "f" * 32)],
+    ids=["being-stopped", "restarted"],
+)
+def test_health_failures_of_a_run_systemd_no_longer_runs_active_are_dropped(
+    tmp_path: Path, active: str, invocation: str | None
+) -> None:
+    """A stop or restart the journal has not told yet: no engine dead, not counted, no systemctl."""
     probe = ProbeTwin(ProbeResult(ok=False, detail="connection refused"))
     harness = build(
         tmp_path,
@@ -448,15 +470,58 @@ def test_a_failed_health_check_of_a_unit_being_stopped_is_not_recovered(tmp_path
         on_engine_dead="recover",
         health_url=HEALTH_URL,
         probe_health=probe,
-        active="deactivating",
+        active=active,
+    )
+    harness.unit.invocation = invocation or harness.unit.invocation
+
+    assert harness.daemon.run() == 0
+
+    assert probe.asked
+    assert harness.unit.calls == []
+    assert harness.said("engine dead") == []
+    assert harness.said("engine dead: decision") == []
+    [(level, said)] = harness.said("health check failures not counted")[:1]
+    assert (level, said["active_state"]) == ("debug", active)
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert (liveness["state"], liveness["engine_deaths"]) == ("up", 0)
+
+
+class ScriptedProbe:
+    """A probe twin that answers from a script, then its last answer again."""
+
+    def __init__(self, answers: list[ProbeResult]) -> None:
+        """Answer ``answers`` in order."""
+        self.answers = answers
+        self.asked: list[tuple[HealthTarget, float]] = []
+
+    def __call__(self, target: HealthTarget, timeout_s: float) -> ProbeResult:
+        """One probe."""
+        self.asked.append((target, timeout_s))
+        return self.answers[min(len(self.asked), len(self.answers)) - 1]
+
+
+def test_a_health_death_is_probed_on_and_one_success_ends_it(tmp_path: Path) -> None:
+    """Reported only: the run is still probed, and its next 200 clears the dead engine."""
+    clock = SteppedClock.of(came_up())
+    probe = ScriptedProbe(
+        [
+            ProbeResult(ok=False, detail="no answer within 2 s"),
+            ProbeResult(ok=True, detail="HTTP 200"),
+        ]
+    )
+    harness = build(
+        tmp_path, came_up(), health_url=HEALTH_URL, probe_health=probe, clock=clock, turns=12
     )
 
     assert harness.daemon.run() == 0
 
-    assert harness.unit.calls == []
-    [(_, decision)] = harness.said("engine dead: decision")
-    assert decision["action"] == "report"
-    assert "its health check failed as it ends" in str(decision["reason"])
+    assert len(probe.asked) >= 2
+    [(level, _)] = harness.said("engine dead")
+    assert level == "error"
+    [(level, back)] = harness.said("engine answers again")
+    assert (level, back["detail"]) == ("info", "HTTP 200")
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert (liveness["state"], liveness["engine_deaths"]) == ("up", 1)
 
 
 def test_two_units_probed_in_one_turn_have_a_watchdog_ping_between(tmp_path: Path) -> None:
@@ -498,3 +563,78 @@ def test_two_units_probed_in_one_turn_have_a_watchdog_ping_between(tmp_path: Pat
 
     first, second = asked
     assert "WATCHDOG" in recorder.notes[first:second]
+
+
+def renamed_run(unit: str, tag: str) -> list[dict[str, object]]:
+    """came_up() as another unit's run: its own name, invocation ID and cursors."""
+    return [
+        entry
+        | {key: unit for key in ("UNIT", "_SYSTEMD_UNIT") if entry.get(key) == UNIT}
+        | {
+            key: f"{entry[key]}{tag}"
+            for key in ("INVOCATION_ID", "_SYSTEMD_INVOCATION_ID", "__CURSOR")
+            if key in entry
+        }
+        for entry in came_up()
+    ]
+
+
+def test_probes_that_take_their_timeout_share_one_budget_per_turn(tmp_path: Path) -> None:
+    """Three units whose probes each take the full timeout: one per loop turn, in turn."""
+    names = (UNIT, "b.service", "c.service")
+    entries = [*came_up(), *renamed_run(names[1], "b"), *renamed_run(names[2], "c")]
+    clock = SteppedClock.of(entries)
+    seen: list[tuple[int, int]] = []
+
+    def probe(target: HealthTarget, timeout_s: float) -> ProbeResult:
+        seen.append((harness.turns[0], target.port))
+        clock.advance(timeout_s)  # a server that hangs: the probe takes all of its timeout
+        return ProbeResult(ok=False, detail=f"no answer within {timeout_s:g} s")
+
+    settings = twin_settings(
+        tmp_path,
+        {
+            name: UnitSettings(server="vllm", health_url=f"http://127.0.0.1:{8001 + n}/health")
+            for n, name in enumerate(names)
+        },
+    )
+    harness = daemon_twin(
+        settings,
+        ReplayFollower(entries),
+        GpuHost(),
+        UnitTwin(invocation=str(came_up()[0]["INVOCATION_ID"]), active="active"),
+        clock=clock,
+        probe_health=probe,
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert seen[:3] == [(1, 8001), (2, 8002), (3, 8003)]
+
+
+def test_a_restarted_daemon_probes_the_run_it_saw_ready_before(tmp_path: Path) -> None:
+    """After a restart, the journal past its cursor is quiet: the saved ready run is still up."""
+    invocation = str(came_up()[0]["INVOCATION_ID"])
+    first = build(tmp_path, came_up())
+    assert first.daemon.run() == 0
+    saved = first.saved[UNIT]["liveness"]
+    assert saved["ready_invocation_id"] == invocation
+
+    probe = ProbeTwin(ProbeResult(ok=True, detail="HTTP 200"))
+    units = UnitSettings(server="vllm", health_url=HEALTH_URL)
+    harness = daemon_twin(
+        twin_settings(tmp_path, {UNIT: units}),
+        ReplayFollower([]),
+        GpuHost(),
+        UnitTwin(invocation=invocation, active="active"),
+        clock=JournalClock.of(came_up()),
+        saved={UNIT: {"schema_version": 1, "liveness": saved}},
+        probe_health=probe,
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert len(probe.asked) == 1
+    [(_, said)] = harness.said("run up since before")
+    assert said["invocation_id"] == invocation
+    assert harness.snapshots[-1]["units"][UNIT]["liveness"]["state"] == "up"

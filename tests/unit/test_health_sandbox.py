@@ -97,38 +97,15 @@ def test_doctor_says_a_tcp_check_cannot_be_made_under_the_shipped_sandbox() -> N
     ("url", "sandbox"),
     [
         ("http://127.0.0.1:30000/health", OPENED),
-        ("http://unix:/run/sglang/api.sock:/health", SHIPPED),
         (None, SHIPPED),
         ("http://127.0.0.1:30000/health", {"LoadState": "not-found"}),
     ],
-    ids=["drop-in-installed", "unix-socket", "no-check", "no-daemon-unit"],
+    ids=["drop-in-installed", "no-check", "no-daemon-unit"],
 )
 def test_doctor_is_quiet_when_the_check_can_be_made(
     url: str | None, sandbox: dict[str, str]
 ) -> None:
-    """With the drop-in, a unix socket, no check, or no daemon unit: nothing to say."""
+    """With the drop-in, no check, or no daemon unit: nothing to say."""
     host = replace(HOST, daemon_sandbox=sandbox)
     unit = facts(url)
     assert [f for f in diagnose(unit, {}, host) if f.code == "health-sandbox"] == []
-
-
-@pytest.mark.parametrize(
-    ("url", "said"),
-    [
-        (
-            "http://unix:/tmp/sglang.sock:/health",
-            "under /tmp/, which gpuguard.service does not see (PrivateTmp=yes)",
-        ),
-        (
-            "http://unix:/home/ml/api.sock:/health",
-            "under /home/, which gpuguard.service does not see (ProtectHome=yes)",
-        ),
-    ],
-)
-def test_doctor_says_a_unix_socket_the_daemon_cannot_see(url: str, said: str) -> None:
-    """A socket under /tmp or /home is hidden from the daemon: a warning says where to move it."""
-    [found] = [f for f in diagnose(facts(url), {}, HOST) if f.code == "health-sandbox"]
-    assert found.severity is Level.WARNING
-    assert said in found.title
-    assert found.advice is not None
-    assert "/run/NAME/" in found.advice

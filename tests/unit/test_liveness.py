@@ -10,6 +10,7 @@ import pytest
 
 from gpuguard.core.enginelines import ENGINE_LINES, ENGINE_REGEX, FATAL_LINES, Phase, match_line
 from gpuguard.core.events import EventKind, UnitEvent, parse_entry
+from gpuguard.core.healthcheck import HealthBack, HealthDeath
 from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, Liveness, State
 from gpuguard.core.startbudgets import MIN_STARTS
 
@@ -394,3 +395,57 @@ def test_a_server_that_prints_no_phase_line_is_never_loading_nor_stuck() -> None
     assert view.state is State.UNKNOWN
     assert view.summary == "running; readiness unknown (no phase line seen yet)"
     assert view.level is None
+
+
+HEALTH_DEATH = HealthDeath("run1", 400.0, 1_764_590_400.0, "health check failed 3 times: HTTP 503")
+
+
+def test_a_death_by_the_health_check_alone_ends_at_a_healthy_answer() -> None:
+    """Dead by three slow probes: still probed, and one 200 makes the run up again."""
+    tracker = Liveness(UNIT, "sglang")
+    sglang_start(tracker, "run1", 0.0, graphs_s=30.0)
+    assert tracker.health_failed(HEALTH_DEATH)
+    assert tracker.view(401.0).state is State.ENGINE_DEAD
+    assert tracker.probed_run == "run1"  # still asked, though dead
+    assert tracker.health_back(HealthBack("run1", "HTTP 200"))
+    view = tracker.view(402.0)
+    assert (view.state, view.deaths) == (State.UP, 1)
+    assert tracker.up_run == "run1"
+
+
+def test_a_fatal_line_after_a_health_death_is_never_undone() -> None:
+    """A fatal line while the check called it dead: no longer probed, and a 200 changes nothing."""
+    tracker = Liveness(UNIT, "sglang")
+    sglang_start(tracker, "run1", 0.0, graphs_s=30.0)
+    assert tracker.health_failed(HEALTH_DEATH)
+    tracker.observe(output(SGLANG_DEAD, at_s=410.0), live=True)
+    assert tracker.probed_run is None
+    assert not tracker.health_back(HealthBack("run1", "HTTP 200"))
+    view = tracker.view(420.0)
+    assert view.state is State.ENGINE_DEAD
+    assert view.dead is not None
+    assert view.dead.cause.endswith("; then SGLang scheduler dead")
+
+
+def test_a_restarted_daemon_resumes_the_run_an_earlier_one_saw_ready() -> None:
+    """The saved ready run, active in systemd now: up (and probed); any other run is not."""
+    tracker = Liveness(UNIT, "sglang")
+    sglang_start(tracker, "run1", 0.0, graphs_s=30.0)
+    saved = tracker.export()
+    assert saved["ready_invocation_id"] == "run1"
+    again = Liveness(UNIT, "sglang")
+    assert again.restore(saved) == []
+    assert not again.resume("run2")  # another run: its start was not seen, nothing is known
+    assert again.view(400.0).state is not State.UP
+    assert again.resume("run1")
+    assert (again.up_run, again.probed_run) == ("run1", "run1")
+    assert again.view(500.0).state is State.UP
+
+
+def test_a_malformed_saved_ready_run_is_named_and_ignored() -> None:
+    """A ready_invocation_id that is no ID is a problem named, and resumes nothing."""
+    tracker = Liveness(UNIT, "sglang")
+    assert tracker.restore({"starts": [], "ready_invocation_id": "x\n" * 3}) == [
+        "liveness ready_invocation_id is not an invocation ID"
+    ]
+    assert not tracker.resume("x\n" * 3)

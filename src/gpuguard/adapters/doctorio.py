@@ -298,8 +298,8 @@ def host_facts(settings: Settings, now: Inventory | None = None) -> HostFacts:
 
 
 def _daemon_sandbox(settings: Settings) -> dict[str, str] | None:
-    """gpuguard.service's network sandbox, asked only when a unit has a TCP health check."""
-    if not any(u.health is not None and u.health.tcp for u in settings.units.values()):
+    """gpuguard.service's network sandbox, asked only when a unit has a health check."""
+    if not any(u.health is not None for u in settings.units.values()):
         return None
     found = systemd.show_properties(
         "gpuguard.service", ("LoadState", "PrivateNetwork", "RestrictAddressFamilies")

@@ -1,4 +1,4 @@
-"""The HTTP health probe: one ``GET`` to a loopback port or a unix socket, bounded in time and size.
+"""The HTTP health probe: one ``GET`` to a loopback TCP port, bounded in time and size.
 
 A raw socket rather than ``http.client``: the probe needs the status line only, and one deadline
 for the whole exchange. Every step (connect, each send, each receive) gets the time left until
@@ -36,13 +36,8 @@ def probe(
 ) -> ProbeResult:
     """Ask ``target`` once; healthy on a 2xx status, else why not, within ``timeout_s``."""
     deadline = clock() + timeout_s
-    if target.socket_path is not None:
-        family, address = socket.AF_UNIX, target.socket_path
-        where: str | tuple[str, int] = address
-    else:
-        assert target.address is not None  # noqa: S101 - a TCP target has one (healthcheck)
-        family = socket.AF_INET6 if ":" in target.address else socket.AF_INET
-        where = (target.address, target.port)
+    family = socket.AF_INET6 if ":" in target.address else socket.AF_INET
+    where = (target.address, target.port)
     request = (
         f"GET {target.path} HTTP/1.0\r\nHost: {target.host_header}\r\n"
         "User-Agent: gpuguard\r\nConnection: close\r\n\r\n"
@@ -62,10 +57,6 @@ def _failed(err: OSError, timeout_s: float) -> ProbeResult:
     """The probe's error in our own words."""
     if isinstance(err, PermissionError):  # IPAddressDeny= without IPAddressAllow=localhost
         return _refused("not permitted to connect", err)
-    if isinstance(err, FileNotFoundError):
-        # A live server's socket exists; one the daemon cannot see is hidden from it (a socket
-        # under /tmp or /home: PrivateTmp=, ProtectHome=), which says nothing of the engine.
-        return _refused("no socket at the health_url's path", err)
     if isinstance(err, TimeoutError):
         detail = f"no answer within {timeout_s:g} s"
     elif isinstance(err, ConnectionRefusedError):
@@ -77,7 +68,7 @@ def _failed(err: OSError, timeout_s: float) -> ProbeResult:
 
 def _exchange(
     sock: socket.socket,
-    where: str | tuple[str, int],
+    where: tuple[str, int],
     request: bytes,
     deadline: float,
     clock: Callable[[], float],

@@ -2,8 +2,9 @@
 
 The third liveness signal (docs/liveness.md): the server's own ``/health`` answer, for an engine
 that dies without a fatal line. What is at risk: calling a healthy run dead, and asking a
-stranger. So the address is loopback or a unix socket only, written one way each (no name to
-resolve, no redirect to follow), and a verdict counts only probes of the run that is up now:
+stranger, or being led by the unit's user. So the address is TCP loopback only, written one
+way each (no name to resolve, no redirect to follow, no path to look up: a unix socket is
+refused, docs/liveness.md says why), and a verdict counts only probes of the run that is up now:
 never during its start (the start phases of ``core.liveness`` say when it is ready), never a
 probe of an earlier run, and only ``failures`` in a row (a success resets the count).
 
@@ -25,40 +26,33 @@ _TCP: Final = re.compile(
     + _PATH
     + r")"
 )
-_UNIX: Final = re.compile(r"http://unix:(?P<socket>/[A-Za-z0-9._@+/-]+):(?P<path>" + _PATH + r")")
-"""nginx's spelling of an HTTP request over a unix socket (``proxy_pass http://unix:PATH:URI``)."""
-_SOCKET_PATH_MAX: Final = 107
-"""sun_path holds 108 bytes, the last one NUL (unix(7))."""
 _ADDRESSES: Final = {"127.0.0.1": "127.0.0.1", "[::1]": "::1", "localhost": "127.0.0.1"}
 """``localhost`` is 127.0.0.1, never a name lookup (NSS could block the daemon or answer
 anything)."""
 _HINT: Final = (
-    "use http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH, http://localhost:PORT/PATH or "
-    "http://unix:/run/NAME.sock:/PATH (loopback or a unix socket only)"
+    "use http://127.0.0.1:PORT/PATH, http://[::1]:PORT/PATH or http://localhost:PORT/PATH "
+    "(TCP loopback only)"
+)
+_NO_UNIX: Final = (
+    "a unix socket is not supported: the root daemon would connect through a path the unit's "
+    "user controls (a symlink to a root-only socket, or a FUSE mount that blocks the lookup "
+    "and stops the daemon's loop); see docs/liveness.md"
 )
 
 
 @dataclass(frozen=True, slots=True)
 class HealthTarget:
-    """Where a health check asks: a loopback TCP port or a unix socket, and the request path."""
+    """Where a health check asks: a loopback TCP address and port, and the request path."""
 
     path: str
     """The request's path (and query), as written: checked, printable ASCII."""
-    address: str | None = None
-    """The loopback address to connect to ("127.0.0.1" or "::1"); None for a unix socket."""
+    address: str
+    """The loopback address to connect to: "127.0.0.1" or "::1"."""
     port: int = 80
-    socket_path: str | None = None
-
-    @property
-    def tcp(self) -> bool:
-        """A TCP check: it needs the network the shipped gpuguard.service does not have."""
-        return self.socket_path is None
 
     @property
     def host_header(self) -> str:
-        """The request's ``Host:``: the loopback address, or ``localhost`` over a socket."""
-        if self.address is None:
-            return "localhost"
+        """The request's ``Host:``: the loopback address and port."""
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"{host}:{self.port}"
 
@@ -75,19 +69,14 @@ def parse_health_url(text: str) -> HealthTarget:
         raise ValueError(
             f"{text!r}: https is not supported (a loopback check is plain HTTP); {_HINT}"
         )
-    if found := _UNIX.fullmatch(text):
-        socket = found["socket"]
-        if len(socket.encode()) > _SOCKET_PATH_MAX:
-            raise ValueError(f"the socket path is longer than {_SOCKET_PATH_MAX} bytes")
-        if any(part in {".", ".."} for part in socket.split("/")):
-            raise ValueError(f"{text!r}: the socket path has a '.' or '..' part")
-        return HealthTarget(found["path"], socket_path=socket)
+    if text.startswith(("http://unix:", "unix:")):
+        raise ValueError(f"{text!r}: {_NO_UNIX}; {_HINT}")
     if found := _TCP.fullmatch(text):
         port = int(found["port"] or "80")
         if not 1 <= port <= 65535:
             raise ValueError(f"{text!r}: port {port} is outside 1..65535")
         return HealthTarget(found["path"], _ADDRESSES[found["host"]], port)
-    raise ValueError(f"{text!r} is not a loopback or unix-socket HTTP URL; {_HINT}")
+    raise ValueError(f"{text!r} is not a loopback HTTP URL; {_HINT}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +103,15 @@ class HealthDeath:
     """ "health check failed 3 times: HTTP 503"."""
 
 
+@dataclass(frozen=True, slots=True)
+class HealthBack:
+    """A run the check had made dead answered healthy again: that verdict ends."""
+
+    invocation_id: str
+    detail: str
+    """ "HTTP 200"."""
+
+
 class HealthCheck:
     """One unit's check: when the next probe is due, and what the probes' answers add up to."""
 
@@ -125,31 +123,43 @@ class HealthCheck:
         self._next_s = 0.0
         self._streak = 0
         self._first: tuple[float, float] | None = None
-        self._dead = False
         self.blocked: str | None = None
         """Why the last probe could not even be made (``ProbeResult.counts`` False); None."""
 
-    def due_in(self, up_run: str | None, now: float) -> float | None:
-        """Seconds until the next probe of ``up_run`` (the run that is up now); None: none due.
+    def due_in(self, probed_run: str | None, now: float) -> float | None:
+        """Seconds until the next probe of ``probed_run``; None: no run to probe.
 
-        A new run that is up is probed at once; a dead verdict ends the probing of its run.
+        ``probed_run`` is the run core.liveness lets the check ask (``Liveness.probed_run``):
+        up, or dead by this check only. A new run is probed at once.
         """
-        if up_run is None:
+        if probed_run is None:
             return None
-        if up_run != self._run:
-            self._run, self._next_s, self._streak, self._first = up_run, now, 0, None
-            self._dead = False
-        return None if self._dead else max(0.0, self._next_s - now)
+        if probed_run != self._run:
+            self._run, self._next_s, self._streak, self._first = probed_run, now, 0, None
+        return max(0.0, self._next_s - now)
 
-    def answered(
-        self, run: str, result: ProbeResult, *, now: float, wall: float, up_run: str | None
-    ) -> HealthDeath | None:
-        """Count a probe of ``run``'s answer; the death once ``failures`` in a row failed.
+    @property
+    def next_s(self) -> float:
+        """When the next probe of the current run is due (monotonic): the oldest goes first."""
+        return self._next_s
 
-        A probe of a run that is no longer the one up (it ended, or another began while the
-        probe waited) counts for nothing.
+    def answered(  # noqa: PLR0913 - one answer, its moment, and the run's state then
+        self,
+        run: str,
+        result: ProbeResult,
+        *,
+        now: float,
+        wall: float,
+        probed_run: str | None,
+        dead: bool = False,
+    ) -> HealthDeath | HealthBack | None:
+        """Count a probe of ``run``'s answer: the death once ``failures`` in a row failed.
+
+        For a run this check made ``dead``, the first success ends that verdict. A probe of a
+        run that is no longer the one probed (it ended, or another began while the probe
+        waited) counts for nothing.
         """
-        if run != self._run or run != up_run or self._dead:
+        if run != self._run or run != probed_run:
             return None
         self._next_s = now + self._every_s
         self.blocked = None if result.counts else result.detail
@@ -157,14 +167,20 @@ class HealthCheck:
             return None
         if result.ok:
             self._streak, self._first = 0, None
-            return None
+            return HealthBack(run, result.detail) if dead else None
         self._streak += 1
         if self._first is None:
             self._first = (now, wall)
-        if self._streak < self._needed:
+        if dead or self._streak < self._needed:
             return None
-        self._dead = True
         times = "once" if self._needed == 1 else f"{self._needed} times"
         since_s, since_wall = self._first
         cause = f"health check failed {times}: {result.detail}"
         return HealthDeath(run, since_s, since_wall, cause)
+
+    def dropped(self) -> None:
+        """The death just returned did not count (systemd no longer runs that run, active).
+
+        The streak starts over.
+        """
+        self._streak, self._first = 0, None

@@ -7,8 +7,9 @@ unit's runs from systemd's trusted events and from the lines its own output prin
 (``core.enginelines``), and says per unit, at a given monotonic time: up, starting (in which
 phase, for how long, against the phases of earlier starts), stuck in a phase past the budget
 those starts taught, or engine dead since T (cause); the unit's health check (core.healthcheck)
-can also make a run that is up dead. What is at risk: calling a healthy run
-dead. So a line counts only for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
+can also make a run that is up dead, and, for as long as no line or exit said so, alive again
+at its first healthy answer. What is at risk: calling a healthy run dead. So a line counts only
+for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
 never once a stop job for that run began (servers print death-like lines while shutting down),
 and a run's end (systemd now sees it) ends its dead-engine verdict. A budget is learned, never
 guessed: with fewer than ``MIN_STARTS`` starts that came up, a slow start is only "starting".
@@ -18,6 +19,7 @@ Time is the journal's per-boot monotonic clock, passed in; the wall clock only l
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpuguard.core.events import UnitEvent
-    from gpuguard.core.healthcheck import HealthDeath
+    from gpuguard.core.healthcheck import HealthBack, HealthDeath
 
 ENGINE_DEAD_GRACE_S: Final = 10.0
 """A fatal line makes a dead engine once its run still lives this long after it: a server whose
@@ -55,6 +57,8 @@ _ENDS: Final = frozenset(
 """PID 1's words for "this run is over" (a main-process exit and "Deactivated successfully" are
 judged apart: a clean end nobody asked for is a death)."""
 _OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
+_INVOCATION_ID: Final = re.compile(r"[0-9A-Za-z_-]{1,64}")
+"""A saved invocation ID, only ever compared with systemd's (32 hex digits, sd-id128)."""
 _ENDED_KEPT: Final = 16
 _PAST_BUDGET_S: Final = 0.01
 """A phase is stuck once *past* its budget: the wake comes just after it."""
@@ -212,6 +216,8 @@ class Liveness:
         self._stuck = 0
         self._learned = 0
         self._ended_runs: deque[str] = deque(maxlen=_ENDED_KEPT)
+        self._saved_ready: str | None = None
+        """The run an earlier daemon process saw ready (its saved state), for ``resume``."""
 
     @property
     def learned(self) -> int:
@@ -220,9 +226,40 @@ class Liveness:
 
     @property
     def up_run(self) -> str | None:
-        """The run that is up (past its ready line) and not dead: the one a health check asks."""
+        """The run that is up (past its ready line) and not dead."""
         run = self._run
         if run is None or not run.ready or self._dead is not None:
+            return None
+        return run.invocation_id
+
+    @property
+    def ready_run(self) -> str | None:
+        """The current run once its ready line was seen (saved: a restarted daemon resumes it)."""
+        run = self._run
+        return run.invocation_id if run is not None and run.ready else None
+
+    def resume(self, invocation_id: str) -> bool:
+        """The run systemd runs active now: up again if an earlier daemon saw it ready.
+
+        After a restart of the daemon the journal is read from its saved cursor, past the run's
+        ready line; the invocation ID names one run only, so the saved one is still that run.
+        """
+        if self._run is not None or invocation_id != self._saved_ready:
+            return False
+        self._run = _Run(invocation_id, None, Phase.READY, ready=True)
+        return True
+
+    @property
+    def probed_run(self) -> str | None:
+        """The run a health check asks: the one up, or one only that check called dead.
+
+        A run dead by its health check alone is still probed, so that a healthy answer can end
+        a verdict of three slow probes; a fatal line or an exit 0 is never undone.
+        """
+        run, dead = self._run, self._dead
+        if run is None or not run.ready:
+            return None
+        if dead is not None and not dead.by_health:
             return None
         return run.invocation_id
 
@@ -244,6 +281,17 @@ class Liveness:
         )
         self._confirmed, self._dead_live = True, True
         self._deaths += 1
+        return True
+
+    def health_back(self, back: HealthBack) -> bool:
+        """The run the health check made dead answered healthy: up again; True when news.
+
+        Only a verdict of the check itself ends so; the deaths counted stay counted.
+        """
+        dead = self._dead
+        if dead is None or not dead.by_health or dead.invocation_id != back.invocation_id:
+            return False
+        self._dead, self._confirmed = None, False
         return True
 
     @property
@@ -355,9 +403,17 @@ class Liveness:
         return False
 
     def _fatal(self, run: _Run, event: UnitEvent, *, live: bool) -> bool:
-        if run.stop_asked or self._dead is not None:
-            return False
         line = BY_KEY.get(event.line or "")
+        dead = self._dead
+        if dead is not None and dead.by_health and not run.stop_asked:
+            # Dead already by the check; now the line says why, and no healthy answer undoes it.
+            cause = line.cause if line else "the server's fatal line"
+            self._dead = replace(
+                dead, cause=f"{dead.cause}; then {cause}", line=event.message, by_health=False
+            )
+            return False
+        if run.stop_asked or dead is not None:
+            return False
         self._dead = DeadEngine(
             run.invocation_id,
             event.monotonic_s,
@@ -520,13 +576,21 @@ class Liveness:
     # -- what survives a restart of the daemon --------------------------------------------------
 
     def export(self) -> dict[str, Any]:
-        """The remembered starts, for the unit's saved state."""
-        return {"starts": [start.to_json() for start in self._starts]}
+        """The remembered starts and the run seen ready, for the unit's saved state."""
+        return {
+            "starts": [start.to_json() for start in self._starts],
+            "ready_invocation_id": self.ready_run or self._saved_ready,
+        }
 
     def restore(self, saved: Mapping[str, Any]) -> list[str]:
-        """Take back what ``export`` saved; each malformed start is left out and named."""
+        """Take back what ``export`` saved; each malformed part is left out and named."""
         kept, problems = parse_starts(saved)
         self._starts.extend(kept)
+        ready = saved.get("ready_invocation_id")
+        if isinstance(ready, str) and _INVOCATION_ID.fullmatch(ready):
+            self._saved_ready = ready
+        elif ready is not None:
+            problems.append("liveness ready_invocation_id is not an invocation ID")
         return problems
 
 

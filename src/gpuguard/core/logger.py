@@ -10,7 +10,11 @@ from typing import Protocol
 
 
 class Logger(Protocol):
-    """Key-value log lines at four levels (adapters/logs.py escapes the foreign values)."""
+    """Key-value log lines at five levels (adapters/logs.py escapes the foreign values)."""
+
+    def debug(self, event: str, **fields: object) -> object:
+        """A detail for a developer (the daemon's journal drops it: it logs INFO and above)."""
+        ...
 
     def info(self, event: str, **fields: object) -> object:
         """Something that went as expected."""

@@ -78,6 +78,7 @@ class Daemon(Judging, Sweeping, HealthProbing):
             state = self._show_unit(watch.name)
             self._note_state(watch, state)
             self._ledger_up(watch.name, state)
+            self._resume_up(watch, state)
         self._follower.start()
         ports.log.info(
             "started",
@@ -278,12 +279,20 @@ class Daemon(Judging, Sweeping, HealthProbing):
     def _observe_liveness(self, watch: Watch, event: UnitEvent, *, live: bool) -> None:
         """An engine seen dying live is said at once, and acted on after its grace."""
         liveness = watch.liveness
-        learned = liveness.learned
+        learned, ready = liveness.learned, liveness.ready_run
         died = liveness.observe(event, live=live)
-        if live and liveness.learned != learned:
-            self._save(watch)  # a start came up: its phases teach the next start's budget
+        if live and (liveness.learned != learned or liveness.ready_run not in {None, ready}):
+            # A start came up: its phases teach the next start's budget, and a restarted
+            # daemon takes the run as up (core.liveness resume).
+            self._save(watch)
         if died:
             self._said_dead(watch)
+
+    def _resume_up(self, watch: Watch, state: UnitState) -> None:
+        """At start: the run systemd runs active is up if this daemon saw it ready before."""
+        running = state.invocation_id if state.active_state == "active" else None
+        if running is not None and watch.liveness.resume(running):
+            self._ports.log.info("run up since before", unit=watch.name, invocation_id=running)
 
     def _said_dead(self, watch: Watch) -> None:
         """Say once that a unit's engine died; its action is due after the grace."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.doctor.findings import NAME_CHARS, VALUE_CHARS, Finding, show
-from gpuguard.core.healthcheck import parse_health_url
 from gpuguard.core.levels import Level
 from gpuguard.core.mig import UNJUDGED, indices_text
 
@@ -207,21 +206,9 @@ HEALTH_FIX: Final = (
 )
 
 
-HIDDEN_DIRS: Final = {
-    "/tmp/": "PrivateTmp=yes",  # noqa: S108 - a path gpuguard.service cannot see, not a temp file
-    "/var/tmp/": "PrivateTmp=yes",  # noqa: S108 - the same
-    "/home/": "ProtectHome=yes",
-    "/root/": "ProtectHome=yes",
-    "/run/user/": "ProtectHome=yes",
-}
-"""Where gpuguard.service sees its own empty directory, or nothing, instead of the host's."""
-
-
 def health_sandbox(facts: UnitFacts, host: HostFacts) -> list[Finding]:
-    """A ``health_url`` the daemon cannot reach: no network for TCP, or a hidden socket."""
+    """A ``health_url`` the daemon cannot reach: gpuguard.service has no network for TCP."""
     url, sandbox = facts.health_url, host.daemon_sandbox
-    if url is not None and url.startswith("http://unix:"):
-        return _hidden_socket(url)
     if url is None or not sandbox:
         return []
     if sandbox.get("LoadState") != "loaded":
@@ -244,28 +231,5 @@ def health_sandbox(facts: UnitFacts, host: HostFacts) -> list[Finding]:
             "counted as failed)",
             (f"gpuguard.service: {', '.join(shown)}",),
             advice=f"install the loopback drop-in: {HEALTH_FIX}",
-        )
-    ]
-
-
-def _hidden_socket(url: str) -> list[Finding]:
-    """A unix-socket ``health_url`` under a directory gpuguard.service does not see."""
-    try:
-        socket_path = parse_health_url(url).socket_path or ""
-    except ValueError:
-        return []
-    hidden = [(top, why) for top, why in HIDDEN_DIRS.items() if socket_path.startswith(top)]
-    if not hidden:
-        return []
-    top, why = hidden[0]
-    return [
-        Finding(
-            "health-sandbox",
-            Level.WARNING,
-            f"health_url's socket {show(socket_path, VALUE_CHARS)} is under {top}, which "
-            f"gpuguard.service does not see ({why}): the daemon cannot ask it (the check is "
-            "skipped, never counted as failed)",
-            advice="let the server listen under /run/NAME/ (e.g. RuntimeDirectory=NAME in its "
-            "unit) and point health_url there",
         )
     ]
