@@ -6,7 +6,8 @@ systemd still says `active (running)`. With `on_engine_dead = "recover"` the dae
 within its grace (10 s) plus 2 s of the line, then stop, reap, and start the unit again, with no
 failed start. In the second scenario the main process then exits with status 0 under
 `Restart=on-failure`: systemd calls it a success and restarts nothing; the daemon, left at its
-default (`report`), must call it a dead engine in `status` and touch nothing.
+default (`report`), must call it a dead engine in `status` and touch nothing; opted in, it must
+start the unit again itself, to a healthy run with no failed start.
 """
 
 from __future__ import annotations
@@ -143,5 +144,36 @@ def test_an_exit_0_after_engine_death_is_reported_and_left_alone_by_default(
             assert not daemon_said(gpubox, began, "recovery finished")
             assert gpubox.show(UNIT, "ActiveState") == "inactive"
             assert gpubox.show(UNIT, "NRestarts") == "0"
+        finally:
+            gpubox.kill_server()
+
+
+def test_an_exit_0_after_engine_death_is_started_again_when_the_unit_opted_in(
+    rootfs: Path, e2e_artifacts: Artifacts
+) -> None:
+    """Restart=on-failure restarts nothing after the exit 0; the opted-in daemon starts it again."""
+    config = CONFIG + 'on_engine_dead = "recover"\n'
+    with Container(rootfs, binds=e2e_artifacts.binds()) as booted:
+        gpubox = GpuBox(booted, install_s=install(booted, config=config))
+        gpubox.start_daemon()
+        gpubox.drop_in(UNIT, "e2e-exit0.conf", EXIT_0)
+        began = time.time()
+        serving = gpubox.start_server()
+        try:
+            died = death_at(gpubox, began)
+            _, dead = wait_said(gpubox, died - 1, "engine dead", timeout=60)
+            assert dead["invocation_id"] == serving
+            assert dead["action"] == "recover"
+            healthy = gpubox.wait_fired_up(after_s=died, timeout=120)
+            _, finished = wait_said(gpubox, died - 1, "recovery finished", timeout=30)
+            assert finished["result"] == "restarted"
+            assert healthy != serving
+            assert gpubox.show(UNIT, "ActiveState") == "active"
+            assert gpubox.show(UNIT, "NRestarts") == "0"  # systemd itself restarted nothing
+            failed = gpubox.box.journal(
+                ["_PID=1", f"UNIT={UNIT}", f"MESSAGE_ID={START_FAILED}", f"--since=@{int(died)}"]
+            )
+            assert failed == []
+            assert gpubox.allocated() == [SERVING_MIB] * 4
         finally:
             gpubox.kill_server()
