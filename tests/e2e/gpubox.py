@@ -440,6 +440,48 @@ class GpuBox:
         done = self.box.run(["pgrep", "-f", pattern], check=False)
         return [int(pid) for pid in done.stdout.split()]
 
+    def unit_line_at(self, text: str, *, since_s: float, what: str) -> float:
+        """When the unit's output first said ``text`` since ``since_s`` (the journal's wall clock).
+
+        Waited for up to 30 s; ``what`` names the line in a timeout's message.
+        """
+        found: list[float] = []
+
+        def said() -> bool:
+            for entry in self.box.journal([f"_SYSTEMD_UNIT={UNIT}", f"--since=@{int(since_s)}"]):
+                if text in str(entry.get("MESSAGE")):
+                    found.append(int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6)
+                    return True
+            return False
+
+        self.box.wait_for(what, said, timeout=30)
+        return found[0]
+
+    def daemon_said(self, since_s: float, event: str) -> list[tuple[float, dict[str, Any]]]:
+        """The daemon's log lines named ``event`` since ``since_s``, with their journal time."""
+        said = []
+        for entry in self.box.journal([f"_SYSTEMD_UNIT={DAEMON}", f"--since=@{int(since_s)}"]):
+            try:
+                line = json.loads(str(entry.get("MESSAGE")))
+            except ValueError:
+                continue
+            if isinstance(line, dict) and line.get("event") == event:
+                said.append((int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6, line))
+        return said
+
+    def wait_daemon_said(
+        self, since_s: float, event: str, timeout: float
+    ) -> tuple[float, dict[str, Any]]:
+        """The first daemon line named ``event`` since ``since_s``, waited for."""
+        found: list[tuple[float, dict[str, Any]]] = []
+
+        def said() -> bool:
+            found.extend(self.daemon_said(since_s, event)[:1])
+            return bool(found)
+
+        self.box.wait_for(f"the daemon's {event!r}", said, timeout=timeout)
+        return found[0]
+
     def wait_fired_up(self, *, after_s: float, timeout: float = 30.0) -> str:
         """Wait for the server's "fired up" line logged after `after_s`; its invocation ID."""
         found: list[str] = []

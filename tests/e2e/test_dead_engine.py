@@ -12,14 +12,13 @@ start the unit again itself, to a healthy run with no failed start.
 
 from __future__ import annotations
 
-import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 from e2e.container import Container
-from e2e.gpubox import CONFIG, DAEMON, UNIT, GpuBox, install
+from e2e.gpubox import CONFIG, UNIT, GpuBox, install
 from e2e.scenario import SERVING_MIB
 
 if TYPE_CHECKING:
@@ -43,42 +42,7 @@ START_FAILED = "be02cf6855d2428ba40df7e9d022f03d"
 
 def death_at(gpubox: GpuBox, since_s: float) -> float:
     """When the unit's output said its scheduler died (the journal's wall clock)."""
-    found: list[float] = []
-
-    def said() -> bool:
-        for entry in gpubox.box.journal([f"_SYSTEMD_UNIT={UNIT}", f"--since=@{int(since_s)}"]):
-            if DEATH_LINE in str(entry.get("MESSAGE")):
-                found.append(int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6)
-                return True
-        return False
-
-    gpubox.box.wait_for("the engine's death line", said, timeout=30)
-    return found[0]
-
-
-def daemon_said(gpubox: GpuBox, since_s: float, event: str) -> list[tuple[float, dict[str, Any]]]:
-    """The daemon's log lines named ``event`` since ``since_s``, with their journal time."""
-    said = []
-    for entry in gpubox.box.journal([f"_SYSTEMD_UNIT={DAEMON}", f"--since=@{int(since_s)}"]):
-        try:
-            line = json.loads(str(entry.get("MESSAGE")))
-        except ValueError:
-            continue
-        if isinstance(line, dict) and line.get("event") == event:
-            said.append((int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6, line))
-    return said
-
-
-def wait_said(gpubox: GpuBox, since_s: float, event: str, timeout: float) -> tuple[float, Any]:
-    """The first daemon line named ``event`` since ``since_s``, waited for."""
-    found: list[tuple[float, Any]] = []
-
-    def said() -> bool:
-        found.extend(daemon_said(gpubox, since_s, event)[:1])
-        return bool(found)
-
-    gpubox.box.wait_for(f"the daemon's {event!r}", said, timeout=timeout)
-    return found[0]
+    return gpubox.unit_line_at(DEATH_LINE, since_s=since_s, what="the engine's death line")
 
 
 def test_a_dead_engine_in_a_live_unit_is_recovered_when_the_unit_opted_in(
@@ -95,9 +59,9 @@ def test_a_dead_engine_in_a_live_unit_is_recovered_when_the_unit_opted_in(
         try:
             died = death_at(gpubox, began)
             assert gpubox.show(UNIT, "ActiveState") == "active"  # systemd sees nothing
-            seen, dead = wait_said(gpubox, died - 1, "engine dead", timeout=60)
+            seen, dead = gpubox.wait_daemon_said(died - 1, "engine dead", timeout=60)
             healthy = gpubox.wait_fired_up(after_s=died, timeout=120)
-            _, finished = wait_said(gpubox, died - 1, "recovery finished", timeout=30)
+            _, finished = gpubox.wait_daemon_said(died - 1, "recovery finished", timeout=30)
             detection_s = seen - died
             print(f"\ndead engine seen {detection_s:.1f} s after its line")  # noqa: T201
             assert dead["invocation_id"] == serving
@@ -129,7 +93,7 @@ def test_an_exit_0_after_engine_death_is_reported_and_left_alone_by_default(
         serving = gpubox.start_server()
         try:
             died = death_at(gpubox, began)
-            _, dead = wait_said(gpubox, died - 1, "engine dead", timeout=60)
+            _, dead = gpubox.wait_daemon_said(died - 1, "engine dead", timeout=60)
             assert dead["invocation_id"] == serving
             assert dead["action"] == "report"
             gpubox.box.wait_for(
@@ -141,7 +105,7 @@ def test_an_exit_0_after_engine_death_is_reported_and_left_alone_by_default(
             assert status.returncode == 2, status.stdout
             assert "engine dead since" in status.stdout
             assert "no stop job asked for it" in status.stdout
-            assert not daemon_said(gpubox, began, "recovery finished")
+            assert not gpubox.daemon_said(began, "recovery finished")
             assert gpubox.show(UNIT, "ActiveState") == "inactive"
             assert gpubox.show(UNIT, "NRestarts") == "0"
         finally:
@@ -161,11 +125,11 @@ def test_an_exit_0_after_engine_death_is_started_again_when_the_unit_opted_in(
         serving = gpubox.start_server()
         try:
             died = death_at(gpubox, began)
-            _, dead = wait_said(gpubox, died - 1, "engine dead", timeout=60)
+            _, dead = gpubox.wait_daemon_said(died - 1, "engine dead", timeout=60)
             assert dead["invocation_id"] == serving
             assert dead["action"] == "recover"
             healthy = gpubox.wait_fired_up(after_s=died, timeout=120)
-            _, finished = wait_said(gpubox, died - 1, "recovery finished", timeout=30)
+            _, finished = gpubox.wait_daemon_said(died - 1, "recovery finished", timeout=30)
             assert finished["result"] == "restarted"
             assert healthy != serving
             assert gpubox.show(UNIT, "ActiveState") == "active"

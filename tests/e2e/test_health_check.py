@@ -20,7 +20,7 @@ import pytest
 from e2e.container import Container
 from e2e.gpubox import CHECKOUT, CONFIG, DAEMON, UNIT, GpuBox, install
 from e2e.scenario import SERVING_MIB
-from e2e.test_dead_engine import START_FAILED, daemon_said, wait_said
+from e2e.test_dead_engine import START_FAILED
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -48,17 +48,7 @@ CAUSE = f"health check failed {FAILURES} times: HTTP 503"
 
 def silent_death_at(gpubox: GpuBox, since_s: float) -> float:
     """When the fake said (for the test only) that its engine died without a line."""
-    found: list[float] = []
-
-    def said() -> bool:
-        for entry in gpubox.box.journal([f"_SYSTEMD_UNIT={UNIT}", f"--since=@{int(since_s)}"]):
-            if SILENT_LINE in str(entry.get("MESSAGE")):
-                found.append(int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6)
-                return True
-        return False
-
-    gpubox.box.wait_for("the engine's silent death", said, timeout=30)
-    return found[0]
+    return gpubox.unit_line_at(SILENT_LINE, since_s=since_s, what="the engine's silent death")
 
 
 def booted_with_health(booted: Container, config: str, *, drop_in: bool = True) -> GpuBox:
@@ -83,7 +73,7 @@ def test_a_silent_death_is_reported_by_its_health_check(
         serving = gpubox.start_server()
         try:
             died = silent_death_at(gpubox, began)
-            seen, dead = wait_said(gpubox, died - 1, "engine dead", timeout=60)
+            seen, dead = gpubox.wait_daemon_said(died - 1, "engine dead", timeout=60)
             detection_s = seen - died
             print(f"\nsilent death seen by the health check {detection_s:.1f} s after it")  # noqa: T201
             assert (dead["invocation_id"], dead["cause"]) == (serving, CAUSE)
@@ -93,7 +83,7 @@ def test_a_silent_death_is_reported_by_its_health_check(
             assert status.returncode == 2, status.stdout
             assert f"({CAUSE}); unit still active" in status.stdout, status.stdout
             assert gpubox.show(UNIT, "ActiveState") == "active"
-            assert not daemon_said(gpubox, began, "recovery finished")
+            assert not gpubox.daemon_said(began, "recovery finished")
         finally:
             gpubox.kill_server()
 
@@ -109,16 +99,16 @@ def test_a_silent_death_is_recovered_when_the_unit_opted_in(
         serving = gpubox.start_server()
         try:
             died = silent_death_at(gpubox, began)
-            seen, dead = wait_said(gpubox, died - 1, "engine dead", timeout=60)
+            seen, dead = gpubox.wait_daemon_said(died - 1, "engine dead", timeout=60)
             healthy = gpubox.wait_fired_up(after_s=died, timeout=120)
-            _, finished = wait_said(gpubox, died - 1, "recovery finished", timeout=30)
+            _, finished = gpubox.wait_daemon_said(died - 1, "recovery finished", timeout=30)
             print(f"\nsilent death seen {seen - died:.1f} s after it, recovered")  # noqa: T201
             assert (dead["invocation_id"], dead["cause"]) == (serving, CAUSE)
             assert seen - died <= EVERY_S * FAILURES + 2.0
             assert finished["result"] == "restarted"
             assert healthy != serving
             time.sleep(EVERY_S * FAILURES + 1.0)  # probes of the new run: all healthy
-            assert len(daemon_said(gpubox, began, "engine dead")) == 1
+            assert len(gpubox.daemon_said(began, "engine dead")) == 1
             failed = gpubox.box.journal(
                 ["_PID=1", f"UNIT={UNIT}", f"MESSAGE_ID={START_FAILED}", f"--since=@{int(died)}"]
             )
@@ -140,10 +130,10 @@ def test_under_the_shipped_sandbox_the_check_is_skipped_and_doctor_names_the_dro
         gpubox.start_server()
         try:
             died = silent_death_at(gpubox, began)
-            _, cannot = wait_said(gpubox, began, "health check cannot run", timeout=30)
+            _, cannot = gpubox.wait_daemon_said(began, "health check cannot run", timeout=30)
             assert "cannot make the socket" in cannot["reason"]
             time.sleep(EVERY_S * FAILURES + 2.0)  # past the time a counted check would take
-            assert daemon_said(gpubox, died - 1, "engine dead") == []
+            assert gpubox.daemon_said(died - 1, "engine dead") == []
             doctor = gpubox.gpuguard("doctor")
             assert "health_url http://127.0.0.1:30000/health is TCP" in doctor.stdout
             assert "/usr/share/gpuguard/health-loopback.conf" in doctor.stdout, doctor.stdout

@@ -12,14 +12,13 @@ stopped by the operator before its budget is left stopped, and its blocker left 
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from e2e.container import Container
-from e2e.gpubox import CONFIG, DAEMON, UNIT, GpuBox, install
+from e2e.gpubox import CONFIG, UNIT, GpuBox, install
 from e2e.scenario import SERVING_MIB, STUBBORN_TP3, alive, pid1_messages
 
 if TYPE_CHECKING:
@@ -46,19 +45,6 @@ LATE_S = 5.0
 (without that, its next wake - the watchdog's 15 s ping - could come up to 15 s late)."""
 WATCH_S = 15.0
 """How long past the budget a stopped hang is watched for a recovery that must not come."""
-
-
-def said(gpubox: GpuBox, since_s: float, event: str) -> list[tuple[float, dict[str, Any]]]:
-    """The daemon's log lines named ``event`` since ``since_s``, with their journal time."""
-    found = []
-    for entry in gpubox.box.journal([f"_SYSTEMD_UNIT={DAEMON}", f"--since=@{int(since_s)}"]):
-        try:
-            line = json.loads(str(entry.get("MESSAGE")))
-        except ValueError:
-            continue
-        if isinstance(line, dict) and line.get("event") == event:
-            found.append((int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6, line))
-    return found
 
 
 def load_began(gpubox: GpuBox, since_s: float) -> tuple[float, str]:
@@ -136,8 +122,8 @@ def test_a_stuck_start_is_recovered_past_its_budget_and_never_after_an_operators
             gpubox.box.wait_for(
                 f"{UNIT} active", lambda: gpubox.show(UNIT, "ActiveState") == "active", timeout=30
             )
-            [(_, finished)] = said(gpubox, stuck_at - 1, "recovery finished")
-            [(_, decided)] = said(gpubox, stuck_at - 1, "start stuck: decision")
+            [(_, finished)] = gpubox.daemon_said(stuck_at - 1, "recovery finished")
+            [(_, decided)] = gpubox.daemon_said(stuck_at - 1, "start stuck: decision")
             after_s = stuck_at - load_at
             print(  # noqa: T201 - the scenario's figures, for docs/e2e.md
                 f"\nstuck start seen {after_s:.1f} s into its load (budget {budget_s:.0f} s); "
@@ -163,8 +149,8 @@ def test_a_stuck_start_is_recovered_past_its_budget_and_never_after_an_operators
             time.sleep(max(0.0, load_at + budget_s + WATCH_S - time.time()))  # past its budget
             assert gpubox.show(UNIT, "ActiveState") == "inactive"
             assert pid1_messages(gpubox, stopped, STARTING) == []
-            assert said(gpubox, stopped, "recovery finished") == []
-            assert [line for _, line in said(gpubox, stopped, "start stuck")] == []
+            assert gpubox.daemon_said(stopped, "recovery finished") == []
+            assert [line for _, line in gpubox.daemon_said(stopped, "start stuck")] == []
             assert alive(gpubox, tp3)  # the operator's to clean up (`gpuguard reap`)
         finally:
             gpubox.kill_server()
@@ -177,7 +163,7 @@ def _waited(
     found: list[tuple[float, dict[str, Any]]] = []
 
     def logged() -> bool:
-        found[:] = said(gpubox, since_s - 1, event)
+        found[:] = gpubox.daemon_said(since_s - 1, event)
         return bool(found)
 
     gpubox.box.wait_for(f"the daemon's {event!r}", logged, timeout=budget_s + 60)
