@@ -26,6 +26,7 @@ from pathlib import Path
 from gpuguard.adapters import inventory, metricsio, reaper, systemd
 from gpuguard.config import load_settings
 from gpuguard.core import metrics
+from gpuguard.core.tally import Tally
 from gpuguard.core.values import ReapTarget
 
 class Log:
@@ -48,7 +49,7 @@ deadline = time.monotonic() + 20
 while not exporter.tally.releases.series and time.monotonic() < deadline:
     time.sleep(0.05)
     exporter.gather()
-tally = metrics.Tally.from_json(exporter.tally.to_json())
+tally = Tally.from_json(exporter.tally.to_json())
 print(json.dumps({
     "outcome": result.outcome.value,
     "signals": list(result.signals),

@@ -27,10 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuguard.config import parse_settings, warnings
 from gpuguard.core.gate import GateSettings, run_gate
 from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs, live_owner
-from gpuguard.core.metrics import Observed, Tally, exposition, families
+from gpuguard.core.metrics import Observed, exposition, families
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
+from gpuguard.core.tally import Tally
 from gpuguard.core.values import MIB, UnitProvenance
 
 if TYPE_CHECKING:

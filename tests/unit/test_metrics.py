@@ -18,15 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.core.leftovers import WatchedUnit
 from gpuguard.core.metrics import (
-    GATE_RESULTS,
     HEALTH_STATES,
     Observed,
     Rendered,
-    Tally,
     exposition,
     families,
 )
 from gpuguard.core.snapshot import Unreadable, from_json
+from gpuguard.core.tally import GATE_RESULTS, Tally
 from gpuguard.core.values import MIB, GpuHealth, NvmlHealth, RecoveryAction, UnitProvenance
 
 if TYPE_CHECKING:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gpuguard.core.metrics import Tally
 from gpuguard.core.release import WATCH_S, Release, ReleaseWatch
 from gpuguard.core.releasetimes import BUCKETS_S, ReleaseTimes
+from gpuguard.core.tally import Tally
 from gpuguard.core.values import (
     GpuReading,
     MigMode,

@@ -6,9 +6,9 @@ import json
 from typing import TYPE_CHECKING
 
 from gpuguard.core import metrics, timeline
-from gpuguard.core.metrics import Tally
 from gpuguard.core.release import Release
 from gpuguard.core.releaselog import KEPT, Logged, appended, parse, summarize
+from gpuguard.core.tally import HISTORY_KEPT, Tally
 
 if TYPE_CHECKING:
     from typing import Any
@@ -97,7 +97,7 @@ def test_the_log_keeps_its_newest_records_within_what_the_counters_remember() ->
     kept = parse(document)
     assert len(kept) == KEPT
     assert kept[0].release.seconds == 5.0
-    assert KEPT <= metrics._HISTORY_KEPT
+    assert KEPT <= HISTORY_KEPT
 
 
 def test_the_daemon_counts_only_new_reap_records_into_the_histogram() -> None:

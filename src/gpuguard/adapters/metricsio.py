@@ -1,7 +1,7 @@
 """Metrics out of the process (adapter): node_exporter's textfile, an HTTP listener, one scrape.
 
 The daemon's ``Exporter`` sits on its ports: it sees every inventory and reap the daemon makes
-and every snapshot it writes, counts what happened (``metrics.Tally``), and draws the metrics
+and every snapshot it writes, counts what happened (``tally.Tally``), and draws the metrics
 each time the snapshot is written - after every change and otherwise every 60 s. The textfile is
 written with ``files.write_shared_file``, not ``prometheus_client.write_to_textfile``: that opens
 a predictable temporary name (``PATH.PID.TID``) with ``open(..., "wb")``, following a symlink
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import files, releaselog, state, watched
-from gpuguard.core import metrics
+from gpuguard.core import metrics, tally
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
 from gpuguard.core.values import MIB
@@ -86,7 +86,7 @@ class Exporter:
         self._log = log
         self._monotonic = monotonic
         self._wall = wall
-        self.tally = metrics.Tally()
+        self.tally = tally.Tally()
         self.latest = metrics.Latest()
         self._releases: dict[str, ReleaseWatch] = {}
         """Per watched unit reaped for, its GPUs followed until they let go."""
@@ -279,7 +279,7 @@ def scrape(
         snapshot=snapshot,
         daemon_running=daemon_running,
         gate_refused=_last_refused(histories),
-        tally=metrics.Tally.from_json(snapshot.metrics if snapshot else None),
+        tally=tally.Tally.from_json(snapshot.metrics if snapshot else None),
         now_wall=time.time(),
         releases=releaselog.read(settings.runtime_dir),
     )

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 KEPT: Final = 64
 """Records kept in the log (a reap of 8 GPUs writes 8). At most the metrics' remembered history
-(``metrics._HISTORY_KEPT``), so the daemon's counter tells a new record from an old one."""
+(``tally.HISTORY_KEPT``), so the daemon's counter tells a new record from an old one."""
 REAPERS: Final = ("daemon", "gate", "reap")
 """Who reaped: the daemon's recovery or sweep, the gate before a start, the ``reap`` command."""
 

@@ -53,7 +53,7 @@ class UnitSnapshot:
     reset_xids: tuple[dict[str, Any], ...]
     """Reset-class Xids since the unit last came up: its gate refuses (core.xidfaults)."""
     liveness: dict[str, Any] | None = None
-    """The engine's liveness and start phase (core.liveness.LivenessView, docs/liveness.md)."""
+    """The engine's liveness and start phase (core.livenessview.LivenessView, docs/liveness.md)."""
 
     def to_json(self) -> dict[str, Any]:
         """The unit's object in the snapshot."""
@@ -116,7 +116,7 @@ class Snapshot:
     """The whole daemon as ``gpuguard status`` sees it.
 
     ``updated_at`` is stamped by the loop as it writes, ``metrics`` (the exporter's counters,
-    core.metrics.Tally) by the writer when metrics are drawn: None until then.
+    core.tally.Tally) by the writer when metrics are drawn: None until then.
     """
 
     pid: int
