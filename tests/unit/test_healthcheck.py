@@ -13,7 +13,8 @@ from gpuguard.core.healthcheck import (
     ProbeResult,
     parse_health_url,
 )
-from gpuguard.core.liveness import Liveness, State
+from gpuguard.core.liveness import Liveness
+from gpuguard.core.livenessview import State
 from gpuguard.unitsettings import UnitSettings
 
 FAILED = ProbeResult(ok=False, detail="HTTP 503")

@@ -11,7 +11,8 @@ import pytest
 from gpuguard.core.enginelines import ENGINE_LINES, ENGINE_REGEX, FATAL_LINES, Phase, match_line
 from gpuguard.core.events import EventKind, UnitEvent, parse_entry
 from gpuguard.core.healthcheck import HealthBack, HealthDeath
-from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, Liveness, State
+from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, Liveness
+from gpuguard.core.livenessview import State
 from gpuguard.core.startbudgets import MIN_STARTS
 
 UNIT = "vllm.service"

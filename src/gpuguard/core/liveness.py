@@ -24,17 +24,17 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone, tzinfo
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 from gpuguard.core.enginelines import BY_KEY, PHASE_ORDER, PHASE_WORDS, Phase
 from gpuguard.core.events import EventKind
+from gpuguard.core.livenessview import DeadEngine, LivenessView, State
 from gpuguard.core.startbudgets import (
     STARTS_KEPT,
     PhaseTimes,
     StartRecord,
     parse_starts,
 )
-from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -60,118 +60,9 @@ _OUTPUT: Final = frozenset({EventKind.ENGINE_FATAL, EventKind.START_PHASE})
 _INVOCATION_ID: Final = re.compile(r"[0-9A-Za-z_-]{1,64}")
 """A saved invocation ID, only ever compared with systemd's (32 hex digits, sd-id128)."""
 _ENDED_KEPT: Final = 16
+"""Ended runs remembered, so that their late lines never open a run again."""
 _PAST_BUDGET_S: Final = 0.01
 """A phase is stuck once *past* its budget: the wake comes just after it."""
-"""Ended runs remembered, so that their late lines never open a run again."""
-
-
-class State(StrEnum):
-    """What ``status`` says about a unit's engine."""
-
-    UNKNOWN = "unknown"
-    """No run seen yet (nothing in the replayed journal), or the last one ended."""
-    STARTING = "starting"
-    UP = "up"
-    STUCK = "stuck"
-    """Starting, in one phase for longer than that phase's learned budget."""
-    ENGINE_DEAD = "engine-dead"
-
-
-@dataclass(frozen=True, slots=True)
-class DeadEngine:
-    """Why and since when a run's engine is dead."""
-
-    invocation_id: str
-    since_s: float
-    since_wall_s: float | None
-    cause: str
-    """"EngineCore fatal error", or the unasked clean exit."""
-    line: str
-    """The line that said so (escaped by the parser), PID 1's message, or the health check's
-    verdict (our own words)."""
-    unit_inactive: bool = False
-    """The main process exited (status 0, no stop job): systemd has nothing left to restart."""
-    by_health: bool = False
-    """Said by the unit's health check (core.healthcheck), not by a line of the run."""
-
-
-def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) -> bool:
-    """Whether the unit opted in to the daemon's recovery of what ``view`` shows."""
-    if view.dead is not None:
-        return on_engine_dead == "recover"
-    return view.state is State.STUCK and on_start_stuck == "recover"
-
-
-class UnitNow(Protocol):
-    """What systemd says of the unit now (``adapters.systemd.UnitState`` is one)."""
-
-    @property
-    def active_state(self) -> str | None: ...  # noqa: D102 - systemd's ActiveState
-    @property
-    def sub_state(self) -> str | None: ...  # noqa: D102 - systemd's SubState
-    @property
-    def invocation_id(self) -> str | None: ...  # noqa: D102 - the run systemd runs now
-
-
-def left_alone(view: LivenessView, unit: str, now: UnitNow) -> str | None:
-    """Why the daemon leaves an opted-in unit alone after all; None: recover it.
-
-    Never worse than doing nothing: a stuck start that is no longer the unit's run, a unit
-    someone stopped, a unit systemd restarts by itself (an exit 0 under Restart=always).
-    """
-    if view.dead is None and now.invocation_id != view.invocation_id:
-        return f"the stuck start is no longer {unit}'s run"
-    if view.dead is not None and view.dead.by_health:
-        # A server that stops (an operator's stop whose line the daemon has not read yet) fails
-        # its health check too: only a run systemd still calls active and its own is dead.
-        if now.invocation_id != view.invocation_id:
-            return f"the run whose health check failed is no longer {unit}'s run"
-        if now.active_state != "active":
-            return f"{unit} is {now.active_state or 'unknown'}: its health check failed as it ends"
-    if now.active_state == "inactive" and not (view.dead and view.dead.unit_inactive):
-        return f"{unit} was stopped: gpuguard does not start it"
-    if now.sub_state == "auto-restart":
-        return f"systemd restarts {unit} itself (auto-restart)"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class LivenessView:
-    """One unit's liveness at one moment, with the line ``status`` prints."""
-
-    state: State
-    summary: str
-    level: str | None
-    """"critical" (engine dead), "warning" (stuck) or None: how ``status`` rates it."""
-    invocation_id: str | None = None
-    dead: DeadEngine | None = None
-    phase: Phase | None = None
-    phase_for_s: float | None = None
-    budget_s: float | None = None
-    last_start: StartRecord | None = None
-    deaths: int = 0
-    """Dead engines seen live by this daemon process (a counter for the metrics)."""
-    stuck_starts: int = 0
-    """Starts seen stuck by this daemon process."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The unit's ``liveness`` object in the daemon's snapshot (docs/liveness.md)."""
-        dead = self.dead
-        return {
-            "state": self.state.value,
-            "summary": self.summary,
-            "level": self.level,
-            "invocation_id": self.invocation_id,
-            "dead_since_s": None if dead is None else dead.since_s,
-            "dead_cause": None if dead is None else dead.cause,
-            "dead_line": None if dead is None else dead.line,
-            "phase": None if self.phase is None else self.phase.value,
-            "phase_for_s": _round(self.phase_for_s),
-            "budget_s": _round(self.budget_s),
-            "last_start": None if self.last_start is None else self.last_start.to_json(),
-            "engine_deaths": self.deaths,
-            "stuck_starts": self.stuck_starts,
-        }
 
 
 @dataclass
@@ -592,10 +483,6 @@ class Liveness:
         elif ready is not None:
             problems.append("liveness ready_invocation_id is not an invocation ID")
         return problems
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)
 
 
 def _duration(seconds: float) -> str:

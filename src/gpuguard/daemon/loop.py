@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 from gpuguard.adapters.journal import KERNEL
 from gpuguard.core.events import EventKind, parse_entry
-from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, State, acted_on, left_alone
+from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S
+from gpuguard.core.livenessview import State, acted_on, left_alone
 from gpuguard.core.recovery import Action, RecoveryDecision
 from gpuguard.core.xid import lookup
 from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
