@@ -6,7 +6,7 @@ fake GPU device files — then times, in the same run and over the same device f
 
 - gpuguard's read of the PIDs NVML names (``procfs.read_listed``: their fds, maps and facts),
 - gpuguard's full /proc walk (``procfs.scan_device_holders``),
-- gpuguard's walk of their process trees (``procfs.descendants``, the provenance ledger's),
+- gpuguard's walk of their process trees (``runtree.descendants``, the provenance ledger's),
 - ``fuser -v`` (psmisc, C) and ``lsof`` (C), the tools an operator reaches for today;
 - psutil's public API for the same process facts and process tree (``oneshot()``,
   ``children(recursive=True)``), the baseline for reading them by hand in ``procfs``.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import psutil  # noqa: TID251 - a baseline measured beside gpuguard, like fuser and lsof
 
-from gpuguard.adapters import procfs
+from gpuguard.adapters import procfs, runtree
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -165,7 +165,7 @@ def main() -> int:
                     lambda: procfs.read_listed(holders, glob), args.repeats
                 ),
                 "gpuguard full walk": timed(lambda: procfs.scan_device_holders(glob), args.repeats),
-                "gpuguard descendants": timed(lambda: procfs.descendants(holders), args.repeats),
+                "gpuguard descendants": timed(lambda: runtree.descendants(holders), args.repeats),
                 "psutil holders' facts": timed(
                     lambda: [psutil_facts(psutil.Process(pid)) for pid in holders], args.repeats
                 ),

@@ -32,7 +32,7 @@ from fakestate import fake_library, fake_pci_bus_id, update_gpu, update_state
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.adapters import inventory, ledgerstore, procfs, reaper, runtree, state, systemd
+from gpuguard.adapters import inventory, ledgerstore, reaper, runtree, state, systemd
 from gpuguard.adapters.containerstop import for_unit
 from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
@@ -1453,7 +1453,7 @@ def test_a_crashed_runs_worker_that_moved_to_its_own_scope_is_reaped_by_the_ledg
     crashed = str(entries[0]["INVOCATION_ID"])
     escaped = run_worker(spawn_holder, in_process_nvml, monkeypatch, "d" * 32, 1)
     unit_cgroups.move(escaped.pid, f"tp-worker-{uuid.uuid4().hex[:8]}.scope")
-    recorded = Ledger().record(unit, crashed, procfs.descendants([escaped.pid]), 1.0)
+    recorded = Ledger().record(unit, crashed, runtree.descendants([escaped.pid]), 1.0)
 
     def with_ledger(_settings: Settings, ports: Ports) -> Ports:
         return replace(ports, load_ledger=lambda: recorded)

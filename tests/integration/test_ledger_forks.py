@@ -20,7 +20,7 @@ from gpuguard.adapters import runtree
 # Runs as PID 1 of the new namespace: the worker, its child and its thread go with it.
 _SCRIPT = r"""
 import json, subprocess, sys
-from gpuguard.adapters import procfs, runtree
+from gpuguard.adapters import runtree
 from gpuguard.core.ledger import Ledger
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
@@ -56,7 +56,7 @@ ports = LedgerPorts(
     run_processes=read, alive=runtree.alive, save=lambda ledger: ledger, every_s=30.0,
     last_pid=runtree.last_pid,
 )
-known = Ledger().record(UNIT, RUN, procfs.descendants([worker.pid]), 0.0)
+known = Ledger().record(UNIT, RUN, runtree.descendants([worker.pid]), 0.0)
 keeper = LedgerKeeper(ports, known, lambda: 0.0)
 keeper.run_up(UNIT, RUN, None, 0.0)
 after = {}

@@ -17,7 +17,6 @@ import pytest
 
 from gpuguard.adapters.procfs import (
     ancestor_pids,
-    descendants,
     lineage,
     read_identity,
     read_listed,
@@ -25,6 +24,7 @@ from gpuguard.adapters.procfs import (
     scan_device_holders,
 )
 from gpuguard.adapters.reaper import reap
+from gpuguard.adapters.runtree import descendants
 from gpuguard.core.redaction import REDACTED
 from gpuguard.core.values import ProcessFacts, ReapOutcome, ReapTarget
 

@@ -1,7 +1,7 @@
 """The ledger's walk of a run never records a PID reused on the way as the process it was (root).
 
 Each test gives a process's PID to a new process (ns_last_pid) at the very moment the walk
-(runtree.run_processes, procfs.descendants) takes the next step, through a profile hook on the
+(runtree.run_processes, runtree.descendants) takes the next step, through a profile hook on the
 walk's own function: real processes, real /proc, and nothing of the walk replaced.
 """
 
@@ -89,7 +89,7 @@ def test_a_recorded_process_whose_pid_is_reused_as_the_walk_begins_is_not_record
         newcomers.append(replace_by(started, recorded, *SLEEP))
         return True
 
-    with on_entry(procfs.descendants.__code__, reuse):
+    with on_entry(runtree.descendants.__code__, reuse):
         seen = runtree.run_processes(None, [recorded])
     assert [p.pid for p in newcomers] == [recorded.pid]  # the PID now names the newcomer
     assert seen == ()
@@ -117,7 +117,7 @@ def test_a_child_listed_under_a_parent_whose_pid_was_reused_is_not_recorded(
             time.sleep(0.01)
         return True
 
-    with on_entry(procfs._children_of.__code__, reuse):
+    with on_entry(runtree._children_of.__code__, reuse):
         seen = runtree.run_processes(None, [recorded])
     assert [p.pid for p in newcomers] == [recorded.pid]
     assert [(p.pid, p.start_time) for p in seen] == [(recorded.pid, recorded.start_time)]
@@ -141,7 +141,7 @@ def test_a_pid_of_the_cgroup_reused_outside_it_before_it_is_read_is_not_recorded
         return True
 
     group = f"/system.slice/{unit}"
-    with on_entry(procfs.descendants.__code__, reuse):
+    with on_entry(runtree.descendants.__code__, reuse):
         seen = runtree.run_processes(group, [], cgroup_root=CGROUP2)
     assert [p.pid for p in newcomers] == [inside.pid]
     assert [(p.pid, p.cgroup) for p in seen] == [(neighbour.pid, group)]

@@ -14,16 +14,15 @@ from hypothesis import strategies as st
 
 from gpuguard.adapters.procdevices import ScanBudget
 from gpuguard.adapters.procfs import (
-    DESCENDANTS_MAX,
     ENVIRON_LIMIT,
     ancestor_pids,
-    descendants,
     read_identity,
     read_listed,
     read_wchan,
     scan_device_holders,
 )
 from gpuguard.adapters.procread import PF_KTHREAD, parse_fd_size, parse_stat
+from gpuguard.adapters.runtree import DESCENDANTS_MAX, descendants
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import Verdict, plan
 from gpuguard.core.redaction import REDACTED

@@ -2,8 +2,8 @@
 
 ``scan_device_holders`` visits every process, like ``fuser -v /dev/nvidia*`` (a worker left
 behind by a dead parent holds the device but NVML may name nobody); ``read_listed`` then reads
-the PIDs NVML named that the walk missed. ``descendants`` walks a unit's process tree for the
-provenance ledger (``task/*/children``, which fork's heirs of the device fds are found by).
+the PIDs NVML named that the walk missed. (The ledger's walk of a unit's process tree is
+runtree's.)
 
 Processes come and go while we read: a process that vanishes mid-read is simply absent from the
 result, never an error, and a PID reused during the read is detected by reading the start time
@@ -27,16 +27,15 @@ file and parsing it, procread's. This module owns the walks and the facts of a p
 
 # The /proc walk is the hot path (benchmarked against fuser over 40,000 fds): it uses str paths
 # and os.* calls because building a pathlib object per fd and file costs more than the syscall.
-# ruff: noqa: PTH112, PTH116, PTH208
+# ruff: noqa: PTH116, PTH208
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from gpuguard.adapters.procdevices import (
     DEFAULT_BUDGET,
@@ -60,7 +59,6 @@ from gpuguard.adapters.procread import (
     user_name,
 )
 from gpuguard.core.cgroup import parse_cgroup
-from gpuguard.core.ledger import SeenProcess
 from gpuguard.core.values import ProcessFacts, ProcessIdentity, ProcScan
 
 if TYPE_CHECKING:
@@ -246,42 +244,6 @@ def scan_device_holders(
     )
 
 
-class _ChildrenUnsupportedError(Exception):
-    """The kernel has no ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN is off)."""
-
-
-def _children_of(root: str, pid: int) -> list[int]:
-    """Return the children of every thread of ``pid`` from ``task/*/children``."""
-    task_dir = f"{root}/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return []
-    children: list[int] = []
-    for tid in tids:
-        try:
-            data = read_file(f"{task_dir}/{tid}/children")
-        except FileNotFoundError:
-            if os.path.isdir(f"{task_dir}/{tid}"):
-                raise _ChildrenUnsupportedError from None
-            continue  # the thread exited
-        except OSError:
-            continue
-        children.extend(int(child) for child in data.split() if child.isdigit())
-    return children
-
-
-def _children_by_ppid(root: str) -> dict[int, list[int]]:
-    """Map every process to its children by reading every ``stat`` (the slow fallback)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir(root):
-        if name.isdecimal():
-            stat = stat_at(f"{root}/{name}")
-            if stat is not None:
-                children.setdefault(stat.ppid, []).append(int(name))
-    return children
-
-
 def read_listed(
     pids: Iterable[int],
     device_glob: str,
@@ -393,116 +355,3 @@ def read_cgroup(pid: int, *, proc_root: Path = PROC) -> str | None:
     except OSError:
         return None
     return parse_cgroup(data.decode("utf-8", "backslashreplace"))
-
-
-DESCENDANTS_MAX = 4096
-"""The most processes one ledger walk reads: a fork bomb in a unit costs a bounded walk."""
-
-
-def descendants(
-    roots: Iterable[int | ProcessIdentity], *, within: str | None = None, proc_root: Path = PROC
-) -> tuple[SeenProcess, ...]:
-    """``roots`` and every process descending from them, as the ledger records them.
-
-    Children come from ``task/*/children`` (cheap: no walk over every process); on a kernel
-    without it, from every ``stat``. Each process costs a ``stat``, ``status`` and ``cgroup``
-    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). Every process
-    is pinned to who it was found as, so a PID that died and was given to another process on
-    the way is never recorded as the old one: a root given as an identity (a recorded process)
-    only while its ``stat`` shows that start time; a root given as a PID (read from the cgroup
-    ``within``) only while its cgroup is ``within`` or below it; a child only while its
-    ``stat`` names the parent it was listed under and that parent's PID, read again after the
-    child's, still has the parent's start time. Bounded by DESCENDANTS_MAX leads read (found or
-    not, so children that all fail their checks cannot make it long); a process whose
-    cgroup cannot be parsed is recorded as ``?``.
-    """
-    root = os.fspath(proc_root)
-    queue: deque[_Lead] = deque(
-        sorted(
-            {
-                _Lead(r.pid, r.start_time) if isinstance(r, ProcessIdentity) else _Lead(r)
-                for r in roots
-            },
-            key=lambda lead: (lead.pid, lead.start is None),
-        )
-    )
-    seen: set[int] = set()
-    by_ppid: dict[int, list[int]] | None = None
-    found: list[SeenProcess] = []
-    reads = 0  # every lead read counts, found or not: a parent that exits right after its
-    # children are listed (each child then fails its parent check) must not make the walk endless
-    while queue and reads < DESCENDANTS_MAX:
-        lead = queue.popleft()
-        if lead.pid <= 0 or lead.pid in seen:
-            continue
-        reads += 1
-        process = _seen(lead, root, within)
-        if process is None:
-            continue
-        seen.add(lead.pid)
-        found.append(process)
-        parent = ProcessIdentity(process.pid, process.start_time)
-        if by_ppid is None:
-            try:
-                queue.extend(_Lead(child, parent=parent) for child in _children_of(root, lead.pid))
-                continue
-            except _ChildrenUnsupportedError:
-                by_ppid = _children_by_ppid(root)
-        queue.extend(_Lead(child, parent=parent) for child in by_ppid.get(lead.pid, ()))
-    return tuple(found)
-
-
-class _Lead(NamedTuple):
-    """A PID the walk is to read, and who it must still be when read."""
-
-    pid: int
-    start: int | None = None
-    """A recorded process's start time: only that process counts."""
-    parent: ProcessIdentity | None = None
-    """The process it was listed as a child of; None for a root."""
-
-
-def _seen(lead: _Lead, root: str, within: str | None) -> SeenProcess | None:
-    """One process's identity, uids, name and cgroup, or None.
-
-    None when it vanished, is a kernel thread, or is no longer who ``lead`` says it was.
-    """
-    pid, base = lead.pid, f"{root}/{lead.pid}"
-    stat = stat_at(base)
-    if stat is None or stat.kernel_thread or lead.start not in {None, stat.start_time}:
-        return None
-    if lead.parent is not None and stat.ppid != lead.parent.pid:
-        return None
-    try:
-        status = read_optional(base + "/status") or b""
-        cgroup = read_optional(base + "/cgroup") or b""
-    except VANISHED:
-        return None
-    again = stat_at(base)
-    if again is None or again.start_time != stat.start_time:
-        return None
-    path = parse_cgroup(cgroup.decode("utf-8", "backslashreplace"))
-    if not _still_who(lead, root, path, within):
-        return None
-    return SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
-
-
-def _still_who(lead: _Lead, root: str, path: str | None, within: str | None) -> bool:
-    """Whether a process read whole (its cgroup ``path``) is where ``lead`` found it.
-
-    A PID of the cgroup's list must still be in the cgroup; a child's parent must still be the
-    parent found: its stat named the parent's PID, and that PID having the parent's start time
-    after the read proves it was not given to another process meanwhile.
-    """
-    if lead.parent is not None:
-        parent = stat_at(f"{root}/{lead.parent.pid}")
-        return parent is not None and parent.start_time == lead.parent.start_time
-    if lead.start is None and within is not None:
-        return path is not None and _inside(path, within)
-    return True
-
-
-def _inside(path: str, group: str) -> bool:
-    """Whether cgroup ``path`` is ``group`` or below it."""
-    top = group.rstrip("/")
-    return path == top or path.startswith(top + "/")

@@ -2,7 +2,7 @@
 
 A unit's cgroup (systemd's ``ControlGroup``, below ``/sys/fs/cgroup``) lists its processes in
 ``cgroup.procs``, sub-cgroups (``Delegate=``) included; their descendants are found through
-/proc (procfs.descendants), so a worker that moved into a transient scope is still seen while
+/proc (:func:`descendants`), so a worker that moved into a transient scope is still seen while
 its parent is in the run. Processes the ledger already recorded are roots too: a moved worker's
 own children are found after its parent died.
 
@@ -10,19 +10,25 @@ own children are found after its parent died.
 thread created since the last one).
 """
 
+# The walk reads a few files per process with str paths and os.* calls, as procfs's walks do
+# (a pathlib object per file costs more than the read).
+# ruff: noqa: PTH112, PTH208
+
 from __future__ import annotations
 
 import os
+from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpuguard.adapters import procfs
+from gpuguard.adapters.procread import VANISHED, parse_uids, read_file, read_optional, stat_at
+from gpuguard.core.cgroup import parse_cgroup
+from gpuguard.core.ledger import SeenProcess
+from gpuguard.core.values import ProcessIdentity
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    from gpuguard.core.ledger import SeenProcess
-    from gpuguard.core.values import ProcessIdentity
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Where a systemd cgroup path is found: cgroup v2, else a hybrid host's unified hierarchy, else
@@ -70,7 +76,7 @@ def run_processes(
 ) -> tuple[SeenProcess, ...]:
     """The run's processes now: its cgroup's, the ``recorded`` ones still alive, descendants.
 
-    Each is pinned as it is read (procfs.descendants): a recorded process by its start time, a
+    Each is pinned as it is read (:func:`descendants`): a recorded process by its start time, a
     PID of ``cgroup.procs`` by its cgroup, so a PID reused since it was listed or recorded is
     never recorded in the old one's place.
     """
@@ -78,7 +84,7 @@ def run_processes(
     if control_group:
         roots.extend(cgroup_pids(control_group, cgroup_root=cgroup_root))
     roots.extend(recorded)
-    return procfs.descendants(roots, within=control_group, proc_root=proc_root)
+    return descendants(roots, within=control_group, proc_root=proc_root)
 
 
 def alive(identity: ProcessIdentity, *, proc_root: Path = procfs.PROC) -> bool:
@@ -110,3 +116,155 @@ def last_pid(*, proc_root: Path = procfs.PROC) -> int | None:
     if len(namespaces) != 1 or len(fields) < _LOADAVG_FIELDS or not fields[4].isdigit():
         return None
     return int(fields[4])
+
+
+DESCENDANTS_MAX = 4096
+"""The most processes one ledger walk reads: a fork bomb in a unit costs a bounded walk."""
+
+
+def descendants(
+    roots: Iterable[int | ProcessIdentity],
+    *,
+    within: str | None = None,
+    proc_root: Path = procfs.PROC,
+) -> tuple[SeenProcess, ...]:
+    """``roots`` and every process descending from them, as the ledger records them.
+
+    Children come from ``task/*/children`` (cheap: no walk over every process); on a kernel
+    without it, from every ``stat``. Each process costs a ``stat``, ``status`` and ``cgroup``
+    read and a second ``stat`` (an exit or a PID reuse mid-read leaves it out). Every process
+    is pinned to who it was found as, so a PID that died and was given to another process on
+    the way is never recorded as the old one: a root given as an identity (a recorded process)
+    only while its ``stat`` shows that start time; a root given as a PID (read from the cgroup
+    ``within``) only while its cgroup is ``within`` or below it; a child only while its
+    ``stat`` names the parent it was listed under and that parent's PID, read again after the
+    child's, still has the parent's start time. Bounded by DESCENDANTS_MAX leads read (found or
+    not, so children that all fail their checks cannot make it long); a process whose
+    cgroup cannot be parsed is recorded as ``?``.
+    """
+    root = os.fspath(proc_root)
+    queue: deque[_Lead] = deque(
+        sorted(
+            {
+                _Lead(r.pid, r.start_time) if isinstance(r, ProcessIdentity) else _Lead(r)
+                for r in roots
+            },
+            key=lambda lead: (lead.pid, lead.start is None),
+        )
+    )
+    seen: set[int] = set()
+    by_ppid: dict[int, list[int]] | None = None
+    found: list[SeenProcess] = []
+    reads = 0  # every lead read counts, found or not: a parent that exits right after its
+    # children are listed (each child then fails its parent check) must not make the walk endless
+    while queue and reads < DESCENDANTS_MAX:
+        lead = queue.popleft()
+        if lead.pid <= 0 or lead.pid in seen:
+            continue
+        reads += 1
+        process = _seen(lead, root, within)
+        if process is None:
+            continue
+        seen.add(lead.pid)
+        found.append(process)
+        parent = ProcessIdentity(process.pid, process.start_time)
+        if by_ppid is None:
+            try:
+                queue.extend(_Lead(child, parent=parent) for child in _children_of(root, lead.pid))
+                continue
+            except _ChildrenUnsupportedError:
+                by_ppid = _children_by_ppid(root)
+        queue.extend(_Lead(child, parent=parent) for child in by_ppid.get(lead.pid, ()))
+    return tuple(found)
+
+
+class _Lead(NamedTuple):
+    """A PID the walk is to read, and who it must still be when read."""
+
+    pid: int
+    start: int | None = None
+    """A recorded process's start time: only that process counts."""
+    parent: ProcessIdentity | None = None
+    """The process it was listed as a child of; None for a root."""
+
+
+def _seen(lead: _Lead, root: str, within: str | None) -> SeenProcess | None:
+    """One process's identity, uids, name and cgroup, or None.
+
+    None when it vanished, is a kernel thread, or is no longer who ``lead`` says it was.
+    """
+    pid, base = lead.pid, f"{root}/{lead.pid}"
+    stat = stat_at(base)
+    if stat is None or stat.kernel_thread or lead.start not in {None, stat.start_time}:
+        return None
+    if lead.parent is not None and stat.ppid != lead.parent.pid:
+        return None
+    try:
+        status = read_optional(base + "/status") or b""
+        cgroup = read_optional(base + "/cgroup") or b""
+    except VANISHED:
+        return None
+    again = stat_at(base)
+    if again is None or again.start_time != stat.start_time:
+        return None
+    path = parse_cgroup(cgroup.decode("utf-8", "backslashreplace"))
+    if not _still_who(lead, root, path, within):
+        return None
+    return SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
+
+
+def _still_who(lead: _Lead, root: str, path: str | None, within: str | None) -> bool:
+    """Whether a process read whole (its cgroup ``path``) is where ``lead`` found it.
+
+    A PID of the cgroup's list must still be in the cgroup; a child's parent must still be the
+    parent found: its stat named the parent's PID, and that PID having the parent's start time
+    after the read proves it was not given to another process meanwhile.
+    """
+    if lead.parent is not None:
+        parent = stat_at(f"{root}/{lead.parent.pid}")
+        return parent is not None and parent.start_time == lead.parent.start_time
+    if lead.start is None and within is not None:
+        return path is not None and _inside(path, within)
+    return True
+
+
+def _inside(path: str, group: str) -> bool:
+    """Whether cgroup ``path`` is ``group`` or below it."""
+    top = group.rstrip("/")
+    return path == top or path.startswith(top + "/")
+
+
+class _ChildrenUnsupportedError(Exception):
+    """The kernel has no ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN is off)."""
+
+
+def _children_of(root: str, pid: int) -> list[int]:
+    """Return the children of every thread of ``pid`` from ``task/*/children``."""
+    task_dir = f"{root}/{pid}/task"
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return []
+    children: list[int] = []
+    for tid in tids:
+        try:
+            data = read_file(f"{task_dir}/{tid}/children")
+        except FileNotFoundError:
+            if os.path.isdir(f"{task_dir}/{tid}"):
+                raise _ChildrenUnsupportedError from None
+            continue  # the thread exited
+        except OSError:
+            continue
+        children.extend(int(child) for child in data.split() if child.isdigit())
+    return children
+
+
+def _children_by_ppid(root: str) -> dict[int, list[int]]:
+    """Map every process to its children by reading every ``stat`` (the slow fallback)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir(root):
+        if name.isdecimal():
+            stat = stat_at(f"{root}/{name}")
+            if stat is not None:
+                children.setdefault(stat.ppid, []).append(int(name))
+    return children
