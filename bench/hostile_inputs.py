@@ -186,7 +186,7 @@ def _xid(
     piece: str, head: str = "NVRM: Xid (PCI:0000:3b:00): "
 ) -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.core.xidevents import parse_kernel_entry  # noqa: PLC0415
+        from gpuguard.core.xid.events import parse_kernel_entry  # noqa: PLC0415
 
         entry = {"_TRANSPORT": "kernel", "MESSAGE": head + fill(piece, size - len(head))}
         return lambda: parse_kernel_entry(entry)
@@ -330,7 +330,7 @@ CASES: dict[str, dict[str, Callable[[int], Callable[[], object]]]] = {
         "Environment= quotes": _show("A='b ", head="Environment="),
         "Environment= backslashes": _show('"\\', head="Environment="),
     },
-    "kernel Xid lines (xidevents.parse_kernel_entry)": {
+    "kernel Xid lines (xid.events.parse_kernel_entry)": {
         "NVRM: Xid prefix repeats": _xid("NVRM: Xid (", head=""),
         "long name=": _xid("a", head="NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name="),
         "long detail": _xid("x, ", head="NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, "),

@@ -25,7 +25,7 @@ from gpuguard.commands.arguments import (
     to_request,
 )
 from gpuguard.core.exits import EX_USAGE
-from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
+from gpuguard.core.gate.proto import SOCKET_PATH as GATE_SOCKET
 from gpuguard.usage import (
     UsageParser,
     add_force_option,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from gpuguard.commands.output import Report
     from gpuguard.config import Settings
-    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gate.auth import Caller
     from gpuguard.core.values import NvmlReading
 
 

@@ -8,7 +8,7 @@ its exit statuses and its privileges live here, so the parser reads as a list of
 from __future__ import annotations
 
 from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
-from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
+from gpuguard.core.gate.proto import SOCKET_PATH as GATE_SOCKET
 
 DESCRIPTION = """\
 gpuguard keeps GPU inference services (SGLang, vLLM) out of restart loops caused by

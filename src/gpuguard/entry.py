@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpuguard.core.gateproto import SCOPES, SOCKET_PATH
+from gpuguard.core.gate.proto import SCOPES, SOCKET_PATH
 
 # The options `gate` takes, each as `--name VALUE`; --config may come before or after `gate`.
 _OPTIONS = frozenset({"--unit", "--scope", "--grace", "--timeout", "--socket", "--config"})
@@ -80,7 +80,7 @@ def _gate_client(argv: list[str]) -> int | None:
     except OSError:
         pass  # not ours to look at: connecting says why
     from gpuguard.adapters import gateclient  # noqa: PLC0415 - after the cheap checks
-    from gpuguard.core.gateproto import Request  # noqa: PLC0415
+    from gpuguard.core.gate.proto import Request  # noqa: PLC0415
 
     grace, timeout = options.get("--grace"), options.get("--timeout")
     request = Request(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from gpuguard.adapters.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gpuguard.core.exits import EX_USAGE
-from gpuguard.core.gateproto import MAX_TIMEOUT_S
+from gpuguard.core.gate.proto import MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     from gpuguard.core.since import Since

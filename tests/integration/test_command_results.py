@@ -24,7 +24,7 @@ from gpuguard.commands.output import Said
 from gpuguard.commands.reap import ReapReport
 from gpuguard.config import Settings
 from gpuguard.core.cgroup import Attribution
-from gpuguard.core.gateauth import Caller
+from gpuguard.core.gate.auth import Caller
 from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from socketactivate import activate, await_sigterm_handler, listen
 
 from gpuguard.adapters import unitenv
 from gpuguard.core import timeline
-from gpuguard.core.gateproto import CLIENT_GONE, frame_exit, parse_frame
+from gpuguard.core.gate.proto import CLIENT_GONE, frame_exit, parse_frame
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -33,7 +33,7 @@ from gpuguard.adapters.journal import (
     JournalRecord,
 )
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX, parse_entry
-from gpuguard.core.xidevents import MARKER, XidEvent, parse_kernel_entry
+from gpuguard.core.xid.events import MARKER, XidEvent, parse_kernel_entry
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence

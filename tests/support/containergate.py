@@ -30,7 +30,7 @@ from builders import gpu, nvml
 from clirunner import CGROUP2
 
 from gpuguard.adapters import procfs
-from gpuguard.core.gate import GateOutcome, GateSettings, run_gate
+from gpuguard.core.gate.run import GateOutcome, GateSettings, run_gate
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.values import UnitProvenance
 

@@ -59,7 +59,7 @@ def unit(**fields: Any) -> UnitSnapshot:
 
 def xid(code: int, pci_bus_id: str, **fields: Any) -> XidRecord:
     """A kernel Xid as the daemon keeps it (class and detail as the daemon writes them)."""
-    from gpuguard.core.xid import lookup  # noqa: PLC0415 - only this helper needs it
+    from gpuguard.core.xid.catalogue import lookup  # noqa: PLC0415 - only this helper needs it
 
     defaults: dict[str, Any] = {
         "xid_class": lookup(code).xid_class.value,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuguard.commands.arguments import REAP_TIMEOUT_S, GateArgs, ReapArgs, from_request, to_request
-from gpuguard.core.gateproto import Request, encode_request, parse_request
+from gpuguard.core.gate.proto import Request, encode_request, parse_request
 
 UNIT = "sglang.service"
 

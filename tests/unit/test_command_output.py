@@ -19,7 +19,7 @@ from gpuguard.commands import explain, install_gate
 from gpuguard.commands.output import Said, render
 from gpuguard.config import Settings
 from gpuguard.core.cgroup import Attribution
-from gpuguard.core.gateauth import Caller
+from gpuguard.core.gate.auth import Caller
 from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:

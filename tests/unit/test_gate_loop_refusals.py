@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from builders import gpu, inventory, lost_gpu, nvml, plan_request, process, training_job
 
-from gpuguard.core.gate import GateSettings, reap_targets, run_gate, wait_until_idle
+from gpuguard.core.gate.run import GateSettings, reap_targets, run_gate, wait_until_idle
 from gpuguard.core.policy import Scope, plan
 from gpuguard.core.values import (
     MIB,
@@ -22,13 +22,13 @@ from gpuguard.core.values import (
     ReapResult,
     RecoveryAction,
 )
-from gpuguard.core.xidfaults import XidFault
-from gpuguard.core.xidstuck import XidClaim
+from gpuguard.core.xid.faults import XidFault
+from gpuguard.core.xid.stuck import XidClaim
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpuguard.core.gate import GateOutcome
+    from gpuguard.core.gate.run import GateOutcome
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.values import GpuReading, ReapTarget
 

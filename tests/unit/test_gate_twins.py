@@ -10,7 +10,7 @@ from __future__ import annotations
 from builders import plan_request
 from daemontwins import GpuHost, Process
 
-from gpuguard.core.gate import GateSettings, run_gate
+from gpuguard.core.gate.run import GateSettings, run_gate
 from gpuguard.core.values import MIB
 
 UNIT = "sglang.service"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gpuguard.core.cgroup import attribute, parse_cgroup
-from gpuguard.core.gateauth import Caller, admission, refusal
-from gpuguard.core.gateproto import Request
+from gpuguard.core.gate.auth import Caller, admission, refusal
+from gpuguard.core.gate.proto import Request
 
 
 def caller(cgroup: str, uid: int = 1000) -> Caller:

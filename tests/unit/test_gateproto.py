@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.adapters import gaterequest
-from gpuguard.core.gateproto import (
+from gpuguard.core.gate.proto import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_TEXT_CHARS,

@@ -17,7 +17,7 @@ from builders import (
     v1_gpu,
 )
 
-from gpuguard.core.gate import GateSettings, set_blockers
+from gpuguard.core.gate.run import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.levels import Level
 from gpuguard.core.status.document import to_json

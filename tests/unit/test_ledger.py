@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gpuguard.core.adopt import glob_match
 from gpuguard.core.cgroup import Attribution
 from gpuguard.core.containment import Containment
-from gpuguard.core.gate import GateSettings, run_gate
+from gpuguard.core.gate.run import GateSettings, run_gate
 from gpuguard.core.inventory import GpuUse, Holder, build_inventory
 from gpuguard.core.ledger import (
     CGROUP_CHARS,

@@ -25,7 +25,7 @@ from builders import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import parse_settings, warnings
-from gpuguard.core.gate import GateSettings, run_gate
+from gpuguard.core.gate.run import GateSettings, run_gate
 from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs, live_owner
 from gpuguard.core.metrics import Observed, exposition, families
 from gpuguard.core.status.judge import assess

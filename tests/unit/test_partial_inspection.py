@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 from builders import STATUS_CONTEXT, gpu, inventory, nvml, plan_request, training_job
 
-from gpuguard.core.gate import GateSettings, set_blockers
+from gpuguard.core.gate.run import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.levels import Level
 from gpuguard.core.status.document import to_json

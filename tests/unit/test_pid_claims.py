@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.core.containment import HOST, Containment
-from gpuguard.core.gate import GateSettings, set_blockers
+from gpuguard.core.gate.run import GateSettings, set_blockers
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.levels import Level
 from gpuguard.core.policy import Scope, plan

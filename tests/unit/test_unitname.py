@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.config import ConfigError, parse_settings
-from gpuguard.core.gateproto import Request, parse_request
+from gpuguard.core.gate.proto import Request, parse_request
 from gpuguard.core.unitname import UNIT_NAME
 
 LONGEST = "a" * (255 - len(".service")) + ".service"

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.core.xid import CATALOGUE, CATALOGUE_SOURCE, DEVIATIONS, XidClass, lookup
-from gpuguard.core.xidfaults import needs_reset
+from gpuguard.core.xid.catalogue import CATALOGUE, CATALOGUE_SOURCE, DEVIATIONS, XidClass, lookup
+from gpuguard.core.xid.faults import needs_reset
 
 # NVIDIA's immediate-action bucket -> the class it must give (WORKFLOW_* are read in docs/xid.md).
 _BUCKETS = {

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.core.xidevents import MalformedXid, XidEvent, normalize_pci, parse_kernel_entry
+from gpuguard.core.xid.events import MalformedXid, XidEvent, normalize_pci, parse_kernel_entry
 
 
 def kernel(message: object, **fields: object) -> dict[str, object]:

@@ -7,8 +7,8 @@ import time
 from builders import gpu, lost_gpu
 
 from gpuguard.core.events import EventKind, UnitEvent
-from gpuguard.core.xidevents import XidEvent
-from gpuguard.core.xidfaults import (
+from gpuguard.core.xid.events import XidEvent
+from gpuguard.core.xid.faults import (
     MAX_FAULTS,
     FaultLog,
     LastUp,

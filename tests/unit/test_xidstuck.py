@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import snapshots
 
-from gpuguard.core.xidevents import XidEvent
-from gpuguard.core.xidstuck import XidClaim, claims, claims_from_snapshot, named_by, stuck_phrase
+from gpuguard.core.xid.events import XidEvent
+from gpuguard.core.xid.stuck import XidClaim, claims, claims_from_snapshot, named_by, stuck_phrase
 
 
 def event(code: int, pid: int | None, at_s: float | None) -> XidEvent:

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 from gpuguard.adapters import files, procfs, state
 from gpuguard.core.snapshot import SNAPSHOT_FILE, DaemonView, Problem, Snapshot, Unreadable, parse
 from gpuguard.core.values import ProcessIdentity
-from gpuguard.core.xidfaults import from_records
-from gpuguard.core.xidstuck import claims_from_snapshot
+from gpuguard.core.xid.faults import from_records
+from gpuguard.core.xid.stuck import claims_from_snapshot
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from gpuguard.core.snapshot import UnitSnapshot
-    from gpuguard.core.xidfaults import XidFault
-    from gpuguard.core.xidstuck import XidClaim
+    from gpuguard.core.xid.faults import XidFault
+    from gpuguard.core.xid.stuck import XidClaim
 
 
 def snapshot_path(runtime_dir: Path) -> Path:
@@ -61,13 +61,13 @@ def lists_reset_xids(runtime_dir: Path, unit: str) -> bool:
 
 
 def reset_xids(runtime_dir: Path, unit: str) -> tuple[XidFault, ...]:
-    """The reset-class Xids the running daemon counts for ``unit`` (xidfaults)."""
+    """The reset-class Xids the running daemon counts for ``unit`` (xid.faults)."""
     watch = _running_unit(runtime_dir, unit)
     return from_records(list(watch.reset_xids)) if watch else ()
 
 
 def xid_claims(runtime_dir: Path) -> tuple[XidClaim, ...]:
-    """The application Xids naming a process that the running daemon saw (xidstuck)."""
+    """The application Xids naming a process that the running daemon saw (xid.stuck)."""
     running = _running(runtime_dir)
     return tuple(claims_from_snapshot(running.xids)) if running else ()
 

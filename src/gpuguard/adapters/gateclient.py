@@ -11,12 +11,12 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from gpuguard.core.gateproto import MAX_FRAME_BYTES, encode_request, parse_frame
+from gpuguard.core.gate.proto import MAX_FRAME_BYTES, encode_request, parse_frame
 
 if TYPE_CHECKING:
     from typing import TextIO
 
-    from gpuguard.core.gateproto import Request
+    from gpuguard.core.gate.proto import Request
 
 CONNECT_TIMEOUT_S = 10.0
 #: C0 controls, DEL and C1 controls as visible escapes: relayed text never forges journal lines.

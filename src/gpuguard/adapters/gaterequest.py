@@ -1,7 +1,7 @@
 """One request of the gate server, in the process forked for it (adapter).
 
 ``serve`` answers one connection: it identifies the caller from the kernel (peer.py), refuses
-what the caller may not ask (gateauth.py), reads the one request line under one deadline, runs
+what the caller may not ask (core/gate/auth.py), reads the one request line under one deadline, runs
 the gate or reap work with its output sent back as frames (``_Frames``), copies the verdict's
 lines, bounded and escaped, into the server's own journal (``_JournalCopy``: only these carry
 gpuguard-gate.service's trusted fields, which ``explain`` trusts), ends the work when the client
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from gpuguard.adapters.peer import PROC, PeerError, identify
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
-from gpuguard.core.gateauth import Caller, admission, refusal
-from gpuguard.core.gateproto import (
+from gpuguard.core.gate.auth import Caller, admission, refusal
+from gpuguard.core.gate.proto import (
     CLIENT_GONE,
     MAX_REQUEST_BYTES,
     frame_exit,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from _typeshed import ReadableBuffer
 
-    from gpuguard.core.gateproto import Request
+    from gpuguard.core.gate.proto import Request
 
 #: A caller gets this long to send its request line; then the instance ends.
 REQUEST_TIMEOUT_S = 10.0

@@ -8,7 +8,7 @@ counts and forks (``serve_forever``): it never parses what a client sends (it on
 unread, what a turned-away one sent), initialises no NVML and starts no thread, so every child
 begins from the same clean state. Each child answers one connection (``gaterequest.serve``):
 it identifies the caller from the kernel (peer.py), refuses what the caller may not ask
-(gateauth.py), runs the same gate or reap code the in-process command runs,
+(core/gate/auth.py), runs the same gate or reap code the in-process command runs,
 with its output sent back as frames, and exits. A crash ends one request; no child sees
 another's. The parent enforces what systemd enforced per instance when each connection started
 a service of its own: at most MAX_REQUESTS at once, MAX_REQUESTS_PER_UID from one user, and
@@ -39,8 +39,8 @@ from gpuguard.adapters import signals
 from gpuguard.adapters.peer import PROC, pin
 from gpuguard.core.cgroup import attribute, parse_cgroup
 from gpuguard.core.escaping import escape
-from gpuguard.core.gateauth import Caller, admission
-from gpuguard.core.gateproto import MAX_REQUEST_BYTES, frame_exit, frame_text
+from gpuguard.core.gate.auth import Caller, admission
+from gpuguard.core.gate.proto import MAX_REQUEST_BYTES, frame_exit, frame_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable, MutableMapping
@@ -87,7 +87,7 @@ class Limits(NamedTuple):
     operator_slots: int = OPERATOR_SLOTS
 
 
-#: classify()'s answer for an operator (root in a login session, see gateauth).
+#: classify()'s answer for an operator (root in a login session, see gate.auth).
 OPERATOR = ""
 
 

@@ -25,7 +25,7 @@ from gpuguard.core import timeline
 from gpuguard.core.enginelines import FATAL_REGEX
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX
-from gpuguard.core.xidevents import MARKER
+from gpuguard.core.xid.events import MARKER
 
 MAX_ENTRIES: Final = 20_000
 """Entries read per journalctl run: the newest ones when there are more."""

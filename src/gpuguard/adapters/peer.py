@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gpuguard.adapters.procfs import read_stat
 from gpuguard.core.cgroup import attribute, parse_cgroup
-from gpuguard.core.gateauth import Caller
+from gpuguard.core.gate.auth import Caller
 
 PROC = Path("/proc")
 #: An environment larger than this is not read (a unit's is a few KiB; ARG_MAX allows MiBs).

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gpuguard.adapters.systemd import UnitState
-    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gate.auth import Caller
     from gpuguard.core.ledger import UnitLedger
     from gpuguard.core.values import UnitProvenance
 

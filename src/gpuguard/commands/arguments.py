@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpuguard.core.gateproto import Request
+from gpuguard.core.gate.proto import Request
 
 if TYPE_CHECKING:
     from gpuguard.core.since import Since
@@ -94,7 +94,7 @@ CommandArgs = (
 
 
 def from_request(request: Request) -> GateArgs | ReapArgs:
-    """A gate server request (a gate or a reap: gateproto.COMMANDS) as its command's arguments.
+    """A gate server request (a gate or a reap: gate.proto.COMMANDS) as its command's arguments.
 
     A request's reap never asks (nobody is at a terminal) and never dry-runs; without its own
     timeout it waits as long as the command line's reap does.

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
-    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gate.auth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
     from gpuguard.unitsettings import UnitSettings

@@ -16,8 +16,8 @@ from gpuguard.commands.context import (
     unit_settings,
     unknown_unit,
 )
-from gpuguard.core import gate
 from gpuguard.core.escaping import escape
+from gpuguard.core.gate import run as gaterun
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.idle import is_idle
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from gpuguard.commands.arguments import GateArgs
     from gpuguard.commands.output import Said
     from gpuguard.config import Settings
-    from gpuguard.core.gate import GateOutcome
-    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gate.auth import Caller
+    from gpuguard.core.gate.run import GateOutcome
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.logger import Logger
@@ -108,7 +108,7 @@ def fast_path(
         # Idle but needing a reset is no start either: the full path refuses it at once.
         if wanted and (not is_idle(gpu, threshold) or reset_reasons(gpu)):
             return None, reading
-    outcome = gate.outcome(args.unit, time.monotonic() - started, fast_path=True)
+    outcome = gaterun.outcome(args.unit, time.monotonic() - started, fast_path=True)
     problems = () if problem is None else (problem,)
     return _finish_gate(runtime_dir, outcome, gpu_set, problems), reading
 
@@ -162,8 +162,8 @@ def run(
         say(f"gpuguard gate: {args.unit}: {escape(line, _GATE_LINE_LIMIT)}")
 
     runtime_dir = settings.runtime_dir
-    outcome = gate.run_gate(
-        gate.GateSettings(
+    outcome = gaterun.run_gate(
+        gaterun.GateSettings(
             planned.request,
             settings.idle_threshold_mib * 1024 * 1024,
             timeout,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from gpuguard.adapters import dropin, files, systemd
 from gpuguard.commands.output import Said
 from gpuguard.core.exits import EX_NOPERM, EX_USAGE
-from gpuguard.core.gateproto import SOCKET_PATH as GATE_SOCKET
+from gpuguard.core.gate.proto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:
     from gpuguard.adapters.systemd import UnitState

@@ -14,9 +14,10 @@ from gpuguard.commands.context import (
     unknown_unit,
 )
 from gpuguard.commands.output import Said
-from gpuguard.core import gate, policy
+from gpuguard.core import policy
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
+from gpuguard.core.gate import run as gaterun
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.releaselog import seconds
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from gpuguard.commands.arguments import ReapArgs
     from gpuguard.commands.context import UnitPlan
     from gpuguard.config import Settings
-    from gpuguard.core.gateauth import Caller
+    from gpuguard.core.gate.auth import Caller
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import GpuOccupancy, Inventory
     from gpuguard.core.logger import Logger
@@ -103,7 +104,7 @@ def run(
         return Said(1, notices=(*planned.notices, declined))
 
     containers = _stop_containers(stopper, verdicts)  # first: as the gate does
-    results = reaper.reap(gate.reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
+    results = reaper.reap(gaterun.reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
     return _reap_finish(
         settings,
         found,
@@ -226,7 +227,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     waited: bool,
     containers: Containers,
 ) -> ReapReport:
-    gate_settings = gate.GateSettings(
+    gate_settings = gaterun.GateSettings(
         kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, timeout, poll_s=0.2
     )
     watch = ReleaseWatch()
@@ -240,7 +241,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         released.extend((release, begun) for release in watch.observe(fresh.nvml, begun))
         return fresh
 
-    current, blockers = gate.wait_until_idle(
+    current, blockers = gaterun.wait_until_idle(
         gate_settings,
         gather() if waited else found,
         gather,

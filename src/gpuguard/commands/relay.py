@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from gpuguard.core.gateproto import Request
+    from gpuguard.core.gate.proto import Request
 
 
 def ask_gate_server(

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from typing import Protocol, TextIO
 
     from gpuguard.commands.arguments import CommandArgs
-    from gpuguard.core.gateauth import Caller
-    from gpuguard.core.gateproto import Request as GateRequest
+    from gpuguard.core.gate.auth import Caller
+    from gpuguard.core.gate.proto import Request as GateRequest
 
     class Execute(Protocol):
         """The command line's own dispatch (cli._execute)."""

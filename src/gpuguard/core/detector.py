@@ -147,7 +147,7 @@ class Diagnosis:
     followed by a failed start): act without waiting for more failures."""
     good_start_s: float | None = None
     """When the newest run of the window that stayed up (or ended cleanly) started: a fault
-    before it did not keep the unit down (xidfaults)."""
+    before it did not keep the unit down (xid.faults)."""
     oom_device: int | None = None
     """The CUDA device the newest out-of-memory line of the current failures names, as the
     server numbers its GPUs (foreign text: only ever mapped onto the unit's own GPUs)."""

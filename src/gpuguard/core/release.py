@@ -8,7 +8,7 @@ clock) to the first NVML reading of that GPU that no longer lists any process re
 Only positive evidence counts: a holder NVML listed on the GPU in the reading before the reap,
 that the reaper saw die after a signal (exited or killed), and later readings of the same GPU
 (UUID) that NVML could read. A GPU whose holders stay listed is never counted (past
-``WATCH_S`` it is dropped: memory that is never released is ``xidstuck``'s to explain). The
+``WATCH_S`` it is dropped: memory that is never released is ``xid.stuck``'s to explain). The
 readings' own interval bounds the precision: a release is seen at the first reading after it.
 """
 

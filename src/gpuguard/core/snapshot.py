@@ -51,7 +51,7 @@ class UnitSnapshot:
     recovery_in_progress: bool
     survivors: tuple[dict[str, Any], ...]
     reset_xids: tuple[dict[str, Any], ...]
-    """Reset-class Xids since the unit last came up: its gate refuses (core.xidfaults)."""
+    """Reset-class Xids since the unit last came up: its gate refuses (core.xid.faults)."""
     liveness: dict[str, Any] | None = None
     """The engine's liveness and start phase (core.livenessview.LivenessView, docs/liveness.md)."""
 
@@ -82,7 +82,7 @@ class UnitSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class XidRecord:
-    """One kernel Xid as the daemon read it (its text already escaped by core.xidevents)."""
+    """One kernel Xid as the daemon read it (its text already escaped by core.xid.events)."""
 
     code: int
     xid_class: str
@@ -93,7 +93,7 @@ class XidRecord:
     time: str | None
     """The wall-clock time (ISO 8601), for people."""
     monotonic_s: float | None
-    """Seconds since boot: comparable to a process's start (core.xidstuck)."""
+    """Seconds since boot: comparable to a process's start (core.xid.stuck)."""
     boot_id: str | None
 
     def to_json(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.detector import GpuEvidence
 from gpuguard.core.escaping import escape
-from gpuguard.core.gate import operator_command, set_blockers
+from gpuguard.core.gate.run import operator_command, set_blockers
 from gpuguard.core.gpuset import cuda_view
 from gpuguard.core.health import reset_reasons
 from gpuguard.core.oomdevice import device_phrases
@@ -29,8 +29,8 @@ from gpuguard.core.recovery import (
     unfreeable,
 )
 from gpuguard.core.values import MIB
-from gpuguard.core.xidfaults import XidFault, blockers
-from gpuguard.core.xidstuck import claims, named_by, stuck_phrase
+from gpuguard.core.xid.faults import XidFault, blockers
+from gpuguard.core.xid.stuck import claims, named_by, stuck_phrase
 from gpuguard.daemon import recover
 from gpuguard.daemon.publishing import Publishing, action_of, iso, iso_or_none
 from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.detector import Diagnosis
-    from gpuguard.core.gate import GateSettings
+    from gpuguard.core.gate.run import GateSettings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
     from gpuguard.daemon.watches import Watch
@@ -157,7 +157,7 @@ class Judging(Publishing):
         """Stale holders of the unit's GPUs: what a reap would take while the unit runs.
 
         A GPU of the set needs a reset when NVML says so, or after a reset-class kernel Xid
-        since the unit last came up (xidfaults).
+        since the unit last came up (xid.faults).
         """
         live = state.invocation_id if state.running else None
         request = self._request(watch.name, inventory, state, live)

@@ -34,8 +34,8 @@ from gpuguard.core.events import EventKind, parse_entry
 from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S
 from gpuguard.core.livenessview import State, acted_on, left_alone
 from gpuguard.core.recovery import Action, RecoveryDecision
-from gpuguard.core.xid import lookup
-from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
+from gpuguard.core.xid.catalogue import lookup
+from gpuguard.core.xid.events import MalformedXid, parse_kernel_entry
 from gpuguard.daemon.healthprobes import HealthProbing
 from gpuguard.daemon.judging import Judging
 from gpuguard.daemon.publishing import SNAPSHOT_EVERY_S

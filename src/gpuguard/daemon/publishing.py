@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.recovery import Action
 from gpuguard.core.snapshot import Snapshot, UnitSnapshot, XidRecord
-from gpuguard.core.xid import lookup
-from gpuguard.core.xidfaults import to_record
+from gpuguard.core.xid.catalogue import lookup
+from gpuguard.core.xid.faults import to_record
 from gpuguard.daemon.watches import CHORE_EARLY_S, DaemonState
 
 if TYPE_CHECKING:
     from gpuguard.core.recovery import RecoveryDecision
-    from gpuguard.core.xidevents import XidEvent
+    from gpuguard.core.xid.events import XidEvent
     from gpuguard.daemon.watches import Watch
 
 # The snapshot is rewritten when what it says changes, and at least this often (a sign of life
@@ -82,7 +82,7 @@ class Publishing(DaemonState):
         self._published, self._published_at = content, ports.monotonic()
 
     def _reset_xids(self, watch: Watch) -> list[dict[str, Any]]:
-        """The reset-class Xids since the unit last came up, for its gate (xidfaults)."""
+        """The reset-class Xids since the unit last came up, for its gate (xid.faults)."""
         return [
             to_record(event, iso_or_none(event.realtime_s))
             for event in self._faults.since(watch.up.since_s)

@@ -11,19 +11,19 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.core.gate import run_gate
+from gpuguard.core.gate.run import run_gate
 from gpuguard.core.values import ReapOutcome
-from gpuguard.core.xidstuck import named_by, stuck_phrase
+from gpuguard.core.xid.stuck import named_by, stuck_phrase
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.adapters.systemd import UnitState
-    from gpuguard.core.gate import GateOutcome, GateSettings
+    from gpuguard.core.gate.run import GateOutcome, GateSettings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.values import ReapResult, ReapTarget
-    from gpuguard.core.xidstuck import XidClaim
+    from gpuguard.core.xid.stuck import XidClaim
 
 STOP_WAIT_S = 300.0
 """How long a stopping unit may take before the recovery gives up on it."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.core.gate import reap_targets, set_blockers
+from gpuguard.core.gate.run import reap_targets, set_blockers
 from gpuguard.core.policy import plan
 from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.runend import Sweep, describe, live_invocation, next_start, over_problem

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.detector import Detector
-from gpuguard.core.gate import GateSettings
+from gpuguard.core.gate.run import GateSettings
 from gpuguard.core.gpuset import resolve_gpu_set
 from gpuguard.core.healthcheck import HealthCheck
 from gpuguard.core.liveness import Liveness
@@ -23,7 +23,7 @@ from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.recovery import RecoveryPlanner
 from gpuguard.core.runend import RunEnds
 from gpuguard.core.values import MIB
-from gpuguard.core.xidfaults import FaultLog, LastUp
+from gpuguard.core.xid.faults import FaultLog, LastUp
 from gpuguard.daemon.documents import UnitStateDocument
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper
 from gpuguard.daemon.watchdog import WatchdogFeeder
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gpuguard.core.recovery import RecoveryDecision
     from gpuguard.core.runend import Sweep
     from gpuguard.core.values import UnitProvenance
-    from gpuguard.core.xidevents import XidEvent
+    from gpuguard.core.xid.events import XidEvent
     from gpuguard.daemon.ports import Follower, Ports
 
 XIDS_KEPT = 50
@@ -71,7 +71,7 @@ class Watch:
     last_sweep: Sweep | None = None
     """The newest sweep still waiting for the next run's start, to say whether it was in time."""
     up: LastUp = field(default_factory=LastUp)
-    """When the unit last came up: reset-class Xids before it no longer count (xidfaults)."""
+    """When the unit last came up: reset-class Xids before it no longer count (xid.faults)."""
     stuck_said: str | None = None
     """The run whose stuck start was logged (once per run)."""
     dead_due: float | None = None

@@ -30,8 +30,9 @@ from gpuguard.adapters import (
     systemd,
     unitenv,
 )
-from gpuguard.core import enginelines, events, xidevents
+from gpuguard.core import enginelines, events
 from gpuguard.core.exits import EX_CANTCREAT
+from gpuguard.core.xid import events as xidevents
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports

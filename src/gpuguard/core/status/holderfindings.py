@@ -14,14 +14,14 @@ from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs
 from gpuguard.core.levels import Level
 from gpuguard.core.status.report import Finding, StatusContext
 from gpuguard.core.status.words import as_list, gpu_list
-from gpuguard.core.xidstuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
+from gpuguard.core.xid.stuck import STUCK_STATES, claims_from_snapshot, named_by, stuck_phrase
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from gpuguard.core.inventory import Holder, Inventory
     from gpuguard.core.unitcontainers import ContainerVerdict
-    from gpuguard.core.xidstuck import XidClaim
+    from gpuguard.core.xid.stuck import XidClaim
 
 
 def holder_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:

@@ -25,7 +25,7 @@ from gpuguard.core.status.holderfindings import (
 from gpuguard.core.status.report import Finding, StatusContext, StatusReport
 from gpuguard.core.status.words import as_list, xid_events, xid_phrase
 from gpuguard.core.values import NvmlHealth
-from gpuguard.core.xid import XidClass
+from gpuguard.core.xid.catalogue import XidClass
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

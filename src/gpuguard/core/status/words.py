@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.escaping import escape
 from gpuguard.core.since import within
 from gpuguard.core.values import MIB
-from gpuguard.core.xidevents import normalize_pci
+from gpuguard.core.xid.events import normalize_pci
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

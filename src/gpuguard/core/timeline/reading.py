@@ -14,7 +14,7 @@ from ``gpuguard.service`` running as root (``_SYSTEMD_UNIT``, ``_UID``: journald
 the gate server's own lines about gate and reap requests from ``gpuguard-gate.service``
 (``gpuguard-gate@….service``, one instance per request, before 0.1.0-3): "accepted", each line
 it sent the client (the gate's verdict, the reaper's signals) and the exit status; the kernel's
-rows are Xids (``xidevents``), only with ``_TRANSPORT=kernel``. Every text shown is escaped
+rows are Xids (``xid.events``), only with ``_TRANSPORT=kernel``. Every text shown is escaped
 (``gpuguard.escaping``) and cut; every parser is bounded and never raises.
 """
 
@@ -35,7 +35,7 @@ from gpuguard.core.events import (
     is_trusted,
     parse_entry,
 )
-from gpuguard.core.gateproto import CLIENT_GONE
+from gpuguard.core.gate.proto import CLIENT_GONE
 from gpuguard.core.startfailure import named_holders
 from gpuguard.core.timeline.model import (
     DAEMON_UNIT,
@@ -50,7 +50,7 @@ from gpuguard.core.timeline.model import (
     DaemonSaid,
     Row,
 )
-from gpuguard.core.xidevents import MalformedXid, parse_kernel_entry
+from gpuguard.core.xid.events import MalformedXid, parse_kernel_entry
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

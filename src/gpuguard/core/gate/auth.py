@@ -25,7 +25,7 @@ from gpuguard.core.escaping import escape
 
 if TYPE_CHECKING:
     from gpuguard.core.cgroup import Attribution
-    from gpuguard.core.gateproto import Request
+    from gpuguard.core.gate.proto import Request
 
 #: The scope logind gives a login session; it lies directly in the user's ``user-UID.slice``.
 _SESSION_SCOPE = re.compile(r"session-[A-Za-z0-9]{1,64}\.scope")

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.xid import XidClass, lookup
+from gpuguard.core.xid.catalogue import XidClass, lookup
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     from gpuguard.core.snapshot import XidRecord
-    from gpuguard.core.xidevents import XidEvent
+    from gpuguard.core.xid.events import XidEvent
 
 STUCK_STATES: Final = frozenset({"R", "D"})
 

@@ -21,16 +21,16 @@ from gpuguard.core.leftovers import blockers as kept_blockers
 from gpuguard.core.policy import Decision, PlanRequest, Verdict, plan
 from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.values import MIB, NvmlHealth, ReapOutcome, ReapTarget, ReservedSource
-from gpuguard.core.xidfaults import blockers as xid_blockers
-from gpuguard.core.xidstuck import named_by, stuck_phrase
+from gpuguard.core.xid.faults import blockers as xid_blockers
+from gpuguard.core.xid.stuck import named_by, stuck_phrase
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.core.inventory import Holder, Inventory
     from gpuguard.core.values import ReapResult
-    from gpuguard.core.xidfaults import XidFault
-    from gpuguard.core.xidstuck import XidClaim
+    from gpuguard.core.xid.faults import XidFault
+    from gpuguard.core.xid.stuck import XidClaim
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +94,10 @@ class GateSettings:
     report_every_s: float = 10.0
     xid_faults: tuple[XidFault, ...] = ()
     """Reset-class kernel Xids since the unit last came up (the daemon's, for an automatic
-    restart only: see xidfaults); each on a GPU of the set refuses the start."""
+    restart only: see xid.faults); each on a GPU of the set refuses the start."""
     xid_claims: tuple[XidClaim, ...] = ()
     """Application Xids naming a process (the daemon's): one SIGKILL leaves alive is stuck in
-    the driver (xidstuck), and the start is refused at once rather than waited out."""
+    the driver (xid.stuck), and the start is refused at once rather than waited out."""
     clock_ticks: int = 100
     """The unit of process start times (USER_HZ), to compare them with the Xids' seconds."""
     oom: tuple[int, int] | None = None

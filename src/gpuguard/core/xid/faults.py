@@ -13,7 +13,7 @@ only evidence. A fault counts for a unit when all hold:
 * its PCI address is one NVML gives a GPU of the unit's set. An address NVML does not know
   (a lost GPU has none) never widens the set: status reports it, and NVML's "lost" decides.
 
-Only ``_TRANSPORT=kernel`` entries become Xid events at all (xidevents.py).
+Only ``_TRANSPORT=kernel`` entries become Xid events at all (xid/events.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import EventKind
-from gpuguard.core.xid import XidClass, lookup
-from gpuguard.core.xidevents import normalize_pci
+from gpuguard.core.xid.catalogue import XidClass, lookup
+from gpuguard.core.xid.events import normalize_pci
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     from gpuguard.core.events import UnitEvent
     from gpuguard.core.values import GpuReading
-    from gpuguard.core.xidevents import XidEvent
+    from gpuguard.core.xid.events import XidEvent
 
 RESET_CLASSES: Final = frozenset({XidClass.RESET_GPU, XidClass.REBOOT})
 MAX_FAULTS: Final = 16
