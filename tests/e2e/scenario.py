@@ -123,6 +123,29 @@ def finish(
     return measurement
 
 
+START_FAILED = "be02cf6855d2428ba40df7e9d022f03d"
+"""systemd's MESSAGE_ID for "Failed to start …" (a start that failed: each one a wasted load)."""
+
+
+def failed_starts(gpubox: GpuBox, since_s: float) -> list[str]:
+    """PID 1's "Failed to start" messages of sglang.service since ``since_s``."""
+    return pid1_messages(gpubox, since_s, START_FAILED)
+
+
+def recovered_to_a_new_run(gpubox: GpuBox, died: float, serving: str) -> str:
+    """The daemon's recovery after the engine died at ``died``: its new healthy run's id.
+
+    Waits for the unit's next healthy run and the daemon's "recovery finished"; asserts the
+    recovery restarted the unit into a run other than ``serving`` and no start failed since.
+    """
+    healthy = gpubox.wait_fired_up(after_s=died, timeout=120)
+    _, finished = gpubox.wait_daemon_said(died - 1, "recovery finished", timeout=30)
+    assert finished["result"] == "restarted", finished
+    assert healthy != serving
+    assert failed_starts(gpubox, died) == []
+    return healthy
+
+
 def pid1_messages(gpubox: GpuBox, since_s: float, message_id: str | None = None) -> list[str]:
     """PID 1's messages about sglang.service since `since_s` (optionally of one MESSAGE_ID)."""
     matches = ["_PID=1", f"UNIT={UNIT}", f"--since=@{int(since_s)}"]

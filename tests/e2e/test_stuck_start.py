@@ -19,7 +19,7 @@ import pytest
 
 from e2e.container import Container
 from e2e.gpubox import CONFIG, UNIT, GpuBox, install
-from e2e.scenario import SERVING_MIB, STUBBORN_TP3, alive, pid1_messages
+from e2e.scenario import SERVING_MIB, STUBBORN_TP3, alive, failed_starts, pid1_messages
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -39,7 +39,6 @@ LEARNED = 4
 """Starts that came up before the hang (core.startbudgets needs 3)."""
 LOAD_BEGIN = "Load weight begin"
 STARTING = "7d4958e842da4a758f6c1cdc7b36dcc5"
-START_FAILED = "be02cf6855d2428ba40df7e9d022f03d"
 LATE_S = 5.0
 """How late past its budget the daemon may see the stuck start: it wakes for the budget itself
 (without that, its next wake - the watchdog's 15 s ping - could come up to 15 s late)."""
@@ -135,7 +134,7 @@ def test_a_stuck_start_is_recovered_past_its_budget_and_never_after_an_operators
             assert finished["result"] == "restarted", finished
             assert healthy != stuck_run
             assert not alive(gpubox, tp3)  # the stale holder was reaped
-            failed = pid1_messages(gpubox, load_at - 1, START_FAILED)
+            failed = failed_starts(gpubox, load_at - 1)
             assert failed == [], failed
             assert gpubox.allocated() == [SERVING_MIB] * 4
 
