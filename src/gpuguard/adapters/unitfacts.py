@@ -21,9 +21,9 @@ from gpuguard.adapters import ledgerstore, systemd, unitenv
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.ledger import UnitLedger
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import UnitProvenance
 
 

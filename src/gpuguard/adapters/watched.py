@@ -18,11 +18,11 @@ from gpuguard.core.leftovers import WatchedUnit, needs_history
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.gpuset import GpuSet
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.ledger import UnitLedger
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import UnitProvenance
 
 

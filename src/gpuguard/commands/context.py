@@ -17,10 +17,10 @@ from gpuguard.core.policy import PlanRequest, Scope
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.gateauth import Caller
     from gpuguard.core.gpuset import GpuSet
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
     from gpuguard.unitsettings import UnitSettings
 

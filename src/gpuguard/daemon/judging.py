@@ -38,11 +38,11 @@ from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.gate import GateSettings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.daemon.watches import Watch
 
 # An interrupted recovery is resumed only if it could still be running: the stop wait, the

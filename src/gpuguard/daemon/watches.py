@@ -29,12 +29,12 @@ from gpuguard.daemon.ledgerkeeper import LedgerKeeper
 from gpuguard.daemon.watchdog import WatchdogFeeder
 
 if TYPE_CHECKING:
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.recovery import RecoveryDecision
     from gpuguard.core.runend import Sweep
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import UnitProvenance
     from gpuguard.core.xidevents import XidEvent
     from gpuguard.daemon.ports import Follower, Ports
