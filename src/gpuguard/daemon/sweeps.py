@@ -136,7 +136,7 @@ class Sweeping(Publishing):
         """The gate's request narrowed to the ended run: its invocation is the only ended one."""
         running = state.error is None and state.running
         live = live_invocation(end, running=running, invocation=state.invocation_id)
-        request = self._request(unit, inventory, state, live)
+        request = self._request(unit, inventory, self._facts(unit, state), live)
         found = request.provenance
         return replace(
             request,
