@@ -161,7 +161,7 @@ def _oom(piece: str) -> Callable[[int], Callable[[], object]]:
 
 def _show(piece: str, head: str = "") -> Callable[[int], Callable[[], object]]:
     def make(size: int) -> Callable[[], object]:
-        from gpuguard.adapters.systemd import parse_show  # noqa: PLC0415
+        from gpuguard.core.unitstate import parse_show  # noqa: PLC0415
 
         text = head + fill(piece, size - len(head))
         return lambda: parse_show("sglang.service", text)
@@ -325,7 +325,7 @@ CASES: dict[str, dict[str, Callable[[int], Callable[[], object]]]] = {
         "CUDA repeats": _oom("CUDA "),
         "plain text (best case)": _oom("Decode batch. "),
     },
-    "systemctl show (systemd.parse_show)": {
+    "systemctl show (unitstate.parse_show)": {
         "many lines": _show("X=y\n"),
         "Environment= quotes": _show("A='b ", head="Environment="),
         "Environment= backslashes": _show('"\\', head="Environment="),

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
     from clirunner import Openers, UnitCgroups
 
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ReapResult, ReapTarget
 
     Entry = dict[str, object]
@@ -1484,7 +1485,7 @@ def test_the_daemon_records_a_running_units_processes_in_the_ledger_file(
     running = "e" * 32
 
     def recording(settings: Settings, ports: Ports) -> Ports:
-        def show(name: str) -> systemd.UnitState:
+        def show(name: str) -> UnitState:
             return replace(
                 ports.show_unit(name),
                 active_state="active",

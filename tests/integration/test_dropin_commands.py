@@ -25,9 +25,10 @@ from asnobody import public_dir, run_as_nobody
 from daemontwins import Recorder, ReplayFollower
 
 from gpuguard.adapters import dropin
-from gpuguard.adapters.systemd import parse_show, provenance
+from gpuguard.adapters.systemd import provenance
 from gpuguard.config import Settings
 from gpuguard.core.inventory import build_inventory
+from gpuguard.core.unitstate import parse_show
 from gpuguard.core.values import NvmlHealth, NvmlReading, ProcScan
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports

@@ -169,6 +169,7 @@ class FakeSystemd:
         sub_state: str = "x",
         control_group: str = "",
         control: bool = False,
+        environment: str = "",
     ) -> None:
         """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
 
@@ -177,7 +178,8 @@ class FakeSystemd:
         unit); ``list-units`` lists ``known``; ``journalctl`` prints PID 1's entries naming
         ``logged``. ``sub_state`` is its SubState=, ``control_group`` its ControlGroup=;
         ``control``: its ControlPID= is the process that ran systemctl (the gpuguard command
-        asking is the unit's ExecStopPost=, say).
+        asking is the unit's ExecStopPost=, say); ``environment`` its Environment= as systemctl
+        prints it (shell-quoted words).
         """
         if unit is None:
             systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
@@ -186,7 +188,7 @@ class FakeSystemd:
             show = (
                 f"LoadState={load_state}\n"
                 f"ActiveState={state}\nSubState={sub_state}\nMainPID=0\nInvocationID={last}\n"
-                f"Environment=\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
+                f"Environment={environment}\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
                 f"ControlGroup={control_group}\n"
             )
             listed = "".join(f"{name} loaded active running x\n" for name in known)

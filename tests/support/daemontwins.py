@@ -24,9 +24,9 @@ from typing_extensions import Self
 
 from gpuguard.adapters import systemd
 from gpuguard.adapters.journal import KERNEL, JournalHealth, JournalRecord
-from gpuguard.adapters.systemd import UnitState
 from gpuguard.config import Settings
 from gpuguard.core.inventory import build_inventory
+from gpuguard.core.unitstate import UnitState
 from gpuguard.core.values import MigMode, ProcScan, ReapOutcome, ReapResult
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports

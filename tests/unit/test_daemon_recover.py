@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from builders import gpu, inventory, nvml, plan_request
 
-from gpuguard.adapters.systemd import UnitState
 from gpuguard.core.gate.run import GateSettings
+from gpuguard.core.unitstate import UnitState
 from gpuguard.core.values import MIB
 from gpuguard.daemon.recover import STOP_WAIT_S, Steps, carry_out
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from pathlib import Path
 
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ProcessIdentity
 
 UNIT = "sglang.service"
@@ -48,7 +49,7 @@ class Idle:
         )
         twin = UnitTwin(invocation=RUNNING, active="active")
 
-        def show(name: str) -> systemd.UnitState:
+        def show(name: str) -> UnitState:
             return replace(
                 twin.show(name), sub_state="running", control_group=f"/system.slice/{name}"
             )

@@ -10,9 +10,10 @@ from builders import gpu
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.adapters.systemd import is_control_process, parse_environment, parse_show
+from gpuguard.adapters.systemd import is_control_process
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
-from gpuguard.core.unitconfig import shell_words
+from gpuguard.core.unitconfig import parse_environment, shell_words
+from gpuguard.core.unitstate import parse_show
 from gpuguard.core.values import MigMode
 
 if TYPE_CHECKING:

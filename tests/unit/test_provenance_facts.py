@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.adapters.procread import parse_invocation_id, parse_uids
-from gpuguard.adapters.systemd import UnitState, parse_invocations, provenance, unit_uid
+from gpuguard.adapters.systemd import parse_invocations, provenance, unit_uid
+from gpuguard.core.unitstate import UnitState
 
 ID = "0123456789abcdef0123456789abcdef"
 UNIT = "sglang.service"

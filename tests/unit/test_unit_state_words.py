@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuguard.adapters.systemd import UnitState
+from gpuguard.core.unitstate import UnitState
 
 UNIT = "sglang.service"
 

@@ -24,12 +24,12 @@ from gpuguard.daemonsettings import listen_address
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.leftovers import WatchedUnit
     from gpuguard.core.logger import Logger
     from gpuguard.core.release import Release
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ReapResult, ReapTarget
 
 INVENTORY_EVERY_S = 300.0

@@ -11,12 +11,12 @@ import json
 import pwd
 import re
 import subprocess
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from gpuguard.adapters import procfs, programs
-from gpuguard.core import unitconfig
 from gpuguard.core.ledger import is_invocation_id
-from gpuguard.core.values import ProcessIdentity, UnitProvenance
+from gpuguard.core.unitstate import UnitState, parse_show, properties
+from gpuguard.core.values import UnitProvenance
 
 _PROPERTIES = (
     "LoadState",
@@ -38,58 +38,6 @@ _INVOCATION_ID = re.compile(r"[0-9a-f]{32}")
 # the newest cover hundreds of runs; each line is a few hundred bytes.
 _JOURNAL_ENTRIES = 4096
 _JOURNAL_LINE_LIMIT = 16384
-
-
-@dataclass(frozen=True, slots=True)
-class UnitState:
-    """What systemd says about a unit; ``error`` is set when it could not be asked."""
-
-    unit: str
-    active_state: str | None = None
-    sub_state: str | None = None
-    main_pid: int | None = None
-    invocation_id: str | None = None
-    environment: dict[str, str] = field(default_factory=dict)
-    n_restarts: int | None = None
-    user: str | None = None
-    dynamic_user: bool = False
-    error: str | None = None
-    load_state: str | None = None
-    control_pid: int | None = None
-    """The ExecStartPre=/ExecStopPost=/… process systemd runs now; None when there is none."""
-    control_group: str | None = None
-    """The unit's cgroup (``/system.slice/sglang.service``) while it has one (the ledger)."""
-    kill_mode: str | None = None
-    """``KillMode=`` (control-group, mixed, process, none): what a stop kills of the cgroup."""
-    main: ProcessIdentity | None = None
-    """The process at ``main_pid`` as /proc named it right after systemd did (``show_unit``):
-    what a KillMode=process stop signals, which a process given its PID later is not."""
-
-    @property
-    def not_found(self) -> bool:
-        """Whether systemd has no such unit (a typo, a package not installed).
-
-        ``ActiveState=inactive`` says nothing here: systemctl answers ``LoadState=not-found``
-        with ``ActiveState=inactive`` for any name.
-        """
-        return self.load_state == "not-found"
-
-    @property
-    def running(self) -> bool:
-        """Active, reloading or still starting: its current invocation's processes are live."""
-        return self.active_state in {"active", "reloading", "activating", "deactivating"}
-
-    def in_words(self) -> str:
-        """The unit's state as status and the daemon's snapshot say it.
-
-        A unit systemd does not know is "not found", not "inactive"; one systemd could not be
-        asked about is "state unknown", with why.
-        """
-        if self.error:
-            return f"state unknown ({self.error})"
-        if self.not_found:
-            return "not found (LoadState=not-found: systemd has no such unit)"
-        return f"{self.active_state} ({self.sub_state})"
 
 
 def systemctl(*args: str, timeout: float = _TIMEOUT_S) -> tuple[str | None, str | None]:
@@ -124,52 +72,7 @@ def show_properties(unit: str, names: tuple[str, ...]) -> dict[str, str] | str:
     out, problem = systemctl("show", unit, *(f"--property={p}" for p in names))
     if out is None:
         return problem or "systemctl show failed"
-    return _properties(out)
-
-
-def _properties(text: str) -> dict[str, str]:
-    """``systemctl show``'s KEY=VALUE lines as a dict."""
-    values: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            values[key] = value
-    return values
-
-
-def _pid(text: str) -> int | None:
-    """A PID property (0 means none); None when absent, zero or not a plain number."""
-    return (
-        int(text)
-        if text.isascii() and text.isdigit() and 0 < len(text) <= 10 and int(text)
-        else None
-    )
-
-
-def parse_show(unit: str, text: str) -> UnitState:
-    """Parse ``systemctl show`` KEY=VALUE output."""
-    values = _properties(text)
-    restarts = values.get("NRestarts", "")
-    return UnitState(
-        unit=unit,
-        active_state=values.get("ActiveState") or None,
-        sub_state=values.get("SubState") or None,
-        main_pid=_pid(values.get("MainPID", "")),
-        control_pid=_pid(values.get("ControlPID", "")),
-        control_group=values.get("ControlGroup") or None,
-        invocation_id=values.get("InvocationID") or None,
-        environment=parse_environment(values.get("Environment", "")),
-        n_restarts=int(restarts) if restarts.isdecimal() else None,
-        load_state=values.get("LoadState") or None,
-        user=values.get("User") or None,
-        dynamic_user=values.get("DynamicUser") == "yes",
-        kill_mode=values.get("KillMode") or None,
-    )
-
-
-def parse_environment(value: str) -> dict[str, str]:
-    """Split the Environment= property, which systemctl prints as shell-quoted words."""
-    return unitconfig.parse_environment(value)
+    return properties(out)
 
 
 def control(verb: str, unit: str) -> str | None:

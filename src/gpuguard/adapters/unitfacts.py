@@ -4,7 +4,8 @@
 whether the asker is the unit's own control process, takes the unit's environment (the
 caller's own, recorded for the daemon's recoveries when root; else systemd's Environment=), and
 reads the provenance: what systemd and its journal say of the unit's runs and user, with the
-provenance ledger's evidence (root first records what it sees of the runs now). The command
+provenance ledger's evidence (root first records what it sees of the runs now), merged into
+core.unitfacts' ``UnitFacts`` by the rule status and the daemon merge theirs by. The command
 then decides from this one value (commands/context.unit_plan): the live run, the GPU set, the
 policy's request. Nothing here decides who may be killed.
 """
@@ -13,33 +14,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gpuguard.adapters import ledgerstore, systemd, unitenv
+from gpuguard.core.unitfacts import unit_facts
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.gate.auth import Caller
     from gpuguard.core.ledger import UnitLedger
-    from gpuguard.core.values import UnitProvenance
-
-
-@dataclass(frozen=True, slots=True)
-class UnitFacts:
-    """What systemd, the asking process and the provenance ledger say of one unit, read once."""
-
-    state: UnitState
-    inside: bool
-    """The asker is the unit's own ExecStartPre=/ExecStopPost= process: its run is over."""
-    environment: dict[str, str]
-    """The unit's environment: the asker's own when it runs in the unit, else systemd's."""
-    provenance: UnitProvenance
-    """What ties a process to an ended run: systemd's runs and user, the ledger's claims."""
-    notices: tuple[str, ...]
-    """What could not be recorded on the way (the unit's GPU variables, the ledger)."""
+    from gpuguard.core.unitfacts import UnitFacts
+    from gpuguard.core.unitstate import UnitState
 
 
 def gather(unit: str, who: Caller, runtime_dir: Path, *, trust_unknown: bool) -> UnitFacts:
@@ -54,17 +40,13 @@ def gather(unit: str, who: Caller, runtime_dir: Path, *, trust_unknown: bool) ->
     )
     own, problem = own_environment(who, unit, runtime_dir)
     recorded, noted = _ledger_evidence(runtime_dir, unit, state, inside=inside)
-    provenance = replace(
-        systemd.provenance(state, inside=inside),
-        ledger=recorded.claims,
-        elsewhere=recorded.elsewhere,
-    )
-    return UnitFacts(
+    return unit_facts(
         state,
-        inside,
-        state.environment if own is None else own,
-        provenance,
-        tuple(line for line in (problem, noted) if line is not None),
+        systemd.provenance(state, inside=inside),
+        recorded,
+        environment=own,
+        inside=inside,
+        notices=tuple(line for line in (problem, noted) if line is not None),
     )
 
 

@@ -17,10 +17,10 @@ from gpuguard.core.policy import PlanRequest, Scope
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.gate.auth import Caller
     from gpuguard.core.gpuset import GpuSet
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import GpuReading, ReapResult, UnitProvenance
     from gpuguard.unitsettings import UnitSettings
 
@@ -144,11 +144,10 @@ def unit_plan(
     who = asker(caller)
     facts = unitfacts.gather(unit, who, settings.runtime_dir, trust_unknown=caller is None)
     unit_state, inside, provenance = facts.state, facts.inside, facts.provenance
-    live = unit_state.invocation_id if unit_state.running and not inside else None
     gpu_set = resolve_gpu_set(unit_settings(settings, unit).gpus, facts.environment, gpus)
     if inside and unit_state.error is not None and provenance.problem is None:
         # systemd cannot say the unit's User=; the unit's own control process runs as it (the
         # in-cgroup gate as root: root), so only processes of that uid may be its left-overs.
         provenance = replace(provenance, uid=who.uid)
-    request = plan_request(settings, unit, scope, gpu_set, live, provenance, caller=who)
+    request = plan_request(settings, unit, scope, gpu_set, facts.live, provenance, caller=who)
     return UnitPlan(request, gpu_set, unit_state, facts.environment, facts.notices)

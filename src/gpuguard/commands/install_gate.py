@@ -14,7 +14,7 @@ from gpuguard.core.exits import EX_NOPERM, EX_USAGE
 from gpuguard.core.gate.proto import SOCKET_PATH as GATE_SOCKET
 
 if TYPE_CHECKING:
-    from gpuguard.adapters.systemd import UnitState
+    from gpuguard.core.unitstate import UnitState
 
 # What an ExecStartPre= path may hold as written: systemd splits at white space and quotes,
 # expands % specifiers and $ variables, and a newline would start another directive.

@@ -92,7 +92,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
     looks = watched.look(settings, found)
     logged = releaselog.read(settings.runtime_dir)
     for seen in looks:
-        name, unit_state, gpu_set = seen.unit.name, seen.state, seen.gpu_set
+        name, unit_state, gpu_set = seen.unit.name, seen.facts.state, seen.gpu_set
         live[name] = unit_state.error is not None or unit_state.running
         units.append(
             UnitView(

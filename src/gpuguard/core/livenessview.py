@@ -9,13 +9,14 @@ opt in (``acted_on``), and does what systemd says now leave it alone after all (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.values import StrEnum
 
 if TYPE_CHECKING:
     from gpuguard.core.enginelines import Phase
     from gpuguard.core.startbudgets import StartRecord
+    from gpuguard.core.unitstate import UnitState
 
 
 class State(StrEnum):
@@ -55,19 +56,8 @@ def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) ->
     return view.state is State.STUCK and on_start_stuck == "recover"
 
 
-class UnitNow(Protocol):
-    """What systemd says of the unit now (``adapters.systemd.UnitState`` is one)."""
-
-    @property
-    def active_state(self) -> str | None: ...  # noqa: D102 - systemd's ActiveState
-    @property
-    def sub_state(self) -> str | None: ...  # noqa: D102 - systemd's SubState
-    @property
-    def invocation_id(self) -> str | None: ...  # noqa: D102 - the run systemd runs now
-
-
-def left_alone(view: LivenessView, unit: str, now: UnitNow) -> str | None:
-    """Why the daemon leaves an opted-in unit alone after all; None: recover it.
+def left_alone(view: LivenessView, unit: str, now: UnitState) -> str | None:
+    """Why the daemon leaves an opted-in unit alone after all (systemd's ``now``); None: recover it.
 
     Never worse than doing nothing: a stuck start that is no longer the unit's run, a unit
     someone stopped, a unit systemd restarts by itself (an exit 0 under Restart=always).

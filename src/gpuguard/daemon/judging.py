@@ -38,11 +38,11 @@ from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.gate.run import GateSettings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.daemon.watches import Watch
 
 # An interrupted recovery is resumed only if it could still be running: the stop wait, the
@@ -95,7 +95,7 @@ class Judging(Publishing):
         frees nothing and risks an outage: the unit is left as systemd has it, and the operator
         is told the blockers and the command to run after checking them (CRITICAL).
         """
-        request = self._request(watch.name, inventory, state, None)
+        request = self._request(watch.name, inventory, self._facts(watch.name, state), None)
         blockers = unfreeable(
             plan(inventory.holders, request),
             inventory,
@@ -159,8 +159,8 @@ class Judging(Publishing):
         A GPU of the set needs a reset when NVML says so, or after a reset-class kernel Xid
         since the unit last came up (xid.faults).
         """
-        live = state.invocation_id if state.running else None
-        request = self._request(watch.name, inventory, state, live)
+        facts = self._facts(watch.name, state)
+        request = self._request(watch.name, inventory, facts, facts.live)
         stale = tuple(
             f"PID {d.holder.pid} ({escape(d.holder.comm)}) holds GPU "
             + ",".join(str(u.gpu_index) for u in d.holder.gpus)
@@ -181,7 +181,7 @@ class Judging(Publishing):
             for e in self._faults.since(watch.up.since_s)
         ]
         needs_reset += blockers(faults, inventory.nvml.gpus, wanted)
-        view = cuda_view(self._environment(watch.name, state), inventory.nvml.gpus)
+        view = cuda_view(facts.environment, inventory.nvml.gpus)
         return GpuEvidence(
             stale_holders=stale,
             gpus_busy=bool(set_blockers(inventory, settings)),
@@ -224,7 +224,7 @@ class Judging(Publishing):
     ) -> None:
         ports = self._ports
         now = ports.monotonic()
-        request = self._request(watch.name, inventory, state, None)
+        request = self._request(watch.name, inventory, self._facts(watch.name, state), None)
         planned = [d.holder.pid for d in plan(inventory.holders, request).to_reap]
         record: dict[str, Any] = {
             "started_at": iso(ports.wall()),
@@ -319,7 +319,9 @@ class Judging(Publishing):
 
     def _recovery_steps(self) -> recover.Steps:
         def gate_settings(unit: str, inventory: Inventory, state: UnitState) -> GateSettings:
-            return self._gate_settings(self._request(unit, inventory, state, None))
+            return self._gate_settings(
+                self._request(unit, inventory, self._facts(unit, state), None)
+            )
 
         return recover.Steps(
             control=self._control,

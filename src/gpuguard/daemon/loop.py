@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpuguard.adapters.journal import JournalRecord
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.events import UnitEvent
     from gpuguard.core.runend import RunEnd
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.daemon.watches import Watch
 
 # The longest the loop sleeps with nothing due: idle cost is wake-ups, so wake only for work.

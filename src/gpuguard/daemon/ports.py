@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.adapters.journal import JournalHealth, JournalRecord
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.healthcheck import HealthTarget, ProbeResult
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.logger import Logger
     from gpuguard.core.policy import PlanRequest
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ProcessIdentity, ReapResult, ReapTarget, UnitProvenance
     from gpuguard.daemon.ledgerkeeper import LedgerPorts
 

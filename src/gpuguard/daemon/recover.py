@@ -18,10 +18,10 @@ from gpuguard.core.xid.stuck import named_by, stuck_phrase
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.gate.run import GateOutcome, GateSettings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import PlanRequest
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ReapResult, ReapTarget
     from gpuguard.core.xid.stuck import XidClaim
 

@@ -24,12 +24,12 @@ from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.core.events import UnitEvent
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.policy import Decision, PlanRequest
     from gpuguard.core.runend import RunEnd
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ReapResult
     from gpuguard.daemon.ports import UnitContainers
     from gpuguard.daemon.watches import Watch
@@ -136,7 +136,7 @@ class Sweeping(Publishing):
         """The gate's request narrowed to the ended run: its invocation is the only ended one."""
         running = state.error is None and state.running
         live = live_invocation(end, running=running, invocation=state.invocation_id)
-        request = self._request(unit, inventory, state, live)
+        request = self._request(unit, inventory, self._facts(unit, state), live)
         found = request.provenance
         return replace(
             request,

@@ -2,8 +2,9 @@
 
 ``DaemonState`` is the base of ``loop.Daemon``: it wires one detector, recovery planner, run-end
 tracker and liveness per unit, wraps the long adapter calls so the watchdog stays fed, and holds
-what more than one part of the loop asks: the unit's plan request (its GPU set, provenance and
-the ledger's claims), the gate's settings for it, systemd's view of it, and the per-unit state
+what more than one part of the loop asks: the unit's facts (core.unitfacts, merged from the
+ports' answers by the gate's rule) and its plan request (its GPU set, provenance and the
+ledger's claims), the gate's settings for it, systemd's view of it, and the per-unit state
 file that outlives the process (``UnitStateDocument``: recoveries, the planner's backoff, an
 interrupted recovery, the learned start phases).
 """
@@ -11,7 +12,7 @@ interrupted recovery, the learned start phases).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.detector import Detector
@@ -22,6 +23,7 @@ from gpuguard.core.liveness import Liveness
 from gpuguard.core.policy import PlanRequest, Scope
 from gpuguard.core.recovery import RecoveryPlanner
 from gpuguard.core.runend import RunEnds
+from gpuguard.core.unitfacts import unit_facts
 from gpuguard.core.values import MIB
 from gpuguard.core.xid.faults import FaultLog, LastUp
 from gpuguard.daemon.documents import UnitStateDocument
@@ -29,13 +31,13 @@ from gpuguard.daemon.ledgerkeeper import LedgerKeeper
 from gpuguard.daemon.watchdog import WatchdogFeeder
 
 if TYPE_CHECKING:
-    from gpuguard.adapters.systemd import UnitState
     from gpuguard.config import Settings
     from gpuguard.core.detector import Diagnosis
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.recovery import RecoveryDecision
     from gpuguard.core.runend import Sweep
-    from gpuguard.core.values import UnitProvenance
+    from gpuguard.core.unitfacts import UnitFacts
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.xid.events import XidEvent
     from gpuguard.daemon.ports import Follower, Ports
 
@@ -71,7 +73,7 @@ class Watch:
     last_sweep: Sweep | None = None
     """The newest sweep still waiting for the next run's start, to say whether it was in time."""
     up: LastUp = field(default_factory=LastUp)
-    """When the unit last came up: reset-class Xids before it no longer count (xid.faults)."""
+    """When the unit last came up: reset-class Xids before it no longer count (xidfaults)."""
     stuck_said: str | None = None
     """The run whose stuck start was logged (once per run)."""
     dead_due: float | None = None
@@ -133,11 +135,6 @@ class DaemonState:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""
         self._stop = True
 
-    def _with_ledger(self, provenance: UnitProvenance, unit: str) -> UnitProvenance:
-        """Systemd's provenance plus what the ledger recorded, of this unit and of others."""
-        recorded = self._keeper.evidence(unit)
-        return replace(provenance, ledger=recorded.claims, elsewhere=recorded.elsewhere)
-
     def _note_state(self, watch: Watch, state: UnitState) -> None:
         """Remember systemd's view; say once that a watched unit does not exist (a typo?)."""
         if state.not_found and not watch.not_found:
@@ -147,13 +144,23 @@ class DaemonState:
         watch.not_found = state.not_found
         watch.systemd_state = state.in_words()
 
+    def _facts(self, unit: str, state: UnitState) -> UnitFacts:
+        """The unit's facts, gathered through the ports and merged as the gate merges its own.
+
+        Its GPU variables as the gate recorded them (EnvironmentFile= included), else systemd's
+        Environment=; systemd's provenance, with what this daemon's ledger recorded.
+        """
+        recorded = self._ports.gate_environment(unit)
+        return unit_facts(
+            state, self._provenance(state), self._keeper.evidence(unit), environment=recorded
+        )
+
     def _request(
-        self, unit: str, inventory: Inventory, state: UnitState, live: str | None
+        self, unit: str, inventory: Inventory, facts: UnitFacts, live: str | None
     ) -> PlanRequest:
         settings = self._settings
         unit_settings = settings.units[unit]
-        environment = self._environment(unit, state)
-        gpu_set = resolve_gpu_set(unit_settings.gpus, environment, inventory.nvml.gpus)
+        gpu_set = resolve_gpu_set(unit_settings.gpus, facts.environment, inventory.nvml.gpus)
         if gpu_set.unjudged != self._unjudged.get(unit, frozenset()):
             self._unjudged[unit] = gpu_set.unjudged
             if gpu_set.unjudged:  # core/mig.py: said once, not on every look
@@ -167,15 +174,10 @@ class DaemonState:
             gpu_set=gpu_set.indices,
             protected_names=settings.protected_processes,
             untouchable_pids=self._ports.untouchable,
-            provenance=self._with_ledger(self._provenance(state), unit),
+            provenance=facts.provenance,
             live_invocation=live,
             adopt=unit_settings.adopt,
         )
-
-    def _environment(self, unit: str, state: UnitState) -> dict[str, str]:
-        """The unit's GPU variables: the gate's record includes EnvironmentFile= values."""
-        recorded = self._ports.gate_environment(unit)
-        return state.environment if recorded is None else recorded
 
     def _gate_settings(self, request: PlanRequest) -> GateSettings:
         settings = self._settings
