@@ -17,7 +17,6 @@ from gpuguard.core.policy import plan
 from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.runend import Sweep, describe, live_invocation, next_start, over_problem
 from gpuguard.core.unitcontainers import container_of
-from gpuguard.core.values import UnitProvenance
 from gpuguard.daemon.publishing import Publishing, iso
 from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
 
@@ -137,12 +136,9 @@ class Sweeping(Publishing):
         running = state.error is None and state.running
         live = live_invocation(end, running=running, invocation=state.invocation_id)
         request = self._request(unit, inventory, self._facts(unit, state), live)
-        found = request.provenance
         return replace(
             request,
-            provenance=UnitProvenance(
-                found.problem, frozenset({end.invocation_id}), found.uid, found.ledger
-            ),
+            provenance=replace(request.provenance, invocations=frozenset({end.invocation_id})),
             only_invocation=end.invocation_id,
         )
 
