@@ -130,7 +130,8 @@ def _watch(read_fd: int, allocs: list[Path]) -> None:
         _set_comm("gpu_hold_watch")
         while os.read(read_fd, 4096):
             pass
-        line = f"released_at_ms={time.time_ns() // 1_000_000}\n".encode()
+        # Rounded up: the release delay then counts from no earlier than the last close.
+        line = f"released_at_ms={-(-time.time_ns() // 1_000_000)}\n".encode()
         for path in allocs:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # never create: it may be gone

@@ -43,6 +43,20 @@ def test_the_first_reading_without_the_reaped_holders_ends_the_time() -> None:
     assert watch.observe(reading(), 106.0) == ()  # counted once
 
 
+def test_a_release_is_timed_when_nvml_answered_the_gpus_process_list() -> None:
+    """The GPU's own stamp, not the gather's start: a worker that started late is not a fast GPU.
+
+    A list answered before the last signal says nothing of the release, whatever the gather's
+    start; the list answered after it ends the time.
+    """
+    watch = ReleaseWatch()
+    watch.reaped([reaped(10, 100.0)], reading(10))
+    assert watch.observe(reading(processes_read_s=99.9), 100.1) == ()
+    assert watch.observe(reading(processes_read_s=101.25), 101.0) == (
+        Release(0, UUID, "NVIDIA H200", "550.54.15", 1.25),
+    )
+
+
 def test_no_evidence_no_time() -> None:
     """Not listed before, gone before any signal, unreadable or MIG GPUs are never timed."""
     watch = ReleaseWatch()

@@ -118,7 +118,7 @@ class Exporter:
     def gather(self) -> Inventory:
         """The daemon's gather, remembered (its NVML health counted, the GPUs it shows released).
 
-        NVML is read first in a gather: a release is timed at the gather's start.
+        A release is timed when NVML answered the GPU's process list (ReleaseWatch.observe).
         """
         begun = self._monotonic()
         inventory = self._gather()

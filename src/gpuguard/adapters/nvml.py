@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -175,9 +176,11 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
         else:
             problems.append(f"memory unreadable: {err}")
     processes: tuple[NvmlProcess, ...] = ()
+    processes_read_s: float | None = None
     missing_symbol: str | None = None
     try:
         processes, scrambled = _read_processes(nvml, handle)
+        processes_read_s = time.monotonic()
         if scrambled:
             problems.append(
                 "driver reported corrupt PIDs (a 535.43-535.85 driver?); upgrade the driver"
@@ -204,6 +207,7 @@ def _read_gpu(nvml: ModuleType, index: int) -> tuple[GpuReading, str | None]:
         health=health,
         persistence_mode=_enabled(_optional(nvml, nvml.nvmlDeviceGetPersistenceMode, handle)),
         mig=_mig_mode(nvml, handle),
+        processes_read_s=processes_read_s,
     )
     if lost:
         reading = _mark_lost(reading)

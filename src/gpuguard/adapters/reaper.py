@@ -178,6 +178,7 @@ def _send(item: _Tracked, sig: signal.Signals, log: Logger) -> bool:
 
     EPERM and other refusals settle the target: it gets no further signal.
     """
+    sent_s = time.monotonic()  # before the send: the process may exit before this thread runs on
     try:
         signals.send_pinned(item.pidfd(), sig)
     except ProcessLookupError:
@@ -190,7 +191,7 @@ def _send(item: _Tracked, sig: signal.Signals, log: Logger) -> bool:
         _settle(item, ReapOutcome.ERROR, f"{sig.name} failed: {error.strerror}", log)
         return True
     item.signals.append(sig.name)
-    item.last_signal_s = time.monotonic()
+    item.last_signal_s = sent_s
     log.info("signal", signal=sig.name, **_fields(item.target))
     return True
 

@@ -143,7 +143,7 @@ def run(
     released: list[tuple[Release, float]] = []
 
     def gather() -> Inventory:
-        """The next inventory; the GPUs it shows released (NVML is read first: timed here)."""
+        """The next inventory; the GPUs it shows released (ReleaseWatch.observe times them)."""
         begun = time.monotonic()
         latest[0] = pending.pop() if pending else inventory.gather(settings)
         released.extend((release, begun) for release in watch.observe(latest[0].nvml, begun))

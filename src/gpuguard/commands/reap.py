@@ -235,7 +235,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     released: list[tuple[Release, float]] = []
 
     def gather() -> Inventory:
-        """The next inventory, and the GPUs it shows released (NVML is read first: timed here)."""
+        """The next inventory, and the GPUs it shows released (ReleaseWatch.observe times them)."""
         begun = time.monotonic()
         fresh = inventory.gather(settings)
         released.extend((release, begun) for release in watch.observe(fresh.nvml, begun))

@@ -4,7 +4,9 @@ After gpuguard's last signal to a holder, its process exits at once or within th
 the driver frees its GPU memory only when it has torn the process's contexts down: seconds
 that decide when the next start finds its GPUs idle, and that no exporter measures. The time
 here is from the last signal the reaper sent (``ReapResult.last_signal_s``, the monotonic
-clock) to the first NVML reading of that GPU that no longer lists any process reaped on it.
+clock, read just before the send) to the first NVML reading of that GPU that no longer lists
+any process reaped on it (the moment NVML answered its process list), so it is never shorter
+than the driver took.
 Only positive evidence counts: a holder NVML listed on the GPU in the reading before the reap,
 that the reaper saw die after a signal (exited or killed), and later readings of the same GPU
 (UUID) that NVML could read. A GPU whose holders stay listed is never counted (past
@@ -108,7 +110,12 @@ class ReleaseWatch:
                 pending.signal_s = max(pending.signal_s, signal_s)
 
     def observe(self, reading: NvmlReading, at_s: float) -> tuple[Release, ...]:
-        """The GPUs that ``reading``, taken at monotonic ``at_s``, shows released."""
+        """The GPUs that ``reading``, taken at monotonic ``at_s``, shows released.
+
+        Each GPU's release is timed to when NVML answered its process list
+        (``GpuReading.processes_read_s``), else to ``at_s``; a list read before the last signal
+        is no evidence either way.
+        """
         if not self._pending or reading.health is not NvmlHealth.OK:
             return ()
         by_uuid = {gpu.uuid: gpu for gpu in reading.gpus if gpu.uuid}
@@ -118,13 +125,14 @@ class ReleaseWatch:
                 del self._pending[uuid]
                 continue
             gpu = by_uuid.get(uuid)
-            if gpu is None or gpu.lost or gpu.problem is not None or at_s < pending.signal_s:
+            if gpu is None or gpu.lost or gpu.problem is not None:
                 continue  # no evidence either way: wait for a reading that can say
-            if any(p.pid in pending.pids for p in gpu.processes):
+            seen_s = at_s if gpu.processes_read_s is None else gpu.processes_read_s
+            if seen_s < pending.signal_s or any(p.pid in pending.pids for p in gpu.processes):
                 continue
             del self._pending[uuid]
             found.append(
-                Release(pending.gpu, uuid, pending.model, pending.driver, at_s - pending.signal_s)
+                Release(pending.gpu, uuid, pending.model, pending.driver, seen_s - pending.signal_s)
             )
         return tuple(found)
 

@@ -152,6 +152,10 @@ class GpuReading:
     mig: MigMode | None = None
     """MIG mode; None: unknown (the call failed). With MIG on, the whole-GPU memory and
     process lists sum every MIG instance, other tenants' too (core/mig.py)."""
+    processes_read_s: float | None = None
+    """When NVML answered ``processes`` (the host's monotonic clock, which the forked NVML
+    worker shares); None when the list could not be read. A release is timed to it: a reading
+    stamped when its gather began could predate the answer by the worker's start."""
 
 
 class NvmlHealth(StrEnum):
