@@ -10,13 +10,13 @@ import pytest
 
 from gpuguard.adapters.doctorio import path_chain
 from gpuguard.core.doctor import (
+    AuditedUnit,
     Finding,
     GpuUseFacts,
     History,
     HostFacts,
     PathFact,
     Stop,
-    UnitFacts,
     build_history,
     diagnose,
     render_fix,
@@ -59,8 +59,8 @@ def config(**overrides: object) -> UnitConfig:
 
 def facts(
     unit_config: UnitConfig | None = None, history: History | None = None, **extra: object
-) -> UnitFacts:
-    """UnitFacts with defaults for everything a test does not care about."""
+) -> AuditedUnit:
+    """AuditedUnit with defaults for everything a test does not care about."""
     values: dict[str, object] = {
         "config": unit_config or config(),
         "history": history or History(),
@@ -69,7 +69,7 @@ def facts(
         "user_uid": 0,
     }
     values.update(extra)
-    return UnitFacts(**values)  # type: ignore[arg-type]
+    return AuditedUnit(**values)  # type: ignore[arg-type]
 
 
 def by_code(findings: tuple[Finding, ...], code: str) -> Finding:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.adapters import state
 from gpuguard.adapters.doctorio import gate_waits, learned_starts
 from gpuguard.core.doctor import (
+    AuditedUnit,
     Finding,
     GateWaits,
     History,
     HostFacts,
     LearnedStarts,
-    UnitFacts,
     diagnose,
     render_fix,
     render_text,
@@ -111,7 +111,7 @@ def unit(**overrides: object) -> UnitConfig:
 
 def judge(config: UnitConfig, **extra: Any) -> tuple[Finding, ...]:
     """What doctor finds about the unit with these learned facts."""
-    facts = UnitFacts(config, History(), {"CUDA_VISIBLE_DEVICES": "0"}, None, 0, **extra)
+    facts = AuditedUnit(config, History(), {"CUDA_VISIBLE_DEVICES": "0"}, None, 0, **extra)
     return diagnose(facts, {}, HOST)
 
 

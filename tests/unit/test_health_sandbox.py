@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.core.doctor import History, HostFacts, UnitFacts, diagnose
+from gpuguard.core.doctor import AuditedUnit, History, HostFacts, diagnose
 from gpuguard.core.doctor.hostchecks import HEALTH_FIX
 from gpuguard.core.levels import Level
 from gpuguard.core.unitconfig import UnitConfig
@@ -29,10 +29,10 @@ OPENED = {
 }
 
 
-def facts(health_url: str | None) -> UnitFacts:
+def facts(health_url: str | None) -> AuditedUnit:
     """A loaded unit with ``health_url``; nothing else about it matters here."""
     unit = UnitConfig("sglang.service", load_state="loaded")
-    return UnitFacts(unit, History(), {}, None, 0, health_url=health_url)
+    return AuditedUnit(unit, History(), {}, None, 0, health_url=health_url)
 
 
 def service_section(path: Path) -> configparser.SectionProxy:

@@ -27,13 +27,13 @@ from gpuguard.adapters import programs, state, systemd
 from gpuguard.core.doctor import (
     DAEMON_UNIT,
     SWEEP_EVENT,
+    AuditedUnit,
     GateWaits,
     GpuUseFacts,
     History,
     HostFacts,
     LearnedStarts,
     PathFact,
-    UnitFacts,
     build_history,
 )
 from gpuguard.core.events import FIELDS_READ
@@ -159,7 +159,7 @@ def path_chain(path: str) -> tuple[PathFact, ...]:
     return tuple(facts)
 
 
-def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> UnitFacts:
+def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> AuditedUnit:
     """Everything doctor needs about one watched unit; ``now``: the host's GPU holders."""
     problems: list[str] = []
     config, problem = unit_config(unit)
@@ -186,7 +186,7 @@ def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> 
             if entry:
                 paths[entry] = path_chain(entry)
     watched = settings.units.get(unit)
-    return UnitFacts(
+    return AuditedUnit(
         config=config,
         history=found,
         environment=environment,

@@ -12,6 +12,7 @@ from gpuguard.adapters import dropin, files, systemd
 from gpuguard.commands.output import Said
 from gpuguard.core.exits import EX_NOPERM, EX_USAGE
 from gpuguard.core.gate.proto import SOCKET_PATH as GATE_SOCKET
+from gpuguard.core.unitstate import no_such_unit
 
 if TYPE_CHECKING:
     from gpuguard.core.unitstate import UnitState
@@ -151,5 +152,5 @@ def _unit_missing(unit_state: UnitState) -> str | None:
     if unit_state.error:
         return f"cannot ask systemd whether {unit_state.unit} exists ({unit_state.error})"
     if unit_state.not_found:
-        return f"systemd has no unit {unit_state.unit} (LoadState=not-found; a typo?)"
+        return no_such_unit(unit_state.unit)
     return None

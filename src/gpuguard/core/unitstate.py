@@ -12,6 +12,15 @@ from typing import TYPE_CHECKING
 
 from gpuguard.core import unitconfig
 
+NOT_FOUND = "not-found"
+"""``LoadState=`` of a unit systemd does not know (a typo, a package not installed)."""
+
+
+def no_such_unit(unit: str) -> str:
+    """What doctor and install-gate say of a unit systemd does not know."""
+    return f"systemd has no unit {unit} (LoadState=not-found; a typo?)"
+
+
 if TYPE_CHECKING:
     from gpuguard.core.values import ProcessIdentity
 
@@ -48,7 +57,7 @@ class UnitState:
         ``ActiveState=inactive`` says nothing here: systemctl answers ``LoadState=not-found``
         with ``ActiveState=inactive`` for any name.
         """
-        return self.load_state == "not-found"
+        return self.load_state == NOT_FOUND
 
     @property
     def running(self) -> bool:

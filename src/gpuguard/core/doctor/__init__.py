@@ -11,6 +11,7 @@ the operator copies the printed drop-in. Foreign strings are escaped where they 
 
 from gpuguard.core.doctor.checks import diagnose
 from gpuguard.core.doctor.facts import (
+    AuditedUnit,
     GateWaits,
     GpuUseFacts,
     History,
@@ -18,7 +19,6 @@ from gpuguard.core.doctor.facts import (
     LearnedStarts,
     PathFact,
     Stop,
-    UnitFacts,
 )
 from gpuguard.core.doctor.findings import Finding, worst
 from gpuguard.core.doctor.journal import DAEMON_UNIT, SWEEP_EVENT, build_history
@@ -36,6 +36,7 @@ __all__ = [
     "FIX_FILE_NAME",
     "SCHEMA_VERSION",
     "SWEEP_EVENT",
+    "AuditedUnit",
     "Finding",
     "GateWaits",
     "GpuUseFacts",
@@ -45,7 +46,6 @@ __all__ = [
     "Level",
     "PathFact",
     "Stop",
-    "UnitFacts",
     "build_history",
     "diagnose",
     "render_fix",

@@ -32,11 +32,12 @@ from gpuguard.core.doctor.hostchecks import (
 )
 from gpuguard.core.doctor.starts import gate_wait, start_timeout
 from gpuguard.core.levels import Level
+from gpuguard.core.unitstate import NOT_FOUND, no_such_unit
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from gpuguard.core.doctor.facts import HostFacts, UnitFacts
+    from gpuguard.core.doctor.facts import AuditedUnit, HostFacts
     from gpuguard.core.unitconfig import UnitConfig
 
 SAFE_KILL_MODES: Final = frozenset({"control-group", "mixed"})
@@ -59,7 +60,7 @@ _SECONDS = re.compile(r"\d{1,7}(?:\.\d{1,6})?")
 
 
 def diagnose(
-    facts: UnitFacts, others: Mapping[str, UnitFacts], host: HostFacts
+    facts: AuditedUnit, others: Mapping[str, AuditedUnit], host: HostFacts
 ) -> tuple[Finding, ...]:
     """Every finding about one unit; ``others`` are the other watched units (GPU overlaps)."""
     config = facts.config
@@ -72,14 +73,8 @@ def diagnose(
                 tuple(facts.problems),
             ),
         )
-    if config.load_state == "not-found":
-        return (
-            Finding(
-                "not-found",
-                Level.UNKNOWN,
-                f"systemd has no unit {config.unit} (LoadState=not-found; a typo?)",
-            ),
-        )
+    if config.load_state == NOT_FOUND:
+        return (Finding("not-found", Level.UNKNOWN, no_such_unit(config.unit)),)
     gate_s = gate_timeout(config, host) if gate_installed(config) else None
     starts = start_timeout(facts, gate_s)
     findings = [
@@ -100,7 +95,7 @@ def diagnose(
     return tuple(sorted(findings, key=lambda f: -f.severity))
 
 
-def _problems(facts: UnitFacts) -> list[Finding]:
+def _problems(facts: AuditedUnit) -> list[Finding]:
     if not facts.problems:
         return []
     return [
@@ -113,7 +108,7 @@ def _problems(facts: UnitFacts) -> list[Finding]:
     ]
 
 
-def _stop_timeout(facts: UnitFacts) -> Finding:
+def _stop_timeout(facts: AuditedUnit) -> Finding:
     """Observed drains versus TimeoutStopSec=: what a stop costs when systemd cuts it short."""
     stops = facts.history.stops
     timeout = facts.config.timeout_stop_s
@@ -192,7 +187,7 @@ def _suggested_stop_timeout(clean: Sequence[float], killed: Sequence[float]) -> 
     return max(by_clean, by_killed)
 
 
-def _kill_mode(facts: UnitFacts) -> list[Finding]:
+def _kill_mode(facts: AuditedUnit) -> list[Finding]:
     found: list[Finding] = []
     mode = facts.config.kill_mode
     if mode is not None and mode not in SAFE_KILL_MODES:
@@ -212,7 +207,7 @@ def _kill_mode(facts: UnitFacts) -> list[Finding]:
     return found
 
 
-def _survivors(facts: UnitFacts) -> list[Finding]:
+def _survivors(facts: AuditedUnit) -> list[Finding]:
     """Processes that outlived a stop of the unit, each PID once, counted on trusted word only.
 
     systemd's word and the daemon's sweeps are counted; the holders the server's out-of-memory
@@ -273,7 +268,7 @@ def _survivors(facts: UnitFacts) -> list[Finding]:
     ]
 
 
-def _restart_policy(facts: UnitFacts, host: HostFacts) -> list[Finding]:
+def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
     """What a restart loop costs per hour, and whether systemd's start limit ever ends it."""
     config = facts.config
     history = facts.history
@@ -374,7 +369,7 @@ def gate_timeout(config: UnitConfig, host: HostFacts) -> float:
     return host.gate_timeout_s
 
 
-def _gate(facts: UnitFacts, host: HostFacts, *, proposed: bool) -> list[Finding]:
+def _gate(facts: AuditedUnit, host: HostFacts, *, proposed: bool) -> list[Finding]:
     """Whether the gate guards the unit's starts and TimeoutStartSec= lets it finish.
 
     ``proposed``: the start-timeout finding proposes a TimeoutStartSec= (it covers the gate's

@@ -63,7 +63,7 @@ class PathFact:
 
 
 @dataclass(frozen=True, slots=True)
-class UnitFacts:
+class AuditedUnit:
     """Everything doctor judges one unit on; the adapter gathers it, nothing here does I/O.
 
     ``paths`` maps each PATH/LD_LIBRARY_PATH entry and EnvironmentFile= to the ``lstat`` of it

@@ -17,10 +17,10 @@ from gpuguard.core.mig import UNJUDGED, indices_text
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from gpuguard.core.doctor.facts import HostFacts, PathFact, UnitFacts
+    from gpuguard.core.doctor.facts import AuditedUnit, HostFacts, PathFact
 
 
-def gpu_set(facts: UnitFacts, others: Mapping[str, UnitFacts]) -> list[Finding]:
+def gpu_set(facts: AuditedUnit, others: Mapping[str, AuditedUnit]) -> list[Finding]:
     """The unit's GPU set, and the other watched units it shares GPUs with."""
     mine = _gpus(facts)
     unit = facts.config.unit
@@ -60,7 +60,7 @@ def gpu_set(facts: UnitFacts, others: Mapping[str, UnitFacts]) -> list[Finding]:
     return found
 
 
-def gpu_use(facts: UnitFacts) -> list[Finding]:
+def gpu_use(facts: AuditedUnit) -> list[Finding]:
     """The GPU set against what the unit's processes hold now (NVML and /proc)."""
     use = facts.use
     if use is None or not use.held:
@@ -94,7 +94,7 @@ def gpu_use(facts: UnitFacts) -> list[Finding]:
     return [Finding("gpu-use", Level.OK, f"its processes hold GPUs {held}, all in its set")]
 
 
-def _gpus(facts: UnitFacts) -> frozenset[str] | None:
+def _gpus(facts: AuditedUnit) -> frozenset[str] | None:
     """The unit's GPUs as tokens (indices or UUIDs); None: all of them."""
     if facts.gpus is not None:
         return frozenset(str(g) for g in facts.gpus)
@@ -110,7 +110,7 @@ def _describe_gpus(gpus: frozenset[str] | None) -> str:
     return "GPUs " + show(",".join(sorted(gpus)), VALUE_CHARS)
 
 
-def writable_paths(facts: UnitFacts) -> list[Finding]:
+def writable_paths(facts: AuditedUnit) -> list[Finding]:
     """Paths in PATH, LD_LIBRARY_PATH and EnvironmentFile= that the service user can change.
 
     Anything root runs for the unit in its environment (an ExecStartPre=+ line, a helper that
@@ -206,7 +206,7 @@ HEALTH_FIX: Final = (
 )
 
 
-def health_sandbox(facts: UnitFacts, host: HostFacts) -> list[Finding]:
+def health_sandbox(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
     """A ``health_url`` the daemon cannot reach: gpuguard.service has no network for TCP."""
     url, sandbox = facts.health_url, host.daemon_sandbox
     if url is None or not sandbox:

@@ -18,7 +18,7 @@ from gpuguard.core.levels import Level
 from gpuguard.core.startbudgets import BUDGET_FACTOR, BUDGET_SLACK_S, MIN_STARTS, budget_for
 
 if TYPE_CHECKING:
-    from gpuguard.core.doctor.facts import UnitFacts
+    from gpuguard.core.doctor.facts import AuditedUnit
 
 WAITS_FOR_READY: Final = frozenset({"notify", "notify-reload"})
 """The service types whose start job lasts until the server says it is ready (sd_notify): only
@@ -36,7 +36,7 @@ def _rule(longest_s: float) -> str:
     )
 
 
-def start_timeout(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
+def start_timeout(facts: AuditedUnit, gate_s: float | None) -> list[Finding]:
     """TimeoutStartSec= against the starts that came up; ``gate_s``: the gate's timeout, if gated.
 
     A start's time includes the gate's wait in those runs; a future start may wait up to the
@@ -139,7 +139,7 @@ def _against(
     )
 
 
-def gate_wait(facts: UnitFacts, gate_s: float | None) -> list[Finding]:
+def gate_wait(facts: AuditedUnit, gate_s: float | None) -> list[Finding]:
     """The gate's timeout (``gate_s``, None: no gate) against how long it waited before."""
     waits = facts.gate_waits
     if waits is None or gate_s is None:
