@@ -10,7 +10,6 @@ from builders import gpu
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.adapters.systemd import is_control_process
 from gpuguard.core.gpuset import cuda_view, resolve_gpu_set
 from gpuguard.core.unitconfig import parse_environment, shell_words
 from gpuguard.core.unitstate import parse_show
@@ -115,18 +114,18 @@ def test_only_the_units_control_process_speaks_for_its_run() -> None:
     starting = parse_show(
         "s.service", show.format(active="activating", sub="start-pre", control=77)
     )
-    assert is_control_process(starting, 77, trust_unknown=False)
-    assert not is_control_process(starting, 4242, trust_unknown=True)
+    assert starting.is_control_process(77, trust_unknown=False)
+    assert not starting.is_control_process(4242, trust_unknown=True)
     running = parse_show("s.service", show.format(active="active", sub="running", control=0))
     assert running.control_pid is None
-    assert not is_control_process(running, 4242, trust_unknown=True)
+    assert not running.is_control_process(4242, trust_unknown=True)
     stopping = parse_show(
         "s.service", show.format(active="deactivating", sub="stop-post", control=9)
     )
-    assert is_control_process(stopping, 9, trust_unknown=False)
+    assert stopping.is_control_process(9, trust_unknown=False)
     unknown = parse_show("s.service", "")
-    assert is_control_process(unknown, 9, trust_unknown=True)
-    assert not is_control_process(unknown, 9, trust_unknown=False)
+    assert unknown.is_control_process(9, trust_unknown=True)
+    assert not unknown.is_control_process(9, trust_unknown=False)
 
 
 def test_cuda_view_numbers_the_visible_gpus_in_the_order_given() -> None:

@@ -14,7 +14,6 @@ import subprocess
 from dataclasses import replace
 
 from gpuguard.adapters import procfs, programs
-from gpuguard.core.ledger import is_invocation_id
 from gpuguard.core.unitstate import UnitState, parse_show, properties
 from gpuguard.core.values import UnitProvenance
 
@@ -197,37 +196,3 @@ def provenance(state: UnitState, *, inside: bool = False, history: bool = True) 
     if state.running and not inside:
         runs.discard(state.invocation_id or "")  # the live run is not a left-over
     return UnitProvenance(None, frozenset(runs), unit_uid(state))
-
-
-# Where a unit is while systemd runs its ExecStartPre= (start-pre) or ExecStopPost= (stop-post,
-# and the final-* states that follow it when it overstays).
-_CONTROL_STATES = frozenset(
-    {"start-pre", "stop-post", "final-sigterm", "final-sigkill", "final-watchdog"}
-)
-
-
-_ENDING_STATES = _CONTROL_STATES - {"start-pre"}
-
-
-def ending_run(state: UnitState) -> str | None:
-    """The run whose stop systemd is finishing (ExecStopPost=, final kills); None otherwise.
-
-    While the unit is in one of these states its control process runs and systemd starts no
-    new run, so what is in the cgroup now is that run's (or an earlier one's, never a later).
-    """
-    invocation = state.invocation_id
-    if state.error is not None or state.sub_state not in _ENDING_STATES or not invocation:
-        return None
-    return invocation if is_invocation_id(invocation) else None
-
-
-def is_control_process(state: UnitState, pid: int, *, trust_unknown: bool) -> bool:
-    """Whether ``pid`` is the unit's ExecStartPre=/ExecStopPost= process, as systemd says.
-
-    Only that process may speak for the unit's run being over: any other process in the
-    cgroup (a worker, another user's job in a multi-user service) may not. When systemd
-    cannot be asked, ``trust_unknown`` decides (root running gpuguard itself in the cgroup).
-    """
-    if state.error is not None or state.sub_state is None:
-        return trust_unknown
-    return state.sub_state in _CONTROL_STATES and state.control_pid == pid

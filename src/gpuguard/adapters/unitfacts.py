@@ -32,12 +32,10 @@ def gather(unit: str, who: Caller, runtime_dir: Path, *, trust_unknown: bool) ->
     """The unit's facts for ``who``; ``trust_unknown``: root runs gpuguard itself (no server).
 
     When systemd cannot be asked, ``trust_unknown`` decides whether a caller in the unit's
-    cgroup counts as its control process (systemd.is_control_process).
+    cgroup counts as its control process (UnitState.is_control_process).
     """
     state = systemd.show_unit(unit)
-    inside = who.runs_in(unit) and systemd.is_control_process(
-        state, who.pid, trust_unknown=trust_unknown
-    )
+    inside = who.runs_in(unit) and state.is_control_process(who.pid, trust_unknown=trust_unknown)
     own, problem = own_environment(who, unit, runtime_dir)
     recorded, noted = _ledger_evidence(runtime_dir, unit, state, inside=inside)
     return unit_facts(
@@ -82,7 +80,7 @@ def _ledger_evidence(
     """
     if os.geteuid() != 0:
         return ledgerstore.evidence(runtime_dir, unit), None
-    ending = systemd.ending_run(unit_state) if inside else None
+    ending = unit_state.ending_run() if inside else None
     try:
         seen = ledgerstore.record_seen(
             runtime_dir, unit, ending, unit_state.control_group, time.time()

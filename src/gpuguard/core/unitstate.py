@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuguard.core import unitconfig
+from gpuguard.core.ledger import is_invocation_id
 
+# Where a unit is while systemd runs its ExecStartPre= (start-pre) or ExecStopPost= (stop-post,
+# and the final-* states that follow it when it overstays).
+_CONTROL_STATES = frozenset(
+    {"start-pre", "stop-post", "final-sigterm", "final-sigkill", "final-watchdog"}
+)
+_ENDING_STATES = _CONTROL_STATES - {"start-pre"}
 NOT_FOUND = "not-found"
 """``LoadState=`` of a unit systemd does not know (a typo, a package not installed)."""
 
@@ -63,6 +70,28 @@ class UnitState:
     def running(self) -> bool:
         """Active, reloading or still starting: its current invocation's processes are live."""
         return self.active_state in {"active", "reloading", "activating", "deactivating"}
+
+    def ending_run(self) -> str | None:
+        """The run whose stop systemd is finishing (ExecStopPost=, final kills); None otherwise.
+
+        While the unit is in one of these states its control process runs and systemd starts no
+        new run, so what is in the cgroup now is that run's (or an earlier one's, never a later).
+        """
+        invocation = self.invocation_id
+        if self.error is not None or self.sub_state not in _ENDING_STATES or not invocation:
+            return None
+        return invocation if is_invocation_id(invocation) else None
+
+    def is_control_process(self, pid: int, *, trust_unknown: bool) -> bool:
+        """Whether ``pid`` is the unit's ExecStartPre=/ExecStopPost= process, as systemd says.
+
+        Only that process may speak for the unit's run being over: any other process in the
+        cgroup (a worker, another user's job in a multi-user service) may not. When systemd
+        cannot be asked, ``trust_unknown`` decides (root running gpuguard itself in the cgroup).
+        """
+        if self.error is not None or self.sub_state is None:
+            return trust_unknown
+        return self.sub_state in _CONTROL_STATES and self.control_pid == pid
 
     def in_words(self) -> str:
         """The unit's state as status and the daemon's snapshot say it.
