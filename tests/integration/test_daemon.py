@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import snapshots
@@ -155,10 +155,11 @@ def build(
     saved: dict[str, dict[str, Any]] | None = None,
     reaper_twin: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]] | None = None,
     kill_mode: str | None = None,
+    adopt: tuple[str, ...] = (),
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
-        units={unit: UnitSettings()},
+        units={unit: UnitSettings(adopt=adopt)},
         allow_plain_device_files=True,
         nvml_library=fake_library(),
         device_glob=f"{state}/dev/nvidia*",
@@ -1467,6 +1468,46 @@ def test_a_crashed_runs_worker_that_moved_to_its_own_scope_is_reaped_by_the_ledg
     assert harness.unit.calls == []
     [said] = sweep_lines(harness)
     assert said["pids"] == [escaped.pid]
+
+
+def test_the_sweep_never_adopts_a_process_the_ledger_recorded_in_another_units_run(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a scope the unit adopts, with its uid and its crashed run's INVOCATION_ID: kept.
+
+    The environment is the process's to write; the ledger saw it descend from a run of
+    b.service, so the sweep of the crashed run leaves it, as the gate does.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    other = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 1)
+    unit_cgroups.move(other.pid, f"tp-worker-{uuid.uuid4().hex[:8]}.scope")
+    recorded = Ledger().record("b.service", "b" * 32, runtree.descendants([other.pid]), 1.0)
+
+    def with_ledger(_settings: Settings, ports: Ports) -> Ports:
+        return replace(ports, load_ledger=lambda: recorded)
+
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        entries,
+        dry_run=False,
+        wrap=with_ledger,
+        adopt=("tp-worker-*.scope",),
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(other.pid)
+    assert all(
+        other.pid not in cast("list[int]", line.get("pids", [])) for line in sweep_lines(harness)
+    )
 
 
 def test_the_daemon_records_a_running_units_processes_in_the_ledger_file(

@@ -27,8 +27,10 @@ class UnitFacts:
     inside: bool
     """The asker is the unit's own ExecStartPre=/ExecStopPost= process: its run is over."""
     environment: dict[str, str]
-    """The unit's environment: the asker's own when it runs in the unit, else the gate's
-    record of it (EnvironmentFile= values included), else systemd's ``Environment=``."""
+    """The unit's environment: the asker's own when it runs in the unit (the gate and reap);
+    for status, the metrics and the daemon, the gate's record of it (EnvironmentFile= values
+    included); else systemd's ``Environment=``. The gate and reap never read the record: an
+    operator's reap plans with systemd's."""
     provenance: UnitProvenance
     """What ties a process to an ended run: systemd's runs and user, the ledger's claims."""
     notices: tuple[str, ...] = ()
@@ -36,7 +38,13 @@ class UnitFacts:
 
     @property
     def live(self) -> str | None:
-        """The run whose processes are kept: systemd's running one, unless the asker ends it."""
+        """The run whose processes are kept: systemd's running one, unless the asker ends it.
+
+        What a gate, a reap, status and the daemon's GPU evidence plan with. The daemon's
+        sweep of an ended run and its recoveries name their own live run instead (the sweep
+        drops the run that ended even while systemd still says ``deactivating``; a recovery
+        of a stuck or dead run keeps none of it): never replace theirs with this.
+        """
         return self.state.invocation_id if self.state.running and not self.inside else None
 
 

@@ -73,7 +73,7 @@ class Watch:
     last_sweep: Sweep | None = None
     """The newest sweep still waiting for the next run's start, to say whether it was in time."""
     up: LastUp = field(default_factory=LastUp)
-    """When the unit last came up: reset-class Xids before it no longer count (xidfaults)."""
+    """When the unit last came up: reset-class Xids before it no longer count (xid.faults)."""
     stuck_said: str | None = None
     """The run whose stuck start was logged (once per run)."""
     dead_due: float | None = None

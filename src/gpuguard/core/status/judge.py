@@ -242,7 +242,7 @@ def _liveness_findings(name: str, liveness: Mapping[str, Any]) -> list[Finding]:
     return [Finding(level, f"{name}: {escape(str(liveness.get('summary')))}")]
 
 
-# Xid classes after which no kill helps (xid.py); an application fault is the reaper's business.
+# Xid classes after which no kill helps (xid.catalogue); an application fault is the reaper's.
 _SERIOUS_XIDS = frozenset({XidClass.RESET_GPU, XidClass.REBOOT, XidClass.OPERATOR})
 
 

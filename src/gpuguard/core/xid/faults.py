@@ -4,7 +4,7 @@ NVML health sees most GPUs that need a reset; some faults it does not (a GSP tim
 can leave a GPU that answers NVML and reports healthy), and the kernel's Xid line is then the
 only evidence. A fault counts for a unit when all hold:
 
-* its class (xid.py) is ``reset-gpu`` or ``reboot``: no kill and no restart can cure it;
+* its class (catalogue.py) is ``reset-gpu`` or ``reboot``: no kill and no restart can cure it;
 * it was logged after the unit's last good start: the newest run that stayed up (or ended
   cleanly), and any start systemd did not schedule as an automatic restart (an operator's
   ``systemctl start`` after the reset the runbook asks for; the gate tells those apart by
