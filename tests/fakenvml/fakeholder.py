@@ -141,6 +141,7 @@ class HolderSpawner:
         children: int = 0,
         child_name: str | None = None,
         leave_child: bool = False,
+        child_invocation: str | None = None,
         ignore_sigterm: bool = False,
         drain: float | None = None,
         no_usage: bool = False,
@@ -165,6 +166,7 @@ class HolderSpawner:
         argv += ["--child-name", child_name] if child_name is not None else []
         argv += ["--drain", str(drain)] if drain is not None else []
         argv += ["--leave-child"] if leave_child else []
+        argv += ["--child-invocation", child_invocation] if child_invocation is not None else []
         argv += ["--ignore-sigterm"] if ignore_sigterm else []
         argv += ["--no-usage"] if no_usage else []
         with tempfile.TemporaryFile() as stderr:

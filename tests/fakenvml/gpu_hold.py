@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
         "--leave-child", action="store_true", help="on SIGTERM leave the last child running"
     )
     parser.add_argument(
+        "--child-invocation",
+        help="the children's own INVOCATION_ID (as `systemd-run --scope` gives a moved worker)",
+    )
+    parser.add_argument(
         "--ignore-sigterm", action="store_true", help="ignore SIGTERM (children too)"
     )
     parser.add_argument(
@@ -90,9 +94,14 @@ def _set_comm(name: str) -> None:
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:_COMM_LEN]), 0, 0, 0)
 
 
-def _exec_as(name: str, args: list[str]) -> None:
-    """Replace this process with this script whose argv[0] (cmdline) is ``name``."""
+def _exec_as(name: str, args: list[str], invocation: str | None = None) -> None:
+    """Replace this process with this script whose argv[0] (cmdline) is ``name``.
+
+    ``invocation``: its INVOCATION_ID, instead of the one it inherits.
+    """
     env = dict(os.environ)
+    if invocation is not None:
+        env["INVOCATION_ID"] = invocation
     # With an argv[0] that is not on PATH the interpreter cannot find itself; point it home.
     if sys.base_prefix == sys.base_exec_prefix:
         env.setdefault("PYTHONHOME", sys.base_prefix)
@@ -223,7 +232,11 @@ def _fork_children(args: argparse.Namespace) -> list[int]:
             try:
                 os.close(ready_r)
                 _redirect_to_devnull(0, 1)
-                _exec_as(_child_name(args, index), _child_argv(args, index, ready_w))
+                _exec_as(
+                    _child_name(args, index),
+                    _child_argv(args, index, ready_w),
+                    args.child_invocation,
+                )
             finally:
                 os._exit(127)
         children.append(pid)

@@ -6,6 +6,8 @@ import contextlib
 import os
 import signal
 import time
+import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -15,9 +17,12 @@ from hostile import HostileProcesses
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
 
     from fakestate import NvmlEnv
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+"""The cgroup v1 freezer: a frozen process is in state D and survives SIGKILL until thawed."""
 
 
 @pytest.fixture
@@ -77,3 +82,24 @@ def hostile() -> Iterator[HostileProcesses]:
     processes = HostileProcesses([])
     yield processes
     processes.stop()
+
+
+@pytest.fixture
+def frozen_group() -> Iterator[Path]:
+    """A cgroup v1 freezer group: a frozen member is in state D and survives SIGKILL."""
+    if not (FREEZER / "freezer.state").exists() and not (FREEZER / "tasks").exists():
+        pytest.skip(f"the cgroup v1 freezer is not mounted at {FREEZER}")
+    group = FREEZER / f"gpuguard-gate-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+    except OSError as err:
+        pytest.skip(f"cannot create a freezer cgroup: {err.strerror}")
+    yield group
+    (group / "freezer.state").write_text("THAWED")
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    group.rmdir()

@@ -38,7 +38,7 @@ from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
 from gpuguard.config import Settings
 from gpuguard.core import values
-from gpuguard.core.ledger import Ledger
+from gpuguard.core.ledger import Ledger, SeenProcess
 from gpuguard.core.levels import Level
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status.judge import assess
@@ -53,7 +53,7 @@ from gpuguard.daemonsettings import DaemonSettings, MetricsSettings
 from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from clirunner import Openers, UnitCgroups
 
@@ -156,6 +156,7 @@ def build(
     reaper_twin: Callable[[Sequence[ReapTarget]], tuple[ReapResult, ...]] | None = None,
     kill_mode: str | None = None,
     adopt: tuple[str, ...] = (),
+    before_first_read: Callable[[], None] | None = None,
 ) -> Harness:
     """A daemon for ``unit`` that stops itself after a few idle turns of its loop."""
     settings = Settings(
@@ -213,7 +214,7 @@ def build(
         gate_environment=lambda _unit: gate_environment,
         containers=containers,
     )
-    follower = ReplayFollower(entries, live=live)
+    follower = ReplayFollower(entries, live=live, before_first_read=before_first_read)
     daemon = Daemon(settings, follower, wrap(settings, ports) if wrap else ports)
     holder.append(daemon)
     return Harness(daemon, twin, recorder, snapshots, saved)
@@ -984,6 +985,11 @@ def test_the_watchdog_is_fed_through_long_steps(
 # -- survivors of a run that just ended (issue 15) ---------------------------------------------
 
 
+def seen_from(pid: int) -> list[SeenProcess]:
+    """The process ``pid`` and its descendants, as the ledger's walk read them."""
+    return [walked.process for walked in runtree.descendants([pid])]
+
+
 def crashed_run_entries(unit: str) -> list[Entry]:
     """PID 1's messages of one run that crashed (systemd 252), up to its scheduled restart."""
     entries = loop_entries(unit)
@@ -1455,7 +1461,7 @@ def test_a_crashed_runs_worker_that_moved_to_its_own_scope_is_reaped_by_the_ledg
     crashed = str(entries[0]["INVOCATION_ID"])
     escaped = run_worker(spawn_holder, in_process_nvml, monkeypatch, "d" * 32, 1)
     unit_cgroups.move(escaped.pid, f"tp-worker-{uuid.uuid4().hex[:8]}.scope")
-    recorded = Ledger().record(unit, crashed, runtree.descendants([escaped.pid]), 1.0)
+    recorded = Ledger().record(unit, crashed, seen_from(escaped.pid), 1.0)
 
     def with_ledger(_settings: Settings, ports: Ports) -> Ports:
         return replace(ports, load_ledger=lambda: recorded)
@@ -1487,7 +1493,7 @@ def test_the_sweep_never_adopts_a_process_the_ledger_recorded_in_another_units_r
     crashed = str(entries[0]["INVOCATION_ID"])
     other = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 1)
     unit_cgroups.move(other.pid, f"tp-worker-{uuid.uuid4().hex[:8]}.scope")
-    recorded = Ledger().record("b.service", "b" * 32, runtree.descendants([other.pid]), 1.0)
+    recorded = Ledger().record("b.service", "b" * 32, seen_from(other.pid), 1.0)
 
     def with_ledger(_settings: Settings, ports: Ports) -> Ports:
         return replace(ports, load_ledger=lambda: recorded)
@@ -1519,11 +1525,11 @@ def test_the_daemon_records_a_running_units_processes_in_the_ledger_file(
 ) -> None:
     """At start-up a running unit's cgroup and descendants go into root's ledger file."""
     unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
-    server = run_worker(spawn_holder, in_process_nvml, monkeypatch, "a" * 32, 0, children=1)
+    running = "e" * 32
+    server = run_worker(spawn_holder, in_process_nvml, monkeypatch, running, 0, children=1)
     unit_cgroups.move(server.pid, unit)
     scope = f"tp-worker-{uuid.uuid4().hex[:8]}.scope"
     unit_cgroups.move(server.children[0], scope)
-    running = "e" * 32
 
     def recording(settings: Settings, ports: Ports) -> Ports:
         def show(name: str) -> UnitState:
@@ -1535,7 +1541,7 @@ def test_the_daemon_records_a_running_units_processes_in_the_ledger_file(
                 control_group=f"/system.slice/{name}",
             )
 
-        def read(group: str | None, seen: Iterable[values.ProcessIdentity]) -> Any:
+        def read(group: str | None, seen: Mapping[values.ProcessIdentity, str]) -> Any:
             return runtree.run_processes(group, seen, cgroup_root=CGROUP2)
 
         real = wiring.ledger_ports(settings, ports.log)
@@ -1553,3 +1559,156 @@ def test_the_daemon_records_a_running_units_processes_in_the_ledger_file(
     assert where[server.pid] == f"/system.slice/{unit}"
     assert where[server.children[0]] == f"/system.slice/{scope}"
     assert not process_gone(server.pid)
+
+
+def late_batch(sample: str, unit: str) -> list[Entry]:
+    """PID 1's messages of ``sample`` from the first run's stop or crash to the next run's start.
+
+    What a late daemon reads in one batch: the end of the run it last saw come up (its
+    "Started" long read), and the next run systemd already started.
+    """
+    lines = (SAMPLES / sample).read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    ours = [e for e in entries if e.get("_PID") == "1" and e.get("UNIT") == "sglang.service"]
+    first, second = list(dict.fromkeys(str(e["INVOCATION_ID"]) for e in ours))[:2]
+    batch = []
+    for entry in ours:
+        message = str(entry["MESSAGE"])
+        if (entry["INVOCATION_ID"] == first and not message.startswith("Start")) or (
+            entry["INVOCATION_ID"] == second and message.startswith("Start")
+        ):
+            batch.append(entry | {"UNIT": unit})
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("sample", "reap_stopped"),
+    [("restart-loop-start-limit.jsonl", False), ("operator-restart.jsonl", True)],
+    ids=["crash-with-auto-restart", "systemctl-restart"],
+)
+def test_a_late_daemon_never_files_the_next_runs_processes_under_the_ended_run(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+    sample: str,
+    reap_stopped: bool,
+) -> None:
+    """The run's end is read after systemd started the next run: nothing of it is touched.
+
+    The daemon saw run A come up; before it reads A's crash (or the operator's restart), A's
+    server is gone and run B's server runs in the unit's cgroup with a TP worker that moved to
+    its own scope (the scope's INVOCATION_ID), holding GPU 1. The end's last record walks the
+    cgroup as it is now: B's processes are filed under B, so the sweep of A signals nothing
+    (before, they were filed under A and B's worker was SIGTERMed as A's survivor).
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = late_batch(sample, unit)
+    ended, nxt = str(entries[0]["INVOCATION_ID"]), str(entries[-1]["INVOCATION_ID"])
+    server_a = run_worker(spawn_holder, in_process_nvml, monkeypatch, ended, 0)
+    unit_cgroups.move(server_a.pid, unit)
+    next_run: list[Holder] = []
+
+    def systemd_moved_on() -> None:
+        server_a.kill()
+        server_a.process.wait()
+        monkeypatch.setenv("INVOCATION_ID", nxt)
+        server_b = spawn_holder(
+            in_process_nvml,
+            gpus=(1,),
+            mib=30000,
+            children=1,
+            child_invocation="d" * 32,
+            name="sglang::server",
+        )
+        monkeypatch.delenv("INVOCATION_ID")
+        unit_cgroups.move(server_b.pid, unit)
+        unit_cgroups.move(server_b.children[0], f"tp-worker-{uuid.uuid4().hex[:8]}.scope")
+        next_run.append(server_b)
+        harness.unit.invocation = nxt
+
+    def with_cgroups(settings: Settings, ports: Ports) -> Ports:
+        def show(name: str) -> UnitState:
+            return replace(ports.show_unit(name), control_group=f"/system.slice/{name}")
+
+        def read(group: str | None, seen: Mapping[values.ProcessIdentity, str]) -> Any:
+            return runtree.run_processes(group, seen, cgroup_root=CGROUP2)
+
+        real = wiring.ledger_ports(settings, ports.log)
+        return replace(ports, show_unit=show, ledger=replace(real, run_processes=read))
+
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        entries,
+        dry_run=False,
+        wrap=with_cgroups,
+        reap_stopped_survivors=reap_stopped,
+        before_first_read=systemd_moved_on,
+    )
+    harness.unit.invocation, harness.unit.active = ended, "active"
+
+    assert harness.daemon.run() == 0
+
+    [server_b] = next_run
+    assert not process_gone(server_b.pid)
+    assert not process_gone(server_b.children[0])
+    assert [f for _, event, f in harness.log.lines if event == "signal"] == []
+    assert sweep_lines(harness) == []
+    ledger, _ = ledgerstore.load(tmp_path / "run")
+    filed = {p.pid: run.invocation_id for run in ledger.runs for p in run.processes}
+    assert filed[server_b.pid] == nxt
+    assert filed[server_b.children[0]] == nxt
+
+
+def test_a_survivor_sigkill_cannot_end_does_not_hold_up_the_loop(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+    frozen_group: Path,
+) -> None:
+    """A crashed run's survivor in an uninterruptible wait: the sweep ends with the reap.
+
+    SIGTERM, the grace, SIGKILL and the reaper's wait leave it alive (frozen: state D); the
+    sweep returns then, says the GPUs are not idle, and the loop goes on, instead of looking
+    again until the gate's timeout (300 s by default) while every other unit waits.
+    """
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    stuck = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    unit_cgroups.move(stuck.pid, unit)
+    (frozen_group / "cgroup.procs").write_text(str(stuck.pid))
+    (frozen_group / "freezer.state").write_text("FROZEN")
+    looks = [0]
+
+    def counted(_settings: Settings, ports: Ports) -> Ports:
+        def gather() -> Inventory:
+            looks[0] += 1
+            return ports.gather()
+
+        return replace(ports, gather=gather)
+
+    harness = build(
+        tmp_path,
+        in_process_nvml,
+        unit,
+        entries,
+        dry_run=False,
+        reap_grace_s=0.2,
+        gate_timeout_s=60.0,
+        wrap=counted,
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(stuck.pid)
+    outcomes = [f["outcome"] for _, event, f in harness.log.lines if event == "reap outcome"]
+    assert outcomes == ["unkillable"]
+    [record] = harness.snapshots[-1]["units"][unit]["survivors"]
+    assert record["result"] == "reaped, GPUs not idle"
+    assert looks[0] <= 6  # the start, the burst, the sweep's first look, the snapshots

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,13 +16,9 @@ from fakeholder import process_gone
 from fakestate import allocated_mib, update_gpu
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from clirunner import Cli, FakeSystemd, Openers, UnitCgroups
     from fakeholder import HolderSpawner
     from hostile import HostileProcesses
-
-FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
 def idle_everywhere(cli: Cli) -> bool:
@@ -293,27 +286,6 @@ def test_reap_without_terminal_or_yes_does_nothing(
     assert not process_gone(holder.pid)
     lines = result.out.splitlines()
     assert all(len(line) < 200 for line in lines)
-
-
-@pytest.fixture
-def frozen_group() -> Iterator[Path]:
-    """A cgroup v1 freezer group: a frozen member is in state D and survives SIGKILL."""
-    if not (FREEZER / "freezer.state").exists() and not (FREEZER / "tasks").exists():
-        pytest.skip(f"the cgroup v1 freezer is not mounted at {FREEZER}")
-    group = FREEZER / f"gpuguard-gate-{uuid.uuid4().hex[:8]}"
-    try:
-        group.mkdir()
-    except OSError as err:
-        pytest.skip(f"cannot create a freezer cgroup: {err.strerror}")
-    yield group
-    (group / "freezer.state").write_text("THAWED")
-    for pid in (group / "cgroup.procs").read_text().split():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    group.rmdir()
 
 
 def test_unkillable_holder_fails_clearly_without_hanging(

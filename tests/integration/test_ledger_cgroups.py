@@ -34,11 +34,13 @@ from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Mapping
     from pathlib import Path
 
     from clirunner import UnitCgroups
     from fakeholder import Holder, HolderSpawner
+
+    from gpuguard.core.liverun import Walked
 
 
 RUN = "1" * 32  # the unit's run the worker descended from
@@ -55,7 +57,7 @@ def procfs_identity() -> ProcessIdentity:
 def keeper(saved: list[Ledger]) -> LedgerKeeper:
     """The daemon's keeper with the real readers, over the test's cgroup v2 mount."""
 
-    def read(group: str | None, recorded: Iterable[ProcessIdentity]) -> tuple[SeenProcess, ...]:
+    def read(group: str | None, recorded: Mapping[ProcessIdentity, str]) -> tuple[Walked, ...]:
         return runtree.run_processes(group, recorded, cgroup_root=CGROUP2)
 
     def save(ledger: Ledger) -> Ledger:
@@ -74,10 +76,19 @@ def escaped_worker(
     scope: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Holder:
-    """A server in ``unit``'s cgroup whose one worker (holding GPU 0) moved into ``scope``."""
-    monkeypatch.setenv("INVOCATION_ID", SCOPE_ID)
+    """A server of run RUN in ``unit``'s cgroup whose one worker (GPU 0) moved into ``scope``.
+
+    The worker carries the scope's own INVOCATION_ID, as `systemd-run --scope` gives it.
+    """
+    monkeypatch.setenv("INVOCATION_ID", RUN)
     server = spawn_holder(
-        state, gpus=(0,), mib=30000, children=1, leave_child=True, name="sglang::server"
+        state,
+        gpus=(0,),
+        mib=30000,
+        children=1,
+        leave_child=True,
+        child_invocation=SCOPE_ID,
+        name="sglang::server",
     )
     monkeypatch.delenv("INVOCATION_ID")
     cgroups.move(server.pid, unit)
@@ -86,8 +97,9 @@ def escaped_worker(
 
 
 def recorded_at(kept: LedgerKeeper) -> dict[int, str]:
-    """The first run's recorded PIDs with the cgroup each was first seen in."""
-    return {p.pid: p.cgroup for p in kept.ledger.runs[0].processes}
+    """The first run's recorded PIDs with the cgroup each was first seen in (none: empty)."""
+    runs = kept.ledger.runs
+    return {p.pid: p.cgroup for p in runs[0].processes} if runs else {}
 
 
 def request(unit: str, provenance: UnitProvenance) -> PlanRequest:
@@ -165,6 +177,7 @@ def test_descendants_outside_the_cgroup_are_recorded_and_a_repeat_record_writes_
     fake_state: Path,
     spawn_holder: HolderSpawner,
     unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A child never in the cgroup is the run's by descent; nothing new to prove, no write."""
     if os.geteuid() != 0:
@@ -176,7 +189,9 @@ def test_descendants_outside_the_cgroup_are_recorded_and_a_repeat_record_writes_
     kept.run_up(unit, RUN, f"/system.slice/{unit}", 0.0)
     assert not recorded_at(kept)
     # The worker came up in the cgroup between records, then moved out with its child.
+    monkeypatch.setenv("INVOCATION_ID", RUN)
     worker = spawn_holder(fake_state, gpus=(0,), children=1, name="sglang::worker")
+    monkeypatch.delenv("INVOCATION_ID")
     unit_cgroups.move(worker.pid, unit)
     kept.record(unit, 1.0)
     unit_cgroups.move(worker.pid, scope)

@@ -56,7 +56,7 @@ ports = LedgerPorts(
     run_processes=read, alive=runtree.alive, save=lambda ledger: ledger, every_s=30.0,
     last_pid=runtree.last_pid,
 )
-known = Ledger().record(UNIT, RUN, runtree.descendants([worker.pid]), 0.0)
+known = Ledger().record(UNIT, RUN, [w.process for w in runtree.descendants([worker.pid])], 0.0)
 keeper = LedgerKeeper(ports, known, lambda: 0.0)
 keeper.run_up(UNIT, RUN, None, 0.0)
 after = {}

@@ -209,7 +209,7 @@ def test_forked_heirs_of_the_fds_are_descendants_and_holders(
     helper = Helper("fork", devices)
     helpers.append(helper)
     parent, *children = helper.pids
-    assert {p.pid for p in descendants([parent])} == {parent, *children}
+    assert {w.process.pid for w in descendants([parent])} == {parent, *children}
     found = {p.identity.pid: p for p in scan_device_holders(glob).processes}
     holders = {pid for pid in children if pid in found}
     # Of the three descendants, the one that closed its copies is not a holder.

@@ -33,6 +33,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="reusing a PID needs r
 
 SLEEP = ("sleep", "600")
 
+RUN = "b" * 32
+"""The run a recorded process was recorded in."""
+
 
 @pytest.fixture
 def started() -> Iterator[list[subprocess.Popen[bytes]]]:
@@ -90,7 +93,7 @@ def test_a_recorded_process_whose_pid_is_reused_as_the_walk_begins_is_not_record
         return True
 
     with on_entry(runtree.descendants.__code__, reuse):
-        seen = runtree.run_processes(None, [recorded])
+        seen = runtree.run_processes(None, {recorded: RUN})
     assert [p.pid for p in newcomers] == [recorded.pid]  # the PID now names the newcomer
     assert seen == ()
 
@@ -118,9 +121,11 @@ def test_a_child_listed_under_a_parent_whose_pid_was_reused_is_not_recorded(
         return True
 
     with on_entry(runtree._children_of.__code__, reuse):
-        seen = runtree.run_processes(None, [recorded])
+        seen = runtree.run_processes(None, {recorded: RUN})
     assert [p.pid for p in newcomers] == [recorded.pid]
-    assert [(p.pid, p.start_time) for p in seen] == [(recorded.pid, recorded.start_time)]
+    assert [(w.process.pid, w.process.start_time) for w in seen] == [
+        (recorded.pid, recorded.start_time)
+    ]
 
 
 def test_a_pid_of_the_cgroup_reused_outside_it_before_it_is_read_is_not_recorded(
@@ -142,6 +147,6 @@ def test_a_pid_of_the_cgroup_reused_outside_it_before_it_is_read_is_not_recorded
 
     group = f"/system.slice/{unit}"
     with on_entry(runtree.descendants.__code__, reuse):
-        seen = runtree.run_processes(group, [], cgroup_root=CGROUP2)
+        seen = runtree.run_processes(group, {}, cgroup_root=CGROUP2)
     assert [p.pid for p in newcomers] == [inside.pid]
-    assert [(p.pid, p.cgroup) for p in seen] == [(neighbour.pid, group)]
+    assert [(w.process.pid, w.process.cgroup) for w in seen] == [(neighbour.pid, group)]

@@ -67,6 +67,9 @@ class ReplayFollower:
     live: bool = True
     committed: list[str] = field(default_factory=list)
     started: bool = False
+    before_first_read: Callable[[], None] | None = None
+    """What happens in the world before the entries reach the daemon (a late daemon: systemd
+    already ended the run they tell of and started the next)."""
 
     def start(self) -> None:
         """Nothing to spawn."""
@@ -82,6 +85,9 @@ class ReplayFollower:
 
     def read_available(self) -> list[JournalRecord]:
         """Everything at once, as journalctl would after a burst."""
+        if self.before_first_read is not None:
+            self.before_first_read()
+            self.before_first_read = None
         records = [
             JournalRecord(
                 entry,

@@ -11,6 +11,7 @@ from daemontwins import GpuHost, Recorder, ReplayFollower, UnitTwin
 from gpuguard.adapters import systemd
 from gpuguard.config import Settings
 from gpuguard.core.ledger import SeenProcess
+from gpuguard.core.liverun import Walked
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
@@ -18,7 +19,7 @@ from gpuguard.daemonsettings import DaemonSettings
 from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Mapping
     from pathlib import Path
 
     from gpuguard.core.unitstate import UnitState
@@ -54,9 +55,10 @@ class Idle:
                 twin.show(name), sub_state="running", control_group=f"/system.slice/{name}"
             )
 
-        def read(_group: str | None, _recorded: Iterable[ProcessIdentity]) -> Any:
+        def read(_group: str | None, _recorded: Mapping[ProcessIdentity, str]) -> Any:
             self.reads.append(self.now)
-            return (SeenProcess(4242, 1, (0, 0, 0, 0), "python3", f"/system.slice/{UNIT}"),)
+            seen = SeenProcess(4242, 1, (0, 0, 0, 0), "python3", f"/system.slice/{UNIT}")
+            return (Walked(seen, RUNNING),)
 
         def write(_document: dict[str, Any]) -> None:
             self.writes.append(self.now)

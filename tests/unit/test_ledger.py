@@ -23,6 +23,7 @@ from gpuguard.core.ledger import (
     Ledger,
     SeenProcess,
 )
+from gpuguard.core.liverun import Walked, file_walk, live_reason
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.recovery import unfreeable
 from gpuguard.core.values import ProcessIdentity, ProcScan, UnitProvenance
@@ -78,6 +79,12 @@ def request(*, live: str | None = None, provenance: UnitProvenance | None = None
 def seen(pid: int, cgroup: str = f"/system.slice/{UNIT}") -> SeenProcess:
     """A process as the ledger saw it (start times as test_policy's holders have them)."""
     return SeenProcess(pid, 5000 + pid, ROOT, "python3", cgroup)
+
+
+def walked(pid: int, run: str | None = OLD, parent: int | None = None) -> Walked:
+    """``seen(pid)`` as the ledger's walk reads it: its own INVOCATION_ID ``run``."""
+    of = None if parent is None else ProcessIdentity(parent, 5000 + parent)
+    return Walked(seen(pid), run, of)
 
 
 def recorded(*pids: int, run: str = OLD) -> UnitProvenance:
@@ -184,6 +191,60 @@ def test_a_recorded_process_of_the_live_run_is_kept() -> None:
     decision = decide(moved(), request(live=LIVE, provenance=recorded(100, run=LIVE)))
     assert decision.verdict is Verdict.KEEP
     assert "live process" in decision.reason
+
+
+def test_a_process_whose_own_invocation_is_the_live_run_is_kept_whatever_the_ledger_says() -> None:
+    """A late record filed a live worker under the ended run: its own INVOCATION_ID keeps it."""
+    worker = replace(moved(), invocation_id=LIVE)
+    sweep = replace(request(live=LIVE, provenance=recorded(100)), only_invocation=OLD)
+    decision = decide(worker, sweep)
+    assert decision.verdict is Verdict.KEEP
+    assert decision.reason == f"live process of the running {UNIT}"
+    assert decide(worker, request(live=LIVE, provenance=recorded(100))).verdict is Verdict.KEEP
+    assert live_reason(UNIT, LIVE, OLD, LIVE) == f"live process of the running {UNIT}"
+    assert live_reason(UNIT, SCOPE_ID, LIVE, LIVE) == f"live process of the running {UNIT} (ledger)"
+    assert live_reason(UNIT, OLD, OLD, LIVE) is None
+    assert live_reason(UNIT, LIVE, LIVE, None) is None
+
+
+def test_a_walk_files_the_cgroups_processes_under_their_own_run_not_the_believed_one() -> None:
+    """Systemd already runs the next run: its server, worker and a moved worker are its own.
+
+    The cgroup holds the next run's server (own INVOCATION_ID LIVE) and a left-over of the
+    ended run (OLD); the server's worker moved to a scope (the scope's own id): it is the
+    server's run. A process the ledger recorded keeps its run; its new child is its run's.
+    """
+    gone = Walked(seen(9), OLD, None, OLD)
+    server, left = walked(1, LIVE), walked(2, OLD)
+    worker = walked(3, SCOPE_ID, parent=1)
+    grandchild = walked(4, SCOPE_ID, parent=3)
+    recorded_child = walked(5, SCOPE_ID, parent=9)
+    filed = file_walk([server, left, gone, worker, grandchild, recorded_child])
+    assert {run: [p.pid for p in procs] for run, procs in filed.items()} == {
+        LIVE: [1, 3, 4],
+        OLD: [2, 9, 5],
+    }
+
+
+def test_a_walk_files_nothing_it_cannot_tell() -> None:
+    """A cgroup member without a readable INVOCATION_ID, and its children, are filed nowhere.
+
+    Unless the caller knows which run alone can be in the cgroup (a stop-reap being served).
+    """
+    mute, child = walked(1, None), walked(2, SCOPE_ID, parent=1)
+    assert file_walk([mute, child]) == {}
+    filed = file_walk([mute, child], members_run=OLD)
+    assert [p.pid for p in filed[OLD]] == [1, 2]
+
+
+def test_a_child_of_a_recorded_process_claiming_the_present_run_is_that_runs() -> None:
+    """Its own INVOCATION_ID names the run now in the cgroup: filed there (the live side)."""
+    server, gone = walked(1, LIVE), Walked(seen(9), OLD, None, OLD)
+    child = walked(5, LIVE, parent=9)
+    stray = walked(6, "e" * 32, parent=9)
+    filed = file_walk([server, gone, child, stray])
+    assert [p.pid for p in filed[LIVE]] == [1, 5]
+    assert [p.pid for p in filed[OLD]] == [9, 6]
 
 
 def test_a_reused_pid_is_not_the_recorded_process() -> None:
@@ -336,9 +397,9 @@ def test_the_keeper_records_soon_after_a_start_then_at_its_interval_and_stops_at
     reads: list[float] = []
     clock = [0.0]
 
-    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+    def read(_group: str | None, _recorded: object) -> tuple[Walked, ...]:
         reads.append(clock[0])
-        return (seen(1),)
+        return (walked(1),)
 
     saved: list[Ledger] = []
 
@@ -371,7 +432,7 @@ def test_a_write_that_failed_is_tried_again_at_the_next_record() -> None:
         return None if refuse[0] else ledger
 
     ports = LedgerPorts(
-        run_processes=lambda _g, _r: (seen(1),), alive=lambda _i: True, save=save, every_s=5.0
+        run_processes=lambda _g, _r: (walked(1),), alive=lambda _i: True, save=save, every_s=5.0
     )
     keeper = LedgerKeeper(ports, Ledger(), lambda: 0.0)
     keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)
@@ -391,9 +452,9 @@ def test_a_periodic_record_is_skipped_while_no_process_was_created_since_the_las
     clock = [0.0]
     last_pid: list[int | None] = [700]
 
-    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+    def read(_group: str | None, _recorded: object) -> tuple[Walked, ...]:
         reads.append(clock[0])
-        return (seen(1),)
+        return (walked(1),)
 
     ports = LedgerPorts(
         run_processes=read,
@@ -443,9 +504,9 @@ def test_a_run_the_caps_cut_or_whose_write_failed_is_read_in_full_each_time() ->
     refuse = [True]
     gone: set[int] = set()
 
-    def read(_group: str | None, _recorded: object) -> tuple[SeenProcess, ...]:
+    def read(_group: str | None, _recorded: object) -> tuple[Walked, ...]:
         reads.append(0.0)
-        return tuple(seen(pid) for pid in range(1, MAX_PROCESSES + 2) if pid not in gone)
+        return tuple(walked(pid) for pid in range(1, MAX_PROCESSES + 2) if pid not in gone)
 
     ports = LedgerPorts(
         run_processes=read,

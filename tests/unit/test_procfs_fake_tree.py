@@ -12,6 +12,7 @@ from builders import plan_request
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuguard.adapters import runtree
 from gpuguard.adapters.procdevices import ScanBudget
 from gpuguard.adapters.procfs import (
     ENVIRON_LIMIT,
@@ -387,7 +388,23 @@ def test_descendants_are_the_children_of_every_thread_and_theirs(proc: FakeProc)
     proc.add(FakeProcess(pid=804, ppid=801, fds={5: "/dev/nvidia0"}))
     proc.add(FakeProcess(pid=900, fds={3: "/dev/nvidia0"}))  # unrelated holder
     found = descendants([800, 424242], proc_root=proc.root)
-    assert sorted(p.pid for p in found) == [800, 801, 802, 803, 804]
+    assert sorted(w.process.pid for w in found) == [800, 801, 802, 803, 804]
+
+
+def test_the_walk_reads_each_processs_own_invocation_and_how_it_was_found(proc: FakeProc) -> None:
+    """Own INVOCATION_ID (none past the read limit), the parent found under, a root's run."""
+    late = {"PADDING": "x" * runtree.ENVIRON_LIMIT, "INVOCATION_ID": "c" * 32}
+    proc.add(FakeProcess(pid=800, children=(801,)))
+    proc.add(FakeProcess(pid=801, ppid=800, environ=late))
+    proc.add(FakeProcess(pid=900, environ={"INVOCATION_ID": "e" * 32}))
+    recorded = ProcessIdentity(900, 5000)
+    found = descendants([800, recorded], runs={recorded: "f" * 32}, proc_root=proc.root)
+    assert [(w.process.pid, w.invocation_id, w.recorded_run) for w in found] == [
+        (800, INVOCATION, None),
+        (900, "e" * 32, "f" * 32),
+        (801, None, None),
+    ]
+    assert found[2].parent == ProcessIdentity(800, 5000)
 
 
 def test_descendants_count_every_lead_read_against_the_bound(proc: FakeProc) -> None:
@@ -400,7 +417,7 @@ def test_descendants_count_every_lead_read_against_the_bound(proc: FakeProc) -> 
     gone = tuple(range(100_000, 100_000 + DESCENDANTS_MAX))  # listed, then gone (no /proc entry)
     proc.add(FakeProcess(pid=800, children=(*gone, 801)))
     proc.add(FakeProcess(pid=801, ppid=800))
-    assert [p.pid for p in descendants([800], proc_root=proc.root)] == [800]
+    assert [w.process.pid for w in descendants([800], proc_root=proc.root)] == [800]
 
 
 def test_descendants_fall_back_to_a_ppid_walk_without_children_files(proc: FakeProc) -> None:
@@ -411,14 +428,14 @@ def test_descendants_fall_back_to_a_ppid_walk_without_children_files(proc: FakeP
     proc.add(FakeProcess(pid=802, ppid=801, fds={3: "/dev/nvidia0"}, children=None))
     proc.add(FakeProcess(pid=900, ppid=1, fds={3: "/dev/nvidia0"}, children=None))
     found = descendants([800], proc_root=proc.root)
-    assert sorted(p.pid for p in found) == [800, 801, 802]
+    assert sorted(w.process.pid for w in found) == [800, 801, 802]
 
 
 def test_descendants_survive_a_children_cycle_and_unreadable_fds(proc: FakeProc) -> None:
     """A children loop ends; a listed process whose fds are unreadable is said to be so."""
     proc.add(FakeProcess(pid=800, unreadable=True, children=(801,)))
     proc.add(FakeProcess(pid=801, ppid=800, fds={3: "/dev/nvidia0"}, children=(800,)))
-    assert [p.pid for p in descendants([800, 800], proc_root=proc.root)] == [800, 801]
+    assert [w.process.pid for w in descendants([800, 800], proc_root=proc.root)] == [800, 801]
     listed = read_listed([800, 800], GLOB, proc_root=proc.root)
     assert [(p.identity.pid, p.files_readable) for p in listed.processes] == [(800, False)]
 
@@ -529,4 +546,4 @@ def test_a_listed_child_whose_pid_was_reused_is_not_recorded_as_a_descendant(
     tree.add(FakeProcess(11, ppid=10, start_time=6000))
     tree.add(FakeProcess(12, ppid=99, start_time=7000))  # 12 died, its PID now another's
     found = descendants([10], proc_root=tree.root)
-    assert [(p.pid, p.start_time) for p in found] == [(10, 5000), (11, 6000)]
+    assert [(w.process.pid, w.process.start_time) for w in found] == [(10, 5000), (11, 6000)]

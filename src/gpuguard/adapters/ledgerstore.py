@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from gpuguard.adapters import files, runtree, state
 from gpuguard.core.ledger import Ledger, UnitLedger
+from gpuguard.core.liverun import file_walk
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from gpuguard.core.ledger import SeenProcess
 
 #: How long a writer waits for the other's read-merge-replace (a few milliseconds each).
 LOCK_WAIT_S = 2.0
@@ -85,34 +85,28 @@ def record_seen(
 
     Every recorded run of the unit gains the live descendants of its recorded processes (a
     moved worker's children, found after its parent died). ``ending`` names the run whose
-    stop-reap is being served: the unit's cgroup (``control_group``) and everything descending
-    from it are that run's. Only then: systemd waits for the stop-reap to end, so no later run
-    can have started in the cgroup meanwhile; the running run of a unit is the daemon's to
-    record. Processes that have gone are forgotten, as the daemon forgets them. The /proc walks
-    run before the lock is taken (:func:`update` holds it for a read, merge and replace only).
+    stop-reap is being served: the unit's cgroup (``control_group``) is walked too, each of its
+    processes filed under its own ``INVOCATION_ID``, or ``ending`` without one, and their
+    descendants under theirs (core.liverun). Only then: systemd waits for the stop-reap to
+    end, so no later run can have started in the cgroup meanwhile; the running run of a unit
+    is the daemon's to record. Processes that have gone are forgotten, as the daemon forgets
+    them. The /proc walk runs before the lock is taken (:func:`update` holds it for a read,
+    merge and replace only).
     """
-    # The walks are the caller's to size (its processes and threads): done before the lock,
+    # The walk is the caller's to size (its processes and threads): done before the lock,
     # which is held only to re-read, merge and replace, so no caller holds up the daemon.
     before, _ = load(runtime_dir)
     gone = {
         p.identity for run in before.runs for p in run.processes if not runtree.alive(p.identity)
     }
-    roots: list[tuple[str, str | None, tuple[SeenProcess, ...]]] = [
-        (r.invocation_id, None, r.processes)
-        for r in before.runs
-        if r.unit == unit and r.invocation_id != ending
-    ]
-    if ending is not None:
-        record = before.run_of(unit, ending)
-        roots.append((ending, control_group, record.processes if record else ()))
-    walked = [
-        (invocation, runtree.run_processes(cgroup, [p.identity for p in processes]))
-        for invocation, cgroup, processes in roots
-    ]
+    walked = runtree.run_processes(
+        control_group if ending is not None else None, dict(before.claims(unit))
+    )
+    filed = file_walk(walked, members_run=ending)
 
     def change(disk: Ledger) -> Ledger:
         ledger = disk.forget(lambda identity: identity not in gone, frozenset())
-        for invocation, seen in walked:
+        for invocation, seen in filed.items():
             known = {p.identity for run in ledger.runs for p in run.processes}
             if any(p.identity not in known for p in seen):  # else the file stays as it is
                 ledger = ledger.record(unit, invocation, seen, now)

@@ -6,6 +6,10 @@ A unit's cgroup (systemd's ``ControlGroup``, below ``/sys/fs/cgroup``) lists its
 its parent is in the run. Processes the ledger already recorded are roots too: a moved worker's
 own children are found after its parent died.
 
+Each process is read with its own ``INVOCATION_ID``, how it was found (the cgroup, a recorded
+process, a parent) and, for a recorded one, its run: core.liverun files it under a run from that
+evidence alone, never under the run the daemon believed live.
+
 ``last_pid`` tells the ledger keeper when a re-read cannot find anything new (no process or
 thread created since the last one).
 """
@@ -22,13 +26,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpuguard.adapters import procfs
-from gpuguard.adapters.procread import VANISHED, parse_uids, read_file, read_optional, stat_at
+from gpuguard.adapters.procread import (
+    VANISHED,
+    parse_invocation_id,
+    parse_uids,
+    read_file,
+    read_optional,
+    stat_at,
+)
 from gpuguard.core.cgroup import parse_cgroup
 from gpuguard.core.ledger import SeenProcess
+from gpuguard.core.liverun import Walked
 from gpuguard.core.values import ProcessIdentity
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Where a systemd cgroup path is found: cgroup v2, else a hybrid host's unified hierarchy, else
@@ -39,6 +51,12 @@ _PROCS_LIMIT = 1 << 20
 _STATUS_LIMIT = 1 << 16
 _LOADAVG_LIMIT = 256
 _LOADAVG_FIELDS = 5
+ENVIRON_LIMIT = 1 << 15
+"""Bytes of a walked process's environment read for its ``INVOCATION_ID``. systemd puts its own
+variables (``INVOCATION_ID`` among them) before the unit's ``Environment=``, so it sits in the
+first few hundred bytes of a run's processes; one not found within this files the process by
+its parent, or not at all (core.liverun), and a walk of DESCENDANTS_MAX processes reads at most
+128 MiB of environments."""
 
 
 def cgroup_pids(control_group: str, *, cgroup_root: Path = CGROUP_ROOT) -> list[int]:
@@ -69,22 +87,23 @@ def cgroup_pids(control_group: str, *, cgroup_root: Path = CGROUP_ROOT) -> list[
 
 def run_processes(
     control_group: str | None,
-    recorded: Iterable[ProcessIdentity],
+    recorded: Mapping[ProcessIdentity, str],
     *,
     cgroup_root: Path = CGROUP_ROOT,
     proc_root: Path = procfs.PROC,
-) -> tuple[SeenProcess, ...]:
-    """The run's processes now: its cgroup's, the ``recorded`` ones still alive, descendants.
+) -> tuple[Walked, ...]:
+    """A unit's processes now: its cgroup's, the ``recorded`` ones still alive, descendants.
 
-    Each is pinned as it is read (:func:`descendants`): a recorded process by its start time, a
-    PID of ``cgroup.procs`` by its cgroup, so a PID reused since it was listed or recorded is
-    never recorded in the old one's place.
+    ``recorded``: each process the ledger holds of the unit, with its run. Each is pinned as it
+    is read (:func:`descendants`): a recorded process by its start time, a PID of
+    ``cgroup.procs`` by its cgroup, so a PID reused since it was listed or recorded is never
+    recorded in the old one's place.
     """
     roots: list[int | ProcessIdentity] = []
     if control_group:
         roots.extend(cgroup_pids(control_group, cgroup_root=cgroup_root))
     roots.extend(recorded)
-    return descendants(roots, within=control_group, proc_root=proc_root)
+    return descendants(roots, within=control_group, runs=recorded, proc_root=proc_root)
 
 
 def alive(identity: ProcessIdentity, *, proc_root: Path = procfs.PROC) -> bool:
@@ -126,9 +145,13 @@ def descendants(
     roots: Iterable[int | ProcessIdentity],
     *,
     within: str | None = None,
+    runs: Mapping[ProcessIdentity, str] | None = None,
     proc_root: Path = procfs.PROC,
-) -> tuple[SeenProcess, ...]:
-    """``roots`` and every process descending from them, as the ledger records them.
+) -> tuple[Walked, ...]:
+    """``roots`` and every process descending from them, parents first, as the ledger reads them.
+
+    Each comes with its own ``INVOCATION_ID``, the walked parent it was found under, and for a
+    root given as an identity its run in ``runs`` (core.liverun.Walked).
 
     Children come from ``task/*/children`` (cheap: no walk over every process); on a kernel
     without it, from every ``stat``. Each process costs a ``stat``, ``status`` and ``cgroup``
@@ -143,6 +166,7 @@ def descendants(
     cgroup cannot be parsed is recorded as ``?``.
     """
     root = os.fspath(proc_root)
+    recorded_runs = runs or {}
     queue: deque[_Lead] = deque(
         sorted(
             {
@@ -154,7 +178,7 @@ def descendants(
     )
     seen: set[int] = set()
     by_ppid: dict[int, list[int]] | None = None
-    found: list[SeenProcess] = []
+    found: list[Walked] = []
     reads = 0  # every lead read counts, found or not: a parent that exits right after its
     # children are listed (each child then fails its parent check) must not make the walk endless
     while queue and reads < DESCENDANTS_MAX:
@@ -166,8 +190,9 @@ def descendants(
         if process is None:
             continue
         seen.add(lead.pid)
-        found.append(process)
         parent = ProcessIdentity(process.pid, process.start_time)
+        run = recorded_runs.get(parent) if lead.parent is None and lead.start is not None else None
+        found.append(Walked(process, _invocation_id(lead.pid, root), lead.parent, run))
         if by_ppid is None:
             try:
                 queue.extend(_Lead(child, parent=parent) for child in _children_of(root, lead.pid))
@@ -211,6 +236,15 @@ def _seen(lead: _Lead, root: str, within: str | None) -> SeenProcess | None:
     if not _still_who(lead, root, path, within):
         return None
     return SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
+
+
+def _invocation_id(pid: int, root: str) -> str | None:
+    """The process's own ``INVOCATION_ID`` from the first ENVIRON_LIMIT bytes of it, or None."""
+    try:
+        environ = read_optional(f"{root}/{pid}/environ", ENVIRON_LIMIT)
+    except VANISHED:
+        return None
+    return None if environ is None else parse_invocation_id(environ)
 
 
 def _still_who(lead: _Lead, root: str, path: str | None, within: str | None) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.core.adopt import adopting_glob
 from gpuguard.core.ledger import ledger_evidence
+from gpuguard.core.liverun import live_reason
 from gpuguard.core.protection import never_signal
 from gpuguard.core.values import StrEnum
 
@@ -218,7 +219,9 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
 
     The ledger's record of an ended run is evidence wherever the process moved; an adopted
     cgroup (``adopt``) is, while nothing of the unit is live (while it runs, the INVOCATION_ID
-    rule decides as for any other cgroup). Either way only with the unit's uid.
+    rule decides as for any other cgroup). Either way only with the unit's uid, and never for
+    a process of the run systemd runs now (core.liverun): its own ``INVOCATION_ID`` naming the
+    live run keeps it, whatever run a late record filed it under.
     """
     unit = request.unit
     recorded = _recorded_run(holder, request)
@@ -227,8 +230,9 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
     )
     if recorded is None and glob is None:
         return None
-    if recorded is not None and recorded == request.live_invocation:
-        return Decision(holder, Verdict.KEEP, f"live process of the running {unit} (ledger)")
+    live = live_reason(unit, holder.invocation_id, recorded, request.live_invocation)
+    if live is not None:
+        return Decision(holder, Verdict.KEEP, live)
     if recorded is None and request.live_invocation is not None:
         return None  # adopted, but the unit runs: only its INVOCATION_ID can tell which run
     if recorded is None and holder.identity in request.provenance.elsewhere:

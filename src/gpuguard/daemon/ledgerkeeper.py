@@ -2,10 +2,13 @@
 
 When a run comes up, when systemd announces its stop (``Stopping …``, before any signal), when
 it ends, and while it runs - 1, 2, 4, 8 … s after it came up (a server's workers appear after
-its model load), then every ``daemon.ledger_every_s`` - the run's processes are read
+its model load), then every ``daemon.ledger_every_s`` - the unit's processes are read
 (runtree: its cgroup and the descendants of every process in it or recorded before) and added
-to the ledger (core.ledger). Processes that exited are forgotten at each record, runs left
-empty with them; the file is rewritten only when what it proves changed.
+to the ledger (core.ledger), each under the run its own evidence names at the moment of the
+walk (core.liverun), never under the run the daemon believes live: a daemon that reads a run's
+end after systemd started the next run files the next run's processes under the next run.
+Processes that exited are forgotten at each record, runs left empty with them; the file is
+rewritten only when what it proves changed.
 
 A periodic record with nothing new to see is skipped: when no process or thread was created
 in the PID namespace since the run's last full record (its last allocated PID, the 5th field of
@@ -28,10 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+from gpuguard.core.liverun import file_walk
 
-    from gpuguard.core.ledger import Ledger, SeenProcess, UnitLedger
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from gpuguard.core.ledger import Ledger, UnitLedger
+    from gpuguard.core.liverun import Walked
     from gpuguard.core.values import ProcessIdentity
 
 
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
 class LedgerPorts:
     """What the keeper reads and writes through (runtree, ledgerstore; twins in tests)."""
 
-    run_processes: Callable[[str | None, Iterable[ProcessIdentity]], tuple[SeenProcess, ...]]
+    run_processes: Callable[[str | None, Mapping[ProcessIdentity, str]], tuple[Walked, ...]]
     alive: Callable[[ProcessIdentity], bool]
     save: Callable[[Ledger], Ledger | None]
     """Write the ledger; what was written when the file held more (the gate server's records)."""
@@ -125,12 +131,13 @@ class LedgerKeeper:
             live.skipped += 1
             return
         live.last_pid, live.skipped = last_pid, 0
-        run = self._ledger.run_of(unit, live.invocation_id)
-        recorded = [p.identity for p in run.processes] if run is not None else []
-        seen = ports.run_processes(live.control_group, recorded)
-        ledger = self._ledger.record(unit, live.invocation_id, seen, self._wall())
+        walked = ports.run_processes(live.control_group, dict(self._ledger.claims(unit)))
+        ledger, at = self._ledger, self._wall()
+        filed = file_walk(walked)
+        for invocation_id, seen in filed.items():
+            ledger = ledger.record(unit, invocation_id, seen, at)
         kept = {p.identity for run in ledger.runs for p in run.processes}
-        if any(p.identity not in kept for p in seen):
+        if any(p.identity not in kept for seen in filed.values() for p in seen):
             live.last_pid = None  # some cut by the caps: an exit may make room, read each time
         keep = frozenset(v.invocation_id for v in self._live.values())
         self._ledger = ledger.forget(ports.alive, keep)

@@ -17,6 +17,7 @@ from gpuguard.core.policy import plan
 from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.runend import Sweep, describe, live_invocation, next_start, over_problem
 from gpuguard.core.unitcontainers import container_of
+from gpuguard.core.values import ReapOutcome
 from gpuguard.daemon.publishing import Publishing, iso
 from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
 
@@ -147,9 +148,13 @@ class Sweeping(Publishing):
     ) -> tuple[list[ReapResult], float, float | None]:
         """Reap the run's holders as they appear, until the set is idle or they are gone.
 
-        Bounded by the gate's timeout, and by ``_RELEASE_S`` once none of the run's processes
-        holds a GPU (others hold the set then: the gate, if installed, decides the next start).
-        Returns what was reaped, when the last reap returned and when the set was idle.
+        Bounded by the gate's timeout, by ``_RELEASE_S`` once none of the run's processes
+        holds a GPU (others hold the set then: the gate, if installed, decides the next start),
+        and by the reap itself when SIGKILL left one alive: waiting for a process the kernel
+        cannot end (an uninterruptible wait) would hold up every other unit's events for
+        nothing. So one sweep holds the loop for at most the reaper's grace, its SIGKILL wait
+        and ``_RELEASE_S``, plus the looks in between. Returns what was reaped, when the last
+        reap returned and when the set was idle.
         """
         ports = self._ports
         settings = self._gate_settings(request)
@@ -176,8 +181,17 @@ class Sweeping(Publishing):
                 return reaped_at, None
             return None
 
+        def stuck(results: tuple[ReapResult, ...]) -> tuple[float, float | None] | None:
+            alive = any(r.outcome is ReapOutcome.UNKILLABLE for r in results)
+            return (reaped_at, None) if alive else None
+
         loop: ReapUntilIdle[tuple[float, float | None]] = ReapUntilIdle(
-            request, self._gather, lambda: self._feeder.sleep(settings.poll_s), done, reap=reap
+            request,
+            self._gather,
+            lambda: self._feeder.sleep(settings.poll_s),
+            done,
+            reap=reap,
+            after_reap=stuck,
         )
         last_reap, idle_at = loop.run(inventory)
         return loop.reaped, last_reap, idle_at
