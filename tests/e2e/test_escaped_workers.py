@@ -14,6 +14,9 @@ does.
   the unit is never left stopped.
 * (o) the gate alone (no daemon, so no ledger): it cannot prove whose the workers are, and its
   refusal names them and the operator's command.
+* (p) the package with the gate, the daemon held back (SIGSTOP) through a crash with
+  ``RestartSec=100ms`` and through an operator's restart, let go once the next run serves: it
+  reads each end after systemd started the next run, and kills nothing of that run.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import pytest
 
 from e2e.container import ContainerError
-from e2e.gpubox import CONFIG, UNIT, GpuBox, daemon_events, install
+from e2e.gpubox import CONFIG, DAEMON, UNIT, GpuBox, daemon_events, install
 from e2e.measure import SESSION_NOTES, Timeline
 from e2e.scenario import (
     PROCESS_EXIT,
@@ -255,3 +259,53 @@ def test_o_gate_alone_names_the_escaped_workers_and_the_command(
         del serving
     finally:
         gpubox.kill_server()
+
+
+def caught_up(gpubox: GpuBox, serving: str, workers: list[int]) -> None:
+    """Wait until a daemon let go has read what it missed: the run ``serving`` recorded as its.
+
+    Its ledger files the run's workers under that run, then the loop publishes its snapshot
+    after the same burst (its sweeps done).
+    """
+    wait_recorded(gpubox, serving, workers)
+    seen = time.time()
+
+    def published() -> bool:
+        with contextlib.suppress(Exception):
+            document = json.loads(gpubox.box.read_file("/run/gpuguard/daemon.json"))
+            updated = datetime.fromisoformat(document["updated_at"]).timestamp()
+            return updated >= int(seen)
+        return False
+
+    gpubox.box.wait_for("the daemon's snapshot after the burst", published, timeout=90)
+
+
+def test_p_a_daemon_held_back_kills_nothing_of_the_next_run(gpubox: GpuBox) -> None:
+    """The daemon reads a crash and a restart only after systemd started the next run: no kill.
+
+    Before, the end's last record filed the running run's server and workers under the ended
+    run, and the sweep SIGTERMed the running run's TP workers as its survivors.
+    """
+    gpubox.install_gate(extra=SAME_STOP_TIMEOUT + "RestartSec=100ms\n")
+    gpubox.start_daemon()
+    daemon = gpubox.show(DAEMON, "MainPID")
+    serving, workers = serve_escaped(gpubox)
+    wait_recorded(gpubox, serving, workers)
+    for trigger in (crash, restart):
+        timeline = Timeline(time.time())
+        gpubox.box.run(["kill", "-STOP", daemon])
+        try:
+            t0 = trigger(gpubox, timeline)
+            serving, workers = serve_escaped(gpubox, after_s=t0)
+        finally:
+            gpubox.box.run(["kill", "-CONT", daemon])
+        caught_up(gpubox, serving, workers)
+        signalled = [
+            event.get("pid")
+            for event in daemon_events(gpubox.daemon_log(t0), "signal")
+            if event.get("pid") in workers
+        ]
+        assert signalled == [], signalled
+        assert all(alive(gpubox, pid) for pid in workers)
+        assert gpubox.show(UNIT, "ActiveState") == "active"
+        assert gpubox.allocated() == [SERVING_MIB] * 4
