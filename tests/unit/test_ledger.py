@@ -22,6 +22,7 @@ from gpuguard.core.ledger import (
     MAX_RUNS_PER_UNIT,
     Ledger,
     SeenProcess,
+    Walked,
 )
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.recovery import unfreeable
@@ -465,6 +466,31 @@ def test_a_run_the_caps_cut_or_whose_write_failed_is_read_in_full_each_time() ->
     keeper.record(UNIT, 4.0, periodic=True)  # all recorded, written, nothing created: skipped
     keeper.record(UNIT, 5.0, periodic=True)
     assert len(reads) == 4
+
+
+def test_a_walk_cut_short_is_never_skipped_as_if_read_whole() -> None:
+    """After a walk its budgets cut, the next periodic record reads again, forks or not."""
+    reads: list[float] = []
+    cut: list[str | None] = ["the children of 100 threads not read"]
+
+    def read(_group: str | None, _recorded: object) -> Walked:
+        reads.append(0.0)
+        return Walked((seen(1),), cut[0])
+
+    ports = LedgerPorts(
+        run_processes=read,
+        alive=lambda _i: True,
+        save=lambda ledger: ledger,
+        every_s=5.0,
+        last_pid=lambda: 700,
+    )
+    keeper = LedgerKeeper(ports, Ledger(), lambda: 0.0)
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)  # cut
+    keeper.record(UNIT, 1.0, periodic=True)  # read again: the last one was cut
+    cut[0] = None
+    keeper.record(UNIT, 2.0, periodic=True)  # read again: the last one was cut
+    keeper.record(UNIT, 3.0, periodic=True)  # read whole, nothing created since: skipped
+    assert len(reads) == 3
 
 
 def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() -> None:

@@ -59,6 +59,25 @@ class SeenProcess:
         return ProcessIdentity(self.pid, self.start_time)
 
 
+class Walked(tuple[SeenProcess, ...]):  # noqa: SLOT001 - carries ``cut``, so it has a dict
+    """The processes one walk of a run found, and what its budgets left unread.
+
+    A tuple, so it is used as the processes it holds; ``cut`` (None: nothing) says what was
+    not read (processes past the walk's cap, threads past its thread budget): a cut walk is
+    never read as the run's whole tree.
+    """
+
+    cut: str | None
+
+    def __new__(  # noqa: PYI034 - typing.Self is 3.11's; gpuguard runs on 3.10
+        cls, found: Iterable[SeenProcess] = (), cut: str | None = None
+    ) -> Walked:
+        """The walk's processes, in the order found, and its cut."""
+        walked = super().__new__(cls, found)
+        walked.cut = cut
+        return walked
+
+
 @dataclass(frozen=True, slots=True)
 class RunRecord:
     """The processes seen descending from one run (invocation) of one unit."""
