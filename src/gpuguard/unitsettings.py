@@ -98,7 +98,8 @@ class UnitSettings(ConfigModel):
         default=3,
         ge=1,
         le=100,
-        description="Failed probes in a row that make the engine dead (a success resets it).",
+        description="Refused connections or HTTP 5xx in a row that make the engine dead (a "
+        "success resets the count; slow answers make it dead only after 300 s without a 2xx).",
     )
 
     adopt: tuple[str, ...] = Field(
