@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gpuguard.configmodel import ConfigModel
-from gpuguard.core.adopt import MAX_GLOB_CHARS
+from gpuguard.core.adopt import MAX_GLOB_CHARS, glob_problem
 from gpuguard.core.healthcheck import HealthTarget, parse_health_url
 from gpuguard.core.unitcontainers import NAME as CONTAINER_NAME
 
@@ -98,14 +98,16 @@ class UnitSettings(ConfigModel):
         default=3,
         ge=1,
         le=100,
-        description="Failed probes in a row that make the engine dead (a success resets it).",
+        description="Refused connections or HTTP 5xx in a row that make the engine dead (a "
+        "success resets the count; slow answers make it dead only after 300 s without a 2xx).",
     )
 
     adopt: tuple[str, ...] = Field(
         default=(),
         description="Other cgroups (scopes, by a glob where only * is special, e.g. "
         '"tp-worker-*.scope") the unit\'s processes legitimately move to: a GPU holder there '
-        "that runs as the unit's user is the unit's left-over while nothing of the unit is live.",
+        "that runs as the unit's user is the unit's left-over while nothing of the unit is live. "
+        "A glob that can match session-*.scope or run-*.scope is refused.",
     )
 
     @field_validator("adopt")
@@ -119,6 +121,8 @@ class UnitSettings(ConfigModel):
                 )
             if item.replace("*", "") == ".scope":
                 raise ValueError(f"{item!r} would adopt every scope (user sessions too)")
+            if (problem := glob_problem(item)) is not None:
+                raise ValueError(problem)
         return value
 
     @field_validator("health_url")

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.core.cgroup import Attribution, attribute, parse_cgroup
+from gpuguard.core.unitcontainers import Engine, container_of
 
 DOCKER_ID = "3f4e5d6c7b8a" + "9" * 52
 KUBE_ID = "a1b2c3d4e5f6" + "0" * 52
@@ -242,7 +243,12 @@ CASES: list[tuple[str, Attribution]] = [
     (f"/libpod_parent/libpod-{KUBE_ID}", _a(None, container="podman:a1b2c3d4e5f6")),
     (
         f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{KUBE_ID}.scope",
-        _a(None, user=True, slice_="user.slice", container="podman:a1b2c3d4e5f6"),
+        _a(
+            None,
+            user=True,
+            slice_="user.slice",
+            container="user@1000.service/podman:a1b2c3d4e5f6",
+        ),
     ),
     (
         f"/machine.slice/libpod-conmon-{KUBE_ID}.scope",
@@ -313,3 +319,15 @@ def test_arbitrary_component_mixes_never_raise(components: list[str]) -> None:
     """Paths built from real component names in any order never raise."""
     attribution = attribute("/" + "/".join(components))
     assert attribution.unit is None or attribution.container is None
+
+
+def test_a_users_scope_named_like_a_container_is_never_the_system_engines() -> None:
+    """A user's `systemd-run --user --scope --unit=docker-<ID>` names no system container."""
+    full = "1a2b3c4d5e6f" + "0" * 52
+    system = attribute(f"/system.slice/docker-{full}.scope")
+    assert container_of(system.container) == (Engine.DOCKER, "1a2b3c4d5e6f")
+    mine = attribute(f"/user.slice/user-1000.slice/user@1000.service/app.slice/docker-{full}.scope")
+    assert mine.container == "user@1000.service/docker:1a2b3c4d5e6f"
+    assert mine.user_unit
+    assert container_of(mine.container) is None
+    assert mine.container != system.container

@@ -27,7 +27,7 @@ from daemontwins import (
     twin_settings,
 )
 
-from gpuguard.core.healthcheck import HealthTarget, ProbeResult
+from gpuguard.core.healthcheck import SILENT_DEAD_S, HealthTarget, ProbeResult
 from gpuguard.core.levels import Level
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
@@ -416,6 +416,46 @@ def test_an_opted_in_unit_is_recovered_when_its_health_check_fails(tmp_path: Pat
     assert "health check failed once: connection refused" in str(record["reason"])
 
 
+def test_a_busy_engine_is_never_restarted_for_slow_answers(tmp_path: Path) -> None:
+    """Opted in to recovery: health probes that time out (a busy engine) restart nothing."""
+    probe = ProbeTwin(ProbeResult(ok=False, detail="no answer within 2 s"))
+    harness = build(
+        tmp_path, came_up(), on_engine_dead="recover", health_url=HEALTH_URL, probe_health=probe
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert probe.asked
+    assert harness.unit.calls == []
+    assert harness.said("engine dead") == []
+
+
+def test_an_engine_silent_far_past_its_timeout_is_restarted_once(tmp_path: Path) -> None:
+    """No 2xx for SILENT_DEAD_S: dead by silence, and the opted-in unit restarted once."""
+    clock = SteppedClock.of(came_up())
+
+    def probe(target: HealthTarget, timeout_s: float) -> ProbeResult:
+        del target
+        clock.advance(SILENT_DEAD_S / 2)  # the daemon's turns come this far apart
+        return ProbeResult(ok=False, detail=f"no answer within {timeout_s:g} s")
+
+    harness = build(
+        tmp_path,
+        came_up(),
+        on_engine_dead="recover",
+        health_url=HEALTH_URL,
+        probe_health=probe,
+        clock=clock,
+        turns=12,
+    )
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == [f"stop {UNIT}", f"reset-failed {UNIT}", f"start {UNIT}"]
+    [(_, said)] = harness.said("engine dead")
+    assert str(said["cause"]).startswith("health check answered no 2xx for ")
+
+
 def test_a_healthy_answer_is_no_news(tmp_path: Path) -> None:
     """An up run that answers 200 is up, probed, and nothing is said."""
     probe = ProbeTwin(ProbeResult(ok=True, detail="HTTP 200"))
@@ -505,7 +545,7 @@ def test_a_health_death_is_probed_on_and_one_success_ends_it(tmp_path: Path) -> 
     clock = SteppedClock.of(came_up())
     probe = ScriptedProbe(
         [
-            ProbeResult(ok=False, detail="no answer within 2 s"),
+            ProbeResult(ok=False, detail="HTTP 503"),
             ProbeResult(ok=True, detail="HTTP 200"),
         ]
     )

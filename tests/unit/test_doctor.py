@@ -460,3 +460,28 @@ def test_survivors_the_daemon_swept_outside_the_cgroup_are_a_finding_with_the_co
     assert finding.title.startswith("2 processes survived a stop")
     assert any("reaped 2 survivors of run 0959ecc2" in e for e in finding.evidence)
     assert f"`gpuguard reap --unit {UNIT}`" in str(finding.advice)
+
+
+def test_the_guessed_stop_timeout_has_a_ceiling() -> None:
+    """A drain killed at 8 min is never answered with 32 min: the guess stops at 10 min."""
+    stops = (Stop("killed", 480.0, killed=True),)
+    found = by_code(
+        diagnose(facts(config(timeout_stop_s=480.0), History(stops=stops)), {}, HOST),
+        "stop-timeout",
+    )
+    assert found.severity is Level.CRITICAL
+    assert found.fix[-1] == "TimeoutStopSec=10min"
+    assert "at most 10min" in found.fix[0]
+
+
+def test_a_drain_killed_at_the_ceiling_is_advice_not_a_longer_timeout() -> None:
+    """Killed at 10 min already: no longer timeout is proposed, the hanging shutdown is named."""
+    stops = (Stop("killed", 600.0, killed=True),)
+    found = by_code(
+        diagnose(facts(config(timeout_stop_s=600.0), History(stops=stops)), {}, HOST),
+        "stop-timeout",
+    )
+    assert found.severity is Level.CRITICAL
+    assert found.fix == ()
+    assert found.advice is not None
+    assert "shutdown hangs" in found.advice

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from gpuguard.core.healthcheck import (
+    SILENT_DEAD_S,
     HealthBack,
     HealthCheck,
     HealthDeath,
@@ -14,10 +15,12 @@ from gpuguard.core.healthcheck import (
     parse_health_url,
 )
 from gpuguard.core.liveness import Liveness
-from gpuguard.core.livenessview import State
+from gpuguard.core.livenessview import DeadEngine, LivenessView, State, left_alone
+from gpuguard.core.unitstate import UnitState
 from gpuguard.unitsettings import UnitSettings
 
 FAILED = ProbeResult(ok=False, detail="HTTP 503")
+SLOW = ProbeResult(ok=False, detail="no answer within 2 s")
 OK = ProbeResult(ok=True, detail="HTTP 200")
 
 
@@ -102,22 +105,41 @@ def test_the_check_is_off_by_default() -> None:
 
 
 def test_failures_in_a_row_make_the_engine_dead() -> None:
-    """Three failed probes of the run that is up: dead since the first, named with the last."""
+    """Three 5xx of the run that is up (a slow answer between neither counts nor resets): dead."""
     check = HealthCheck(every_s=10.0, failures=3)
     assert check.due_in("run-a", 100.0) == 0.0
     assert check.answered("run-a", FAILED, now=100.0, wall=1000.0, probed_run="run-a") is None
     assert check.due_in("run-a", 105.0) == 5.0
     assert check.answered("run-a", FAILED, now=110.0, wall=1010.0, probed_run="run-a") is None
-    death = check.answered(
-        "run-a",
-        ProbeResult(ok=False, detail="no answer within 2 s"),
-        now=120.0,
-        wall=1020.0,
-        probed_run="run-a",
-    )
+    assert check.answered("run-a", SLOW, now=120.0, wall=1020.0, probed_run="run-a") is None
+    refused = ProbeResult(ok=False, detail="connection refused")
+    death = check.answered("run-a", refused, now=130.0, wall=1030.0, probed_run="run-a")
     assert isinstance(death, HealthDeath)
     assert (death.invocation_id, death.since_s, death.since_wall_s) == ("run-a", 100.0, 1000.0)
-    assert death.cause == "health check failed 3 times: no answer within 2 s"
+    assert death.cause == "health check failed 3 times: connection refused"
+    assert not death.silent
+
+
+def test_slow_answers_alone_are_no_dead_engine_until_long_silent() -> None:
+    """A busy engine's timeouts make no verdict; only SILENT_DEAD_S without a 2xx does."""
+    check = HealthCheck(every_s=10.0, failures=3)
+    check.due_in("run-a", 0.0)
+    moments = [10.0 * n for n in range(int(SILENT_DEAD_S / 10.0))]
+    for at in moments:
+        assert check.answered("run-a", SLOW, now=at, wall=at, probed_run="run-a") is None
+    death = check.answered("run-a", SLOW, now=SILENT_DEAD_S, wall=0.0, probed_run="run-a")
+    assert isinstance(death, HealthDeath)
+    assert death.silent
+    assert death.cause == "health check answered no 2xx for 300 s: no answer within 2 s"
+
+
+def test_only_refusals_and_server_errors_say_the_engine_is_down() -> None:
+    """Refused and 5xx say down; a timeout, a 4xx, a closed or garbled answer do not."""
+    down = [ProbeResult(ok=False, detail=d) for d in ("connection refused", "HTTP 500", "HTTP 503")]
+    assert all(result.says_down for result in down)
+    others = ("no answer within 2 s", "HTTP 404", "HTTP 429", "the answer is not HTTP")
+    assert not any(ProbeResult(ok=False, detail=d).says_down for d in others)
+    assert not ProbeResult(ok=True, detail="HTTP 200").says_down
 
 
 def test_a_run_the_check_made_dead_is_probed_on_and_one_success_ends_it() -> None:
@@ -198,3 +220,20 @@ def test_liveness_takes_a_health_death_only_for_the_run_that_is_up() -> None:
     assert not liveness.health_failed(death)
     assert liveness.dead is None
     assert liveness.view(10.0).state is not State.ENGINE_DEAD
+
+
+def test_a_restart_for_silence_is_never_repeated_without_a_new_cause() -> None:
+    """After the daemon restarted a unit for a silent check, silence again is only reported."""
+    run = "r" * 32
+    now = UnitState("vllm.service", "active", "running", invocation_id=run)
+
+    def view(*, silent: bool) -> LivenessView:
+        dead = DeadEngine(run, 1.0, None, "c", "c", by_health=True, by_silence=silent)
+        return LivenessView(State.ENGINE_DEAD, "dead", "critical", run, dead)
+
+    assert left_alone(view(silent=True), "vllm.service", now) is None  # the first: recovered
+    again = left_alone(view(silent=True), "vllm.service", now, silence_recovered=True)
+    assert again is not None
+    assert "not restarted again without a new cause" in again
+    # A refusal or a 5xx is a new cause: recovered even after a restart for silence.
+    assert left_alone(view(silent=False), "vllm.service", now, silence_recovered=True) is None

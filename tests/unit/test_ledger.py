@@ -23,9 +23,11 @@ from gpuguard.core.ledger import (
     Ledger,
     SeenProcess,
 )
-from gpuguard.core.liverun import Walked, file_walk, live_reason
+from gpuguard.core.liverun import Walk, Walked, file_walk, live_reason
 from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
 from gpuguard.core.recovery import unfreeable
+from gpuguard.core.unitfacts import unit_facts
+from gpuguard.core.unitstate import UnitState
 from gpuguard.core.values import ProcessIdentity, ProcScan, UnitProvenance
 from gpuguard.daemon.ledgerkeeper import LedgerKeeper, LedgerPorts
 
@@ -275,6 +277,36 @@ def test_an_adopted_scope_is_the_units_only_while_nothing_of_it_is_live() -> Non
     assert decide(moved(), replace(adopting, adopt=("tp-other-*.scope",))).verdict is Verdict.KEEP
 
 
+def test_adopt_never_takes_another_watched_units_live_worker() -> None:
+    """Another unit's live worker in an adopted scope, by its INVOCATION_ID, is never adopted.
+
+    Same user, its INVOCATION_ID that unit's running invocation; the ledger never recorded the
+    worker itself, only the other unit's run.
+    """
+    other_live = "e" * 32
+    ledger = Ledger().record("b.service", other_live, [seen(300, "/system.slice/b.service")], 1.0)
+    facts = unit_facts(
+        UnitState(UNIT),
+        UnitProvenance(None, frozenset({OLD}), uid=0),
+        ledger.for_unit(UNIT),
+        environment={},
+    )
+    adopting = replace(request(provenance=facts.provenance), adopt=("tp-worker-*.scope",))
+    theirs = holder(301, unit="tp-worker-1.scope", invocation=other_live)
+    kept = decide(theirs, adopting)
+    assert kept.verdict is Verdict.KEEP
+    assert "INVOCATION_ID eeeeeeeeeeee names a run of another watched unit" in kept.reason
+    assert decide(moved(), adopting).verdict is Verdict.REAP  # the scope's own id: still adopted
+
+
+def test_adopt_never_takes_a_login_session_or_a_run_scope() -> None:
+    """Whatever glob a configuration holds, session-* and run-* scopes are never adopted."""
+    for scope in ("session-3.scope", "session-c1.scope", "run-r3f2a.scope", "run-u7.scope"):
+        adopting = replace(request(), adopt=("*-*.scope", "*.scope"))
+        kept = decide(holder(100, unit=scope, invocation=None), adopting)
+        assert kept.verdict is Verdict.KEEP, scope
+
+
 @given(st.text("ab*", max_size=8), st.text("ab", max_size=10))
 def test_glob_match_agrees_with_fnmatch_on_stars(pattern: str, name: str) -> None:
     """Only * is special, and it means what fnmatch means by it."""
@@ -359,8 +391,21 @@ def test_adopt_takes_scope_globs_only() -> None:
     from gpuguard.unitsettings import UnitSettings  # noqa: PLC0415
 
     assert UnitSettings(adopt=("tp-worker-*.scope",)).adopt == ("tp-worker-*.scope",)
+    assert UnitSettings(adopt=("runner-*.scope",)).adopt == ("runner-*.scope",)
     for bad in ("*.scope", "**.scope", "a/b.scope", "x.service", "tp-worker-[0].scope"):
         with pytest.raises(ValidationError):
+            UnitSettings(adopt=(bad,))
+
+
+def test_adopt_refuses_globs_that_can_match_sessions_or_run_scopes() -> None:
+    """A glob whose literal prefix a session-* or run-* name can begin with is refused."""
+    import pytest  # noqa: PLC0415 - only these tests raise
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from gpuguard.unitsettings import UnitSettings  # noqa: PLC0415
+
+    for bad in ("session-*.scope", "run-*.scope", "*-*.scope", "s*.scope", "r*.scope", "*w.scope"):
+        with pytest.raises(ValidationError, match="can match"):
             UnitSettings(adopt=(bad,))
 
 
@@ -526,6 +571,31 @@ def test_a_run_the_caps_cut_or_whose_write_failed_is_read_in_full_each_time() ->
     keeper.record(UNIT, 4.0, periodic=True)  # all recorded, written, nothing created: skipped
     keeper.record(UNIT, 5.0, periodic=True)
     assert len(reads) == 4
+
+
+def test_a_walk_cut_short_is_never_skipped_as_if_read_whole() -> None:
+    """After a walk its budgets cut, the next periodic record reads again, forks or not."""
+    reads: list[float] = []
+    cut: list[str | None] = ["the children of 100 threads not read"]
+
+    def read(_group: str | None, _recorded: object) -> Walk:
+        reads.append(0.0)
+        return Walk((walked(1),), cut[0])
+
+    ports = LedgerPorts(
+        run_processes=read,
+        alive=lambda _i: True,
+        save=lambda ledger: ledger,
+        every_s=5.0,
+        last_pid=lambda: 700,
+    )
+    keeper = LedgerKeeper(ports, Ledger(), lambda: 0.0)
+    keeper.run_up(UNIT, OLD, f"/system.slice/{UNIT}", 0.0)  # cut
+    keeper.record(UNIT, 1.0, periodic=True)  # read again: the last one was cut
+    cut[0] = None
+    keeper.record(UNIT, 2.0, periodic=True)  # read again: the last one was cut
+    keeper.record(UNIT, 3.0, periodic=True)  # read whole, nothing created since: skipped
+    assert len(reads) == 3
 
 
 def test_inside_a_pid_namespace_a_spared_device_holder_of_a_used_gpu_blocks() -> None:

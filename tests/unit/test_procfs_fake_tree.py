@@ -23,7 +23,7 @@ from gpuguard.adapters.procfs import (
     scan_device_holders,
 )
 from gpuguard.adapters.procread import PF_KTHREAD, parse_fd_size, parse_stat
-from gpuguard.adapters.runtree import DESCENDANTS_MAX, descendants
+from gpuguard.adapters.runtree import DESCENDANTS_MAX, THREADS_MAX, descendants
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.policy import Verdict, plan
 from gpuguard.core.redaction import REDACTED
@@ -96,6 +96,7 @@ class FakeProc:
         (base / "status").write_text(
             f"Name:\t{proc.comm}\nState:\t{proc.state}\nPPid:\t{proc.ppid}\n"
             f"Uid:\t{proc.uid}\t{proc.uid}\t{proc.uid}\t{proc.uid}\nFDSize:\t{proc.fd_size}\n"
+            f"Threads:\t{len({proc.pid, *proc.threads})}\n"
         )
         (base / "cgroup").write_text(proc.cgroup)
         (base / "environ").write_bytes(
@@ -417,7 +418,50 @@ def test_descendants_count_every_lead_read_against_the_bound(proc: FakeProc) -> 
     gone = tuple(range(100_000, 100_000 + DESCENDANTS_MAX))  # listed, then gone (no /proc entry)
     proc.add(FakeProcess(pid=800, children=(*gone, 801)))
     proc.add(FakeProcess(pid=801, ppid=800))
-    assert [w.process.pid for w in descendants([800], proc_root=proc.root)] == [800]
+    found = descendants([800], proc_root=proc.root)
+    assert [w.process.pid for w in found] == [800]
+    assert found.cut is not None
+    assert f"stopped at {DESCENDANTS_MAX} processes read" in found.cut
+
+
+def test_descendants_read_at_most_threads_max_threads_and_say_what_was_cut(
+    proc: FakeProc,
+) -> None:
+    """A process with more threads than the budget has its main thread read alone, said cut.
+
+    A process's children are listed per thread, so the walk cost a read per thread: one
+    process of 20,000 threads took 0.1-0.3 s under the process cap alone.
+    """
+    empty: tuple[int, ...] = ()
+    many = dict.fromkeys(range(10_000, 10_000 + THREADS_MAX + 50), empty)
+    many[10_000 + THREADS_MAX + 49] = (802,)  # a child of a thread past the budget
+    proc.add(FakeProcess(pid=800, children=(801,), threads=many))
+    proc.add(FakeProcess(pid=801, ppid=800, threads={900: (803,)}))
+    proc.add(FakeProcess(pid=802, ppid=800))
+    proc.add(FakeProcess(pid=803, ppid=801))
+    found = descendants([800], proc_root=proc.root)
+    # the main thread's child, then its own
+    assert [w.process.pid for w in found] == [800, 801, 803]
+    assert found.cut is not None
+    assert f"the children of {THREADS_MAX + 50} threads of 1 process not read" in found.cut
+    assert descendants([801], proc_root=proc.root).cut is None
+
+
+def test_descendants_spend_the_thread_budget_across_processes(proc: FakeProc) -> None:
+    """Processes that fit the budget together are read whole; the one past it is said cut."""
+    half = THREADS_MAX // 2
+    empty: tuple[int, ...] = ()
+
+    def threads(first: int) -> dict[int, tuple[int, ...]]:
+        return dict.fromkeys(range(first, first + half - 1), empty)
+
+    proc.add(FakeProcess(pid=800, children=(801, 802), threads=threads(10_000)))
+    proc.add(FakeProcess(pid=801, ppid=800, threads=threads(20_000)))
+    proc.add(FakeProcess(pid=802, ppid=800, threads=threads(30_000)))
+    found = descendants([800], proc_root=proc.root)
+    assert sorted(w.process.pid for w in found) == [800, 801, 802]
+    assert found.cut is not None
+    assert f"the children of {half - 1} threads of 1 process not read" in found.cut
 
 
 def test_descendants_fall_back_to_a_ppid_walk_without_children_files(proc: FakeProc) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.core import metrics, timeline
 from gpuguard.core.release import Release
-from gpuguard.core.releaselog import KEPT, Logged, appended, parse, summarize
+from gpuguard.core.releaselog import KEPT, UNITS, Logged, appended, parse, summarize
 from gpuguard.core.tally import HISTORY_KEPT, Tally
 
 if TYPE_CHECKING:
@@ -100,11 +100,51 @@ def test_the_log_keeps_its_newest_records_within_what_the_counters_remember() ->
     assert KEPT <= HISTORY_KEPT
 
 
+def test_a_busy_unit_never_pushes_another_units_records_out() -> None:
+    """The log keeps the newest KEPT of each unit: a hundred reaps of one leave the other's."""
+    document = appended([], [logged(7.0, unit="quiet.service", at=1.0)])
+    for i in range(100):
+        document = appended(document, [logged(float(i), unit="busy.service", at=2.0 + i)])
+    kept = parse(document)
+    assert [r.release.seconds for r in kept if r.unit == "quiet.service"] == [7.0]
+    busy = [r.release.seconds for r in kept if r.unit == "busy.service"]
+    assert busy == [float(i) for i in range(100 - KEPT, 100)]
+
+
+def test_the_log_keeps_the_units_reaped_for_last() -> None:
+    """Past UNITS units, the one whose newest record is the oldest goes whole (a bounded file)."""
+    document: list[dict[str, Any]] = []
+    for i in range(UNITS):
+        document = appended(document, [logged(float(i), unit=f"u{i}.service", at=float(i))])
+    document = appended(document, [logged(99.0, unit="u0.service", at=99.0)])
+    document = appended(document, [logged(98.0, unit="new.service", at=100.0)])
+    kept = parse(document)
+    units = {r.unit for r in kept}
+    assert len(units) == UNITS
+    assert "u1.service" not in units
+    assert [r.release.seconds for r in kept if r.unit == "u0.service"] == [0.0, 99.0]
+
+
+def test_counting_across_units_sees_each_new_record_once() -> None:
+    """With a unit at its KEPT and another's records between, each new reap counts once."""
+    tally = Tally()
+    document: list[dict[str, Any]] = []
+    for i in range(KEPT):
+        document = appended(document, [logged(1.0, unit="a.service", at=float(i))])
+        document = appended(document, [logged(1.0, unit="b.service", at=float(i))])
+    tally.baseline_logged(parse(document))
+    for i in range(3):
+        document = appended(document, [logged(2.0, unit="a.service", at=100.0 + i)])
+        tally.count_logged(parse(document))
+    [(counts, total)] = tally.releases.series.values()
+    assert (sum(counts), total) == (3, 6.0)
+
+
 def test_the_daemon_counts_only_new_reap_records_into_the_histogram() -> None:
     """Reap's records count once; the daemon's and the gate's are counted where they come from."""
     tally = Tally()
     old = logged(1.0, at=1.0)
-    tally.baseline("releases", [old.to_json()])
+    tally.baseline_logged([old])
     records = [old, logged(2.0, at=2.0), logged(3.0, at=3.0, by="daemon"), logged(4.0, by="gate")]
     tally.count_logged(records)
     tally.count_logged(records)

@@ -49,3 +49,31 @@ def test_interval_refused(text: str) -> None:
     """Anything else is a ValueError (argparse turns it into a usage error)."""
     with pytest.raises(ValueError, match="seconds"):
         watchframe.interval(text)
+
+
+def _rows(frame: str) -> list[str]:
+    rows = frame.removeprefix("\x1b[H").removesuffix("\x1b[J").split("\x1b[K\n")
+    rows[-1] = rows[-1].removesuffix("\x1b[K")
+    return rows
+
+
+def test_wide_characters_are_cut_by_terminal_cells() -> None:
+    """Wide East-Asian characters are cut at the terminal's width in cells, not code points."""
+    frame = watchframe.compose("漢" * 30, "head", 40, 10)
+    line = _rows(frame)[2]
+    assert line == "漢" * 19 + "…"
+    assert watchframe.width(line) <= 40
+
+
+def test_combining_marks_take_no_cells() -> None:
+    """Combining marks add no width: a line of 30 cells with accents on each letter is not cut."""
+    text = "e\u0301" * 30
+    assert _rows(watchframe.compose(text, "head", 30, 10))[2] == text
+    assert watchframe.width(text) == 30
+
+
+def test_a_wide_character_never_straddles_the_edge() -> None:
+    """A wide character that would end past the last cell before '…' is left out whole."""
+    line = _rows(watchframe.compose("a" + "漢" * 30, "head", 20, 10))[2]
+    assert line == "a" + "漢" * 9 + "…"
+    assert watchframe.width(line) == 20

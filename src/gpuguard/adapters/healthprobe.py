@@ -19,7 +19,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.healthcheck import ProbeResult
+from gpuguard.core.healthcheck import REFUSED, ProbeResult
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,7 +60,7 @@ def _failed(err: OSError, timeout_s: float) -> ProbeResult:
     if isinstance(err, TimeoutError):
         detail = f"no answer within {timeout_s:g} s"
     elif isinstance(err, ConnectionRefusedError):
-        detail = "connection refused"
+        detail = REFUSED
     else:
         detail = f"cannot ask: {err.strerror or type(err).__name__}"
     return ProbeResult(ok=False, detail=detail)

@@ -100,7 +100,7 @@ class Exporter:
         for unit, entries in gate_histories(settings).items():
             self.tally.baseline(f"gate/{unit}", entries)
         logged = releaselog.read(settings.runtime_dir)
-        self.tally.baseline("releases", [record.to_json() for record in logged])
+        self.tally.baseline_logged(logged)
 
     def loaded(
         self, load: Callable[[str], dict[str, Any] | None]

@@ -36,7 +36,7 @@ from gpuguard.adapters.procread import (
 )
 from gpuguard.core.cgroup import parse_cgroup
 from gpuguard.core.ledger import SeenProcess
-from gpuguard.core.liverun import Walked
+from gpuguard.core.liverun import Walk, Walked
 from gpuguard.core.values import ProcessIdentity
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def run_processes(
     *,
     cgroup_root: Path = CGROUP_ROOT,
     proc_root: Path = procfs.PROC,
-) -> tuple[Walked, ...]:
+) -> Walk:
     """A unit's processes now: its cgroup's, the ``recorded`` ones still alive, descendants.
 
     ``recorded``: each process the ledger holds of the unit, with its run. Each is pinned as it
@@ -139,6 +139,11 @@ def last_pid(*, proc_root: Path = procfs.PROC) -> int | None:
 
 DESCENDANTS_MAX = 4096
 """The most processes one ledger walk reads: a fork bomb in a unit costs a bounded walk."""
+THREADS_MAX = 8192
+"""The most threads' ``children`` lists one ledger walk reads. A process's children are listed
+per thread (``task/TID/children``), so a walk costs a read per *thread*: one process with
+20,000 threads cost 0.2-0.34 s under the process cap alone. An inference server's processes
+have tens to a few hundred threads each; past this the walk stops and says so (``cut``)."""
 
 
 def descendants(
@@ -147,7 +152,7 @@ def descendants(
     within: str | None = None,
     runs: Mapping[ProcessIdentity, str] | None = None,
     proc_root: Path = procfs.PROC,
-) -> tuple[Walked, ...]:
+) -> Walk:
     """``roots`` and every process descending from them, parents first, as the ledger reads them.
 
     Each comes with its own ``INVOCATION_ID``, the walked parent it was found under, and for a
@@ -162,8 +167,10 @@ def descendants(
     ``within``) only while its cgroup is ``within`` or below it; a child only while its
     ``stat`` names the parent it was listed under and that parent's PID, read again after the
     child's, still has the parent's start time. Bounded by DESCENDANTS_MAX leads read (found or
-    not, so children that all fail their checks cannot make it long); a process whose
-    cgroup cannot be parsed is recorded as ``?``.
+    not, so children that all fail their checks cannot make it long) and by THREADS_MAX
+    threads whose children were read; what either leaves unread is said in the result's
+    ``cut``, never passed off as the whole tree. A process whose cgroup cannot be parsed is
+    recorded as ``?``.
     """
     root = os.fspath(proc_root)
     recorded_runs = runs or {}
@@ -179,6 +186,7 @@ def descendants(
     seen: set[int] = set()
     by_ppid: dict[int, list[int]] | None = None
     found: list[Walked] = []
+    threads = _Threads(THREADS_MAX)
     reads = 0  # every lead read counts, found or not: a parent that exits right after its
     # children are listed (each child then fails its parent check) must not make the walk endless
     while queue and reads < DESCENDANTS_MAX:
@@ -186,21 +194,53 @@ def descendants(
         if lead.pid <= 0 or lead.pid in seen:
             continue
         reads += 1
-        process = _seen(lead, root, within)
-        if process is None:
+        read = _seen(lead, root, within)
+        if read is None:
             continue
+        process, thread_count = read
         seen.add(lead.pid)
         parent = ProcessIdentity(process.pid, process.start_time)
         run = recorded_runs.get(parent) if lead.parent is None and lead.start is not None else None
         found.append(Walked(process, _invocation_id(lead.pid, root), lead.parent, run))
         if by_ppid is None:
             try:
-                queue.extend(_Lead(child, parent=parent) for child in _children_of(root, lead.pid))
+                children = _children_of(root, lead.pid, thread_count, threads)
+                queue.extend(_Lead(child, parent=parent) for child in children)
                 continue
             except _ChildrenUnsupportedError:
                 by_ppid = _children_by_ppid(root)
         queue.extend(_Lead(child, parent=parent) for child in by_ppid.get(lead.pid, ()))
-    return tuple(found)
+    cuts = []
+    if queue and reads >= DESCENDANTS_MAX:
+        cuts.append(f"stopped at {DESCENDANTS_MAX} processes read, {len(queue)} more listed")
+    if threads.unread:
+        cuts.append(
+            f"the children of {threads.unread} threads of {threads.cut_processes} "
+            f"process{'es' if threads.cut_processes != 1 else ''} not read past {THREADS_MAX} "
+            "threads"
+        )
+    return Walk(found, "; ".join(cuts) or None)
+
+
+class _Threads:
+    """What is left of one walk's thread budget, and what it left unread."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self.unread = 0
+        self.cut_processes = 0
+
+    def take(self, tids: list[str], *, threads: int) -> list[str]:
+        """The threads to read of ``tids``, the first (the main thread) always.
+
+        What is not read of the process's ``threads`` is counted as left unread.
+        """
+        taken = tids[: max(self.left, 1)]
+        self.left = max(self.left - len(taken), 0)
+        if len(taken) < threads:
+            self.unread += threads - len(taken)
+            self.cut_processes += 1
+        return taken
 
 
 class _Lead(NamedTuple):
@@ -213,10 +253,11 @@ class _Lead(NamedTuple):
     """The process it was listed as a child of; None for a root."""
 
 
-def _seen(lead: _Lead, root: str, within: str | None) -> SeenProcess | None:
-    """One process's identity, uids, name and cgroup, or None.
+def _seen(lead: _Lead, root: str, within: str | None) -> tuple[SeenProcess, int | None] | None:
+    """One process's identity, uids, name and cgroup, and its number of threads; or None.
 
-    None when it vanished, is a kernel thread, or is no longer who ``lead`` says it was.
+    None when it vanished, is a kernel thread, or is no longer who ``lead`` says it was. The
+    number of threads is None when its ``status`` does not say.
     """
     pid, base = lead.pid, f"{root}/{lead.pid}"
     stat = stat_at(base)
@@ -235,7 +276,20 @@ def _seen(lead: _Lead, root: str, within: str | None) -> SeenProcess | None:
     path = parse_cgroup(cgroup.decode("utf-8", "backslashreplace"))
     if not _still_who(lead, root, path, within):
         return None
-    return SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
+    seen = SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
+    return seen, _thread_count(status)
+
+
+def _thread_count(status: bytes) -> int | None:
+    """The ``Threads:`` of ``/proc/PID/status``, or None.
+
+    The last such line: only ``Name:`` before it is the process's to write.
+    """
+    at = status.rfind(b"\nThreads:")
+    if at < 0:
+        return None
+    field = status[at + 9 :].split(b"\n", 1)[0].strip()
+    return int(field) if field.isdigit() and len(field) < 10 else None
 
 
 def _invocation_id(pid: int, root: str) -> str | None:
@@ -272,13 +326,26 @@ class _ChildrenUnsupportedError(Exception):
     """The kernel has no ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN is off)."""
 
 
-def _children_of(root: str, pid: int) -> list[int]:
-    """Return the children of every thread of ``pid`` from ``task/*/children``."""
+def _children_of(root: str, pid: int, count: int | None, threads: _Threads) -> list[int]:
+    """Return the children of ``pid``'s threads from ``task/*/children``, within ``threads``.
+
+    The main thread (TID = PID) is read first, where a server's workers are forked, then the
+    others by TID (the kernel lists them so; sorted, a cut is the same on any file system). A
+    process with more threads (``count``, from its ``status``) than the budget has left gets
+    its main thread read alone: not even its ``task`` directory is listed, which for 20,000
+    threads costs as much as reading a third of them.
+    """
     task_dir = f"{root}/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return []
+    main = str(pid)
+    if count is not None and count > max(threads.left, 1):
+        tids = threads.take([main], threads=count)  # the others counted, never listed
+    else:
+        try:
+            listed = os.listdir(task_dir)
+        except OSError:
+            return []
+        ordered = sorted((tid for tid in listed if tid.isdecimal() and tid != main), key=int)
+        tids = threads.take([main, *ordered] if main in listed else ordered, threads=len(listed))
     children: list[int] = []
     for tid in tids:
         try:

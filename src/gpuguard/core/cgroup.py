@@ -21,6 +21,12 @@ containers (``crio-conmon-*``) gets ``kubepods:<uid>``. A pod is matched before 
 ``docker-``/``cri-containerd-`` scope inside it, so its containers always carry the pod uid.
 Nested containers (docker-in-docker, kind) are named by their outermost container: the only one
 the host's runtime knows.
+
+A container form below ``user@UID.service`` is that user's: rootless podman or docker, or any
+scope the user names at will (``systemd-run --user --scope --unit=docker-<ID>``). Its name
+carries the manager, ``user@1000.service/docker:<id12>``, so it is never the system engine's
+container of that id: ``unitcontainers.container_of`` reads no engine in it, and neither
+``status`` nor the gate's blocker lines credit it to the unit's container.
 """
 
 from __future__ import annotations
@@ -166,21 +172,28 @@ def attribute(path: str | None) -> Attribution:
     components = [c for c in path.split("/") if c and c not in {".", ".."}]
     unit: str | None = None
     slice_: str | None = None
-    user = False
+    manager: str | None = None
     in_kubepods = False
     for index, component in enumerate(components):
         container = _container_at(components, index, in_kubepods=in_kubepods)
         in_kubepods = in_kubepods or component.startswith("kubepods")
         if container is not None:
+            if manager is not None:  # the user's own: never a system engine's container
+                container = f"{manager}/{container}"
+            user = manager is not None
             return Attribution(unit=None, user_unit=user, slice=slice_, container=container)
         if unit is not None:
             continue
         if component.endswith(".slice"):
             slice_ = component
         elif component.endswith(_UNIT_SUFFIXES):
-            if _USER_MANAGER.fullmatch(component) and index + 1 < len(components) and not user:
+            if (
+                _USER_MANAGER.fullmatch(component)
+                and index + 1 < len(components)
+                and manager is None
+            ):
                 # Below user@UID.service the user's own manager names the units.
-                user = True
+                manager = component
                 continue
             unit = component
-    return Attribution(unit=unit, user_unit=user, slice=slice_)
+    return Attribution(unit=unit, user_unit=manager is not None, slice=slice_)

@@ -8,6 +8,14 @@ refused, docs/liveness.md says why), and a verdict counts only probes of the run
 never during its start (the start phases of ``core.liveness`` say when it is ready), never a
 probe of an earlier run, and only ``failures`` in a row (a success resets the count).
 
+Slow is not dead. A busy engine answers its ``/health`` late or not within the probe's timeout;
+anyone who can send the server work can make it so. So only an answer that says the engine is
+down counts towards a verdict by itself: the connection refused (nothing listens) or an HTTP 5xx
+(the engine's own check failed). ``failures`` of those in a row make it dead (a slow or other
+failed answer in between neither counts nor resets them); failures of any kind make it dead
+only once no 2xx came for ``SILENT_DEAD_S`` (``HealthDeath.silent``), far longer than any
+engine's own health timeout.
+
 Pure: the probe itself is ``adapters.healthprobe``; time (monotonic) is passed in.
 """
 
@@ -19,6 +27,13 @@ from dataclasses import dataclass
 from typing import Final
 
 MAX_URL_CHARS: Final = 512
+SILENT_DEAD_S: Final = 300.0
+"""Failed answers of any kind (slow ones included) make the engine dead only once no 2xx came
+for this long: 15 times SGLang's own 20 s health timeout (``SGLANG_HEALTH_CHECK_TIMEOUT``),
+60 times the longest probe timeout. A slow engine answers within that; a hung one does not."""
+REFUSED: Final = "connection refused"
+"""The probe's words for a refused connection: nothing listens on the port."""
+_SERVER_ERROR: Final = re.compile(r"HTTP 5[0-9][0-9]")
 _PATH: Final = r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]*"
 """RFC 3986's path and query characters: no space, no CR/LF (no header injection), no '#'."""
 _TCP: Final = re.compile(
@@ -90,6 +105,13 @@ class ProbeResult:
     """False when the daemon could not even ask (its sandbox refused the socket): that says
     nothing about the engine, so it is neither a failure nor a success."""
 
+    @property
+    def says_down(self) -> bool:
+        """The engine said it is down: the connection refused, or an HTTP 5xx. Slow is not."""
+        return not self.ok and (
+            self.detail == REFUSED or _SERVER_ERROR.fullmatch(self.detail) is not None
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class HealthDeath:
@@ -101,6 +123,10 @@ class HealthDeath:
     since_wall_s: float
     cause: str
     """ "health check failed 3 times: HTTP 503"."""
+    silent: bool = False
+    """Dead by silence alone: no 2xx for ``SILENT_DEAD_S``, never ``failures`` refusals or 5xx
+    in a row. The daemon's recovery acts on such a verdict once, never again without a new
+    cause (core.livenessview.left_alone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +148,8 @@ class HealthCheck:
         self._run: str | None = None
         self._next_s = 0.0
         self._streak = 0
+        self._down = 0
+        """Answers in the streak that said the engine is down (``ProbeResult.says_down``)."""
         self._first: tuple[float, float] | None = None
         self.blocked: str | None = None
         """Why the last probe could not even be made (``ProbeResult.counts`` False); None."""
@@ -135,7 +163,8 @@ class HealthCheck:
         if probed_run is None:
             return None
         if probed_run != self._run:
-            self._run, self._next_s, self._streak, self._first = probed_run, now, 0, None
+            self._run, self._next_s, self._first = probed_run, now, None
+            self._streak = self._down = 0
         return max(0.0, self._next_s - now)
 
     @property
@@ -166,21 +195,32 @@ class HealthCheck:
         if not result.counts:
             return None
         if result.ok:
-            self._streak, self._first = 0, None
+            self._streak, self._down, self._first = 0, 0, None
             return HealthBack(run, result.detail) if dead else None
         self._streak += 1
+        self._down += result.says_down
         if self._first is None:
             self._first = (now, wall)
         if dead or self._streak < self._needed:
             return None
-        times = "once" if self._needed == 1 else f"{self._needed} times"
-        since_s, since_wall = self._first
-        cause = f"health check failed {times}: {result.detail}"
-        return HealthDeath(run, since_s, since_wall, cause)
+        return self._death(run, result, now)
+
+    def _death(self, run: str, result: ProbeResult, now: float) -> HealthDeath | None:
+        """The verdict of a streak of ``failures`` or more: down often enough, or long silent."""
+        since_s, since_wall = self._first or (now, now)
+        silent_s = now - since_s
+        if self._down >= self._needed:
+            times = "once" if self._needed == 1 else f"{self._needed} times"
+            cause = f"health check failed {times}: {result.detail}"
+            return HealthDeath(run, since_s, since_wall, cause)
+        if silent_s >= SILENT_DEAD_S:
+            cause = f"health check answered no 2xx for {silent_s:.0f} s: {result.detail}"
+            return HealthDeath(run, since_s, since_wall, cause, silent=True)
+        return None
 
     def dropped(self) -> None:
         """The death just returned did not count (systemd no longer runs that run, active).
 
         The streak starts over.
         """
-        self._streak, self._first = 0, None
+        self._streak, self._down, self._first = 0, 0, None

@@ -77,6 +77,8 @@ class UnitLedger:
 
     claims: frozenset[tuple[ProcessIdentity, str]] = frozenset()
     elsewhere: frozenset[ProcessIdentity] = frozenset()
+    other_runs: frozenset[str] = frozenset()
+    """The invocation ids of the runs recorded for other units (live ones included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +182,11 @@ class Ledger:
 
     def for_unit(self, unit: str) -> UnitLedger:
         """The unit's own claims and every other unit's recorded processes."""
-        return UnitLedger(self.claims(unit), self.elsewhere(unit))
+        return UnitLedger(self.claims(unit), self.elsewhere(unit), self.other_runs(unit))
+
+    def other_runs(self, unit: str) -> frozenset[str]:
+        """The invocation ids of every run recorded for another unit: never ``unit``'s."""
+        return frozenset(run.invocation_id for run in self.runs if run.unit != unit)
 
     def elsewhere(self, unit: str) -> frozenset[ProcessIdentity]:
         """Every process recorded in a run of another unit: never ``unit``'s by adoption."""

@@ -169,6 +169,7 @@ class Liveness:
             death.cause,
             death.cause,
             by_health=True,
+            by_silence=death.silent,
         )
         self._confirmed, self._dead_live = True, True
         self._deaths += 1

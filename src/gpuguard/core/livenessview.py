@@ -47,6 +47,9 @@ class DeadEngine:
     """The main process exited (status 0, no stop job): systemd has nothing left to restart."""
     by_health: bool = False
     """Said by the unit's health check (core.healthcheck), not by a line of the run."""
+    by_silence: bool = False
+    """Said by the health check for silence alone: no 2xx for long, never a refusal or a 5xx
+    (core.healthcheck.HealthDeath.silent)."""
 
 
 def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) -> bool:
@@ -56,25 +59,46 @@ def acted_on(view: LivenessView, *, on_engine_dead: str, on_start_stuck: str) ->
     return view.state is State.STUCK and on_start_stuck == "recover"
 
 
-def left_alone(view: LivenessView, unit: str, now: UnitState) -> str | None:
+def left_alone(
+    view: LivenessView, unit: str, now: UnitState, *, silence_recovered: bool = False
+) -> str | None:
     """Why the daemon leaves an opted-in unit alone after all (systemd's ``now``); None: recover it.
 
     Never worse than doing nothing: a stuck start that is no longer the unit's run, a unit
-    someone stopped, a unit systemd restarts by itself (an exit 0 under Restart=always).
+    someone stopped, a unit systemd restarts by itself (an exit 0 under Restart=always), and a
+    health check silent again after the daemon's last recovery was for that silence
+    (``silence_recovered``): a restart for silence is never repeated without a new cause (a
+    refusal or a 5xx, a fatal line, an exit), so load alone cannot keep restarting a unit.
     """
     if view.dead is None and now.invocation_id != view.invocation_id:
         return f"the stuck start is no longer {unit}'s run"
     if view.dead is not None and view.dead.by_health:
-        # A server that stops (an operator's stop whose line the daemon has not read yet) fails
-        # its health check too: only a run systemd still calls active and its own is dead.
-        if now.invocation_id != view.invocation_id:
-            return f"the run whose health check failed is no longer {unit}'s run"
-        if now.active_state != "active":
-            return f"{unit} is {now.active_state or 'unknown'}: its health check failed as it ends"
+        why = _health_left_alone(view.dead, view.invocation_id, unit, now, silence_recovered)
+        if why is not None:
+            return why
     if now.active_state == "inactive" and not (view.dead and view.dead.unit_inactive):
         return f"{unit} was stopped: gpuguard does not start it"
     if now.sub_state == "auto-restart":
         return f"systemd restarts {unit} itself (auto-restart)"
+    return None
+
+
+def _health_left_alone(
+    dead: DeadEngine, run: str | None, unit: str, now: UnitState, silence_recovered: bool
+) -> str | None:
+    """Why a run its health check made dead is left alone; None: nothing of the check's own."""
+    if dead.by_silence and silence_recovered:
+        return (
+            f"{unit}'s health check is silent again after gpuguard restarted it for that: a "
+            "busy engine answers late; not restarted again without a new cause (a refused "
+            "connection, an HTTP 5xx, a fatal line)"
+        )
+    # A server that stops (an operator's stop whose line the daemon has not read yet) fails
+    # its health check too: only a run systemd still calls active and its own is dead.
+    if now.invocation_id != run:
+        return f"the run whose health check failed is no longer {unit}'s run"
+    if now.active_state != "active":
+        return f"{unit} is {now.active_state or 'unknown'}: its health check failed as it ends"
     return None
 
 

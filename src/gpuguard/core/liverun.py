@@ -44,6 +44,25 @@ class Walked:
     """For a root the ledger recorded before: the run it was recorded in."""
 
 
+class Walk(tuple[Walked, ...]):  # noqa: SLOT001 - carries ``cut``, so it has a dict
+    """The processes one walk read, parents first, and what its budgets left unread.
+
+    A tuple, so it is used as the processes it holds; ``cut`` (None: nothing) says what was
+    not read (processes past the walk's cap, threads past its thread budget): a cut walk is
+    never read as the unit's whole tree.
+    """
+
+    cut: str | None
+
+    def __new__(  # noqa: PYI034 - typing.Self is 3.11's; gpuguard runs on 3.10
+        cls, found: Iterable[Walked] = (), cut: str | None = None
+    ) -> Walk:
+        """The walk's processes, in the order found, and its cut."""
+        walk = super().__new__(cls, found)
+        walk.cut = cut
+        return walk
+
+
 def file_walk(
     walked: Iterable[Walked], *, members_run: str | None = None
 ) -> dict[str, list[SeenProcess]]:

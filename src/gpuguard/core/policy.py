@@ -14,7 +14,9 @@ belongs to one unit, so two gates never claim one process. The daemon's provenan
 (core.ledger) is the same evidence for a process that moved to a cgroup of its own while the run
 lived: its (PID, start time) recorded in an ended run, again only with the unit's uid; an
 operator's ``adopt`` globs name scopes whose processes are the unit's while nothing of it is
-live. Processes whose cgroup is unknown,
+live, never one whose own ``INVOCATION_ID`` names a run of another watched unit (the ledger
+knows every watched unit's runs), nor a login session or a ``run-*`` scope (core.adopt).
+Processes whose cgroup is unknown,
 and everything in the cgroup while systemd's view of the unit is unknown, are never reaped by
 unit scope. Command-line patterns reach further only with the explicit ``patterns`` scope.
 """
@@ -235,10 +237,8 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
         return Decision(holder, Verdict.KEEP, live)
     if recorded is None and request.live_invocation is not None:
         return None  # adopted, but the unit runs: only its INVOCATION_ID can tell which run
-    if recorded is None and holder.identity in request.provenance.elsewhere:
-        return Decision(
-            holder, Verdict.KEEP, f"{where}; the ledger recorded it in a run of another unit"
-        )
+    if recorded is None and (others := _another_units(holder, request)) is not None:
+        return Decision(holder, Verdict.KEEP, f"{where}; {others}")
     problem = _uid_problem(holder, request)
     if problem is not None:
         return Decision(holder, Verdict.KEEP, f"{where}; {problem}")
@@ -252,6 +252,19 @@ def _moved_decision(holder: Holder, request: PlanRequest, where: str) -> Decisio
     else:
         reason = f"left over from {unit} in a cgroup adopted by {glob!r} (uid {uid})"
     return Decision(holder, Verdict.REAP, reason)
+
+
+def _another_units(holder: Holder, request: PlanRequest) -> str | None:
+    """Why an adopted holder is another watched unit's, or None: never adopted then."""
+    if holder.identity in request.provenance.elsewhere:
+        return "the ledger recorded it in a run of another unit"
+    invocation = holder.invocation_id
+    if invocation is not None and invocation in request.provenance.other_runs:
+        return (
+            f"its INVOCATION_ID {invocation[:12]} names a run of another watched unit: never "
+            "adopted"
+        )
+    return None
 
 
 def _provenance_decision(holder: Holder, request: PlanRequest, pattern: str | None) -> Decision:

@@ -2,11 +2,13 @@
 
 ``core.release`` measures a release wherever a reap happens (the daemon, the gate, the
 operator's ``reap``); each one is kept here as a ``Logged`` record (who reaped, for which unit,
-when on which boot) in one log of the newest ``KEPT``. ``summarize`` is the one computation of
-the numbers an operator deciding whether to wait reads: per GPU (the label set of the
-histogram), the last release and the typical one (the median of those kept). ``status`` shows
-them for a unit's GPUs, the metrics export them as gauges, and ``explain`` puts each record of the
-unit on its incident's timeline at the moment the memory went: the same records, the same numbers.
+when on which boot) in one log that keeps the newest ``KEPT`` of each unit (of the ``UNITS``
+last reaped for), so a busy unit's reaps never push a quiet unit's history out. ``summarize``
+is the one computation of the numbers an operator deciding whether to wait reads: per GPU (the
+label set of the histogram), the last release and the typical one (the median of those kept).
+``status`` shows them for a unit's GPUs, the metrics export them as gauges, and ``explain`` puts
+each record of the unit on its incident's timeline at the moment the memory went: the same
+records, the same numbers.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Iterable
 
 KEPT: Final = 64
-"""Records kept in the log (a reap of 8 GPUs writes 8). At most the metrics' remembered history
-(``tally.HISTORY_KEPT``), so the daemon's counter tells a new record from an old one."""
+"""Records kept per unit (a reap of 8 GPUs writes 8). At most the metrics' remembered history
+(``tally.HISTORY_KEPT``), so the daemon's counter tells a unit's new record from an old one."""
+UNITS: Final = 32
+"""Units the log keeps records of: past that, the unit whose newest record is the oldest goes
+whole (a bound on the file, which every reaper rewrites: 32 x 64 records, under 1 MB)."""
 REAPERS: Final = ("daemon", "gate", "reap")
 """Who reaped: the daemon's recovery or sweep, the gate before a start, the ``reap`` command."""
 
@@ -110,13 +115,40 @@ def _wall(text: object) -> float | None:
 def parse(document: object) -> tuple[Logged, ...]:
     """The log's records, oldest first; a malformed one is left out, a non-list is empty."""
     items = document if isinstance(document, list) else []
-    return tuple(r for r in (Logged.from_json(item) for item in items[-KEPT:]) if r is not None)
+    found = (Logged.from_json(item) for item in items[-KEPT * UNITS :])
+    return _kept([r for r in found if r is not None])
 
 
 def appended(document: object, new: Iterable[Logged]) -> list[dict[str, Any]]:
-    """The log's document with ``new`` appended, the newest ``KEPT`` kept."""
-    records = [*parse(document), *new]
-    return [record.to_json() for record in records[-KEPT:]]
+    """The log's document with ``new`` appended, the newest ``KEPT`` of each unit kept."""
+    return [record.to_json() for record in _kept([*parse(document), *new])]
+
+
+def per_unit(records: Iterable[Logged]) -> dict[str | None, list[Logged]]:
+    """The records of each unit, in the log's order (None: an older daemon's, unit unknown)."""
+    grouped: dict[str | None, list[Logged]] = {}
+    for record in records:
+        grouped.setdefault(record.unit, []).append(record)
+    return grouped
+
+
+def _kept(records: list[Logged]) -> tuple[Logged, ...]:
+    """The newest ``KEPT`` of each unit, of the ``UNITS`` units reaped for last, in order.
+
+    Each unit's records stay a window that only grows at its end and loses its oldest, as
+    ``tally.Tally.news`` needs to tell a new record from an old one.
+    """
+    newest: dict[str | None, int] = {}
+    for index, record in enumerate(records):
+        newest[record.unit] = index
+    units = set(sorted(newest, key=newest.__getitem__)[-UNITS:])
+    counts = dict.fromkeys(units, 0)
+    kept: list[Logged] = []
+    for record in reversed(records):
+        if record.unit in units and counts[record.unit] < KEPT:
+            counts[record.unit] += 1
+            kept.append(record)
+    return tuple(reversed(kept))
 
 
 @dataclass(frozen=True, slots=True)

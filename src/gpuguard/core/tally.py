@@ -13,7 +13,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.release import Release
-from gpuguard.core.releaselog import Logged
+from gpuguard.core.releaselog import Logged, per_unit
 from gpuguard.core.releasetimes import ReleaseTimes
 from gpuguard.core.values import NvmlHealth, ReapOutcome
 
@@ -94,10 +94,16 @@ class Tally:
         The daemon counts its own as it measures them and the gate's from its decisions; the
         ``reap`` command leaves them only in the log (core.releaselog).
         """
-        for entry in self.news("releases", [record.to_json() for record in records]):
-            logged = Logged.from_json(entry)
-            if logged is not None and logged.by == "reap":
-                self.releases.add(logged.release)
+        for history, entries in _logged_histories(records):
+            for entry in self.news(history, entries):
+                logged = Logged.from_json(entry)
+                if logged is not None and logged.by == "reap":
+                    self.releases.add(logged.release)
+
+    def baseline_logged(self, records: Sequence[Logged]) -> None:
+        """What the release log held before this process: its records counted as seen."""
+        for history, entries in _logged_histories(records):
+            self.baseline(history, entries)
 
     def count_reaped(self, reaper: str, outcome: object) -> None:
         """One process the daemon or the gate reaped, by how it ended."""
@@ -133,6 +139,12 @@ class Tally:
             tally.nvml_errors[row[0]] = row[-1]
         tally.releases = ReleaseTimes.from_json(document.get("releases"))
         return tally
+
+
+def _logged_histories(records: Sequence[Logged]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """The release log as one history per unit: the log keeps each unit's newest, not all's."""
+    for unit, group in per_unit(records).items():
+        yield f"releases/{unit or '-'}", [record.to_json() for record in group]
 
 
 def _rows(value: object, width: int) -> Iterator[list[Any]]:

@@ -67,6 +67,11 @@ def unit_facts(  # noqa: PLR0913 - what each gatherer read, each named
         state,
         inside,
         state.environment if environment is None else environment,
-        replace(provenance, ledger=ledger.claims, elsewhere=ledger.elsewhere),
+        replace(
+            provenance,
+            ledger=ledger.claims,
+            elsewhere=ledger.elsewhere,
+            other_runs=ledger.other_runs,
+        ),
         notices,
     )

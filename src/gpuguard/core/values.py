@@ -234,6 +234,9 @@ class UnitProvenance:
     elsewhere: frozenset[ProcessIdentity] = frozenset()
     """Processes the ledger recorded in runs of other watched units: never this unit's by
     adoption (``adopt``), whatever cgroup they sit in."""
+    other_runs: frozenset[str] = frozenset()
+    """Invocation ids of other watched units' runs (the ledger's, the running ones included):
+    a process whose INVOCATION_ID names one is never this unit's by adoption."""
 
 
 @dataclass(frozen=True, slots=True)

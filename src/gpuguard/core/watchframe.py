@@ -3,12 +3,15 @@
 Like ``watch(1)`` without its flicker: the screen is never cleared. Each frame homes the cursor,
 overwrites line by line, clears what is left of each line and, after the last, the rest of the
 screen. Lines are cut to the terminal's width and the frame to its height: a wrapped line would
-push the frame off the screen. The frame's text comes escaped from the status renderer; the
-header escapes the host name. ``adapters.terminal`` draws it.
+push the frame off the screen. Width is measured in terminal cells, not code points: a wide
+East-Asian character takes two cells, a combining mark or a format character none, so a
+tenant's wide characters in a unit's output cannot wrap a line. The frame's text comes
+escaped from the status renderer; the header escapes the host name. ``adapters.terminal`` draws it.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.escaping import escape
@@ -56,8 +59,32 @@ def compose(text: str, header: str, columns: int, rows: int) -> str:
     return _HOME + (_CLEAR_LINE + "\n").join(cut) + _CLEAR_LINE + _CLEAR_BELOW
 
 
+def cells(char: str) -> int:
+    """The terminal cells one code point takes: 2 wide, 0 combining or format, else 1."""
+    if unicodedata.combining(char) or unicodedata.category(char) in _ZERO_WIDTH:
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in _WIDE else 1
+
+
+def width(line: str) -> int:
+    """The terminal cells ``line`` takes (its characters' :func:`cells`, summed)."""
+    return sum(cells(char) for char in line)
+
+
+_ZERO_WIDTH: Final = frozenset({"Mn", "Me", "Cf"})
+_WIDE: Final = frozenset({"W", "F"})
+
+
 def _fit(line: str, columns: int) -> str:
-    return line if len(line) <= columns else line[: columns - 1] + "…"
+    """``line`` if it fits ``columns`` cells, else cut to ``columns - 1`` cells and '…'."""
+    if width(line) <= columns:
+        return line
+    used = 0
+    for index, char in enumerate(line):
+        used += cells(char)
+        if used > columns - 1:
+            return line[:index] + "…"
+    return line  # pragma: no cover - width(line) > columns means the loop returns
 
 
 def header(interval_s: float, now: datetime, host: str) -> str:

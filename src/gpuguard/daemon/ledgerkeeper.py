@@ -20,7 +20,8 @@ first seen, and the kill policy reads the live uids and cgroup at kill time; a p
 into the unit's cgroup without a fork (an attach by root) is still the run's by that cgroup
 then, and recorded at the next full record. Whenever the counter cannot be read or trusted
 (runtree.last_pid: another PID namespace), while the ledger's caps cut some of what a record
-saw (an exit may make room for one), and at least every ``_FULL_EVERY`` intervals
+saw (an exit may make room for one), after a walk its own budgets cut short (runtree: its
+processes, its threads; the wiring logs what was cut), and at least every ``_FULL_EVERY`` intervals
 (a counter that wrapped round to the same value), the run is read in full; the start, the
 stop's announcement and the end always are. So an idle host costs two small reads per
 interval, and no write.
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpuguard.core.liverun import file_walk
+from gpuguard.core.liverun import Walk, file_walk
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -139,6 +140,8 @@ class LedgerKeeper:
         kept = {p.identity for run in ledger.runs for p in run.processes}
         if any(p.identity not in kept for seen in filed.values() for p in seen):
             live.last_pid = None  # some cut by the caps: an exit may make room, read each time
+        if isinstance(walked, Walk) and walked.cut is not None:
+            live.last_pid = None  # the walk was cut short: never skipped as if read whole
         keep = frozenset(v.invocation_id for v in self._live.values())
         self._ledger = ledger.forget(ports.alive, keep)
         self._save()

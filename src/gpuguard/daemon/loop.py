@@ -341,7 +341,8 @@ class Daemon(Judging, Sweeping, HealthProbing):
             state = self._show_unit(watch.name)
             self._note_state(watch, state)
             decision = watch.planner.decide_engine_dead(view.summary, now)
-            if (why := left_alone(view, watch.name, state)) is not None:
+            why = left_alone(view, watch.name, state, silence_recovered=watch.silence_recovered)
+            if why is not None:
                 decision = RecoveryDecision(Action.REPORT, why)
             self._ports.log.warning(
                 "engine dead: decision" if view.dead else "start stuck: decision",
@@ -353,6 +354,7 @@ class Daemon(Judging, Sweeping, HealthProbing):
             if decision.action is Action.WAIT and decision.not_before_s is not None:
                 watch.dead_due = decision.not_before_s
             elif decision.action is Action.RECOVER:
+                watch.silence_recovered = view.dead is not None and view.dead.by_silence
                 quick = watch.detector.diagnose(now, None)
                 line = view.dead.line if view.dead else view.summary
                 cause = replace(quick, reason=view.summary, evidence=(line,))

@@ -80,6 +80,9 @@ class Watch:
     """When to act on an engine seen dying live (its grace, or a recovery backoff's end)."""
     health: HealthCheck | None = None
     """Its health check's count (core.healthcheck); None: the unit sets no ``health_url``."""
+    silence_recovered: bool = False
+    """The daemon's last recovery of a dead engine was for a silent health check alone: the
+    next such verdict is reported, never acted on (core.livenessview.left_alone)."""
     read_through_s: float | None = None
     """The newest journal moment (monotonic) of an event of this unit the detector has seen:
     its verdict line says it, so explain replays exactly what the daemon had read, not what

@@ -38,9 +38,13 @@ from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from gpuguard.config import Settings
     from gpuguard.core.ledger import Ledger
+    from gpuguard.core.liverun import Walk
     from gpuguard.core.logger import Logger
+    from gpuguard.core.values import ProcessIdentity
 
 
 def run(settings: Settings) -> int:
@@ -148,8 +152,18 @@ def ledger_ports(settings: Settings, log: Logger) -> LedgerPorts:
             log.warning("cannot write the provenance ledger", error=str(err))
             return None
 
+    def run_processes(group: str | None, recorded: Mapping[ProcessIdentity, str]) -> Walk:
+        walked = runtree.run_processes(group, recorded)
+        if walked.cut is not None:
+            log.warning(
+                "provenance ledger's walk cut short: what it did not read is no evidence",
+                control_group=group,
+                cut=walked.cut,
+            )
+        return walked
+
     return LedgerPorts(
-        run_processes=runtree.run_processes,
+        run_processes=run_processes,
         alive=runtree.alive,
         save=save,
         every_s=settings.daemon.ledger_every_s,

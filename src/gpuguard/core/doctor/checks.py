@@ -47,7 +47,14 @@ DRAIN_MARGIN: Final = 1.5
 UNBOUNDED_FACTOR: Final = 4.0
 """With no stop that drained in time, the suggestion is the timeout that killed it times this…"""
 DRAIN_BUDGET_S: Final = 120.0
-"""… and at least this: a drain budget for a server whose drain was never seen to end."""
+"""… and at least this: a drain budget for a server whose drain was never seen to end…"""
+DRAIN_CEILING_S: Final = 600.0
+"""… and at most this. A server's drain is its requests in flight finishing: one not done in
+10 minutes is hung, not draining, and every minute of TimeoutStopSec= is a minute each stop
+holds the unit's GPUs and delays its restart (a recovery waits for it). Without a ceiling each
+run of ``doctor --fix`` after another killed stop multiplied the guess again (30 s, 2 min,
+8 min, 32 min…). Past it the drain itself is the problem: the server's shutdown, not the
+timeout. A drain measured to end (p99 x 1.5) is evidence, not a guess, and is not capped."""
 SUGGESTED_BURST: Final = 5
 ASSUMED_LOAD_S: Final = 60.0
 """A failing run's length when the journal shows none: a small model's load."""
@@ -167,9 +174,22 @@ def _stop_timeout(facts: AuditedUnit) -> Finding:
         f"p99 drain x {DRAIN_MARGIN}"
         if clean and round_up(p99(clean) * DRAIN_MARGIN) >= suggested
         else f"no stop drained within the timeout: {UNBOUNDED_FACTOR:g}x the longest "
-        f"killed drain, at least {span(DRAIN_BUDGET_S)}; a guess, run doctor again after the "
-        "next stops"
+        f"killed drain, at least {span(DRAIN_BUDGET_S)}, at most {span(DRAIN_CEILING_S)}; a "
+        "guess, run doctor again after the next stops"
     )
+    if not too_short:  # killed at or past the ceiling: a longer timeout is not the fix
+        return Finding(
+            "stop-timeout",
+            severity,
+            title,
+            tuple(evidence),
+            advice=(
+                f"the drain outlasted TimeoutStopSec={shown}, at or past the "
+                f"{span(DRAIN_CEILING_S)} this check proposes at most: the server's shutdown "
+                "hangs; fix that (its graceful-shutdown timeout), a longer wait only delays "
+                "each restart"
+            ),
+        )
     return Finding(
         "stop-timeout",
         severity,
@@ -181,7 +201,11 @@ def _stop_timeout(facts: AuditedUnit) -> Finding:
 
 def _suggested_stop_timeout(clean: Sequence[float], killed: Sequence[float]) -> float:
     by_clean = round_up(p99(clean) * DRAIN_MARGIN) if clean else 0.0
-    by_killed = max(round_up(max(killed) * UNBOUNDED_FACTOR), DRAIN_BUDGET_S) if killed else 0.0
+    by_killed = (
+        min(max(round_up(max(killed) * UNBOUNDED_FACTOR), DRAIN_BUDGET_S), DRAIN_CEILING_S)
+        if killed
+        else 0.0
+    )
     if clean and (not killed or by_clean > max(killed)):
         return by_clean
     return max(by_clean, by_killed)
