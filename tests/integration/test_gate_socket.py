@@ -1471,3 +1471,52 @@ def test_the_gate_history_says_who_asked(
     assert (caller["uid"], caller["control_process"], caller["operator"]) == (0, True, False)
     journal = server.journal()
     assert f"gate for {unit} from PID {caller['pid']}: exit 0" in journal, journal
+
+
+def test_a_non_root_units_gate_names_no_other_users_process(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """The unit's gate and stop-reap as uid 65534: root's holder is "another user's process".
+
+    Before, their answers, which the unit's journal keeps, named the PID and name of every
+    process on the unit's GPUs, whoever's it was.
+    """
+    holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # root's
+    unit = watched_unit(cli)
+    done = client(
+        cli,
+        "gate",
+        "--unit",
+        unit,
+        "--timeout",
+        "1",
+        "--socket",
+        str(server.path),
+        cgroup=unit_cgroups.ensure(unit),
+        uid=NOBODY,
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+    assert done.code == 1, done.err
+    assert "held by another user's process" in done.err, done.err
+    assert f"PID {holder.pid}" not in done.err, done.err
+    assert "nv-hostengine" not in done.err, done.err
+    reap = client(
+        cli,
+        "reap",
+        "--unit",
+        unit,
+        "--yes",
+        "--timeout",
+        "1",
+        "--socket",
+        str(server.path),
+        cgroup=unit_cgroups.ensure(unit),
+        uid=NOBODY,
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+    said = reap.out + reap.err
+    assert reap.code == 1, said
+    assert "spare 1 process(es) of other users (named to root only)" in said, said
+    assert "held by another user's process" in said, said
+    assert f"pid {holder.pid}" not in said.lower(), said
+    assert "nv-hostengine" not in said, said

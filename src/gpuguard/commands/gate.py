@@ -15,6 +15,7 @@ from gpuguard.commands.context import (
     unit_plan,
     unit_settings,
     unknown_unit,
+    viewer_uid,
 )
 from gpuguard.core.escaping import escape
 from gpuguard.core.gate import run as gaterun
@@ -168,6 +169,7 @@ def run(
             planned.request,
             settings.idle_threshold_mib * 1024 * 1024,
             timeout,
+            viewer_uid=viewer_uid(caller),
             xid_faults=daemonsnapshot.reset_xids(runtime_dir, args.unit)
             if planned.automatic
             else (),
