@@ -66,7 +66,13 @@ def response(head: bytes, render: Callable[[], bytes]) -> bytes:
     return answer if method == b"GET" else answer.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}
 
 
 def _answer(status: int, body: bytes) -> bytes:
@@ -155,7 +161,10 @@ class Listener:
         if end < 0:
             conn.out = _answer(431, b"request head too long\n")
         else:
-            conn.out = response(bytes(conn.head[:end]), self._render)
+            try:
+                conn.out = response(bytes(conn.head[:end]), self._render)
+            except Exception:  # noqa: BLE001 - one failed render must not end the listener
+                conn.out = _answer(500, b"the metrics could not be rendered\n")
         conn.answering = True
         self._selector.modify(conn.sock, selectors.EVENT_WRITE)
 
