@@ -73,10 +73,15 @@ class ControlAsks(Generic[T]):
         self.unreaped: set[int] = set()
         """Spawned systemctl processes not yet reaped (the parent's reap() reaps them)."""
 
-    def started(self, pid: int) -> int | None:
-        """When ``pid`` started, in ``/proc/PID/stat`` ticks; None when it has gone."""
+    def started(self, pid: int, pidfd: int) -> int | None:
+        """When ``pid`` (pinned by ``pidfd``) started, in ``/proc/PID/stat`` ticks; None: gone.
+
+        Read by PID, then the pin checked: alive after the read, the PID was still its own.
+        """
         stat = read_stat(pid)
-        return None if stat is None else stat.start_time
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        return None if stat is None or poller.poll(0) else stat.start_time
 
     def decide(self, unit: str, pid: int, started: int) -> bool | None:
         """From the unit's last answer: whether ``pid`` is its control process; None: ask."""

@@ -337,7 +337,7 @@ class _Parent:
         if unit == OPERATOR:
             self._place(peer)
             return
-        started = self.controls.started(pid)
+        started = self.controls.started(pid, pidfd)
         if started is None:
             os.close(pidfd)
             self.turn_away(conn, "gpuguard: request refused: the caller has gone", refusal=True)
