@@ -164,7 +164,9 @@ SERVE_GATE = """\
 Internal: not for operators to run. gpuguard-gate.service runs it, as root with a clean
 environment, on the listening socket gpuguard-gate.socket passes it (/run/gpuguard/gate.sock,
 fd 3 with LISTEN_PID and LISTEN_FDS). It forks one process per
-connection of an operator or a watched unit (one per unit at a time, at most 64 at once of
+connection of an operator or a watched unit's control process (its ExecStartPre= or
+ExecStopPost=, systemd's ControlPID=, asked without waiting; the unit's other processes get
+one line, nothing forked; one per unit at a time, at most 64 at once of
 which 8 are kept for operators, 16 per caller's UID, 3700 s each), which reads one request
 line (at most 4 KiB, within 10 s), identifies the caller (SO_PEERCRED, a pidfd,
 /proc/PID/cgroup and environ), refuses a request for any unit but the caller's own, or

@@ -4,12 +4,16 @@ A listening socket in a temporary directory stands in for gpuguard-gate.socket: 
 to one `gpuguard serve-gate` as fd 3 with LISTEN_PID and LISTEN_FDS, exactly as systemd's
 Accept=no does (tests/support/socketactivate.py), and that server forks a child per connection.
 Clients are real `gpuguard gate`/`reap` processes, moved into cgroups named like units (the
-unit_cgroups fixture) where a test needs "a process of".
+unit_cgroups fixture) where a test needs "a process of". The server asks a double of systemctl
+(fake_systemd), which names as a unit's ControlPID= the PID written in ``controls(cli)/UNIT``:
+a client started as the unit's ExecStartPre= writes its own there first, as systemd would name
+it; any other process of the unit's cgroup does not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -37,7 +41,7 @@ from gpuguard.core import timeline
 from gpuguard.core.gate.proto import CLIENT_GONE, frame_exit, parse_frame
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from clirunner import Cli, FakeSystemd, UnitCgroups
     from fakeholder import HolderSpawner
@@ -85,15 +89,33 @@ def public_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def controls(cli: Cli) -> Path:
+    """Where a unit's control process writes its PID for the systemctl double to name it."""
+    return cli.config.parent / "controlpid"
+
+
+def as_control(cli: Cli, unit: str) -> str:
+    """A shell command that makes the shell (and what it execs) the unit's control process."""
+    return f"echo $$ > {shlex.quote(str(controls(cli) / unit))} && "
+
+
 @pytest.fixture
-def server(cli: Cli, tmp_path: Path, public_dir: Path) -> Iterator[GateServer]:
-    """A gate server listening on a gate.sock anyone can reach (mode 0666, like the unit's)."""
+def server(
+    cli: Cli, tmp_path: Path, public_dir: Path, fake_systemd: FakeSystemd
+) -> Iterator[GateServer]:
+    """A gate server listening on a gate.sock anyone can reach (mode 0666, like the unit's).
+
+    systemd, as its double says, is running every unit's ExecStartPre= (start-pre), whose
+    process is the one that wrote its PID in ``controls(cli)``.
+    """
     if os.geteuid() != 0:
         pytest.skip("the gate server is root's side: as another user it answers no one (root)")
+    controls(cli).mkdir()
+    fake_systemd("any.service", sub_state="start-pre", control_dir=controls(cli))
     path = public_dir / "gate.sock"
     log = tmp_path / "server.log"
     with listen(path) as listener, log.open("wb") as out:
-        argv = [*_CLIENT, "--config", str(cli.config), "serve-gate"]
+        argv = [*cli.prefix(), *_CLIENT, "--config", str(cli.config), "serve-gate"]
         process = activate(listener, argv, cli.env, out)
     gate_server = GateServer(path, process, log)
     yield gate_server
@@ -114,8 +136,13 @@ def client(
     uid: int | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 60,
+    control: bool = True,
 ) -> CliResult:
-    """`gpuguard ARGS` as a client: optionally in a unit's cgroup (as ExecStartPre=), as ``uid``."""
+    """`gpuguard ARGS` as a client: optionally in a unit's cgroup (as ExecStartPre=), as ``uid``.
+
+    ``control``: in a unit's cgroup, it is the unit's control process (it writes its PID where
+    the systemctl double reads ControlPID=); else just a process of the unit.
+    """
     argv = ["--config", str(cli.config), *args]
     # The interpreter lives under /root here (mode 0700): a uid is taken after it has started and
     # has imported everything the client needs, as a service's User= would have it from the start.
@@ -129,6 +156,8 @@ def client(
         code += f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
     code += f"sys.exit(gpuguard.cli.main({argv!r}))\n"
     script = f"exec {shlex.join([sys.executable, '-c', code])}"
+    if cgroup is not None and control:
+        script = f"echo $$ > {shlex.quote(str(controls(cli) / cgroup.name))} && {script}"
     if cgroup is not None:
         script = f"echo $$ > {shlex.quote(str(cgroup / 'cgroup.procs'))} && {script}"
     done = subprocess.run(
@@ -238,7 +267,11 @@ def test_the_server_ends_when_systemd_kills_its_client(
     argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit]
     command = shlex.join([*argv, "--timeout", "60", "--socket", str(server.path)])
     client_process = subprocess.Popen(
-        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        [
+            "sh",
+            "-c",
+            f"{as_control(cli, unit)}echo $$ > {shlex.quote(str(procs))} && exec {command}",
+        ],
         env=cli.env,
         stderr=subprocess.DEVNULL,
     )
@@ -272,7 +305,9 @@ def test_a_stop_reap_whose_client_dies_mid_way_is_recorded_with_its_outcome_unkn
     that explain dropped: the stop-reap read as accepted, a SIGTERM, and nothing more.
     """
     unit = watched_unit(cli)
-    fake_systemd(unit)  # stopped: everything in its cgroup is left over (User= unset: root)
+    # Its ExecStopPost= runs: everything in its cgroup is left over (User= unset: root).
+    controls(cli).mkdir()
+    fake_systemd(unit, sub_state="stop-post", control_dir=controls(cli))
     stubborn = spawn_holder(cli.state, gpus=(0,), mib=1000, ignore_sigterm=True)
     unit_cgroups.move(stubborn.pid, unit)
     path = public_dir / "gate.sock"
@@ -285,7 +320,14 @@ def test_a_stop_reap_whose_client_dies_mid_way_is_recorded_with_its_outcome_unkn
         procs = shlex.quote(str(unit_cgroups.ensure(unit) / "cgroup.procs"))
         reap = shlex.join([*_CLIENT, "--config", str(cli.config), "reap", "--unit", unit])
         client_process = subprocess.Popen(
-            ["sh", "-c", f"echo $$ > {procs} && exec {reap} --yes --grace 60 --socket {path}"],
+            [
+                "sh",
+                "-c",
+                (
+                    f"{as_control(cli, unit)}echo $$ > {procs} && exec {reap} --yes --grace 60 "
+                    f"--socket {path}"
+                ),
+            ],
             env=cli.env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -555,7 +597,11 @@ def test_a_forged_verdict_in_the_output_is_only_text() -> None:
 
 
 def test_a_request_imports_nothing_the_server_has_not(
-    cli: Cli, tmp_path: Path, public_dir: Path, unit_cgroups: UnitCgroups
+    cli: Cli,
+    tmp_path: Path,
+    public_dir: Path,
+    unit_cgroups: UnitCgroups,
+    fake_systemd: FakeSystemd,
 ) -> None:
     """Everything a request runs is imported once, before the first fork (the warm server).
 
@@ -575,9 +621,14 @@ def test_a_request_imports_nothing_the_server_has_not(
         "from gpuguard.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
+    controls(cli).mkdir()
+    fake_systemd("any.service", sub_state="start-pre", control_dir=controls(cli))
     path, log = public_dir / "gate.sock", tmp_path / "server.log"
     with listen(path) as listener, log.open("wb") as out:
-        argv = [sys.executable, "-c", probe, "--config", str(cli.config), "serve-gate"]
+        argv = [
+            *cli.prefix(),
+            *[sys.executable, "-c", probe, "--config", str(cli.config), "serve-gate"],
+        ]
         process = activate(listener, argv, cli.env, out)
     try:
         unit = watched_unit(cli)
@@ -660,12 +711,12 @@ def test_a_flood_from_one_user_leaves_other_units_their_gate(
 ) -> None:
     """Four users' 64 connections that send nothing: a watched unit's gate passes meanwhile.
 
-    Only a watched unit's processes and operators get a slot, one request per unit at a time
-    (a second waits): a watched unit's flood holds one request and one waiting connection,
-    the rest are told so at once; an unwatched unit's and a login session's connections get
-    their one refusal line before a process is forked. The parent survives it, starts no
-    thread and reaps every child. Event-bound: the answers are read once the gate that
-    connected after the whole flood has been served (the parent takes connections in order).
+    Only a watched unit's control process and operators get a slot: a watched unit's other
+    processes are each told so in one line, nothing forked for them; an unwatched unit's and a
+    login session's connections get their one refusal line before a process is forked. The
+    parent survives it, starts no thread and reaps every child. Event-bound: the answers are
+    read once the gate that connected after the whole flood has been served (the parent takes
+    connections in order).
     """
     flooding = watched_unit(cli)
     unwatched = unit_name()
@@ -689,11 +740,10 @@ def test_a_flood_from_one_user_leaves_other_units_their_gate(
         )
         assert done.code == 0, done.err
         told = [[_told(answer) for answer in each.answers()] for each in floods]
-        busy = f"a request of {flooding} is in progress and another waits"
-        flooded = [line for line in told[0] + told[3] if line is not None]
-        assert len(flooded) >= 30, told  # at most one served and one waiting at any time
+        flooded = told[0] + told[3]
         for line in flooded:
-            assert busy in line or "no request line" in line, line
+            assert line is not None, told
+            assert f"of {flooding}: refused (only the unit's control process" in line, line
         not_watched = f"{unwatched} is not watched by gpuguard"
         assert all(line is not None and not_watched in line for line in told[1]), told[1]
         session = f"request from a process of {sessions[0].name}: refused"
@@ -724,7 +774,11 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
     argv = [*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit, "--timeout", "60"]
     command = shlex.join([*argv, "--socket", str(server.path)])
     waiting = subprocess.Popen(
-        ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
+        [
+            "sh",
+            "-c",
+            f"{as_control(cli, unit)}echo $$ > {shlex.quote(str(procs))} && exec {command}",
+        ],
         env=cli.env,
         stderr=subprocess.DEVNULL,
     )
@@ -752,7 +806,10 @@ def test_a_waiting_gate_does_not_hold_up_the_next_request(
 
 FORK_SERVER = """
 import os, socket, subprocess, sys, time
-from gpuguard.adapters import gateserver
+from gpuguard.adapters import controlasks, gateserver
+class Everyone(controlasks.ControlAsks):  # the counting alone: every caller is its unit's
+    def decide(self, unit, pid, started):
+        return True
 listener = gateserver.take_listener(os.environ)
 work, limit, requests, mode = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def serve_one(conn, pidfd):
@@ -783,7 +840,8 @@ if mode == "emfile":  # no descriptor left for accept() once the server's own pi
     resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 3, hard))
     filled += [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
     os.close(filled.pop()); os.close(filled.pop())  # the server's own wake-up pipe
-sys.exit(gateserver.serve_forever(listener, serve_one, sys.stderr, limits, who=who))
+every = Everyone()
+sys.exit(gateserver.serve_forever(listener, serve_one, sys.stderr, limits, who=who, controls=every))
 """
 
 
@@ -1202,7 +1260,14 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
     procs = shlex.quote(str(cgroup / "cgroup.procs"))
     gate = shlex.join([*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit])
     first = subprocess.Popen(
-        ["sh", "-c", f"echo $$ > {procs} && exec {gate} --timeout 60 --socket {server.path}"],
+        [
+            "sh",
+            "-c",
+            (
+                f"{as_control(cli, unit)}echo $$ > {procs} && exec {gate} --timeout 60 "
+                f"--socket {server.path}"
+            ),
+        ],
         env=cli.env,
         stderr=subprocess.DEVNULL,
     )
@@ -1217,7 +1282,7 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
             time.sleep(0.05)
         held = _sockets(server.process.pid)
         caller = subprocess.Popen(
-            ["sh", "-c", f"echo $$ > {procs} && exec {queued_argv}"],
+            ["sh", "-c", f"{as_control(cli, unit)}echo $$ > {procs} && exec {queued_argv}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -1249,3 +1314,209 @@ def test_a_pid_reused_while_its_connection_waits_is_not_the_caller(
                     pipe.close()
     assert "request refused: the caller has gone" in answer, answer
     assert f"reap for {unit}" not in server.journal()
+
+
+def _settled(process: subprocess.Popen[bytes], taken: Callable[[], bool]) -> None:
+    """Wait until ``process`` (a client) has been answered and ended, or ``taken`` holds."""
+    deadline = time.monotonic() + 30
+    while process.poll() is None and not taken():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def _taken(server: GateServer, said: int, held: int) -> bool:
+    """Whether the server served a new request or holds a new connection since the counts."""
+    return server.said().count("accepted") > said or _sockets(server.process.pid) > held
+
+
+def test_other_processes_of_the_unit_never_crowd_out_its_control_process(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """Two gates from the unit's other processes: its ExecStartPre='s gate is served, not busy.
+
+    Before, any process of the cgroup took the unit's one request (a gate that waits for a
+    blocked GPU) and its one waiting place, and the unit's own gate was refused "busy"; now
+    each of them is told it is not the unit's control process, and nothing is forked for it.
+    """
+    spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # protected: blocks
+    unit = watched_unit(cli)
+    procs = shlex.quote(str(unit_cgroups.ensure(unit) / "cgroup.procs"))
+    gate = shlex.join([*_CLIENT, "--config", str(cli.config), "gate", "--unit", unit])
+    others: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(2):
+            held = _sockets(server.process.pid)
+            said = server.said().count("accepted")
+            other = subprocess.Popen(
+                [
+                    "sh",
+                    "-c",
+                    f"echo $$ > {procs} && exec {gate} --timeout 60 --socket {server.path}",
+                ],
+                env={**cli.env, "CUDA_VISIBLE_DEVICES": "0"},
+                stderr=subprocess.PIPE,
+            )
+            others.append(other)
+            # Answered and gone (now), or served or queued in the parent (before).
+            _settled(other, functools.partial(_taken, server, said, held))
+        done = client(
+            cli,
+            "gate",
+            "--unit",
+            unit,
+            "--socket",
+            str(server.path),
+            cgroup=unit_cgroups.ensure(unit),
+            env={"CUDA_VISIBLE_DEVICES": "1"},
+        )
+        assert "busy" not in done.err, done.err
+        assert done.code == 0, done.err
+        for other in others:
+            _, err = other.communicate(timeout=30)
+            assert other.returncode == 1
+            assert b"refused (only the unit's control process" in err, err
+    finally:
+        for other in others:
+            other.kill()
+            other.communicate()
+
+
+def _own_then_another(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> tuple[str, list[CliResult]]:
+    """The unit's ExecStartPre= gate with GPUs 0,1, then another user's process of the unit.
+
+    The other process asks for a gate (``--timeout 1``) and a reap with CUDA_VISIBLE_DEVICES=3,
+    where a protected holder makes a gate fail. Returns the unit and their two answers.
+    """
+    spawn_holder(cli.state, gpus=(3,), mib=1000, name="nv-hostengine")  # protected: blocks
+    unit = watched_unit(cli)
+    cgroup = unit_cgroups.ensure(unit)
+    own = client(
+        cli,
+        "gate",
+        "--unit",
+        unit,
+        "--socket",
+        str(server.path),
+        cgroup=cgroup,
+        env={"CUDA_VISIBLE_DEVICES": "0,1"},
+    )
+    assert own.code == 0, own.err
+    others = [
+        client(
+            cli,
+            *command,
+            "--unit",
+            unit,
+            "--socket",
+            str(server.path),
+            cgroup=cgroup,
+            uid=NOBODY,
+            env={"CUDA_VISIBLE_DEVICES": "3"},
+            control=False,
+        )
+        for command in (["gate", "--timeout", "1"], ["reap", "--yes"])
+    ]
+    server.idle()
+    return unit, others
+
+
+def test_another_process_of_the_unit_never_rewrites_its_recorded_environment(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """Another user's process of the unit is refused; root's record keeps the unit's GPUs 0,1.
+
+    Before, its gate rewrote unit-env/UNIT.json to CUDA_VISIBLE_DEVICES=3, the GPU set the
+    daemon's sweeps and recoveries then used.
+    """
+    unit, others = _own_then_another(cli, server, unit_cgroups, spawn_holder)
+    assert unitenv.recorded(cli.config.parent / "run", unit) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    for other in others:
+        assert other.code == 1, other
+        assert "refused (only the unit's control process" in other.err, other.err
+
+
+def test_another_process_of_the_unit_forges_no_decision_counter_or_verdict(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """What another process of the unit asks lands in no history, metric or journal verdict.
+
+    Before, its failing gate was recorded as the unit's "refused" decision (the
+    GpuguardGateRefused alert, the decision counters) and the server logged its verdict lines,
+    which explain believes.
+    """
+    unit, _ = _own_then_another(cli, server, unit_cgroups, spawn_holder)
+    history = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())
+    assert [entry["result"] for entry in history] == ["passed"], history
+    prometheus = cli("status", "--prometheus")
+    refused = f'gpuguard_gate_last_decision_refused{{unit="{unit}"}} 0.0'
+    assert refused in prometheus.out, prometheus.out
+    journal = server.journal()
+    verdicts = re.findall(rf"(?:gate|reap) for {re.escape(unit)} from PID (\d+): ", journal)
+    assert len(set(verdicts)) == 1, journal  # the unit's own gate alone
+
+
+def test_the_gate_history_says_who_asked(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups
+) -> None:
+    """Each recorded decision names its caller: PID, UID, control process or operator."""
+    unit = watched_unit(cli)
+    own = client(
+        cli, "gate", "--unit", unit, "--socket", str(server.path), cgroup=unit_cgroups.ensure(unit)
+    )
+    assert own.code == 0, own.err
+    [decision] = json.loads((cli.config.parent / "run" / "gate" / f"{unit}.json").read_text())
+    caller = decision["caller"]
+    assert (caller["uid"], caller["control_process"], caller["operator"]) == (0, True, False)
+    journal = server.journal()
+    assert f"gate for {unit} from PID {caller['pid']}: exit 0" in journal, journal
+
+
+def test_a_non_root_units_gate_names_no_other_users_process(
+    cli: Cli, server: GateServer, unit_cgroups: UnitCgroups, spawn_holder: HolderSpawner
+) -> None:
+    """The unit's gate and stop-reap as uid 65534: root's holder is "another user's process".
+
+    Before, their answers, which the unit's journal keeps, named the PID and name of every
+    process on the unit's GPUs, whoever's it was.
+    """
+    holder = spawn_holder(cli.state, gpus=(0,), mib=1000, name="nv-hostengine")  # root's
+    unit = watched_unit(cli)
+    done = client(
+        cli,
+        "gate",
+        "--unit",
+        unit,
+        "--timeout",
+        "1",
+        "--socket",
+        str(server.path),
+        cgroup=unit_cgroups.ensure(unit),
+        uid=NOBODY,
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+    assert done.code == 1, done.err
+    assert "held by another user's process" in done.err, done.err
+    assert f"PID {holder.pid}" not in done.err, done.err
+    assert "nv-hostengine" not in done.err, done.err
+    reap = client(
+        cli,
+        "reap",
+        "--unit",
+        unit,
+        "--yes",
+        "--timeout",
+        "1",
+        "--socket",
+        str(server.path),
+        cgroup=unit_cgroups.ensure(unit),
+        uid=NOBODY,
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+    said = reap.out + reap.err
+    assert reap.code == 1, said
+    assert "spare 1 process(es) of other users (named to root only)" in said, said
+    assert "held by another user's process" in said, said
+    assert f"pid {holder.pid}" not in said.lower(), said
+    assert "nv-hostengine" not in said, said

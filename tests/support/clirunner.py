@@ -170,6 +170,7 @@ class FakeSystemd:
         control_group: str = "",
         control: bool = False,
         environment: str = "",
+        control_dir: Path | None = None,
     ) -> None:
         """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
 
@@ -179,7 +180,9 @@ class FakeSystemd:
         ``logged``. ``sub_state`` is its SubState=, ``control_group`` its ControlGroup=;
         ``control``: its ControlPID= is the process that ran systemctl (the gpuguard command
         asking is the unit's ExecStopPost=, say); ``environment`` its Environment= as systemctl
-        prints it (shell-quoted words).
+        prints it (shell-quoted words); ``control_dir``: its ControlPID= is the PID written in
+        ``control_dir/UNIT`` for whichever unit is asked about (0 when none), as the tests'
+        ExecStartPre= stand-ins write theirs.
         """
         if unit is None:
             systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
@@ -196,6 +199,11 @@ class FakeSystemd:
                 f'[ "$1" = list-units ] && printf %s {shlex.quote(listed)} && exit 0\n'
                 f'[ "$1" = show ] || exit 1\nprintf %s {shlex.quote(show)}\n'
                 + ('echo "ControlPID=$PPID"\n' if control else "")
+                + (
+                    f'echo "ControlPID=$(cat {shlex.quote(str(control_dir))}/"$2" 2>/dev/null)"\n'
+                    if control_dir is not None
+                    else ""
+                )
             )
             journal = "".join(
                 json.dumps({"__CURSOR": f"s={i}", "_PID": "1", "UNIT": unit, "INVOCATION_ID": x})

@@ -7,9 +7,16 @@ from gpuguard.core.gate.auth import Caller, admission, refusal
 from gpuguard.core.gate.proto import Request
 
 
-def caller(cgroup: str, uid: int = 1000) -> Caller:
-    """A caller in ``cgroup`` as ``uid``."""
-    return Caller(pid=4242, uid=uid, attribution=attribute(cgroup), environment={}, cgroup=cgroup)
+def caller(cgroup: str, uid: int = 1000, *, control: bool | None = True) -> Caller:
+    """A caller in ``cgroup`` as ``uid``; ``control``: systemd names it its unit's ControlPID=."""
+    return Caller(
+        pid=4242,
+        uid=uid,
+        attribution=attribute(cgroup),
+        environment={},
+        cgroup=cgroup,
+        control=control,
+    )
 
 
 SESSIONS = (
@@ -33,6 +40,14 @@ NOT_OPERATORS = (
 
 
 GATE_A = Request("gate", "sglang-a.service")
+
+
+def test_only_the_units_control_process_asks_for_it() -> None:
+    """Another process of sglang-a (a worker, another user's job) is refused, saying why."""
+    for control in (False, None):
+        reason = refusal(GATE_A, caller("/system.slice/sglang-a.service", control=control))
+        assert reason is not None
+        assert "only the unit's control process" in reason, reason
 
 
 def test_a_unit_may_ask_for_itself() -> None:

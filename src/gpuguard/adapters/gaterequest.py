@@ -20,8 +20,10 @@ import socket
 import threading
 import time
 import traceback
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from gpuguard.adapters import systemd
 from gpuguard.adapters.peer import PROC, PeerError, identify
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
@@ -197,6 +199,10 @@ def _admit(
     if isinstance(request, str):
         problem = f"gpuguard: bad request from PID {caller.pid}: {request}"
         return _answer(conn, log, problem, EX_USAGE)
+    if not caller.is_operator and caller.runs_in(request.unit):
+        # systemd's word, now: the parent decided the slot on an answer asked a moment ago.
+        state = systemd.show_unit(request.unit)
+        caller = replace(caller, control=state.is_control_process(caller.pid, trust_unknown=False))
     refused = refusal(request, caller)
     if refused is not None:
         return _answer(conn, log, f"gpuguard {request.command}: {refused}", 1)

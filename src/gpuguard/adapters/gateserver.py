@@ -14,8 +14,10 @@ another's. The parent enforces what systemd enforced per instance when each conn
 a service of its own: at most MAX_REQUESTS at once, MAX_REQUESTS_PER_UID from one user, and
 REQUEST_LIMIT_S of wall time per request. Before it forks it classifies the peer from the
 kernel alone (``SO_PEERCRED`` and a bounded read of ``/proc/PID/cgroup``, :func:`classify`):
-only an operator or a process of a watched unit gets a slot, one request per unit at a time (a
-second one waits for it), and OPERATOR_SLOTS of them are kept for operators. The caller is
+only an operator or a process of a watched unit gets a slot, and of a unit's processes only its
+control process, as systemd names it (controlasks.py: asked without waiting; any other is told
+so in one line, nothing forked), one request per unit at a time (a second one waits for it),
+and OPERATOR_SLOTS of them are kept for operators. The caller is
 pinned by a pidfd as its connection is taken (peer.pin), and its request's process accepts
 only that process as the caller, however long the connection waited. A request's
 process group is killed before the request is reaped, so nothing it started outlives it.
@@ -36,10 +38,11 @@ import traceback
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from gpuguard.adapters import signals
+from gpuguard.adapters.controlasks import ControlAsks
 from gpuguard.adapters.peer import PROC, pin
 from gpuguard.core.cgroup import attribute, parse_cgroup
 from gpuguard.core.escaping import escape
-from gpuguard.core.gate.auth import Caller, admission
+from gpuguard.core.gate.auth import NOT_CONTROL, Caller, admission
 from gpuguard.core.gate.proto import MAX_REQUEST_BYTES, frame_exit, frame_text
 
 if TYPE_CHECKING:
@@ -112,6 +115,8 @@ class _Waiting(NamedTuple):
     uid: int
     pidfd: int
     """The caller, pinned as it was accepted: a PID reused while it waits is not it."""
+    pid: int
+    unit: str  # the watched unit it asks for, OPERATOR for an operator
 
     def close(self) -> None:
         """Hang up and let go of the pinned caller."""
@@ -170,19 +175,22 @@ def take_listener(environ: MutableMapping[str, str]) -> socket.socket:
     return listener
 
 
-def serve_forever(
+def serve_forever(  # noqa: PLR0913 - the socket, the work, the log, and who may ask
     listener: socket.socket,
     serve_one: Callable[[socket.socket, int], int],
     log: TextIO,
     limits: Limits = Limits(),  # noqa: B008 - an immutable NamedTuple
     *,
     who: Callable[[int, int], str | Refused],
+    controls: ControlAsks[_Waiting] | None = None,
 ) -> int:
     """Accept connections until SIGTERM, each served by ``serve_one`` in a forked child.
 
     ``serve_one`` gets the connection and a pidfd of its caller, pinned as it was accepted.
 
-    ``who`` classifies a peer by its PID and UID (:func:`classify`). After SIGTERM it stops
+    ``who`` classifies a peer by its PID and UID (:func:`classify`); ``controls`` tells a
+    watched unit's control process from its other processes (systemd's ControlPID=, asked by
+    default). After SIGTERM it stops
     accepting (systemd queues new connections for the next start), turns away the ones waiting
     and lets the requests in progress finish: gpuguard-gate.service's TimeoutStopSec= is above
     REQUEST_LIMIT_S, so a restart never kills a gate in the middle of a reap.
@@ -196,7 +204,10 @@ def serve_forever(
     poller = select.poll()
     poller.register(wake_read, select.POLLIN)
     poller.register(listener, select.POLLIN)
+    asks = ControlAsks[_Waiting]() if controls is None else controls
+    asks.poller = poller
     server = _Parent(listener, serve_one, log, limits, (wake_read, wake_write), who=who)
+    server.controls = asks  # the parent's own, with the poller it reports on
     try:
         _loop(server, poller, stopping)
     finally:
@@ -215,11 +226,8 @@ def _loop(server: _Parent, poller: select.poll, stopping: list[int]) -> None:
             if server.listening:
                 if polled:
                     poller.unregister(listener)
-                listener.close()
-                server.listening = False
-                server.drop_waiting("the gate server is stopping")
-                server.note(f"stopping: waiting for {len(server.requests)} request(s) in progress")
-            if not server.requests:
+                server.stop()
+            if not server.requests and not server.controls.unreaped:
                 return
         paused = server.listening and time.monotonic() < server.paused_until
         if server.listening and paused and polled:  # accepting paused: the listener is not polled
@@ -234,7 +242,8 @@ def _loop(server: _Parent, poller: select.poll, stopping: list[int]) -> None:
         with contextlib.suppress(BlockingIOError):
             while os.read(wake_read, 512):
                 pass
-        if server.listening and polled and any(fd != wake_read for fd, _ in ready):
+        server.answered(ready)
+        if server.listening and polled and any(fd == listener.fileno() for fd, _ in ready):
             server.accept()
 
 
@@ -258,6 +267,7 @@ class _Parent:
         self.limits = limits
         self.wake = wake
         self.who = who
+        self.controls: ControlAsks[_Waiting] = ControlAsks()
         self.requests: dict[int, _Request] = {}
         self.waiting: dict[str, _Waiting] = {}
         self.turned_away = 0
@@ -268,6 +278,9 @@ class _Parent:
     def wait_ms(self) -> int | None:
         """How long poll() may wait: until the next deadline or the end of a pause, or for ever."""
         deadlines = [request.deadline for request in self.requests.values()]
+        asked = self.controls.deadline()
+        if asked is not None:
+            deadlines.append(asked)
         if self.listening and self.paused_until:
             deadlines.append(self.paused_until)
         if not deadlines:
@@ -304,7 +317,7 @@ class _Parent:
         """Classify the peer and give it a slot, a place in its unit's queue, or one line."""
         credentials = _peer_credentials(conn)
         if credentials is None:
-            self._turn_away(conn, "no credentials")
+            self.turn_away(conn, "no credentials")
             return
         pid, uid = credentials
         try:
@@ -313,22 +326,70 @@ class _Parent:
             traceback.print_exc(file=self.log)
             unit = Refused("gpuguard: request refused: the caller could not be classified")
         if isinstance(unit, Refused):
-            self._turn_away(conn, unit.line, refusal=True)
+            self.turn_away(conn, unit.line, refusal=True)
             return
         # Pinned once classified: alive now, so it was the PID's owner when its cgroup was read.
         pidfd = pin(conn, pid)
         if pidfd is None:
-            self._turn_away(conn, "gpuguard: request refused: the caller has gone", refusal=True)
+            self.turn_away(conn, "gpuguard: request refused: the caller has gone", refusal=True)
             return
-        if unit != OPERATOR and any(r.unit == unit for r in self.requests.values()):
-            self._queue(_Waiting(conn, uid, pidfd), unit)  # no slot: it runs in its unit's
+        peer = _Waiting(conn, uid, pidfd, pid, unit)
+        if unit == OPERATOR:
+            self._place(peer)
             return
-        busy = self._over_limits(uid, unit)
-        if busy is not None:
+        started = self.controls.started(pid, pidfd)
+        if started is None:
             os.close(pidfd)
-            self._turn_away(conn, busy)
+            self.turn_away(conn, "gpuguard: request refused: the caller has gone", refusal=True)
+            return
+        control = self.controls.decide(unit, pid, started)
+        if control is None:
+            if not self.controls.pend(unit, peer, pid, started):
+                os.close(pidfd)
+                self.turn_away(conn, f"{escape(unit)}'s callers wait for systemd's answer")
+            return
+        self.decided([(peer, control)])
+
+    def stop(self) -> None:
+        """Stop accepting: close the listener, turn away every connection not yet served."""
+        self.listener.close()
+        self.listening = False
+        self.drop_waiting("the gate server is stopping")
+        for pending in self.controls.drop():
+            os.close(pending.pidfd)
+            self.turn_away(pending.conn, "the gate server is stopping")
+        self.note(f"stopping: waiting for {len(self.requests)} request(s) in progress")
+
+    def answered(self, ready: list[tuple[int, int]]) -> None:
+        """Read systemd's answers poll() reported, and end the overdue asks; act on them."""
+        for fd, _ in ready:
+            if self.controls.owns(fd):
+                self.decided(self.controls.read(fd))
+        self.decided(self.controls.expire(time.monotonic()))
+
+    def decided(self, peers: list[tuple[_Waiting, bool]]) -> None:
+        """A unit's control process gets its unit's slot or place; any other process one line."""
+        for peer, control in peers:
+            if control:
+                self._place(peer)
+                continue
+            os.close(peer.pidfd)
+            line = f"gpuguard: request from PID {peer.pid} of {escape(peer.unit)}: refused"
+            line += f" ({NOT_CONTROL})"
+            self.turn_away(peer.conn, line, refusal=True)
+
+    def _place(self, peer: _Waiting) -> None:
+        """The caller's slot, or a place behind its unit's request in progress, or one line."""
+        unit = peer.unit
+        if unit != OPERATOR and any(r.unit == unit for r in self.requests.values()):
+            self._queue(peer, unit)  # no slot: it runs in its unit's
+            return
+        busy = self._over_limits(peer.uid, unit)
+        if busy is not None:
+            os.close(peer.pidfd)
+            self.turn_away(peer.conn, busy)
         else:
-            self._fork(_Waiting(conn, uid, pidfd), unit)
+            self._fork(peer, unit)
 
     def _queue(self, waiting: _Waiting, unit: str) -> None:
         """One connection per unit waits for the unit's request in progress; a third is told."""
@@ -336,7 +397,7 @@ class _Parent:
         if earlier is not None and not _hung_up(earlier.conn):
             os.close(waiting.pidfd)
             line = f"a request of {escape(unit)} is in progress and another waits"
-            self._turn_away(waiting.conn, line)
+            self.turn_away(waiting.conn, line)
             return
         if earlier is not None:
             earlier.close()
@@ -346,7 +407,7 @@ class _Parent:
         """Turn away every waiting connection (the server is stopping)."""
         for waiting in self.waiting.values():
             os.close(waiting.pidfd)
-            self._turn_away(waiting.conn, why)
+            self.turn_away(waiting.conn, why)
         self.waiting.clear()
 
     def _over_limits(self, uid: int, unit: str) -> str | None:
@@ -376,7 +437,7 @@ class _Parent:
         try:
             pid = os.fork()
         except OSError as err:
-            self._turn_away(conn, f"cannot fork ({err.strerror})")
+            self.turn_away(conn, f"cannot fork ({err.strerror})")
             return
         if pid == 0:  # pragma: no cover - the child; its answers are what the tests check
             self._child(conn, pidfd)
@@ -411,11 +472,12 @@ class _Parent:
         zombie its PID, the group's id, cannot be reused, so the signal reaches only what the
         request started (an abandoned NVML worker, a systemctl), never a stranger.
         """
-        while self.requests:
+        while self.requests or self.controls.unreaped:
             try:
                 ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 self.requests.clear()
+                self.controls.unreaped.clear()
                 return
             if ended is None or not ended.si_pid:
                 break
@@ -423,6 +485,7 @@ class _Parent:
             signals.signal_own_group(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
             request = self.requests.pop(pid, None)
+            self.controls.reaped(pid)
             if os.WIFSIGNALED(status) and os.WTERMSIG(status) != signal.SIGKILL:
                 self.note(f"request PID {pid} ended by signal {os.WTERMSIG(status)}")
             if request is not None:
@@ -445,11 +508,11 @@ class _Parent:
         busy = self._over_limits(waiting.uid, unit)
         if busy is not None:
             os.close(waiting.pidfd)
-            self._turn_away(waiting.conn, busy)
+            self.turn_away(waiting.conn, busy)
         else:
             self._fork(waiting, unit)
 
-    def _turn_away(self, conn: socket.socket, why: str, *, refusal: bool = False) -> None:
+    def turn_away(self, conn: socket.socket, why: str, *, refusal: bool = False) -> None:
         """One line and a verdict of 1, sent without waiting; the connection closed.
 
         ``why`` is why the server is busy, or with ``refusal`` the whole line. What the client

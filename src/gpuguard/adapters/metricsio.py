@@ -10,11 +10,12 @@ the directory's owner (the prometheus user on Debian) may plant there, as root.
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, releaselog, state, watched
+from gpuguard.adapters import files, metricshttp, releaselog, state, watched
 from gpuguard.core import metrics, tally
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
@@ -246,15 +247,30 @@ def write_textfile(path: Path, data: bytes) -> None:
     files.write_shared_file(path, data, mode=0o644)
 
 
-def serve(listen: str, latest: metrics.Latest) -> None:
-    """Serve ``latest`` over HTTP on ``listen`` ("IP:PORT") from a daemon thread.
+def serve(
+    listen: str,
+    latest: metrics.Latest,
+    limits: metricshttp.Limits = metricshttp.Limits(),  # noqa: B008 - an immutable NamedTuple
+) -> None:
+    """Serve ``latest`` over HTTP on ``listen`` ("IP:PORT") from one daemon thread.
 
-    Raises OSError when the address cannot be bound (in use, no network in the sandbox).
+    metricshttp's bounded listener: one thread whatever connects, at most 16 connections, 5 s
+    each. Raises OSError when the address cannot be bound (in use, no network in the sandbox).
     """
-    from prometheus_client import start_http_server  # noqa: PLC0415 - only when configured
+    from prometheus_client import generate_latest  # noqa: PLC0415 - only when configured
 
     host, port = listen_address(listen)
-    start_http_server(port, addr=host, registry=metrics.registry_of(latest))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    registry = metrics.registry_of(latest)
+    metricshttp.Listener(sock, lambda: bytes(generate_latest(registry)), limits).start()
 
 
 def scrape(

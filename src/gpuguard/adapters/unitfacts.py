@@ -51,13 +51,15 @@ def gather(unit: str, who: Caller, runtime_dir: Path, *, trust_unknown: bool) ->
 def own_environment(
     caller: Caller, unit: str, runtime_dir: Path
 ) -> tuple[dict[str, str] | None, str | None]:
-    """The unit's real environment when the caller is one of its processes (else None).
+    """The unit's real environment when the caller is its control process (else None).
 
     An ExecStartPre=/ExecStopPost= process has the unit's environment, EnvironmentFile= values
     included. Root records its GPU variables for the daemon's recoveries (unitenv); the second
-    value says why that failed, for the command's notices.
+    value says why that failed, for the command's notices. Any other process of the unit (a
+    worker, another user's job in a shared service: ``control`` False) never speaks for it;
+    ``control`` None is gpuguard itself run in the unit's cgroup, in process.
     """
-    if not caller.runs_in(unit) or caller.environment is None:
+    if not caller.runs_in(unit) or caller.environment is None or caller.control is False:
         return None, None
     if os.geteuid() == 0:
         try:

@@ -94,6 +94,16 @@ def asker(caller: Caller | None) -> Caller:
     return caller if caller is not None else peer.own_caller()
 
 
+def viewer_uid(caller: Caller | None) -> int | None:
+    """Whom the answer is for: None for root (told every holder), else the asker's UID.
+
+    The gate's and reap's answers reach the unit's journal, which the unit's user reads: other
+    users' processes are named to root only (core/gate/run.may_name).
+    """
+    uid = asker(caller).uid
+    return None if uid == 0 else uid
+
+
 def result_json(result: ReapResult) -> dict[str, Any]:
     """One reap result as the gate record and ``reap --json`` write it."""
     return {

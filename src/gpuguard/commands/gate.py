@@ -15,6 +15,7 @@ from gpuguard.commands.context import (
     unit_plan,
     unit_settings,
     unknown_unit,
+    viewer_uid,
 )
 from gpuguard.core.escaping import escape
 from gpuguard.core.gate import run as gaterun
@@ -87,7 +88,8 @@ def fast_path(
     if cached is None:
         return None, None
     runtime_dir = Path(cached["runtime_dir"])
-    environment, problem = unitfacts.own_environment(asker(caller), args.unit, runtime_dir)
+    who = asker(caller)
+    environment, problem = unitfacts.own_environment(who, args.unit, runtime_dir)
     if environment is None:
         return None, None
     unit = cached["units"].get(args.unit) or {}
@@ -110,7 +112,7 @@ def fast_path(
             return None, reading
     outcome = gaterun.outcome(args.unit, time.monotonic() - started, fast_path=True)
     problems = () if problem is None else (problem,)
-    return _finish_gate(runtime_dir, outcome, gpu_set, problems), reading
+    return _finish_gate(runtime_dir, who, outcome, gpu_set, problems), reading
 
 
 def run(
@@ -167,6 +169,7 @@ def run(
             planned.request,
             settings.idle_threshold_mib * 1024 * 1024,
             timeout,
+            viewer_uid=viewer_uid(caller),
             xid_faults=daemonsnapshot.reset_xids(runtime_dir, args.unit)
             if planned.automatic
             else (),
@@ -194,6 +197,7 @@ def run(
     logged = _log_releases(runtime_dir, args.unit, released)
     return _finish_gate(
         runtime_dir,
+        asker(caller),
         outcome,
         planned.gpu_set,
         (*planned.notices, *logged),
@@ -230,17 +234,29 @@ def oom_gpu(
     return device, indices[device]
 
 
-def _finish_gate(
+def _finish_gate(  # noqa: PLR0913, PLR0917 - the decision, who asked, and what it found
     runtime_dir: Path,
+    who: Caller,
     outcome: GateOutcome,
     gpu_set: GpuSet,
     problems: tuple[str, ...],
     released: tuple[Release, ...] = (),
 ) -> GateVerdict:
-    """Record the decision for `gpuguard status`; the verdict, saying if that failed."""
+    """Record the decision for `gpuguard status`; the verdict, saying if that failed.
+
+    The record says who asked: its PID, UID, and whether systemd named it the unit's control
+    process (None: gpuguard run in process, not asked; the server serves only the control
+    process of a unit, and operators: ``operator``).
+    """
     record = {
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "unit": outcome.unit,
+        "caller": {
+            "pid": who.pid,
+            "uid": who.uid,
+            "control_process": who.control,
+            "operator": who.is_operator,
+        },
         "gpu_set": gpu_set.describe(),
         "result": "passed" if outcome.passed else "refused",
         "fast_path": outcome.fast_path,

@@ -12,12 +12,14 @@ from gpuguard.commands.context import (
     unit_plan,
     unit_settings,
     unknown_unit,
+    viewer_uid,
 )
 from gpuguard.commands.output import Said
 from gpuguard.core import policy
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gate import run as gaterun
+from gpuguard.core.gate.run import may_name
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.releaselog import seconds
 
@@ -85,7 +87,10 @@ def run(
     verdicts = stopper.plan(found)
     to_stop = [verdict for verdict in verdicts if verdict.stop]
     if not args.json:
-        show(_plan_text(kill_plan, gpu_set, notes) + _container_plan_text(verdicts))
+        show(
+            _plan_text(kill_plan, gpu_set, notes, viewer_uid(caller))
+            + _container_plan_text(verdicts)
+        )
     if args.dry_run or not (kill_plan.to_reap or to_stop):
         return _reap_finish(
             settings,
@@ -95,6 +100,7 @@ def run(
             results=(),
             args=args,
             timeout=timeout,
+            viewer=viewer_uid(caller),
             waited=False,
             containers=_stop_containers(stopper, verdicts) if args.dry_run else _kept(verdicts),
         )
@@ -113,6 +119,7 @@ def run(
         results=results,
         args=args,
         timeout=timeout,
+        viewer=viewer_uid(caller),
         waited=True,
         containers=containers,
     )
@@ -134,21 +141,31 @@ def _only_unit(settings: Settings) -> str | None:
     return next(iter(settings.units)) if len(settings.units) == 1 else None
 
 
-def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str]) -> str:
+def _plan_text(kill_plan: KillPlan, gpu_set: GpuSet, notes: list[str], viewer: int | None) -> str:
+    """The plan as reap shows it; to a non-root ``viewer`` other users' processes only counted."""
     request = kill_plan.request
     lines = [f"Plan for {request.unit}, scope {request.scope.value}, {gpu_set.describe()}:"]
     lines.extend(f"  note: {note}" for note in notes)
     if gpu_set.note:
         lines.append(f"  note: {gpu_set.note}")
-    for decision in kill_plan.to_reap:
-        command = decision.holder.command_within(60)
-        lines.append(f"  reap  pid {decision.holder.pid:<7} {command}  - {decision.reason}")
-    for decision in kill_plan.spared:
-        command = decision.holder.command_within(60)
-        lines.append(
-            f"  spare pid {decision.holder.pid:<7} {command}  - "
-            f"{decision.verdict.value}: {decision.reason}"
-        )
+    hidden = {"reap": 0, "spare": 0}
+    for verb, decisions in (("reap", kill_plan.to_reap), ("spare", kill_plan.spared)):
+        for decision in decisions:
+            if not may_name(decision.holder.uids, viewer):
+                hidden[verb] += 1
+                continue
+            command = decision.holder.command_within(60)
+            why = (
+                decision.reason
+                if verb == "reap"
+                else f"{decision.verdict.value}: {decision.reason}"
+            )
+            lines.append(f"  {verb:<5} pid {decision.holder.pid:<7} {command}  - {why}")
+    lines.extend(
+        f"  {verb:<5} {count} process(es) of other users (named to root only)"
+        for verb, count in hidden.items()
+        if count
+    )
     if not kill_plan.decisions:
         lines.append("  no process holds these GPUs")
     return "".join(f"{escape(line)}\n" for line in lines)
@@ -224,11 +241,16 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
     results: tuple[ReapResult, ...],
     args: ReapArgs,
     timeout: float,
+    viewer: int | None,
     waited: bool,
     containers: Containers,
 ) -> ReapReport:
     gate_settings = gaterun.GateSettings(
-        kill_plan.request, settings.idle_threshold_mib * 1024 * 1024, timeout, poll_s=0.2
+        kill_plan.request,
+        settings.idle_threshold_mib * 1024 * 1024,
+        timeout,
+        poll_s=0.2,
+        viewer_uid=viewer,
     )
     watch = ReleaseWatch()
     watch.reaped(results, found.nvml)  # the plan's inventory: the GPUs it listed them on
@@ -263,6 +285,7 @@ def _reap_finish(  # noqa: PLR0913 - the pieces of one report, passed once
         notices=notices,
         containers=containers,
         released=tuple(release for release, _ in released),
+        viewer_uid=viewer,
     )
 
 
@@ -294,6 +317,8 @@ class ReapReport:
     """Each container on the unit's GPUs: its verdict, and what stopping it did (None: kept)."""
     released: tuple[Release, ...] = ()
     """The GPUs seen letting go of the reaped holders' memory while reap waited (core.release)."""
+    viewer_uid: int | None = None
+    """The asker's UID when not root: other users' processes in the plan are not named to it."""
 
     @property
     def exit_status(self) -> int:
@@ -315,6 +340,13 @@ class ReapReport:
                     "command": d.holder.command,
                     "verdict": d.verdict.value,
                     "reason": d.reason,
+                }
+                if may_name(d.holder.uids, self.viewer_uid)
+                else {
+                    "pid": None,
+                    "command": None,
+                    "verdict": d.verdict.value,
+                    "reason": "another user's process (named to root only)",
                 }
                 for d in self.kill_plan.decisions
             ],

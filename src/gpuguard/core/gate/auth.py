@@ -5,7 +5,11 @@ The server learns the caller's PID and UID from ``SO_PEERCRED`` and its unit fro
 and stop-reap of the unit it runs in, as the drop-in's ``ExecStartPre=``/``ExecStopPost=`` do —
 and only with the default scope, and only for a unit gpuguard watches (named in the
 configuration, or with gpuguard's gate drop-in installed): an unwatched service's process
-(any user's job in ``cron.service``) gets one refusal line, never root's signals.
+(any user's job in ``cron.service``) gets one refusal line, never root's signals. And of the
+unit's processes only its control process may ask - the one systemd runs for its
+``ExecStartPre=``/``ExecStopPost=`` (``ControlPID=``): a worker, a left-over of an earlier run
+or another user's job in a shared service would otherwise take the unit's request slot,
+rewrite root's record of its environment and put its own requests in the unit's history.
 
 The one exception is the operator: root in a login session (``ssh root@host``, or ``sudo``
 from anyone's session, which keeps that session's scope), or in the root cgroup itself. It may
@@ -48,6 +52,9 @@ class Caller:
     environment: dict[str, str] | None
     cgroup: str | None = None
     """The cgroup path the attribution was made from, None when unknown."""
+    control: bool | None = None
+    """Whether systemd names the caller its unit's control process (``ControlPID=``, its
+    ExecStartPre=/ExecStopPost=); None: not asked (only the in-process gate, gpuguard itself)."""
 
     def runs_in(self, unit: str) -> bool:
         """Whether the caller is a process of the system unit ``unit`` (its own cgroup)."""
@@ -133,4 +140,13 @@ def refusal(request: Request, caller: Caller) -> str | None:
         return what
     if request.scope != "unit":
         return f"{what} (scope {request.scope} only from {OPERATOR})"
+    if not caller.control:
+        return f"{what} ({NOT_CONTROL})"
     return None
+
+
+#: Why a process of the unit that is not its control process is refused.
+NOT_CONTROL = (
+    "only the unit's control process - its ExecStartPre=/ExecStopPost=, systemd's ControlPID= - "
+    "asks for its gate or reap"
+)

@@ -27,7 +27,7 @@ from gpuguard.core.xid.stuck import named_by, stuck_phrase
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from gpuguard.core.inventory import Holder, Inventory
+    from gpuguard.core.inventory import Holder, Inventory, PartialProcess
     from gpuguard.core.values import ReapResult
     from gpuguard.core.xid.faults import XidFault
     from gpuguard.core.xid.stuck import XidClaim
@@ -104,6 +104,10 @@ class GateSettings:
     """(CUDA device, NVML index): the GPU the unit's last failed run ran out of memory on, as
     the daemon read it from its output and the unit's CUDA_VISIBLE_DEVICES maps it; its
     blocker comes first and says so."""
+    viewer_uid: int | None = None
+    """The asker's UID when it is not root: the gate's answer (which the unit's journal keeps)
+    names no process of another user to it - no PID, no name, only how many; None: root, who
+    is told every holder."""
 
 
 def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
@@ -149,8 +153,8 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
     blockers = [f"GPU {index} is not present" for index in missing]
     for gpu in wanted:
         blockers.extend(
-            f"GPU {gpu.reading.index}: PID {other.pid} ({escape(other.comm)}, "
-            f"{escape(other.user)}) could hold it and was not fully inspected: {other.reason}"
+            f"GPU {gpu.reading.index}: {_partial_phrase(other, settings.viewer_uid)} could hold "
+            f"it and was not fully inspected: {other.reason}"
             for other in inventory.partial_on(gpu.reading.index)
         )
         if is_idle(gpu.reading, settings.idle_threshold_bytes):
@@ -166,8 +170,12 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
                 " (the v1 reserve estimate is not confirmed yet: a second idle reading a "
                 "minute after the first confirms it)"
             )
-        holders = [inventory.holder(pid) for pid in gpu.holder_pids]
-        named = "; ".join(_holder_phrase(h, settings.request) for h in holders if h is not None)
+        holders = [h for pid in gpu.holder_pids if (h := inventory.holder(pid)) is not None]
+        shown = [h for h in holders if may_name(h.uids, settings.viewer_uid)]
+        phrases = [_holder_phrase(h, settings.request) for h in shown]
+        if len(shown) < len(holders):
+            phrases.append(_others(len(holders) - len(shown)))
+        named = "; ".join(phrases)
         phrase = f"GPU {reading.index}: {used}" + (f", held by {named}" if named else "")
         if settings.oom is not None and settings.oom[1] == reading.index:
             # The GPU the last run failed on: first, so the one-line verdict names it.
@@ -188,6 +196,8 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
                 f"GPU {reading.index}: {gpu.outside_bytes // MIB} MiB used from outside this "
                 "container (another container or the host), which gpuguard cannot reap"
             )
+    # A PID whose owner gpuguard cannot tell is named to root only.
+    pid = "PID {}" if settings.viewer_uid is None else "a process"
     if not inventory.containment.foreign_pids:
         # Inside a PID namespace NVML's PIDs are host PIDs: the memory lines above say it all.
         blockers.extend(
@@ -196,17 +206,39 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
             if gpu_set is None or gone.gpu_index in gpu_set
         )
         blockers.extend(
-            f"GPU {other.gpu_index}: NVML lists PID {other.pid}, an unrelated process here"
+            f"GPU {other.gpu_index}: NVML lists {pid.format(other.pid)}, an unrelated process here"
             for other in inventory.foreign
             if gpu_set is None or other.gpu_index in gpu_set
         )
     blockers.extend(
-        f"GPU {hidden.gpu_index}: NVML lists PID {hidden.pid}, which /proc does not let "
+        f"GPU {hidden.gpu_index}: NVML lists {pid.format(hidden.pid)}, which /proc does not let "
         "gpuguard inspect"
         for hidden in inventory.uninspectable
         if gpu_set is None or hidden.gpu_index in gpu_set
     )
     return tuple(blockers)
+
+
+def may_name(uids: tuple[int, ...], viewer_uid: int | None) -> bool:
+    """Whether a process of these UIDs may be named (PID, name) to the viewer.
+
+    Root sees all; another asker only processes wholly its own (every one of the four UIDs).
+    """
+    return viewer_uid is None or (bool(uids) and all(uid == viewer_uid for uid in uids))
+
+
+def _others(count: int) -> str:
+    return "another user's process" if count == 1 else f"{count} processes of other users"
+
+
+def _partial_phrase(other: PartialProcess, viewer_uid: int | None) -> str:
+    """A process not fully inspected: named to root, to anyone else only as "a process".
+
+    Its UIDs were not read, so it may be another user's.
+    """
+    if viewer_uid is None:
+        return f"PID {other.pid} ({escape(other.comm)}, {escape(other.user)})"
+    return "a process"
 
 
 def wait_until_idle(  # noqa: PLR0913 - the wait's whole world, injected
