@@ -363,10 +363,11 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
     match = startfailure.classify(text) if _GPU_OOM.search(text) else None
     if match is None:
         return _engine_event(text, entry, unit, where)
-    # The device is named near the phrase, before it (vLLM) or after it (PyTorch).
-    device = _DEVICE.search(text, max(0, match.start - 120), match.start + 400)
-    # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
-    start = max(0, match.start - 60)
+    # The device is named near the message, before its phrases (vLLM) or after them (PyTorch);
+    # a whole vLLM line matches its last fragment, so the window opens at its first (``first``).
+    device = _DEVICE.search(text, max(0, match.first - 120), match.start + 400)
+    # Keep the message in view when it sits late in a long line (tracebacks, log prefixes).
+    start = max(0, match.first - 60)
     shown = text[start:] if start == 0 else "…" + text[start:]
     return UnitEvent(
         kind=EventKind.GPU_OOM_OUTPUT,
