@@ -102,6 +102,35 @@ def test_stop_that_timed_out_and_what_systemd_killed(release: str) -> None:
     assert found.story.healthy is None
 
 
+def test_systemds_kills_of_threads_are_told_as_tasks_not_processes() -> None:
+    """The "Killing process N (…)" lines of systemd name each thread it kills too: they are tasks.
+
+    A real vLLM 0.32.0 under systemd 252 (cgroup v2) gave 52 such lines for a few processes,
+    most of them its threads (issue 34).
+    """
+    recorded = sample("bookworm", "stop-sigterm-timeout")
+    killed = next(e for e in recorded if "Killing process" in str(e.get("MESSAGE")))
+    at = int(killed["__MONOTONIC_TIMESTAMP"])
+    threads = [
+        killed
+        | {
+            "MESSAGE": f"{UNIT}: Killing process {tid} ({name}) with signal SIGKILL.",
+            "__CURSOR": f"{killed['__CURSOR']};thread={tid}",
+            "__MONOTONIC_TIMESTAMP": str(at + tid),
+            "__REALTIME_TIMESTAMP": str(int(killed["__REALTIME_TIMESTAMP"]) + tid),
+        }
+        for tid, name in ((901, "pt_gloo_runloop"), (902, "ZMQbg/Reaper"), (903, "ZMQbg/IO/0"))
+    ]
+    found = timeline.build(sorted([*recorded, *threads], key=_monotonic), UNIT)
+    text = timeline.render_text(found, since=None)
+    assert "tasks systemd SIGKILLed (processes and their threads): 4" in text
+    assert "processes systemd SIGKILLed" not in text
+
+
+def _monotonic(entry: dict[str, Any]) -> int:
+    return int(entry["__MONOTONIC_TIMESTAMP"])
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_survivor_of_sigkill_is_named_once(release: str) -> None:
     """SIGKILL of PID 57 is logged twice: one row; the survivor is named."""
