@@ -6,7 +6,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -14,6 +14,9 @@ from gpuguard.adapters import journalquery
 from gpuguard.core import timeline
 from gpuguard.core.detector import LoopSettings
 from gpuguard.core.startfailure import classify
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 UNIT = "sglang.service"
 SAMPLES = Path(__file__).resolve().parents[1] / "journal_samples"
@@ -127,8 +130,8 @@ def test_systemds_kills_of_threads_are_told_as_tasks_not_processes() -> None:
     assert "processes systemd SIGKILLed" not in text
 
 
-def _monotonic(entry: dict[str, Any]) -> int:
-    return int(entry["__MONOTONIC_TIMESTAMP"])
+def _monotonic(entry: Mapping[str, object]) -> int:
+    return int(str(entry["__MONOTONIC_TIMESTAMP"]))
 
 
 @pytest.mark.parametrize("release", RELEASES)
