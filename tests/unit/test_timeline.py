@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from sglangstop import drained_then_self_killed
 
 from gpuguard.adapters import journalquery
 from gpuguard.core import timeline
@@ -103,6 +104,21 @@ def test_stop_that_timed_out_and_what_systemd_killed(release: str) -> None:
     assert not found.gpuguard_seen
     assert found.story.would == ()
     assert found.story.healthy is None
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_sglangs_own_sigkill_after_a_clean_drain_is_no_failed_start(release: str) -> None:
+    """An operator's stop that SGLang ended in its own SIGKILL (exit 137): a stop, no failure.
+
+    Its unit result is 'signal' with no stop timeout (issue 34); the run was stopped on
+    request, never a failed start or a loop.
+    """
+    found = timeline.build(drained_then_self_killed(release), UNIT)
+    assert "killed" not in kinds(found)
+    assert found.story.failed_starts == ()
+    assert found.story.stop_timeouts == ()
+    assert any("stopped by a stop job" in line for line in found.story.operator)
+    assert found.story.verdict.startswith("no loop")
 
 
 def test_systemds_kills_of_threads_are_told_as_tasks_not_processes() -> None:
