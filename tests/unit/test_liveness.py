@@ -340,6 +340,10 @@ def test_every_table_line_matches_its_own_text_and_the_grep_alternation() -> Non
         "sglang-scheduler-terminated": "Scheduler or DataParallelController 1234 terminated with 1",
         "sglang-child-failed": "[2026-03-13 14:24:23] Received sigquit from a child process. It "
         "usually means the child failed.",
+        "sglang-sigquit-received": "[2026-07-07 07:20:43] SIGQUIT received. signum=None, "
+        "frame=None. It usually means one child failed.",
+        "sglang-scheduler-watchdog": "[2026-12-07 22:15:11 TP0] Scheduler watchdog timeout "
+        "(self.watchdog_timeout=300, self.soft=False)",
         "sglang-load-weight-begin": "[2025-01-01 TP0] Load weight begin. avail mem=78.5 GB",
         "sglang-load-weight-end": "Load weight end. type=Qwen2ForCausalLM, dtype=torch.bfloat16",
         "sglang-capture-cuda-graph-begin": "Capture cuda graph begin. This can take up to "
