@@ -51,6 +51,7 @@ def entry(
         "_TRANSPORT": "stdout",
         "_PID": str(pid),
         "_STREAM_ID": stream,
+        "_BOOT_ID": "b",  # the boot of systemd()'s events
         "_UID": "1000",
         "MESSAGE": message,
     }
@@ -543,3 +544,21 @@ def test_the_next_runs_own_death_line_still_kills_it_even_on_a_reused_pid() -> N
     assert not tracker.observe(output_from(REAL_FATAL, "next", 150.0, reused), live=True)
     assert tracker.tick(150.0 + ENGINE_DEAD_GRACE_S)
     assert tracker.view(200.0).state is State.ENGINE_DEAD
+
+
+def test_a_writer_of_another_boot_is_another_process() -> None:
+    """PIDs repeat from boot to boot: a line of the last boot's run never mutes this boot's."""
+    tracker = Liveness(UNIT, "vllm")
+    earlier = entry(REAL_FATAL, invocation="last-boot", at_s=5.0, writer=CRASHED)
+    tracker.observe(parse_and_check(earlier | {"_BOOT_ID": "a"}), live=False)
+    started(tracker, "next", at_s=101.0)
+    assert not tracker.observe(output_from(REAL_FATAL, "next", 150.0, CRASHED), live=True)
+    assert tracker.tick(150.0 + ENGINE_DEAD_GRACE_S)
+    assert tracker.view(200.0).state is State.ENGINE_DEAD
+
+
+def parse_and_check(raw: dict[str, Any]) -> UnitEvent:
+    """The event of one raw entry (the parser must make one)."""
+    event = parse_entry(raw, UNIT)
+    assert event is not None
+    return event

@@ -119,11 +119,12 @@ class Liveness:
         self._ended_runs: deque[str] = deque(maxlen=_ENDED_KEPT)
         self._saved_ready: str | None = None
         """The run an earlier daemon process saw ready (its saved state), for ``resume``."""
-        self._senders: dict[tuple[int, str | None], str] = {}
-        """Each line's writer (``_PID``, ``_STREAM_ID``) and the run it first wrote for, oldest
-        first, at most ``_SENDERS_KEPT``."""
-        self._left_over: dict[int, None] = {}
-        """The PIDs systemd named left over at a start, at most ``_SENDERS_KEPT``."""
+        self._senders: dict[tuple[str | None, int, str | None], str] = {}
+        """Each line's writer (its boot, ``_PID``, ``_STREAM_ID``) and the run it first wrote
+        for, oldest first, at most ``_SENDERS_KEPT``."""
+        self._left_over: dict[tuple[str | None, int], None] = {}
+        """The PIDs (with their boot) systemd named left over at a start, at most
+        ``_SENDERS_KEPT``."""
 
     @property
     def learned(self) -> int:
@@ -285,14 +286,14 @@ class Liveness:
         run.
         """
         if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None:
-            _keep(self._left_over, event.pid, None)
+            _keep(self._left_over, (event.boot_id, event.pid), None)
             return True
         pid = event.sender_pid
         if event.kind not in _OUTPUT or pid is None:
             return False
-        if pid in self._left_over:
+        if (event.boot_id, pid) in self._left_over:
             return True
-        writer = (pid, event.sender_stream)
+        writer = (event.boot_id, pid, event.sender_stream)  # PIDs repeat from boot to boot
         owner = self._senders.get(writer)
         if owner is None:
             _keep(self._senders, writer, invocation)
