@@ -387,6 +387,62 @@ def test_a_gate_verdict_counts_only_from_the_gate_server_never_from_the_units_ou
     assert found.story.gpuguard == (f"gate for {UNIT} from PID 300: {verdict}",)
 
 
+def crash_then_a_gated_restart(*, gate_allowed: bool) -> list[dict[str, Any]]:
+    """A crash, and a restart beside the crashed run's worker and resource_tracker (systemd 252).
+
+    The gate reaps the worker and allows the start (when ``gate_allowed``); ExecStart= then
+    finds the tracker alone.
+    """
+    recorded = sample("bookworm", "restart-loop-start-limit")
+    pid1 = [e for e in recorded if e.get("_PID") == "1" and e.get("UNIT") == UNIT]
+    crashed, started = pid1[:5], pid1[5]  # started, exited 1, failed, restart, stopped; next
+    restart = str(started["INVOCATION_ID"])
+    left_over = next(
+        e for e in sample("bookworm", "left-over-process") if "left-over" in str(e.get("MESSAGE"))
+    )
+    base = crashed[-1]
+
+    def same_boot(entry: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in entry.items() if not k.startswith("__") and k != "_BOOT_ID"}
+
+    def found(step_us: int, pid: int, comm: str) -> dict[str, Any]:
+        message = (
+            f"{UNIT}: Found left-over process {pid} ({comm}) in control group while starting "
+            "unit. Ignoring."
+        )
+        fields = same_boot(left_over) | {"INVOCATION_ID": restart, "MESSAGE": message}
+        return entry_like(base, step_us, **fields)
+
+    verdict = (
+        f"gate for {UNIT} from PID 300: gpuguard gate: GPUs of {UNIT} idle after 1.2 s, "
+        "1 stale holder(s) reaped: start allowed [GPUs 0-3]"
+    )
+    gate = [gate_server_line(base, 3_000_000, verdict)] if gate_allowed else []
+    ready = "(APIServer pid=91) INFO:     Application startup complete."
+    return [
+        *crashed,
+        found(1_000_000, 109, "VLLM::Worker"),
+        found(1_000_001, 254, "python"),
+        *gate,
+        found(3_500_000, 254, "python"),
+        entry_like(base, 4_000_000, **same_boot(started)),
+        unit_output(base, 40_000_000, ready),
+    ]
+
+
+def test_a_left_over_the_gate_found_idle_after_a_crash_is_no_loop_in_explain() -> None:
+    """The gate allowed the restart with the GPUs idle: the tracker left over holds none: no loop.
+
+    Issue 34: explain ended with "verdict … restart loop" beside "healthy: run … has not failed
+    since" for one crash, one restart and a left-over resource_tracker.
+    """
+    found = timeline.build(crash_then_a_gated_restart(gate_allowed=True), UNIT)
+    assert found.story.verdict.startswith("no loop"), found.story.verdict
+    assert any("254 (python)" in line and "holding none" in line for line in found.story.findings)
+    ungated = timeline.build(crash_then_a_gated_restart(gate_allowed=False), UNIT)
+    assert ungated.story.verdict.startswith("restart loop")  # the journal alone cannot tell
+
+
 def test_kernel_xid_needs_the_kernel_transport() -> None:
     """An Xid line counts only with _TRANSPORT=kernel; logger's copy does not."""
     base = sample("bookworm", "stop-sigterm-timeout")[0]
