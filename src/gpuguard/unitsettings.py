@@ -28,7 +28,8 @@ interval (WatchdogSec=30, a ping every 15 s); the loop pings between two probes.
 SERVER_PATTERNS: dict[str, tuple[str, ...]] = {
     "sglang": ("sglang", "sglang::scheduler", "sglang::detokenizer"),
     # vLLM names its engine and worker processes by setproctitle: VLLM::EngineCore (one per
-    # data-parallel rank), VLLM::Worker_TP0… (one per tensor-parallel rank).
+    # data-parallel rank; the kernel shows "VLLM::EngineCor", core.policy.name_shows),
+    # VLLM::Worker_TP0… (one per tensor-parallel rank).
     "vllm": ("vllm", "VLLM::EngineCore", "VLLM::Worker"),
 }
 """Default ``patterns`` of a unit by its ``server``: the names its orphaned workers carry."""

@@ -14,12 +14,15 @@ import itertools
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from subprocess import PIPE
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -760,6 +763,75 @@ def test_a_gpu_caused_loop_is_not_acted_on(
     assert not process_gone(stale.pid)
     assert not any(event == "signal" for _, event, _ in harness.log.lines)
     said(harness, unit)
+
+
+def crash_then_restart_entries(unit: str, left_over_pid: int, comm: str) -> list[Entry]:
+    """PID 1's lines (systemd 252) of one crash and its restart, which finds ``left_over_pid``.
+
+    The left-over line is systemd's, logged just before the restart's start.
+    """
+    recorded = loop_entries(unit)[:6]  # run 1 failed, restart scheduled, stopped; run 2 started
+    started = recorded[-1]
+    found = dict(started) | {
+        "MESSAGE": f"{unit}: Found left-over process {left_over_pid} ({comm}) in control group "
+        "while starting unit. Ignoring.",
+        "__CURSOR": f"{started['__CURSOR']};left-over",
+        "__MONOTONIC_TIMESTAMP": str(int(str(started["__MONOTONIC_TIMESTAMP"])) - 1000),
+        "__REALTIME_TIMESTAMP": str(int(str(started["__REALTIME_TIMESTAMP"])) - 1000),
+        "CODE_FUNC": "unit_log_leftover_process_start",
+        "PRIORITY": "4",
+    }
+    found.pop("JOB_TYPE", None)
+    found.pop("JOB_RESULT", None)
+    found.pop("MESSAGE_ID", None)
+    return [*recorded[:-1], found, started]
+
+
+def test_one_crash_and_a_restart_beside_a_left_over_holding_nothing_is_no_loop(
+    tmp_path: Path, in_process_nvml: Path, spawn_holder: HolderSpawner
+) -> None:
+    """A crash, its restart loading, a left-over that holds no GPU: no loop, nothing stopped.
+
+    Real vLLM 0.32.0 leaves multiprocessing's resource_tracker ("python") behind a crashed API
+    server; the restart's engine holds the GPU (issue 34: status said "restart loop").
+    """
+    unit = f"vllm-{uuid.uuid4().hex[:8]}.service"
+    tracker = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=PIPE)
+    with tracker:
+        spawn_holder(in_process_nvml, gpus=(0,), mib=30000, name="VLLM::EngineCor")
+        entries = crash_then_restart_entries(unit, tracker.pid, "python")
+        harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=False)
+
+        assert harness.daemon.run() == 0
+        tracker.kill()
+
+    assert harness.unit.calls == []
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["looping"] is False
+    verdicts = [f for _, event, f in harness.log.lines if event == "verdict"]
+    assert any(
+        f"left-over process {tracker.pid} (python)" in line
+        and "holding none of the unit's GPUs" in line
+        for f in verdicts
+        for line in cast("list[str]", f.get("findings", []))
+    )
+    assert not any(event == "restart loop" for _, event, _ in harness.log.lines)
+
+
+def test_one_crash_and_a_restart_beside_a_left_over_holding_a_gpu_is_a_loop(
+    tmp_path: Path, in_process_nvml: Path, spawn_holder: HolderSpawner
+) -> None:
+    """The same restart beside a left-over that holds a GPU of the unit: an immediate loop."""
+    unit = f"vllm-{uuid.uuid4().hex[:8]}.service"
+    worker = spawn_holder(in_process_nvml, gpus=(0,), mib=30000, name="VLLM::Worker")
+    entries = crash_then_restart_entries(unit, worker.pid, "VLLM::Worker")
+    harness = build(tmp_path, in_process_nvml, unit, entries, dry_run=True)
+
+    assert harness.daemon.run() == 0
+
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["looping"] is True
+    assert f"left-over process {worker.pid} (VLLM::Worker)" in last["verdict"]
 
 
 # --- the operator's intent ----------------------------------------------------------------------

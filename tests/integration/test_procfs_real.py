@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from builders import gpu, inventory, nvml
 
 from gpuguard.adapters.procfs import (
     ancestor_pids,
@@ -25,8 +27,10 @@ from gpuguard.adapters.procfs import (
 )
 from gpuguard.adapters.reaper import reap
 from gpuguard.adapters.runtree import descendants
+from gpuguard.core.policy import matching_pattern
 from gpuguard.core.redaction import REDACTED
 from gpuguard.core.values import ProcessFacts, ReapOutcome, ReapTarget
+from gpuguard.unitsettings import SERVER_PATTERNS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -72,6 +76,9 @@ if mode == "fork":
     while got.count(b"\n") < 3:
         got += os.read(r, 100)
     pids += [int(x) for x in got.split()]
+if os.environ.get("HELPER_COMM"):  # a name set as setproctitle sets it, not in the cmdline
+    with open("/proc/self/comm", "w") as comm:
+        comm.write(os.environ["HELPER_COMM"])
 print("ready", *pids, flush=True)
 if mode == "leader-exit":
     threading.Thread(target=time.sleep, args=(3600,)).start()
@@ -87,10 +94,14 @@ while True:
 class Helper:
     """A running helper process tree, killed as a whole process group at teardown."""
 
-    def __init__(self, mode: str, files: list[Path], *extra_args: str) -> None:
-        """Start the helper in its own session and wait for it to be ready."""
+    def __init__(
+        self, mode: str, files: list[Path], *extra_args: str, comm: str | None = None
+    ) -> None:
+        """Start the helper in its own session and wait for it to be ready (named ``comm``)."""
         self.argv = [sys.executable, "-c", HELPER, mode, ",".join(map(str, files)), *extra_args]
         env = {**os.environ, "INVOCATION_ID": INVOCATION}
+        if comm is not None:
+            env["HELPER_COMM"] = comm
         self.started_after = time.time()
         self.popen = subprocess.Popen(
             self.argv,
@@ -336,3 +347,23 @@ def test_a_process_whose_main_thread_exited_still_holds_its_files(
     assert result.outcome is ReapOutcome.EXITED
     assert result.signals == ("SIGTERM",)
     assert helper.popen.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_an_engine_core_is_known_by_the_name_the_kernel_cut(
+    devices: list[Path], glob: str, helpers: list[Helper]
+) -> None:
+    """A process that named itself VLLM::EngineCore reads VLLM::EngineCor: vLLM's pattern matches.
+
+    The kernel keeps 15 bytes of a name (real vLLM 0.32.0's engine showed so, issue 34); its
+    command line (a multiprocessing child's) names no vLLM at all.
+    """
+    helper = Helper("hold", devices, comm="VLLM::EngineCore")
+    helpers.append(helper)
+    [facts] = [p for p in scan_device_holders(glob).processes if p.identity.pid == helper.pid]
+    assert facts.comm == "VLLM::EngineCor"
+    assert not any("VLLM" in arg or "vllm" in arg for arg in facts.cmdline)
+    on_gpu_0 = replace(facts, device_files=frozenset({"/dev/nvidia0"}))
+    holder = inventory(nvml(gpu(0, (helper.pid, 30000))), on_gpu_0).holder(helper.pid)
+    assert holder is not None
+    assert matching_pattern(holder, SERVER_PATTERNS["vllm"]) == "VLLM::EngineCore"
+    assert matching_pattern(holder, SERVER_PATTERNS["sglang"]) is None

@@ -43,6 +43,10 @@ FATAL = (
     "(EngineCore_DP0 pid=413) ERROR 11-10 12:30:57 [core.py:710] EngineCore encountered a fatal "
     "error."
 )
+REAL_WORKER_DIED = (
+    "(EngineCore_DP0 pid=188) ERROR 12-07 22:15:11 [multiproc_executor.py:150] Worker proc "
+    "VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor."
+)
 
 
 def clean_start_stop() -> list[dict[str, object]]:
@@ -150,6 +154,67 @@ def test_a_dead_engine_is_reported_critical_and_left_alone_by_default(tmp_path: 
     assert level is Level.CRITICAL
     assert "(EngineCore fatal error); unit still active" in text
     assert any(note.startswith("STATUS") and "engine dead" in note for note in harness.log.notes)
+
+
+def crash_restart_and_a_left_overs_death_lines() -> list[dict[str, object]]:
+    """Issue 34's journal in systemd 252's shapes: a crash, a restart, a left-over's death lines.
+
+    Run A up, its API server SIGKILLed, run B started and up; then A's orphaned EngineCore, its
+    worker reaped, writes vLLM's death lines on A's stdout stream (A's _PID and _STREAM_ID),
+    which journald stamps with run B.
+    """
+    starting, started, output = clean_start_stop()[:3]
+    killed = next(
+        json.loads(line)
+        for line in (SAMPLE / "stop-sigterm-timeout.jsonl").read_text().splitlines()
+        if "Main process exited" in line
+    )
+    run_a, run_b = str(started["INVOCATION_ID"]), "b0" * 16
+    at = int(str(output["__MONOTONIC_TIMESTAMP"]))
+
+    def moved(entry: dict[str, object], n: int, **fields: object) -> dict[str, object]:
+        return dict(entry) | {
+            "__CURSOR": f"{entry['__CURSOR']};issue34={n}",
+            "__MONOTONIC_TIMESTAMP": str(at + n * 1_000_000),
+            "__REALTIME_TIMESTAMP": str(int(str(entry["__REALTIME_TIMESTAMP"])) + n * 1_000_000),
+            **fields,
+        }
+
+    b_writer = {"_PID": "91", "_STREAM_ID": "b1" * 16, "_SYSTEMD_INVOCATION_ID": run_b}
+    return [
+        starting,
+        started,
+        moved(output, 0, MESSAGE="(APIServer pid=58) INFO:     Application startup complete."),
+        moved(killed, 10, UNIT=UNIT, INVOCATION_ID=run_a),
+        moved(starting, 11, INVOCATION_ID=run_b),
+        moved(started, 12, INVOCATION_ID=run_b),
+        moved(output, 50, MESSAGE="(APIServer pid=91) INFO:     Application startup complete.")
+        | b_writer,
+        moved(output, 51, MESSAGE=REAL_WORKER_DIED, _SYSTEMD_INVOCATION_ID=run_b),
+        moved(output, 52, MESSAGE=FATAL, _SYSTEMD_INVOCATION_ID=run_b),
+        moved(output, 160, MESSAGE="INFO: 127.0.0.1 GET /v1/completions 200") | b_writer,
+    ]
+
+
+def test_a_left_overs_death_lines_never_make_the_next_runs_engine_dead(tmp_path: Path) -> None:
+    """The crashed run's orphan says vLLM's death lines while run B serves: B stays up, untouched.
+
+    Issue 34: status said "CRITICAL - engine dead … unit still active" long after B served,
+    and an opted-in unit would have been restarted.
+    """
+    entries = crash_restart_and_a_left_overs_death_lines()
+    harness = build(tmp_path, entries, on_engine_dead="recover")
+    harness.unit.invocation = "b0" * 16
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not harness.said("engine dead")
+    liveness = harness.snapshots[-1]["units"][UNIT]["liveness"]
+    assert liveness["state"] == "up"
+    assert liveness["engine_deaths"] == 0
+    level, text = _status(harness)
+    assert level is not Level.CRITICAL, text
 
 
 def test_an_opted_in_unit_is_recovered_once_its_engine_stays_dead(tmp_path: Path) -> None:

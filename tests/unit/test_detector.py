@@ -476,6 +476,51 @@ def test_left_over_process_at_a_restart_after_a_failure_is_immediate() -> None:
     assert "left-over process 65 (sglang-worker)" in diagnosis.reason
 
 
+def crash_then_restart_with(comm: str, pid: int) -> list[UnitEvent]:
+    """One crash (SIGKILL of the main process), then systemd's restart finding ``pid`` left over."""
+    journal = Journal()
+    return [
+        *journal.failed_run(1, T0, n_restarts=1),
+        journal.event(EventKind.LEFT_OVER_PROCESS, T0 + 101, inv(2), pid=pid, comm=comm),
+        journal.event(EventKind.STARTED, T0 + 101.1, inv(2)),
+    ]
+
+
+def test_a_left_over_holding_no_gpu_after_one_crash_is_a_finding_not_a_loop() -> None:
+    """One crash, one restart still loading, a left-over holding none of the unit's GPUs: no loop.
+
+    A crashed vLLM leaves multiprocessing's resource_tracker (comm "python") in the cgroup; it
+    holds nothing the next start needs (issue 34, real vLLM 0.32.0 under systemd 252).
+    """
+    events = crash_then_restart_with("python", 254)
+    inventory = GpuEvidence(gpus_busy=True, holder_pids=frozenset({301}))  # the new run's engine
+    diagnosis = fed(events).diagnose(T0 + 140, inventory)
+    assert not diagnosis.looping
+    assert not diagnosis.immediate
+    assert len(diagnosis.findings) == 1
+    assert "left-over process 254 (python)" in diagnosis.findings[0]
+    assert "holding none of the unit's GPUs" in diagnosis.findings[0]
+
+
+@pytest.mark.parametrize(
+    "evidence",
+    [
+        None,
+        GpuEvidence(gpus_busy=True, holder_pids=frozenset({109})),
+        GpuEvidence(stale_holders=("PID 110 (VLLM::EngineCor) holds GPU 0: left over",)),
+    ],
+    ids=["no-inventory-yet", "left-over-holds-a-gpu", "a-stale-holder"],
+)
+def test_a_left_over_that_may_hold_a_gpu_after_a_crash_is_an_immediate_loop(
+    evidence: GpuEvidence | None,
+) -> None:
+    """The same restart is an immediate loop while the left-over may hold the unit's GPUs."""
+    diagnosis = fed(crash_then_restart_with("VLLM::Worker", 109)).diagnose(T0 + 140, evidence)
+    assert diagnosis.looping
+    assert diagnosis.immediate
+    assert "left-over process 109 (VLLM::Worker)" in diagnosis.reason
+
+
 def test_left_over_process_at_an_operators_start_is_a_finding_not_a_loop() -> None:
     """A left-over found at a start with no failure and no scheduled restart is no loop."""
     journal = Journal()

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from sglangstop import drained_then_self_killed
 
 from gpuguard.adapters.doctorio import path_chain
 from gpuguard.core.doctor import (
@@ -117,6 +118,20 @@ def test_a_clean_stop_is_measured_and_needs_nothing(release: str) -> None:
     found = by_code(diagnose(facts(history=history), {}, HOST), "stop-timeout")
     assert found.severity is Level.OK
     assert found.fix == ()
+
+
+@pytest.mark.parametrize("release", ["bookworm", "trixie"])
+def test_sglangs_own_sigkill_after_a_clean_drain_is_a_clean_stop(release: str) -> None:
+    """SGLang's drain ends in its own SIGKILL (exit 137) before any timeout: a clean stop.
+
+    Killed means systemd's timeout cut the stop ("State 'stop-sigterm' timed out"), never a
+    status=9/KILL that came first (issue 34).
+    """
+    history = build_history(drained_then_self_killed(release), UNIT)
+    assert [s.killed for s in history.stops] == [False]
+    found = by_code(diagnose(facts(config(timeout_stop_s=90.0), history), {}, HOST), "stop-timeout")
+    assert found.severity is Level.OK
+    assert "0 ended in SIGKILL" in found.evidence[0]
 
 
 def test_p99_drain_times_margin_sets_the_timeout() -> None:

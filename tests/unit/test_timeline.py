@@ -6,14 +6,18 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from sglangstop import drained_then_self_killed
 
 from gpuguard.adapters import journalquery
 from gpuguard.core import timeline
 from gpuguard.core.detector import LoopSettings
 from gpuguard.core.startfailure import classify
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 UNIT = "sglang.service"
 SAMPLES = Path(__file__).resolve().parents[1] / "journal_samples"
@@ -100,6 +104,50 @@ def test_stop_that_timed_out_and_what_systemd_killed(release: str) -> None:
     assert not found.gpuguard_seen
     assert found.story.would == ()
     assert found.story.healthy is None
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_sglangs_own_sigkill_after_a_clean_drain_is_no_failed_start(release: str) -> None:
+    """An operator's stop that SGLang ended in its own SIGKILL (exit 137): a stop, no failure.
+
+    Its unit result is 'signal' with no stop timeout (issue 34); the run was stopped on
+    request, never a failed start or a loop.
+    """
+    found = timeline.build(drained_then_self_killed(release), UNIT)
+    assert "killed" not in kinds(found)
+    assert found.story.failed_starts == ()
+    assert found.story.stop_timeouts == ()
+    assert any("stopped by a stop job" in line for line in found.story.operator)
+    assert found.story.verdict.startswith("no loop")
+
+
+def test_systemds_kills_of_threads_are_told_as_tasks_not_processes() -> None:
+    """The "Killing process N (…)" lines of systemd name each thread it kills too: they are tasks.
+
+    A real vLLM 0.32.0 under systemd 252 (cgroup v2) gave 52 such lines for a few processes,
+    most of them its threads (issue 34).
+    """
+    recorded = sample("bookworm", "stop-sigterm-timeout")
+    killed = next(e for e in recorded if "Killing process" in str(e.get("MESSAGE")))
+    at = int(killed["__MONOTONIC_TIMESTAMP"])
+    threads = [
+        killed
+        | {
+            "MESSAGE": f"{UNIT}: Killing process {tid} ({name}) with signal SIGKILL.",
+            "__CURSOR": f"{killed['__CURSOR']};thread={tid}",
+            "__MONOTONIC_TIMESTAMP": str(at + tid),
+            "__REALTIME_TIMESTAMP": str(int(killed["__REALTIME_TIMESTAMP"]) + tid),
+        }
+        for tid, name in ((901, "pt_gloo_runloop"), (902, "ZMQbg/Reaper"), (903, "ZMQbg/IO/0"))
+    ]
+    found = timeline.build(sorted([*recorded, *threads], key=_monotonic), UNIT)
+    text = timeline.render_text(found, since=None)
+    assert "tasks systemd SIGKILLed (processes and their threads): 4" in text
+    assert "processes systemd SIGKILLed" not in text
+
+
+def _monotonic(entry: Mapping[str, object]) -> int:
+    return int(str(entry["__MONOTONIC_TIMESTAMP"]))
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -337,6 +385,62 @@ def test_a_gate_verdict_counts_only_from_the_gate_server_never_from_the_units_ou
         (timeline.GPUGUARD, "gate-exit"),
     ]
     assert found.story.gpuguard == (f"gate for {UNIT} from PID 300: {verdict}",)
+
+
+def crash_then_a_gated_restart(*, gate_allowed: bool) -> list[dict[str, Any]]:
+    """A crash, and a restart beside the crashed run's worker and resource_tracker (systemd 252).
+
+    The gate reaps the worker and allows the start (when ``gate_allowed``); ExecStart= then
+    finds the tracker alone.
+    """
+    recorded = sample("bookworm", "restart-loop-start-limit")
+    pid1 = [e for e in recorded if e.get("_PID") == "1" and e.get("UNIT") == UNIT]
+    crashed, started = pid1[:5], pid1[5]  # started, exited 1, failed, restart, stopped; next
+    restart = str(started["INVOCATION_ID"])
+    left_over = next(
+        e for e in sample("bookworm", "left-over-process") if "left-over" in str(e.get("MESSAGE"))
+    )
+    base = crashed[-1]
+
+    def same_boot(entry: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in entry.items() if not k.startswith("__") and k != "_BOOT_ID"}
+
+    def found(step_us: int, pid: int, comm: str) -> dict[str, Any]:
+        message = (
+            f"{UNIT}: Found left-over process {pid} ({comm}) in control group while starting "
+            "unit. Ignoring."
+        )
+        fields = same_boot(left_over) | {"INVOCATION_ID": restart, "MESSAGE": message}
+        return entry_like(base, step_us, **fields)
+
+    verdict = (
+        f"gate for {UNIT} from PID 300: gpuguard gate: GPUs of {UNIT} idle after 1.2 s, "
+        "1 stale holder(s) reaped: start allowed [GPUs 0-3]"
+    )
+    gate = [gate_server_line(base, 3_000_000, verdict)] if gate_allowed else []
+    ready = "(APIServer pid=91) INFO:     Application startup complete."
+    return [
+        *crashed,
+        found(1_000_000, 109, "VLLM::Worker"),
+        found(1_000_001, 254, "python"),
+        *gate,
+        found(3_500_000, 254, "python"),
+        entry_like(base, 4_000_000, **same_boot(started)),
+        unit_output(base, 40_000_000, ready),
+    ]
+
+
+def test_a_left_over_the_gate_found_idle_after_a_crash_is_no_loop_in_explain() -> None:
+    """The gate allowed the restart with the GPUs idle: the tracker left over holds none: no loop.
+
+    Issue 34: explain ended with "verdict … restart loop" beside "healthy: run … has not failed
+    since" for one crash, one restart and a left-over resource_tracker.
+    """
+    found = timeline.build(crash_then_a_gated_restart(gate_allowed=True), UNIT)
+    assert found.story.verdict.startswith("no loop"), found.story.verdict
+    assert any("254 (python)" in line and "holding none" in line for line in found.story.findings)
+    ungated = timeline.build(crash_then_a_gated_restart(gate_allowed=False), UNIT)
+    assert ungated.story.verdict.startswith("restart loop")  # the journal alone cannot tell
 
 
 def test_kernel_xid_needs_the_kernel_transport() -> None:

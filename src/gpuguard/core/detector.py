@@ -37,9 +37,13 @@ Rules (``diagnose``), over the events of the last ``window_s`` seconds:
   the restart counter tells such a loop, and a server that exits 0 at once is not serving;
 * immediate loop, whether the newest run failed or is still starting: the newest run found a
   left-over process in its control group while starting and it failed, or the series already
-  holds a failure (systemd restarted it); or the first start after a stop timeout failed. A
-  left-over at a start with no failure and no scheduled restart (an operator's start after a
-  ``KillMode=process`` run) is a finding (``Diagnosis.findings``), not a loop;
+  holds a failure (systemd restarted it) and, while that restart is still starting, a GPU
+  inventory (when given) shows a stale holder or a left-over PID holding a GPU of the unit's
+  set; or the first start after a stop timeout failed. A left-over at a start with no failure
+  and no scheduled restart (an operator's start after a ``KillMode=process`` run), or one that
+  holds none of the unit's GPUs at a restart still starting (one crash, one restart, and a
+  crashed vLLM's ``resource_tracker`` left in the cgroup), is a finding
+  (``Diagnosis.findings``), not a loop;
 * a loop whose newest run hit the start limit ("Start request repeated too quickly") was ended
   by systemd: ``Diagnosis.start_limit_hit``, and the reason says what to do (fix the cause, then
   ``systemctl reset-failed U``);
@@ -257,7 +261,7 @@ class Detector:
     def diagnose(self, now: float, gpu: GpuEvidence | None) -> Diagnosis:
         """The verdict at ``now`` from the events in the window and, if given, a GPU inventory."""
         view = self._view(now)
-        verdict = self._verdict(view)
+        verdict = self._verdict(view, gpu)
         cause, cause_detail = judge_cause(view.failed, gpu)
         failures = [run.failure_s for run in view.failed if run.failure_s is not None]
         good = [
@@ -280,7 +284,7 @@ class Detector:
             good_start_s=max(good, default=None),
             oom_device=next((run.oom[0].device for run in reversed(view.failed) if run.oom), None),
             start_limit_hit=verdict.looping and _newest_hit_start_limit(view),
-            findings=() if verdict.looping else _left_over_findings(view),
+            findings=() if verdict.looping else _left_over_findings(view, gpu),
         )
 
     def _view(self, now: float) -> View:
@@ -296,7 +300,7 @@ class Detector:
         restarts = [e.n_restarts for e in events if e.kind is EventKind.RESTART_SCHEDULED]
         return View(now, events, runs, known, episode, restarts[-1] if restarts else None)
 
-    def _verdict(self, view: View) -> _Verdict:
+    def _verdict(self, view: View, gpu: GpuEvidence | None) -> _Verdict:
         """Looping or not, immediate or not, and why."""
         newest = view.newest
         if newest is None:
@@ -305,8 +309,13 @@ class Detector:
         run, outcome = newest
         if outcome in ENDS_SERIES:
             return self._settled(view, run, outcome)
-        rules = (self._streak_rule, self._counter_rule, self._left_over_rule, self._timeout_rule)
-        held = [v for v in (rule(view, run, outcome) for rule in rules) if v is not None]
+        verdicts = (
+            self._streak_rule(view, run, outcome),
+            self._counter_rule(view, run, outcome),
+            _left_over_rule(view, run, outcome, gpu),
+            self._timeout_rule(view, run, outcome),
+        )
+        held = [verdict for verdict in verdicts if verdict is not None]
         if held:
             # The first rule that holds gives the reason; any immediate sign makes it immediate.
             immediate = any(verdict.immediate for verdict in held)
@@ -361,23 +370,6 @@ class Detector:
         return _looping(
             f"systemd's restart counter is at {view.n_restarts} (threshold {threshold}) and "
             f"{view.streak} runs failed within {_secs(self.settings.window_s)}",
-        )
-
-    @staticmethod
-    def _left_over_rule(view: View, run: Run, outcome: Outcome) -> _Verdict | None:
-        """The newest run found an earlier run's processes in its cgroup, and failed or restarted.
-
-        Alone (no failure, no scheduled restart), a left-over at start is a finding.
-        """
-        if not run.left_over:
-            return None
-        if outcome is not Outcome.FAILED and not view.failed:
-            return None
-        first = run.left_over[0]
-        return _looping(
-            f"run {abbrev(run)} started with left-over process {first.pid} ({first.comm}) "
-            f"of an earlier run in its control group",
-            immediate=True,
         )
 
     def _timeout_rule(self, view: View, _run: Run, _outcome: Outcome) -> _Verdict | None:
@@ -445,17 +437,59 @@ def _newest_hit_start_limit(view: View) -> bool:
     return newest is not None and newest[0].start_limit_s is not None
 
 
-def _left_over_findings(view: View) -> tuple[str, ...]:
+def _left_over_rule(
+    view: View, run: Run, outcome: Outcome, gpu: GpuEvidence | None
+) -> _Verdict | None:
+    """The newest run found an earlier run's processes in its cgroup, and failed or restarted.
+
+    Alone (no failure, no scheduled restart), a left-over at start is a finding. A restart
+    still starting after a failure is a loop only while a left-over may hold the unit's GPUs:
+    with no inventory yet (the daemon then looks), or when the inventory shows a stale holder
+    or a left-over PID among the holders of the unit's GPUs (``_holds_gpu``). A left-over that
+    holds nothing (multiprocessing's ``resource_tracker`` of a crashed vLLM) is a finding.
+    """
+    if not run.left_over:
+        return None
+    if outcome is not Outcome.FAILED and not view.failed:
+        return None
+    if outcome is not Outcome.FAILED and gpu is not None and not _holds_gpu(run, gpu):
+        return None
+    first = run.left_over[0]
+    return _looping(
+        f"run {abbrev(run)} started with left-over process {first.pid} ({first.comm}) "
+        f"of an earlier run in its control group",
+        immediate=True,
+    )
+
+
+def _holds_gpu(run: Run, gpu: GpuEvidence) -> bool:
+    """Whether the inventory shows a stale holder, or a left-over of ``run`` holding a GPU."""
+    return bool(gpu.stale_holders) or any(
+        event.pid in gpu.holder_pids for event in run.left_over if event.pid is not None
+    )
+
+
+def _left_over_findings(view: View, gpu: GpuEvidence | None) -> tuple[str, ...]:
     """The newest run's left-over processes at start, when they made no loop."""
     newest = view.newest
     if newest is None:
         return ()
     run = newest[0]
     seen = dict.fromkeys((event.pid, event.comm) for event in run.left_over)
+    if view.failed and gpu is not None:
+        why = (
+            "after a failure, holding none of the unit's GPUs: a finding, not a loop (a "
+            "crashed server's helper that holds nothing, such as multiprocessing's "
+            "resource_tracker)"
+        )
+    else:
+        why = (
+            "with no failure and no scheduled restart: a finding, not a loop (KillMode=process "
+            "or none leaves processes behind)"
+        )
     return tuple(
         f"run {abbrev(run)} found left-over process {pid} ({comm}) of an earlier run in its "
-        "control group at start, with no failure and no scheduled restart: a finding, not a "
-        "loop (KillMode=process or none leaves processes behind)"
+        f"control group at start, {why}"
         for pid, comm in seen
     )
 

@@ -137,6 +137,24 @@ FATAL_LINES: Final[tuple[EngineLine, ...]] = (
         "python/sglang/srt/entrypoints/engine.py, the SIGQUIT handler: 'Received sigquit from a "
         "child process. It usually means the child failed.'",
     ),
+    EngineLine(
+        "sglang-sigquit-received",
+        "sglang",
+        r"SIGQUIT received\. signum=",
+        "SGLang child process failed",
+        "python/sglang/srt/managers/tokenizer_manager.py, SignalHandler."
+        "running_phase_sigquit_handler: 'SIGQUIT received. {signum=}, {frame=}. It usually "
+        "means one child failed.', then kill_process_tree",
+    ),
+    EngineLine(
+        "sglang-scheduler-watchdog",
+        "sglang",
+        r"Scheduler watchdog timeout \(self\.watchdog_timeout=",
+        "SGLang scheduler hung (watchdog)",
+        "python/sglang/srt/utils/watchdog.py: 'Scheduler watchdog timeout "
+        "(self.watchdog_timeout=300, self.soft=False)', then SIGQUIT to the parent (soft=True: "
+        "the line alone, the scheduler left hung)",
+    ),
 )
 """Lines that say the engine of a running server is dead (docs/liveness.md)."""
 

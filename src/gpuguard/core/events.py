@@ -127,6 +127,14 @@ class UnitEvent:
     (the most specific match, the one the daemon judges by; the phrase is the unit's text)."""
     line: str | None = None
     """engine-fatal / start-phase: the key of the line matched (core.enginelines.BY_KEY)."""
+    sender_pid: int | None = None
+    """engine-fatal / start-phase: the entry's trusted ``_PID`` (journald's: the writer, or on a
+    stdout stream before systemd 256 the process that opened the stream), which says whose line
+    it is where ``_SYSTEMD_INVOCATION_ID`` cannot: journald stamps that with the unit's current
+    run, also on a left-over's line (docs/facts.md §4.8)."""
+    sender_stream: str | None = None
+    """engine-fatal / start-phase: the entry's ``_STREAM_ID`` (journald's, one per stdout stream
+    a run's process opened): with ``sender_pid``, a writer even once its PID is reused."""
 
 
 OUTPUT_KINDS: Final = frozenset(
@@ -173,6 +181,7 @@ FIELDS_READ: Final = (
     "_SYSTEMD_UNIT",
     "_SYSTEMD_INVOCATION_ID",
     "_TRANSPORT",
+    "_STREAM_ID",
     "_BOOT_ID",
 )
 """Every field parse_entry reads (journalctl adds __CURSOR, __REALTIME_TIMESTAMP and
@@ -182,6 +191,7 @@ follower asks journalctl for these only, which halves what Python has to json.lo
 _GPU_OOM = re.compile(GPU_OOM_REGEX)
 # The CUDA device a start-failure line names: "cuda:1", "GPU 3 has a total capacity", "(GPU 0;",
 # "device 2".
+_PID_TEXT = re.compile(r"[1-9][0-9]{0,9}")
 _DEVICE = re.compile(r"(?:\bcuda:|\bGPU |\bdevice )(\d{1,3})(?![\d.])")
 
 # Text-only PID-1 messages (systemd sets no MESSAGE_ID on them; docs/facts.md §4.1, §4.7).
@@ -363,10 +373,11 @@ def _output_event(entry: Mapping[str, object], unit: str, where: _Where) -> Unit
     match = startfailure.classify(text) if _GPU_OOM.search(text) else None
     if match is None:
         return _engine_event(text, entry, unit, where)
-    # The device is named near the phrase, before it (vLLM) or after it (PyTorch).
-    device = _DEVICE.search(text, max(0, match.start - 120), match.start + 400)
-    # Keep the matched phrase in view when it sits late in a long line (tracebacks, log prefixes).
-    start = max(0, match.start - 60)
+    # The device is named near the message, before its phrases (vLLM) or after them (PyTorch);
+    # a whole vLLM line matches its last fragment, so the window opens at its first (``first``).
+    device = _DEVICE.search(text, max(0, match.first - 120), match.start + 400)
+    # Keep the message in view when it sits late in a long line (tracebacks, log prefixes).
+    start = max(0, match.first - 60)
     shown = text[start:] if start == 0 else "…" + text[start:]
     return UnitEvent(
         kind=EventKind.GPU_OOM_OUTPUT,
@@ -401,6 +412,8 @@ def _engine_event(
         boot_id=where.boot_id,
         message=_display(text),
         line=line.key,
+        sender_pid=_pid(entry.get("_PID")),
+        sender_stream=_string(entry.get("_STREAM_ID")),
     )
 
 
@@ -438,6 +451,12 @@ def _display(text: str | None) -> str:
 def _string(value: object) -> str | None:
     """A field's value when it is a single string (a field sent twice is an array: not trusted)."""
     return value if isinstance(value, str) else None
+
+
+def _pid(value: object) -> int | None:
+    """A ``_PID`` field as a PID (1 to 10 decimal digits), or None when absent or malformed."""
+    text = _string(value)
+    return int(text) if text is not None and _PID_TEXT.fullmatch(text) else None
 
 
 def _integer(value: object) -> int | None:

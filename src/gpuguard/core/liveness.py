@@ -9,9 +9,17 @@ phase, for how long, against the phases of earlier starts), stuck in a phase pas
 those starts taught, or engine dead since T (cause); the unit's health check (core.healthcheck)
 can also make a run that is up dead, and, for as long as no line or exit said so, alive again
 at its first healthy answer. What is at risk: calling a healthy run dead. So a line counts only
-for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``),
-never once a stop job for that run began (servers print death-like lines while shutting down),
-and a run's end (systemd now sees it) ends its dead-engine verdict. A budget is learned, never
+for the run that printed it (journald's ``_SYSTEMD_INVOCATION_ID``), and never when its
+trusted ``_PID`` is a process of an earlier run: journald stamps a line with the unit's
+*current* invocation whoever in its cgroup wrote it, so a left-over of a crashed run (vLLM's
+orphaned EngineCore, whose worker was reaped) writes its death lines under the next run's ID.
+A writer (``_PID`` with ``_STREAM_ID``: before systemd 256 a stdout line's ``_PID`` is the
+process that opened the stream, the earlier run's main process, dead or not, and its stream ID
+tells it from a reuse of its PID) is an earlier run's once it wrote a line stamped with another
+run; a PID is once systemd named it left over at a start ("Found left-over process N"). A line
+with no ``_PID`` counts as before. Never once a stop job for that run began (servers print
+death-like lines while shutting down), and a run's end (systemd now sees it) ends its
+dead-engine verdict. A budget is learned, never
 guessed: with fewer than ``MIN_STARTS`` starts that came up, a slow start is only "starting".
 
 Time is the journal's per-boot monotonic clock, passed in; the wall clock only labels times.
@@ -63,6 +71,8 @@ _ENDED_KEPT: Final = 16
 """Ended runs remembered, so that their late lines never open a run again."""
 _PAST_BUDGET_S: Final = 0.01
 """A phase is stuck once *past* its budget: the wake comes just after it."""
+_SENDERS_KEPT: Final = 256
+"""The writers of lines remembered, with the run each wrote for first (the newest kept)."""
 
 
 @dataclass
@@ -109,6 +119,12 @@ class Liveness:
         self._ended_runs: deque[str] = deque(maxlen=_ENDED_KEPT)
         self._saved_ready: str | None = None
         """The run an earlier daemon process saw ready (its saved state), for ``resume``."""
+        self._senders: dict[tuple[str | None, int, str | None], str] = {}
+        """Each line's writer (its boot, ``_PID``, ``_STREAM_ID``) and the run it first wrote
+        for, oldest first, at most ``_SENDERS_KEPT``."""
+        self._left_over: dict[tuple[str | None, int], None] = {}
+        """The PIDs (with their boot) systemd named left over at a start, at most
+        ``_SENDERS_KEPT``."""
 
     @property
     def learned(self) -> int:
@@ -239,7 +255,11 @@ class Liveness:
         daemon acts only on news, as it does for restart loops.
         """
         invocation = event.invocation_id
-        if event.unit != self.unit or invocation is None:
+        if (
+            event.unit != self.unit
+            or invocation is None
+            or self._earlier_runs(event, invocation)  # a left-over's, under this run's stamp
+        ):
             return False
         run = self._run
         dead = self._dead
@@ -259,6 +279,27 @@ class Liveness:
         if run is None or run.invocation_id != invocation:
             return False
         return self._on_run_event(run, event, live=live)
+
+    def _earlier_runs(self, event: UnitEvent, invocation: str) -> bool:
+        """Whether ``event`` is about an earlier run's processes (see the module's doc).
+
+        systemd naming a left-over (remembered), or a line whose writer is a process of another
+        run.
+        """
+        if event.kind is EventKind.LEFT_OVER_PROCESS and event.pid is not None:
+            _keep(self._left_over, (event.boot_id, event.pid), None)
+            return True
+        pid = event.sender_pid
+        if event.kind not in _OUTPUT or pid is None:
+            return False
+        if (event.boot_id, pid) in self._left_over:
+            return True
+        writer = (event.boot_id, pid, event.sender_stream)  # PIDs repeat from boot to boot
+        owner = self._senders.get(writer)
+        if owner is None:
+            _keep(self._senders, writer, invocation)
+            return False
+        return owner != invocation
 
     def _started(self, run: _Run | None, event: UnitEvent, invocation: str) -> None:
         if run is None or run.invocation_id != invocation:
@@ -496,3 +537,10 @@ def _duration(seconds: float) -> str:
         return f"{minutes} min {secs} s" if secs else f"{minutes} min"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+
+
+def _keep(kept: dict[Any, Any], key: object, value: object) -> None:
+    """Add ``key`` unless known, forgetting the oldest past ``_SENDERS_KEPT``."""
+    kept.setdefault(key, value)
+    while len(kept) > _SENDERS_KEPT:
+        del kept[next(iter(kept))]

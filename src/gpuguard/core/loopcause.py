@@ -62,6 +62,9 @@ class GpuEvidence:
     """What each CUDA device the unit sees is (oomdevice.device_phrases): device k is entry k;
     None when the numbering cannot be told, with the reason in ``cuda_note``."""
     cuda_note: str | None = None
+    holder_pids: frozenset[int] = frozenset()
+    """The PIDs that hold a GPU of the unit's set now (any owner): a left-over named at a start
+    that is not among them holds nothing the next start needs."""
 
 
 def judge_cause(failed: Sequence[Run], gpu: GpuEvidence | None) -> tuple[Cause, str]:

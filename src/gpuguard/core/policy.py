@@ -24,7 +24,7 @@ unit scope. Command-line patterns reach further only with the explicit ``pattern
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from gpuguard.core.adopt import adopting_glob
 from gpuguard.core.ledger import ledger_evidence
@@ -363,10 +363,34 @@ def _live(holder: Holder, request: PlanRequest) -> str | None:
     return None
 
 
+COMM_BYTES: Final = 15
+"""The longest process name the kernel keeps (TASK_COMM_LEN, 16 bytes with its NUL): /proc's
+``comm`` and systemd's "(COMM)" show vLLM's ``VLLM::EngineCore`` as ``VLLM::EngineCor``."""
+_CUT_SHOWN_MIN: Final = 8
+"""A pattern the kernel's cut hides in part matches only with this many of its bytes shown."""
+
+
 def matching_pattern(holder: Holder, patterns: Sequence[str]) -> str | None:
-    """The first pattern found in the holder's command line (or name), if any."""
+    """The first pattern found in the holder's command line or its name, if any."""
     text = " ".join(holder.cmdline) or holder.comm
-    return next((p for p in patterns if p and (p in text or p in holder.comm)), None)
+    return next((p for p in patterns if p and (p in text or name_shows(holder.comm, p))), None)
+
+
+def name_shows(comm: str, pattern: str) -> bool:
+    """Whether a process name as the kernel shows it holds ``pattern``, or its start at the cut.
+
+    A name of ``COMM_BYTES`` bytes may have been cut: ``VLLM::EngineCor`` shows the pattern
+    ``VLLM::EngineCore`` up to the cut (at least ``_CUT_SHOWN_MIN`` bytes of it, its beginning,
+    ending the name). A shorter name was not cut and must hold the whole pattern.
+    """
+    if pattern in comm:
+        return True
+    shown = comm.encode(errors="replace")
+    if len(shown) != COMM_BYTES:
+        return False
+    wanted = pattern.encode(errors="replace")
+    longest = min(len(wanted) - 1, COMM_BYTES)
+    return any(shown.endswith(wanted[:size]) for size in range(_CUT_SHOWN_MIN, longest + 1))
 
 
 def _indices(indices: Iterable[int]) -> str:

@@ -216,20 +216,26 @@ def named_holders(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Recognised:
-    """A line matched: the signature and where in the line the phrase is."""
+    """A line matched: the signature, where its phrase is, where the message's first phrase is."""
 
     signature: Signature
     start: int
     end: int
+    first: int
+    """Where the earliest matched phrase starts: vLLM's one-line message matches its last
+    fragment ("reduce GPU memory used by other processes") as the most specific, 170 characters
+    after the "cuda:0" it names; the device and the shown text are read from here."""
 
 
 def classify(text: str) -> Recognised | None:
     """The most specific signature ``text`` matches (the last of the table), or None."""
     found: Recognised | None = None
+    first = len(text)
     for pattern, signature in _COMPILED:
         match = pattern.search(text)
         if match is not None:
-            found = Recognised(signature, match.start(), match.end())
+            first = min(first, match.start())
+            found = Recognised(signature, match.start(), match.end(), first)
     return found
 
 

@@ -144,10 +144,13 @@ class Judging(Publishing):
         }
         if diagnosis.findings:  # no loop, but worth saying (a left-over at an operator's start)
             fields["findings"] = list(diagnosis.findings)
-        if decision is None:
+        if decision is not None:
+            fields |= {"action": decision.action.value, "action_reason": decision.reason}
+        if decision is None or not diagnosis.looping:
+            # No loop once the GPUs were looked at (a left-over that holds nothing): a verdict,
+            # never a "restart loop" warning that says looping=false.
             self._ports.log.info("verdict", **fields)
             return
-        fields |= {"action": decision.action.value, "action_reason": decision.reason}
         if decision.action is Action.NEEDS_OPERATOR:
             self._ports.log.error("needs operator", evidence=list(diagnosis.evidence), **fields)
         else:
@@ -188,6 +191,12 @@ class Judging(Publishing):
             needs_reset=needs_reset,
             cuda_devices=device_phrases(view, inventory),
             cuda_note=view.note,
+            holder_pids=frozenset(
+                pid
+                for gpu in inventory.gpus
+                if wanted is None or gpu.reading.index in wanted
+                for pid in gpu.holder_pids
+            ),
         )
 
     def _stuck(

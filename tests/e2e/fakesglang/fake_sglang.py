@@ -32,6 +32,21 @@ What it shares with ``python -m sglang.launch_server --tp-size N`` (README.md be
   bound), then terminates its workers and exits 0. ``--fake-stubborn-worker I`` (or
   ``FAKE_SGLANG_STUBBORN_WORKER=I`` in the unit's environment) makes worker I ignore SIGTERM,
   like a worker stuck in a collective.
+* ``--fake-exit-137-after-drain`` (or ``FAKE_SGLANG_EXIT_137=1``): the drain ends as SGLang's
+  does (``python/sglang/srt/managers/tokenizer_manager.py``, ``sigterm_watchdog``): once no
+  request is left, ``kill_process_tree(os.getpid(), include_parent=True)``: SIGKILL to the
+  workers, then to the main process itself, which dies of it (status=9/KILL, exit 137): a clean
+  stop that systemd reports as "Failed with result 'signal'".
+* ``--fake-orphan-workers`` (or ``FAKE_SGLANG_ORPHAN_WORKERS=1``): each TP worker is started
+  through a launcher that exits at once, so the worker is reparented (to PID 1, or the nearest
+  subreaper) while it runs: SGLang's schedulers away from the launcher (sgl-project/sglang
+  issue 23627, pull request 31645). The server signals them by PID.
+* ``--fake-watchdog-s N`` (or ``FAKE_SGLANG_WATCHDOG_S``): N seconds after ready the TP0
+  scheduler hangs and its watchdog fires (``python/sglang/srt/utils/watchdog.py``): it logs
+  ``Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)`` and sends SIGQUIT
+  to the server, whose running-phase handler (``tokenizer_manager.py``,
+  ``SignalHandler.running_phase_sigquit_handler``) logs ``SIGQUIT received. signum=3, frame=….
+  It usually means one child failed.`` and kills the tree, itself included (exit 137).
 * ``--fake-scope-workers`` (or ``FAKE_SGLANG_SCOPE_WORKERS=1``): each TP worker is started
   through ``systemd-run --scope --unit=tp-worker-<rank>-<id>``, so it lives in its own transient
   scope with that scope's ``INVOCATION_ID`` (not the unit's) while the server runs: the shape of
@@ -67,6 +82,8 @@ _PR_SET_NAME = 15
 _WORKER_FLAG = "--fake-worker"
 _EXEC_AS = "--fake-exec-as"
 _WORKER_STOP_S = 5.0
+_ORPHAN_FLAG = "--fake-orphan-launch"
+_WATCHDOG_TIMEOUT_S = 300  # SGLang's default --watchdog-timeout, as its line prints it
 _UNBALANCED = 0.9  # SGLang: min free memory of all ranks below 90 % of a rank's own is refused
 
 
@@ -123,6 +140,8 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("--fake-state", type=Path, required=True)
     parser.add_argument("--fake-driver", type=Path, required=True)
     parser.add_argument("--fake-ignore-sigterm", action="store_true")
+    parser.add_argument("--fake-server-pid", type=int, required=True)
+    parser.add_argument("--fake-watchdog-s", type=float, default=-1.0)
     args = parser.parse_args(argv)
     _set_comm(f"sglang::scheduler_TP{args.rank}")
     if args.fake_ignore_sigterm:
@@ -137,8 +156,34 @@ def worker_main(argv: list[str]) -> None:
     )
     os.write(args.fake_ready_fd, b"ok")
     os.close(args.fake_ready_fd)
+    if args.fake_watchdog_s >= 0:
+        time.sleep(args.fake_watchdog_s)  # then the forward pass hangs: no progress
+        log(
+            f"Scheduler watchdog timeout (self.watchdog_timeout={_WATCHDOG_TIMEOUT_S}, "
+            "self.soft=False)",
+            args.rank,
+            err=True,
+        )
+        # SGLang's hard watchdog signals its parent; an orphan names the server by its PID.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(args.fake_server_pid, signal.SIGQUIT)
     while context.fileno() >= 0:
         signal.pause()
+
+
+def orphan_launch(argv: list[str]) -> None:
+    """Start the worker ``argv[1:]`` describes, write its PID to fd ``argv[0]``, and exit.
+
+    The worker inherits the ready pipe (and stdout, stderr: the journal), never the PID pipe;
+    once this launcher is gone it is reparented.
+    """
+    said = int(argv[0])
+    os.set_inheritable(said, False)  # noqa: FBT003 - positional-only in os
+    worker = subprocess.Popen(
+        argv[1:], executable=sys.executable, close_fds=False, stdin=subprocess.DEVNULL
+    )
+    os.write(said, f"{worker.pid}\n".encode())
+    os._exit(0)
 
 
 # --- the server (main process) ---------------------------------------------------------------
@@ -209,6 +254,27 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("FAKE_SGLANG_HANG_WHEN_BUSY") == "1",
         help="when another process holds the memory a rank needs, hang in the weight load "
         "instead of failing ($FAKE_SGLANG_HANG_WHEN_BUSY=1)",
+    )
+    parser.add_argument(
+        "--fake-exit-137-after-drain",
+        action="store_true",
+        default=os.environ.get("FAKE_SGLANG_EXIT_137") == "1",
+        help="end the drain in SGLang's own SIGKILL of its tree, itself included "
+        "($FAKE_SGLANG_EXIT_137=1)",
+    )
+    parser.add_argument(
+        "--fake-orphan-workers",
+        action="store_true",
+        default=os.environ.get("FAKE_SGLANG_ORPHAN_WORKERS") == "1",
+        help="start each TP worker through a launcher that exits: reparented "
+        "($FAKE_SGLANG_ORPHAN_WORKERS=1)",
+    )
+    parser.add_argument(
+        "--fake-watchdog-s",
+        type=float,
+        default=float(os.environ.get("FAKE_SGLANG_WATCHDOG_S", "-1")),
+        help="TP0 hangs this long after ready and its watchdog SIGQUITs the server "
+        "($FAKE_SGLANG_WATCHDOG_S; negative: never)",
     )
     parser.add_argument(
         "--fake-scope-workers",
@@ -340,10 +406,46 @@ def _worker_args(rank: int, fact: GpuFacts, args: argparse.Namespace, ready_w: i
     ]
     if rank == args.fake_stubborn_worker:
         argv.append("--fake-ignore-sigterm")
+    argv += ["--fake-server-pid", str(os.getpid())]
+    if rank == 0 and args.fake_watchdog_s >= 0:
+        argv += ["--fake-watchdog-s", str(args.fake_watchdog_s)]
     return argv
 
 
-def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[bytes]:
+class _Orphan:
+    """A worker reparented away from the server: signalled and awaited by PID, not waited for."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        """None while it runs; 0 once gone (its new parent reaps it: the status is not ours)."""
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return 0
+        return 0 if state in {"Z", "X"} else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.05)
+        return 0
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+
+def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[bytes] | _Orphan:
     """Start the TP worker of ``fact.rank``, named like SGLang's; return once it holds memory."""
     rank = fact.rank
     ready_r, ready_w = os.pipe()
@@ -364,9 +466,21 @@ def _spawn_worker(args: argparse.Namespace, fact: GpuFacts) -> subprocess.Popen[
         argv += [str(Path(__file__).resolve()), _EXEC_AS, f"sglang::scheduler_TP{rank}"]
         argv += _worker_args(rank, fact, args, ready_w)
         executable = "/usr/bin/systemd-run"
-    proc = subprocess.Popen(
-        argv, executable=executable, pass_fds=(ready_w,), env=env, stdin=subprocess.DEVNULL
-    )
+    proc: subprocess.Popen[bytes] | _Orphan
+    if args.fake_orphan_workers:
+        pid_r, pid_w = os.pipe()
+        launcher = [sys.executable, str(Path(__file__).resolve()), _ORPHAN_FLAG, str(pid_w)]
+        subprocess.run(
+            [*launcher, *argv], pass_fds=(ready_w, pid_w), env=env, stdin=subprocess.DEVNULL,
+            check=True,
+        )  # fmt: skip
+        os.close(pid_w)
+        with os.fdopen(pid_r, "rb") as said:
+            proc = _Orphan(int(said.read().split()[0]))
+    else:
+        proc = subprocess.Popen(
+            argv, executable=executable, pass_fds=(ready_w,), env=env, stdin=subprocess.DEVNULL
+        )
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
         ready.read()  # EOF: the worker holds its memory (or died)
@@ -437,7 +551,10 @@ def server_main(argv: list[str]) -> None:
         sys.exit(1)
     _open_devices(args.fake_state, [fact.minor for fact in facts])
     context = _create_context(args.fake_driver, [(f.minor, args.fake_main_mib) for f in facts])
-    workers = [_spawn_worker(args, fact) for fact in facts]
+    workers: list[subprocess.Popen[bytes] | _Orphan] = []
+    # A scheduler's watchdog may fire as soon as it runs: the handler is there before it is.
+    signal.signal(signal.SIGQUIT, lambda signum, frame: _child_failed(workers, signum, frame))
+    workers.extend(_spawn_worker(args, fact) for fact in facts)
     signal.signal(signal.SIGTERM, lambda *_: setattr(_Stop, "requested", True))
     log("Capture cuda graph begin. This can take up to several minutes.", 0)
     _serve_until(time.monotonic() + args.fake_graph_s)
@@ -453,8 +570,20 @@ def server_main(argv: list[str]) -> None:
             if args.fake_exit_0_after_death:
                 _Stop.requested = True
     _serve_until(float("inf"))
+    _shut_down(args, workers, context)
+
+
+def _shut_down(
+    args: argparse.Namespace,
+    workers: list[subprocess.Popen[bytes] | _Orphan],
+    context: socket.socket,
+) -> None:
+    """A stop: drain (unless the engine died first), then end the workers and exit."""
     if not args.fake_exit_0_after_death:
         _drain(args)
+    if args.fake_exit_137_after_drain and not args.fake_exit_0_after_death:
+        log("Gracefully exiting... Remaining number of requests 0.")  # SGLang's last, then:
+        _kill_tree(workers)  # kill_process_tree(os.getpid(), include_parent=True)
     for proc in workers:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -465,6 +594,27 @@ def server_main(argv: list[str]) -> None:
     context.close()
     log("Server shut down.")
     sys.exit(0)
+
+
+def _kill_tree(workers: list[subprocess.Popen[bytes] | _Orphan]) -> None:
+    """SGLang's ``kill_process_tree(os.getpid(), include_parent=True)``, itself included.
+
+    SIGKILL to each child, then to the server, which dies of it (status=9/KILL, exit 137).
+    """
+    for proc in workers:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _child_failed(
+    workers: list[subprocess.Popen[bytes] | _Orphan], signum: int, frame: object
+) -> None:
+    """SGLang's running-phase SIGQUIT handler: say it, then kill the tree, itself included."""
+    log(f"SIGQUIT received. {signum=}, {frame=}. It usually means one child failed.", err=True)
+    _kill_tree(workers)
 
 
 def _serve_until(deadline: float) -> None:
@@ -484,7 +634,7 @@ def _dies(marker: Path | None) -> bool:
     return True
 
 
-def _engine_dies(scheduler: subprocess.Popen[bytes], *, silent: bool) -> None:
+def _engine_dies(scheduler: subprocess.Popen[bytes] | _Orphan, *, silent: bool) -> None:
     """The TP0 scheduler dies (with its exception's lines unless ``silent``); /health says 503.
 
     The main process lives on, serving nothing.
@@ -519,7 +669,9 @@ def main() -> None:
     if argv[:1] == [_EXEC_AS] and len(argv) > 1:
         # Started through systemd-run, whose argv[0] is a path: take SGLang's process title.
         os.execv(sys.executable, [argv[1], str(Path(__file__).resolve()), *argv[2:]])  # noqa: S606 - our own interpreter
-    if argv[:1] == [_WORKER_FLAG]:
+    if argv[:1] == [_ORPHAN_FLAG]:
+        orphan_launch(argv[1:])
+    elif argv[:1] == [_WORKER_FLAG]:
         worker_main(argv)
     else:
         server_main(argv)

@@ -118,6 +118,10 @@ def _stops(events: Sequence[UnitEvent]) -> list[Stop]:
     systemd logs "Main process exited" only when the exit is a failure (a clean exit is a debug
     message), so a clean drain ends at "Deactivated successfully": later by the ExecStopPost=
     time, which TimeoutStopSec= covers too. A process that never exits ends at "Stopped".
+
+    A stop is killed only when systemd's own timeout cut it ("State 'stop-sigterm' timed out"):
+    SGLang ends its clean drain with ``kill_process_tree(…, include_parent=True)``, so its main
+    process dies of SIGKILL (status=9/KILL) by its own hand, and that stop drained in full.
     """
     open_stops: dict[tuple[str | None, str | None], tuple[float, bool]] = {}
     stops: list[Stop] = []
@@ -130,7 +134,6 @@ def _stops(events: Sequence[UnitEvent]) -> list[Stop]:
             if event.kind is EventKind.STOP_TIMED_OUT:
                 open_stops[key] = (begun, True)
             elif event.kind in _STOP_ENDS:
-                killed = killed or event.signal == "KILL"
                 stops.append(Stop(event.invocation_id, max(0.0, event.monotonic_s - begun), killed))
                 del open_stops[key]
     return stops

@@ -83,7 +83,10 @@ def _story_lines(timeline: Timeline) -> list[str]:
             lines.append(f"    … {len(items) - _STORY_ITEMS} more (see --json)")
 
     block("stops that timed out", story.stop_timeouts, "none")
-    block("processes systemd SIGKILLed", story.sigkilled, "none")
+    # systemd names each task it kills "process": on cgroup v2 its SIGKILL walks cgroup.procs,
+    # then cgroup.threads (facts.md §4.9), so a vLLM's threads (pt_gloo_runloop, ZMQbg/Reaper)
+    # are lines of their own: tasks, not processes.
+    block("tasks systemd SIGKILLed (processes and their threads)", story.sigkilled, "none")
     if story.survivors and story.survivor_pids != len(story.survivors):
         # Not counted: lines without a PID (systemd's "Processes still around after SIGKILL"),
         # and the PIDs only the server's own out-of-memory lines name (its word).

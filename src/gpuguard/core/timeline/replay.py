@@ -11,10 +11,11 @@ compared with the replay at the same moment, and a difference is printed with it
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.detector import Cause, Detector, LoopSettings, asks_for_judgement
+from gpuguard.core.detector import Cause, Detector, GpuEvidence, LoopSettings, asks_for_judgement
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import (
     EventKind,
@@ -22,6 +23,7 @@ from gpuguard.core.events import (
 )
 from gpuguard.core.recovery import Action, RecoveryLimits, RecoveryPlanner
 from gpuguard.core.timeline.model import (
+    GATE_LINE_PREFIX,
     SURVIVOR_PID,
     TEXT_LIMIT,
     WOULD,
@@ -138,11 +140,48 @@ def replay_journal(  # noqa: PLR0913 - the daemon's settings, what the journal s
     for left in pending:
         _compare(detector, left, differ)
     final = detector.diagnose(_newest(events, rows), None) if events else None
+    if final is not None and final.looping and _gate_left_idle(events, rows, unit):
+        # The gate found the GPUs idle after the newest run's left-overs were named: none of
+        # those still there holds one. Only the left-over rule reads that; its loop alone goes.
+        idle = detector.diagnose(_newest(events, rows), GpuEvidence())
+        final = final if idle.looping else idle
+        findings.update(dict.fromkeys(idle.findings))
     if final is None:
         verdict = "no lifecycle event of the unit in the journal"
     else:
         verdict = ("restart loop: " if final.looping else "no loop: ") + final.reason
     return Replayed(tuple(said), escape(verdict, TEXT_LIMIT * 2), tuple(differ), tuple(findings))
+
+
+def _gate_left_idle(events: Sequence[UnitEvent], rows: Sequence[Row], unit: str) -> bool:
+    """Whether the gate server allowed the newest run's start after its first left-over line.
+
+    The gate allows a start only once the unit's GPUs are idle (it reaps what it can prove is
+    left over first): the left-overs systemd names again at ``ExecStart=`` hold none of them.
+    Only the gate server's own line counts (root's ``gpuguard-gate`` unit: a row the reading
+    made ``gate-verdict``), its verdict read where the server puts it, never inside its text.
+    """
+    newest = events[-1].invocation_id
+    named = [
+        e.monotonic_s
+        for e in events
+        if e.kind is EventKind.LEFT_OVER_PROCESS and e.invocation_id == newest
+    ]
+    if not named:
+        return False
+    boot = events[-1].boot_id
+    allowed = re.compile(
+        rf"gate for {re.escape(unit)} from PID \d{{1,10}}: {re.escape(GATE_LINE_PREFIX)}"
+        rf"GPUs of {re.escape(unit)} idle"
+        r"(?: after \d{1,10}\.\d s, \d{1,10} stale holder\(s\) reaped)?: start allowed \["
+    )
+    return any(
+        row.kind == "gate-verdict"
+        and row.boot_id == boot
+        and row.monotonic_s >= min(named)
+        and allowed.match(row.text) is not None
+        for row in rows
+    )
 
 
 def _newest(events: Sequence[UnitEvent], rows: Sequence[Row]) -> float:

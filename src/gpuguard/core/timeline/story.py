@@ -142,7 +142,10 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
     done: set[str | None] = set()
     clean = {e.invocation_id for e in events if e.kind is EventKind.DEACTIVATED}
     asked = {e.invocation_id for e in events if e.job_type == "stop"}
+    stopping: set[str | None] = set()
     for event in events:
+        if event.kind is EventKind.STOPPING and event.job_type == "stop":
+            stopping.add(event.invocation_id)
         restarted = (
             event.kind is EventKind.RESTART_SCHEDULED
             and event.invocation_id in clean
@@ -160,6 +163,9 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
         done.add(event.invocation_id)
         if event.kind is EventKind.FAILED and event.result == "timeout":
             continue  # a stop that timed out: told as such, not as a failed start
+        if event.kind is EventKind.FAILED and event.invocation_id in stopping:
+            continue  # how a stop someone asked for ended: SGLang's clean drain ends in its
+            # own SIGKILL (result 'signal'), never a failed start
         why = f"result '{event.result}'" if event.result else "failed"
         signature = said.get(event.invocation_id)
         lines.append(
