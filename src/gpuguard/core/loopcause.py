@@ -62,6 +62,9 @@ class GpuEvidence:
     """What each CUDA device the unit sees is (oomdevice.device_phrases): device k is entry k;
     None when the numbering cannot be told, with the reason in ``cuda_note``."""
     cuda_note: str | None = None
+    unreadable: str | None = None
+    """Why the GPUs cannot be read at all (NVML missing, timed out, refused: its reason); None
+    when they can. Busy or idle is then unknown, and the cause says so rather than guess."""
 
 
 def judge_cause(failed: Sequence[Run], gpu: GpuEvidence | None) -> tuple[Cause, str]:
@@ -84,15 +87,25 @@ def _doubt(failed: Sequence[Run], gpu: GpuEvidence | None) -> str | None:
     """Why the failures cannot be called "not GPU related", or None when they can."""
     if not failed:
         return "no failed run to explain"
-    if gpu is None:
-        return "no GPU inventory to rule out stale holders"
-    if gpu.gpus_busy:
-        return "the GPUs are busy, but no holder is from an earlier run"
+    unseen = _unseen(gpu)
+    if unseen is not None:
+        return unseen
     if len(failed) < _PATTERN_MIN_FAILURES:
         return f"one failure, {failed[0].describe_failure()}, is not a pattern yet"
     if len({run.way() for run in failed}) > 1:
         ways = ", ".join(sorted({run.describe_failure() for run in failed}))
         return f"the failed runs ended in different ways: {ways}"
+    return None
+
+
+def _unseen(gpu: GpuEvidence | None) -> str | None:
+    """What the inventory cannot rule out: none taken, GPUs unreadable, or busy; else None."""
+    if gpu is None:
+        return "no GPU inventory to rule out stale holders"
+    if gpu.unreadable is not None:
+        return f"the GPUs cannot be read ({gpu.unreadable}): whether anything holds them is unknown"
+    if gpu.gpus_busy:
+        return "the GPUs are busy, but no holder is from an earlier run"
     return None
 
 

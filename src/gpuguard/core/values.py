@@ -179,6 +179,11 @@ class NvmlReading:
     gpus: tuple[GpuReading, ...] = ()
 
 
+def nvml_usable(reading: NvmlReading) -> bool:
+    """Whether NVML gave GPU readings at all (a driver too old for some calls still does)."""
+    return reading.health in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD)
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessFacts:
     """What /proc says about one process, with secrets already removed from its command line.

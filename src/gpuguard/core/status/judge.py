@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.core.escaping import escape
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
-from gpuguard.core.levels import Level
+from gpuguard.core.levels import Level, worst
 from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
 from gpuguard.core.status.holderfindings import (
@@ -23,7 +23,7 @@ from gpuguard.core.status.holderfindings import (
     shared_gpu_findings,
 )
 from gpuguard.core.status.report import Finding, StatusContext, StatusReport
-from gpuguard.core.status.words import as_list, xid_events, xid_phrase
+from gpuguard.core.status.words import as_list, said, xid_events, xid_phrase
 from gpuguard.core.values import NvmlHealth
 from gpuguard.core.xid.catalogue import XidClass
 
@@ -61,7 +61,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         for gpu in inventory.gpus
         if is_idle_seen(inventory, gpu, context.idle_threshold_bytes)
     )
-    level = max((f.level for f in findings), default=Level.OK)
+    level = worst(f.level for f in findings)
     if level is Level.OK:
         headline = _ok_headline(inventory, idle)
     else:
@@ -113,13 +113,16 @@ def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding
             continue
         listed = as_list(last.get("blockers"))
         why = escape(str(listed[0])) if listed else "GPUs busy"
-        said = f"the gate refused the last start of {unit.name} at {last.get('time')}: {why}"
+        when = said(last.get("time"), "an unknown time")
+        refused = f"the gate refused the last start of {unit.name} at {when}: {why}"
         seen = watched.get(unit.name)
         if seen is not None and _set_idle(inventory, seen, context.idle_threshold_bytes):
-            findings.append(Finding(Level.OK, f"{said}; its cause is gone: its GPUs are idle now"))
+            findings.append(
+                Finding(Level.OK, f"{refused}; its cause is gone: its GPUs are idle now")
+            )
             continue
         way_out = "" if seen is None else _way_out(inventory, seen, context)
-        findings.append(Finding(Level.CRITICAL, said + way_out))
+        findings.append(Finding(Level.CRITICAL, refused + way_out))
     return findings
 
 
@@ -194,7 +197,7 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
-                    f"restart can replace ({escape(str(unit.cause_detail))})",
+                    f"restart can replace ({said(unit.cause_detail, 'no detail recorded')})",
                 )
             )
         elif unit.needs_operator:
@@ -219,7 +222,7 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 Finding(
                     Level.WARNING,
                     f"{name} is in a restart loop that no reap can end: "
-                    f"{escape(str(unit.cause_detail))}",
+                    f"{said(unit.cause_detail, 'no detail recorded')}",
                 )
             )
         elif unit.looping:
@@ -227,7 +230,7 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 Finding(
                     Level.WARNING,
                     f"{name} is in a restart loop: {escape(unit.verdict)}; "
-                    f"cause {unit.cause}; daemon action {unit.action}",
+                    f"cause {said(unit.cause)}; daemon action {said(unit.action, 'none yet')}",
                 )
             )
         findings.extend(_liveness_findings(name, unit.liveness or {}))
@@ -239,7 +242,7 @@ def _liveness_findings(name: str, liveness: Mapping[str, Any]) -> list[Finding]:
     level = {"critical": Level.CRITICAL, "warning": Level.WARNING}.get(str(liveness.get("level")))
     if level is None:
         return []
-    return [Finding(level, f"{name}: {escape(str(liveness.get('summary')))}")]
+    return [Finding(level, f"{name}: {said(liveness.get('summary'), 'no summary recorded')}")]
 
 
 # Xid classes after which no kill helps (xid.catalogue); an application fault is the reaper's.
