@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
+import pytest
 import snapshots
 from builders import STATUS_CONTEXT, UNIT, gpu, nvml
 
+from gpuguard.core import timeline
+from gpuguard.core.detector import Detector
+from gpuguard.core.doctor import AuditedUnit, HostFacts, build_history, diagnose
+from gpuguard.core.events import parse_entry
 from gpuguard.core.inventory import build_inventory
 from gpuguard.core.levels import Level
 from gpuguard.core.status.document import to_json
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import UnitView
 from gpuguard.core.status.text import render_text
+from gpuguard.core.timeline.render import render_text as explain_text
+from gpuguard.core.unitconfig import UnitConfig
 from gpuguard.core.values import MIB, NvmlHealth, ProcScan
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+PUBLIC = Path(__file__).resolve().parents[1] / "journal_public"
+RECORDED = Path(__file__).resolve().parents[1] / "journal_samples" / "bookworm"
 MISSING = nvml(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")
 
 
@@ -62,3 +74,157 @@ def test_no_python_none_reaches_the_screen() -> None:
     assert f"Unit {UNIT}" in text
     assert "restart loop" in text
     assert "None" not in text
+
+
+# --- loops as systemd tells them ---------------------------------------------------------------
+
+
+def public(name: str) -> list[dict[str, Any]]:
+    """A public excerpt converted to journal JSON (tests/journal_public/README.md)."""
+    return [json.loads(line) for line in (PUBLIC / f"{name}.jsonl").read_text().splitlines()]
+
+
+def explained(entries: list[dict[str, Any]], unit: str) -> tuple[timeline.Timeline, str]:
+    """``explain``'s timeline of these entries and the text it prints."""
+    found = timeline.build(entries, unit)
+    return found, explain_text(found, since=None)
+
+
+def test_pre_248_exit_and_failure_texts_are_read() -> None:
+    """Before 248 systemd logged the exit and the result without MESSAGE_ID: both are events."""
+    kinds = [parse_entry(e, "run-u70.service") for e in public("systemd-8558")]
+    assert [k.kind.value if k else None for k in kinds] == ["started", "main-exited", "failed"]
+    exited = kinds[1]
+    assert exited is not None
+    assert (exited.exit_code, exited.exit_status, kinds[2].result if kinds[2] else None) == (
+        "exited",
+        208,
+        "exit-code",
+    )
+
+
+def test_a_run_whose_main_process_failed_is_never_healthy_pre_248() -> None:
+    """In systemd #8558: Started, then a failed exit in the old texts: failed, never healthy."""
+    found, text = explained(public("systemd-8558"), "run-u70.service")
+    assert found.story.healthy is None
+    assert "has not failed since" not in text
+    assert any("status 208" in line or "exit-code" in line for line in found.story.failed_starts)
+
+
+def test_a_failed_main_exit_with_current_fields_is_never_healthy() -> None:
+    """The lines of systemd 252 up to "Main process exited … status=1/FAILURE": not healthy."""
+    lines = (RECORDED / "restart-loop-start-limit.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    exit_at = next(
+        i
+        for i, e in enumerate(entries)
+        if e.get("MESSAGE_ID") == "98e322203f7a4ed290d09fe03c09fe15"
+    )
+    found, text = explained(entries[: exit_at + 1], "sglang.service")
+    assert "status=1/FAILURE" in str(entries[exit_at]["MESSAGE"])
+    assert found.story.healthy is None
+    assert "has not failed since" not in text
+    assert any("status 1" in line for line in found.story.failed_starts)
+
+
+def test_a_start_limit_hit_is_a_loop_systemd_ended_and_nothing_says_no_loop() -> None:
+    """optimus-manager PR #1: the start limit ended a loop; no line beside it says "no loop"."""
+    found, text = explained(public("optimus-manager-pr1"), "optimus-manager.service")
+    assert found.story.start_limit
+    assert found.story.verdict.startswith("restart loop: ")
+    assert "start limit" in found.story.verdict
+    assert "no restart loop" not in text
+    assert "no loop" not in text
+    assert "a loop takes" not in text
+
+
+@pytest.mark.parametrize(
+    ("name", "unit", "rule"),
+    [
+        ("okd-507", "bootkube.service", "restart counter is at 10940, at least 500"),
+        ("minikube-5690", "kubelet.service", "restart counter is at 558"),
+    ],
+)
+def test_systemds_restart_counter_is_evidence_of_a_loop(name: str, unit: str, rule: str) -> None:
+    """A counter far past the threshold is a loop even with no failure line in view."""
+    found, text = explained(public(name), unit)
+    assert found.story.verdict.startswith("restart loop: ")
+    assert rule in found.story.verdict
+    assert "no restart loop" not in text
+
+
+def test_a_counter_that_climbs_within_the_window_is_a_loop() -> None:
+    """26 runs started and restarted in 57 s, no failure line in view: systemd counted a loop."""
+    detector = Detector("sglang.service")
+    start = 1_000.0
+    said = {
+        "39f53479d3a045ac8e11786248231fbf": "Started sglang.service.",
+        "5eb03494b6584870a536b337290809b3": "sglang.service: Scheduled restart job, restart "
+        "counter is at {n}.",
+    }
+    for n in range(1, 27):
+        for step, (message_id, text) in enumerate(said.items()):
+            at = start + n * 2.2 + step
+            entry = {
+                "__CURSOR": f"s=t;i={n}.{step}",
+                "__MONOTONIC_TIMESTAMP": str(int(at * 1e6)),
+                "__REALTIME_TIMESTAMP": str(int((1.8e9 + at) * 1e6)),
+                "_PID": "1",
+                "_UID": "0",
+                "UNIT": "sglang.service",
+                "MESSAGE_ID": message_id,
+                "N_RESTARTS": str(n),
+                "INVOCATION_ID": f"{n:032x}",
+                "MESSAGE": text.format(n=n),
+            }
+            event = parse_entry(entry, "sglang.service")
+            assert event is not None
+            detector.observe(event, live=True)
+    diagnosis = detector.diagnose(start + 58, None)
+    assert diagnosis.looping
+    assert "restarted sglang.service 26 times within 600 s" in diagnosis.reason
+
+
+def test_doctor_never_says_never_above_its_own_start_limit_hit() -> None:
+    """A gated unit whose journal shows a start-limit hit: doctor names the loop that escapes it."""
+    history = build_history(
+        [
+            json.loads(line)
+            for line in (RECORDED / "restart-loop-start-limit.jsonl").read_text().splitlines()
+        ],
+        "sglang.service",
+    )
+    assert history.start_limit_hits == 1
+    unit = UnitConfig(
+        unit="sglang.service",
+        load_state="loaded",
+        kill_mode="mixed",
+        timeout_stop_s=120.0,
+        timeout_start_s=600.0,
+        restart="always",
+        restart_s=0.1,
+        start_limit_interval_s=10.0,
+        start_limit_burst=5,
+        drop_in_paths=("/etc/systemd/system/sglang.service.d/gpuguard-gate.conf",),
+    )
+    audited = AuditedUnit(config=unit, history=history, environment={}, gpus=None, user_uid=0)
+    found = next(
+        f
+        for f in diagnose(
+            audited, {}, HostFacts(300.0, nvidia_devices=False, persistenced_running=False)
+        )
+        if f.code == "restart"
+    )
+    said = "\n".join([found.title, *found.evidence])
+    assert "1 start-limit hits" in said
+    assert "never hits the start limit" not in said
+    assert "escapes the start limit" in found.title
+    assert "ended a faster loop" in found.title
+
+
+def test_a_loop_by_the_counter_is_never_called_healthy() -> None:
+    """OKD #507: the newest run only just started; beside a loop verdict nothing says healthy."""
+    found, text = explained(public("okd-507"), "bootkube.service")
+    assert found.story.verdict.startswith("restart loop: ")
+    assert found.story.healthy is None
+    assert "has not failed since" not in text

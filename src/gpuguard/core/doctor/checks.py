@@ -312,11 +312,20 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
     # Sized for the RestartSec= suggested below too, so both fixes together still end the loop.
     longest = max(cycles) - restart_s + max(restart_s, MIN_RESTART_S)
     interval = round_up(SUGGESTED_BURST * longest * 1.2)
+    said = f"a restart loop never hits the start limit: {per_hour:.0f} starts per hour{cost}"
+    if history.start_limit_hits:
+        # The journal shows the limit ending a loop: a faster one. Say which loop escapes it.
+        hits = history.start_limit_hits
+        said = (
+            f"a restart loop of one start every {span(cycle)} escapes the start limit: "
+            f"{per_hour:.0f} starts per hour{cost}; the {hits} start-limit "
+            f"hit{'' if hits == 1 else 's'} in the journal ended a faster loop"
+        )
     return [
         Finding(
             "restart",
             Level.WARNING,
-            f"a restart loop never hits the start limit: {per_hour:.0f} starts per hour{cost}",
+            said,
             tuple(evidence),
             (
                 (
