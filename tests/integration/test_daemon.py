@@ -36,8 +36,10 @@ from gpuguard.adapters import inventory, ledgerstore, reaper, runtree, state, sy
 from gpuguard.adapters.containerstop import for_unit
 from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
+from gpuguard.adapters.state import gate_decisions
 from gpuguard.config import Settings
 from gpuguard.core import values
+from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.ledger import Ledger
 from gpuguard.core.levels import Level
 from gpuguard.core.metrics import Latest
@@ -211,6 +213,7 @@ def build(
         boot_id=BOOT,
         watchdog_interval_s=watchdog_interval_s,
         gate_environment=lambda _unit: gate_environment,
+        gate_refusal=lambda unit: last_refusal(gate_decisions(settings.runtime_dir, unit)),
         containers=containers,
     )
     follower = ReplayFollower(entries, live=live)
@@ -1440,6 +1443,38 @@ def test_a_loop_whose_gpus_a_stranger_holds_is_not_stopped_but_sent_to_the_opera
     assert last["needs_operator"] is True
     assert last["action"] == "needs-operator"
     assert f"gpuguard reap --unit {unit} --scope patterns" in last["action_reason"]
+
+
+def test_a_loop_the_gate_refuses_for_holders_it_cannot_prove_needs_an_operator(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+) -> None:
+    """The gate refused the last start (a holder it cannot prove): needs operator, with both."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stranger = spawn_holder(in_process_nvml, gpus=(1,), mib=30000, name="sglang::scheduler")
+    unit_cgroups.move(stranger.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
+    refused = {"time": "2026-12-01T03:00:00+00:00", "result": "refused", "blockers": ["old"]}
+    state.record_gate_decision(tmp_path / "run", unit, refused)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stranger.pid)
+    assert not [f for _l, event, f in harness.log.lines if event == "restart loop"]
+    [critical] = [f for level, _e, f in harness.log.lines if level == "critical"]
+    assert critical["command"] == f"gpuguard reap --unit {unit} --scope patterns"
+    named = critical["blockers"]
+    assert isinstance(named, list)
+    [blocker] = named
+    assert str(blocker).startswith(f"PID {stranger.pid} (sglang::schedu")
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["cause"] == "stale-gpu-holders"
+    assert "the gate refused the last start" in last["cause_detail"]
+    assert "old" not in last["cause_detail"]
+    assert last["action"] == "needs-operator"
 
 
 def test_a_crashed_runs_worker_that_moved_to_its_own_scope_is_reaped_by_the_ledger(

@@ -62,6 +62,10 @@ class GpuEvidence:
     """What each CUDA device the unit sees is (oomdevice.device_phrases): device k is entry k;
     None when the numbering cannot be told, with the reason in ``cuda_note``."""
     cuda_note: str | None = None
+    gate_refused: tuple[str, ...] = ()
+    """What holds the unit's GPUs now, one phrase each, when its gate refused the last start
+    (core.gate.refusal): the gate's refusals are GPU evidence, the server never ran to say so.
+    Empty when the gate did not refuse, or the GPUs are free now."""
     unreadable: str | None = None
     """Why the GPUs cannot be read at all (NVML missing, timed out, refused: its reason); None
     when they can. Busy or idle is then unknown, and the cause says so rather than guess."""
@@ -115,6 +119,13 @@ def _gpu_cause(failed: Sequence[Run], gpu: GpuEvidence | None) -> tuple[Cause, s
         shown = "; ".join(gpu.stale_holders[:_SHOWN_HOLDERS])
         more = len(gpu.stale_holders) - _SHOWN_HOLDERS
         return Cause.STALE_GPU_HOLDERS, shown + (f"; and {more} more" if more > 0 else "")
+    if gpu is not None and gpu.gate_refused and gpu.unreadable is None:
+        shown = "; ".join(gpu.gate_refused[:_SHOWN_HOLDERS])
+        more = len(gpu.gate_refused) - _SHOWN_HOLDERS
+        return Cause.STALE_GPU_HOLDERS, (
+            f"the gate refused the last start and the GPUs are still held: {shown}"
+            + (f"; and {more} more" if more > 0 else "")
+        )
     oom_runs = [run for run in failed if run.oom]
     if not oom_runs:
         return None

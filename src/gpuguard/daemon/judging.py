@@ -187,9 +187,13 @@ class Judging(Publishing):
         ]
         needs_reset += blockers(faults, inventory.nvml.gpus, wanted)
         view = cuda_view(facts.environment, inventory.nvml.gpus)
+        busy = set_blockers(inventory, settings)
+        # The gate's refusal names why it refused then; what holds the GPUs now is today's.
+        refused = self._ports.gate_refusal(watch.name) is not None
         return GpuEvidence(
             stale_holders=stale,
-            gpus_busy=bool(set_blockers(inventory, settings)),
+            gpus_busy=bool(busy),
+            gate_refused=busy if refused else (),
             needs_reset=needs_reset,
             cuda_devices=device_phrases(view, inventory),
             cuda_note=view.note,

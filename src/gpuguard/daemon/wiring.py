@@ -32,6 +32,7 @@ from gpuguard.adapters import (
 )
 from gpuguard.core import enginelines, events
 from gpuguard.core.exits import EX_CANTCREAT
+from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.xid import events as xidevents
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
@@ -120,6 +121,7 @@ def run(settings: Settings) -> int:
         watchdog_interval_s=notify.watchdog_interval_s(),
         wakeup_fd=wake_read,
         gate_environment=lambda unit: unitenv.recorded(settings.runtime_dir, unit),
+        gate_refusal=lambda unit: last_refusal(state.gate_decisions(settings.runtime_dir, unit)),
         containers=lambda request: containerstop.for_unit(
             request,
             settings.units[request.unit].container,
