@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import snapshots
-from builders import STATUS_CONTEXT, UNIT, gpu, nvml
+from builders import STATUS_CONTEXT, UNIT, gpu, nvml, process
 
 from gpuguard.core import timeline
 from gpuguard.core.detector import Detector
 from gpuguard.core.doctor import AuditedUnit, HostFacts, build_history, diagnose
 from gpuguard.core.events import parse_entry
-from gpuguard.core.inventory import build_inventory
+from gpuguard.core.inventory import Inventory, build_inventory
+from gpuguard.core.leftovers import WatchedUnit
 from gpuguard.core.levels import Level
 from gpuguard.core.status.document import to_json
 from gpuguard.core.status.judge import assess
@@ -24,11 +25,13 @@ from gpuguard.core.status.report import UnitView
 from gpuguard.core.status.text import render_text
 from gpuguard.core.timeline.render import render_text as explain_text
 from gpuguard.core.unitconfig import UnitConfig
-from gpuguard.core.values import MIB, NvmlHealth, ProcScan
+from gpuguard.core.values import MIB, NvmlHealth, ProcScan, UnitProvenance
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 PUBLIC = Path(__file__).resolve().parents[1] / "journal_public"
 RECORDED = Path(__file__).resolve().parents[1] / "journal_samples" / "bookworm"
+HEADLINE_LIMIT = 180
+"""One line of a wide screen, after ``gpuguard status: LEVEL - `` (core.status.judge's limit)."""
 MISSING = nvml(health=NvmlHealth.UNAVAILABLE, reason="NVML unavailable: Driver Not Loaded")
 
 
@@ -47,6 +50,7 @@ def test_a_refusal_while_nvml_is_missing_exits_critical() -> None:
     assert report.level is Level.CRITICAL
     assert to_json(report)["exit_code"] == 2
     assert text.startswith(f"gpuguard status: CRITICAL - the gate refused the last start of {UNIT}")
+    assert "cannot be read: NVML unavailable: Driver Not Loaded" in text
 
 
 def test_no_python_none_reaches_the_screen() -> None:
@@ -228,3 +232,87 @@ def test_a_loop_by_the_counter_is_never_called_healthy() -> None:
     assert found.story.verdict.startswith("restart loop: ")
     assert found.story.healthy is None
     assert "has not failed since" not in text
+
+
+# --- a headline that is true now and fits a line -----------------------------------------------
+
+A = "sglang-a.service"
+OLD_REFUSAL = {
+    "time": "2026-11-29T11:50:00+00:00",
+    "result": "refused",
+    "blockers": [
+        "GPU 0: 30000 MiB used, held by PID 777 (sglang::tp0, run-u9.scope): killed minutes ago",
+        "GPU 7 is lost (another configuration's GPU)",
+    ],
+}
+
+
+def refused_unit_status(found: Inventory) -> tuple[str, str, Level]:
+    """Status of A (GPUs 0,1; not running) whose gate's newest decision is OLD_REFUSAL."""
+    watched = (
+        WatchedUnit(
+            A, ("sglang",), frozenset({0, 1}), None, UnitProvenance(None, frozenset(), 0), "0,1"
+        ),
+    )
+    unit = UnitView(A, "activating (auto-restart)", "GPUs 0,1", (OLD_REFUSAL,))
+    context = replace(
+        STATUS_CONTEXT,
+        watched_units={A: ("sglang",)},
+        watched=watched,
+        units=(unit,),
+    )
+    report = assess(found, context, NOW)
+    return report.headline, render_text(report), report.level
+
+
+def test_a_refusal_names_todays_blockers_once_in_one_line() -> None:
+    """Today's escaped worker, not the refusal's old PIDs or lost GPU, once, in one line."""
+    found = build_inventory(
+        nvml(gpu(0, (30, 100000)), gpu(1)),
+        ProcScan(
+            (
+                process(
+                    30,
+                    0,
+                    cgroup="/system.slice/run-u42.scope",
+                    invocation_id="c" * 32,
+                    cmdline=("sglang::tp0",),
+                ),
+            )
+        ),
+        16 * MIB,
+    )
+    headline, text, level = refused_unit_status(found)
+    assert level is Level.CRITICAL
+    assert headline.startswith(f"{A}: the gate refused its last start; its GPUs are held by")
+    assert "PID 30" in headline
+    assert "PID 777" not in headline
+    assert "GPU 7" not in headline
+    assert f"`gpuguard reap --unit {A} --scope patterns`" in headline
+    assert len(headline) <= HEADLINE_LIMIT
+    assert headline.count("PID 30") == 1
+    [finding] = [line for line in text.splitlines() if line.startswith("CRITICAL: the gate")]
+    assert finding.count("PID 30") == 1
+    assert "PID 777" not in finding
+
+
+def test_a_refusal_leaves_the_headline_once_its_blockers_are_gone() -> None:
+    """The refusal's holders are gone and A's GPUs idle: OK, the refusal only history."""
+    found = build_inventory(nvml(gpu(0), gpu(1)), ProcScan(()), 16 * MIB)
+    headline, text, level = refused_unit_status(found)
+    assert level is Level.OK
+    assert "refused" not in headline
+    assert "its cause is gone: its GPUs are idle now" in text
+
+
+def test_every_headline_fits_one_line() -> None:
+    """A long finding is cut in the headline and said whole below it."""
+    long = "x" * 400
+    watch = snapshots.unit(
+        looping=True, cause="does-not-fit", cause_detail=long, verdict="3 failed runs"
+    )
+    context = replace(STATUS_CONTEXT, daemon=snapshots.running(snapshots.written({UNIT: watch})))
+    report = assess(build_inventory(nvml(gpu(0)), ProcScan(()), 16 * MIB), context, NOW)
+    assert len(report.headline) <= HEADLINE_LIMIT
+    assert report.headline.endswith("(details below)")
+    assert long in render_text(report)
