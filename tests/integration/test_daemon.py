@@ -1038,6 +1038,44 @@ def test_survivors_of_a_crashed_run_are_reaped_at_its_end(
     assert record["idle_after_s"] >= record["reaped_after_s"] >= 0
 
 
+def test_a_survivor_sigkill_has_not_ended_is_dying_not_reaped(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL left the crashed run's worker alive: the sweep says dying, never reaped."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    worker = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    unit_cgroups.move(worker.pid, unit)
+
+    def unkillable(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        return tuple(
+            values.ReapResult(t, values.ReapOutcome.UNKILLABLE, ("SIGTERM", "SIGKILL"))
+            for t in targets
+        )
+
+    harness = build(
+        tmp_path, in_process_nvml, unit, entries, dry_run=False, reaper_twin=unkillable,
+        gate_timeout_s=1.0,
+    )  # fmt: skip
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    [said] = sweep_lines(harness)
+    summary = str(said["summary"])
+    assert not summary.startswith("reaped 1 survivor")
+    assert "reaped 0 survivors" in summary
+    assert "1 survivor SIGKILLed but still alive (dying" in summary
+    [record] = harness.snapshots[-1]["units"][unit]["survivors"]
+    assert record["reaped_after_s"] is None
+    assert record["pids"] == []
+
+
 def test_the_next_run_and_other_runs_are_never_touched(
     tmp_path: Path,
     in_process_nvml: Path,

@@ -276,6 +276,11 @@ class ReapOutcome(StrEnum):
     PERMISSION_DENIED = "permission-denied"  # EPERM: reported once, never retried
     ERROR = "error"  # the kernel refused the pidfd or the signal for another reason
 
+    @property
+    def gone(self) -> bool:
+        """Whether the process is gone: only then was it reaped (exited, killed, or before)."""
+        return self in {ReapOutcome.EXITED, ReapOutcome.KILLED, ReapOutcome.GONE}
+
 
 @dataclass(frozen=True, slots=True)
 class ReapResult:

@@ -17,6 +17,7 @@ from gpuguard.core.policy import plan
 from gpuguard.core.reaploop import ReapUntilIdle
 from gpuguard.core.runend import Sweep, describe, live_invocation, next_start, over_problem
 from gpuguard.core.unitcontainers import container_of
+from gpuguard.core.values import ReapOutcome
 from gpuguard.daemon.publishing import Publishing, iso
 from gpuguard.daemon.watchdog import CONTAINER_SLACK_S
 
@@ -100,11 +101,14 @@ class Sweeping(Publishing):
         stopped = self._stop_containers(stopper, left_over)
         if stopped:
             inventory = self._gather()
-        reaped, reaped_at, idle_at = self._reap_run(request, inventory)
+        signalled, reaped_at, idle_at = self._reap_run(request, inventory)
+        reaped = [r for r in signalled if r.outcome.gone]
+        dying = [r for r in signalled if r.outcome is ReapOutcome.UNKILLABLE]
         sweep = replace(
             base,
             reaped=len(reaped),
-            reaped_after_s=reaped_at - end.ended_s,
+            dying=len(dying),
+            reaped_after_s=reaped_at - end.ended_s if reaped else None,
             idle_after_s=None if idle_at is None else idle_at - end.ended_s,
             containers=_named([r.verdict for r in stopped]),
         )
