@@ -108,7 +108,7 @@ class Sweeping(Publishing):
             base,
             reaped=len(reaped),
             dying=len(dying),
-            reaped_after_s=reaped_at - end.ended_s if reaped else None,
+            reaped_after_s=reaped_at - end.ended_s if reaped or stopped else None,
             idle_after_s=None if idle_at is None else idle_at - end.ended_s,
             containers=_named([r.verdict for r in stopped]),
         )
