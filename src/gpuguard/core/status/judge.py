@@ -248,11 +248,19 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 )
             )
         elif unit.needs_operator:
+            # Said as it was decided: after recoveries that did not help, or before any, when
+            # the daemon would not stop a unit whose GPUs it cannot free (never worse).
+            why = (
+                "recoveries did not break its restart loop"
+                if unit.recoveries
+                else "gpuguard leaves its restart loop alone: stopping it frees nothing"
+            )
+            needs = f"{name} needs an operator"
             findings.append(
                 Finding(
                     Level.CRITICAL,
-                    f"{name} needs an operator: recoveries did not break its restart loop "
-                    f"({escape(unit.verdict)}){way_out}",
+                    f"{needs}: {why} ({escape(unit.verdict)}){way_out}",
+                    needs + _held(inventory, seen, context) if way_out and seen else None,
                 )
             )
         elif unit.looping and way_out and seen is not None:
