@@ -420,7 +420,9 @@ def test_a_loop_the_gate_refuses_is_one_story_in_every_view(  # noqa: PLR0915 - 
     assert "restart loop" not in events, ran.lines
     [critical] = [fields for level, _, fields in ran.lines if level == "critical"]
     assert critical["command"] == command
-    assert [str(b).split(" (")[0] for b in critical["blockers"]] == [f"PID {escaped.pid}"]
+    blockers = critical["blockers"]
+    assert isinstance(blockers, list)
+    assert [str(b).split(" (")[0] for b in blockers] == [f"PID {escaped.pid}"]
     watch = ran.snapshot["units"][unit]
     assert (watch["looping"], watch["action"]) == (True, "needs-operator")
     assert "start limit" in watch["verdict"]
