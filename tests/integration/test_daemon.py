@@ -435,6 +435,51 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
     ) in text
 
 
+def test_a_kernel_line_that_says_a_gpu_hangs_is_a_gpu_health_finding(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """nvidia-modeset's "Error while waiting for GPU progress": logged, kept, a status WARNING."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = loop_entries(unit)
+    # NVIDIA/open-gpu-kernel-modules pull request #1252's excerpt, as the kernel logs it.
+    text = (
+        "nvidia-modeset: ERROR: GPU:0: Error while waiting for GPU progress: "
+        "0x0000ca7d:0 2:0:200:192"
+    )
+    hung = kernel_line(text, entries[-1], -1, "hung")
+    harness = build(tmp_path, in_process_nvml, unit, [hung, *entries], dry_run=True)
+
+    assert harness.daemon.run() == 0
+
+    said = next(f for _, event, f in harness.log.lines if event == "kernel says a GPU hangs")
+    assert said["gpu"] == "GPU:0"
+    assert said["line"] == text
+    [kept] = harness.snapshots[-1]["xid"]["hung"]
+    assert kept["text"] == text
+    settings = Settings(
+        units={unit: UnitSettings()},
+        device_glob=f"{in_process_nvml}/dev/nvidia*",
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        state_dir=tmp_path / "lib",
+    )
+    context = StatusContext(
+        watched_units={unit: UnitSettings().patterns},
+        protected_names=settings.protected_processes,
+        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
+        as_root=os.geteuid() == 0,
+        daemon=snapshots.running(snapshots.read_back(harness.snapshots[-1])),
+    )
+    report = assess(inventory.gather(settings), context, datetime.now(timezone.utc))
+    [finding] = [f for f in report.findings if "the kernel says a GPU hangs" in f.message]
+    assert finding.level is Level.WARNING
+    assert "nvidia-modeset waited for GPU progress in vain (GPU:0, as nvidia-modeset" in (
+        finding.message
+    )
+    assert text in finding.message
+    assert "a reset or reboot may be needed" in finding.message
+
+
 def beside(entry: Entry, offset_us: int, tag: str, **fields: object) -> Entry:
     """A line of ``entry``'s boot ``offset_us`` after (or before) it, its cursor tagged ``tag``."""
     return {

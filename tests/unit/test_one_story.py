@@ -19,6 +19,7 @@ from gpuguard.core.events import parse_entry
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.leftovers import WatchedUnit
 from gpuguard.core.levels import Level
+from gpuguard.core.snapshot import Snapshot, Unreadable, parse
 from gpuguard.core.status.document import to_json
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import UnitView
@@ -26,6 +27,7 @@ from gpuguard.core.status.text import render_text
 from gpuguard.core.timeline.render import render_text as explain_text
 from gpuguard.core.unitconfig import UnitConfig
 from gpuguard.core.values import MIB, NvmlHealth, ProcScan, UnitProvenance
+from gpuguard.core.xid.hung import parse_hung_entry
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 PUBLIC = Path(__file__).resolve().parents[1] / "journal_public"
@@ -316,3 +318,70 @@ def test_every_headline_fits_one_line() -> None:
     assert len(report.headline) <= HEADLINE_LIMIT
     assert report.headline.endswith("(details below)")
     assert long in render_text(report)
+
+
+# --- the kernel saying a GPU hangs ---------------------------------------------------------------
+
+
+def kernel(message: object, transport: str = "kernel") -> dict[str, object]:
+    """A journal entry with this MESSAGE, read from /dev/kmsg unless ``transport`` says not."""
+    return {
+        "_TRANSPORT": transport,
+        "MESSAGE": message,
+        "__MONOTONIC_TIMESTAMP": "12000000",
+        "__REALTIME_TIMESTAMP": "1771000000000000",
+        "_BOOT_ID": "b" * 32,
+    }
+
+
+@pytest.mark.parametrize(
+    ("line", "said", "gpu"),
+    [
+        (  # NVIDIA/open-gpu-kernel-modules pull request #1252's excerpt
+            (
+                "nvidia-modeset: ERROR: GPU:0: Error while waiting for GPU progress: "
+                "0x0000ca7d:0 2:0:200:192"
+            ),
+            "nvidia-modeset waited for GPU progress in vain",
+            "GPU:0",
+        ),
+        (  # NVIDIA/open-gpu-kernel-modules pull request #1031's excerpt
+            (
+                "NVRM: krcWatchdog_IMPL: RC watchdog: GPU is probably locked!  Notify Timeout "
+                "Seconds: 7"
+            ),
+            "the NVIDIA driver's RC watchdog found the GPU locked",
+            None,
+        ),
+    ],
+)
+def test_kernel_lines_that_say_a_gpu_hangs_are_read(line: str, said: str, gpu: str | None) -> None:
+    """Each hung-GPU text, from the kernel only, with what said it and the GPU it names."""
+    found = parse_hung_entry(kernel(line))
+    assert found is not None
+    assert (found.said, found.gpu, found.text) == (said, gpu, line)
+    assert parse_hung_entry(kernel(line, transport="stdout")) is None  # anyone can print it
+
+
+def test_a_hostile_hung_line_stays_one_escaped_line() -> None:
+    """Control characters in the rest of the line are escaped; a huge line costs its prefix."""
+    line = (
+        "nvidia-modeset: ERROR: GPU:1\\n: Error while waiting for GPU progress: \x1b[2J"
+        + "x" * 10**6
+    )
+    found = parse_hung_entry(kernel(line.replace("\\n", "\n")))
+    assert found is not None
+    assert found.gpu is None  # "1\n" is not a GPU number
+    assert "\x1b" not in found.text
+    assert "\n" not in found.text
+    assert len(found.text) < 1000
+
+
+def test_a_hung_line_without_its_text_makes_the_snapshot_unreadable_and_named() -> None:
+    """``xid.hung`` is optional, but each line in it must carry the text status shows."""
+    document = replace(snapshots.QUIET, gpu_hangs=({"said": "x", "gpu": None},)).to_json()
+    found = parse(json.dumps(document))
+    assert isinstance(found, Unreadable)
+    assert "xid.hung[0].text is missing" in found.reason
+    del document["xid"]["hung"]
+    assert isinstance(parse(json.dumps(document)), Snapshot)

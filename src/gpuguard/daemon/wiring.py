@@ -34,6 +34,7 @@ from gpuguard.core import enginelines, events
 from gpuguard.core.exits import EX_CANTCREAT
 from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.xid import events as xidevents
+from gpuguard.core.xid import hung
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports
@@ -80,7 +81,10 @@ def run(settings: Settings) -> int:
             *(events.GPU_OOM_PATTERNS if settings.daemon.watch_output else ()),
             *(enginelines.ENGINE_PATTERNS if settings.daemon.watch_engine_lines else ()),
         ),
-        kernel_patterns=(re.escape(xidevents.MARKER),),
+        kernel_patterns=(
+            re.escape(xidevents.MARKER),
+            *(re.escape(marker) for marker in hung.MARKERS),
+        ),
         replay_s=settings.daemon.loop_window_s,
         fields=events.FIELDS_READ,
     )

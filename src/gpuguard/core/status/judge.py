@@ -15,6 +15,7 @@ from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
 from gpuguard.core.levels import Level, worst
+from gpuguard.core.since import within
 from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
 from gpuguard.core.status.holderfindings import (
@@ -44,6 +45,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *nvml_findings(inventory),
         *gpu_findings(inventory),
         *_xid_findings(inventory, context.daemon, context.since),
+        *_hung_findings(context.daemon, context.since),
         *holder_findings(inventory, context),
         *shared_gpu_findings(context.watched),
         *container_findings(inventory, context.unit_containers),
@@ -343,6 +345,34 @@ def _xid_findings(
             )
         )
     return findings
+
+
+def _hung_findings(daemon: DaemonView | None, since: datetime | None) -> list[Finding]:
+    """The driver said a GPU hangs (core.xid.hung): the newest line of each source and GPU.
+
+    A GPU health finding, not a holder's: no kill helps a GPU that makes no progress.
+    """
+    snapshot = daemon.snapshot if daemon is not None else None
+    if snapshot is None:
+        return []
+    newest: dict[tuple[object, object], Mapping[str, Any]] = {}
+    for hang in snapshot.gpu_hangs:
+        if within(since, hang.get("time")):
+            newest[(hang.get("said"), hang.get("gpu"))] = hang
+    return [
+        Finding(
+            Level.WARNING,
+            f"the kernel says a GPU hangs: {said(hang.get('said'))}"
+            + (
+                f" ({said(hang.get('gpu'))}, as nvidia-modeset numbers GPUs)"
+                if hang.get("gpu")
+                else ""
+            )
+            + f" at {said(hang.get('time'), 'an unknown time')}: {said(hang.get('text'))}; no kill "
+            "helps a hung GPU: a reset or reboot may be needed (docs/xid.md)",
+        )
+        for hang in newest.values()
+    ]
 
 
 def _unaddressed(inventory: Inventory) -> str:
