@@ -385,3 +385,24 @@ def test_a_hung_line_without_its_text_makes_the_snapshot_unreadable_and_named() 
     assert "xid.hung[0].text is missing" in found.reason
     del document["xid"]["hung"]
     assert isinstance(parse(json.dumps(document)), Snapshot)
+
+
+def test_explain_says_no_none_when_systemd_left_a_number_out() -> None:
+    """Systemd 252's loop with EXIT_STATUS= and N_RESTARTS= removed: explain prints no None."""
+    lines = (RECORDED / "restart-loop-start-limit.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    for entry in entries:
+        entry.pop("EXIT_STATUS", None)
+        entry.pop("N_RESTARTS", None)
+    found, text = explained(entries, "sglang.service")
+    assert found.story.failed_starts
+    assert "None" not in text
+    # The daemon's evidence lines (its log, status's unit block) from the same entries.
+    detector = Detector("sglang.service")
+    for entry in entries:
+        event = parse_entry(entry, "sglang.service")
+        if event is not None:
+            detector.observe(event, live=True)
+    evidence = detector.diagnose(int(entries[-1]["__MONOTONIC_TIMESTAMP"]) / 1e6, None).evidence
+    assert any("restart scheduled, counter at unknown" in line for line in evidence), evidence
+    assert not [line for line in evidence if "None" in line], evidence

@@ -156,11 +156,11 @@ class Run:
             text = self.result or "failed"
         if self.exit is not None and self.exit.exit_code is not None:
             if self.exit.exit_code == "exited":
-                text += f" (status {self.exit.exit_status})"
+                text += f" (status {_or_unknown(self.exit.exit_status)})"
             elif self.exit.signal is not None:
                 text += f" ({self.exit.exit_code} by SIG{self.exit.signal})"
             else:
-                text += f" ({self.exit.exit_code}, signal {self.exit.exit_status})"
+                text += f" ({self.exit.exit_code}, signal {_or_unknown(self.exit.exit_status)})"
         return text
 
 
@@ -300,8 +300,14 @@ def event_lines(events: Iterable[UnitEvent]) -> list[tuple[float, str]]:
         elif event.kind is EventKind.RESTART_SCHEDULED:
             restart = event
     if restart is not None:
-        lines.append((restart.monotonic_s, f"restart scheduled, counter at {restart.n_restarts}"))
+        counter = _or_unknown(restart.n_restarts)
+        lines.append((restart.monotonic_s, f"restart scheduled, counter at {counter}"))
     return lines
+
+
+def _or_unknown(value: int | None) -> str:
+    """A number systemd may have left out (EXIT_STATUS=, N_RESTARTS=), for people: never None."""
+    return "unknown" if value is None else str(value)
 
 
 def clean_exit(event: UnitEvent) -> bool:

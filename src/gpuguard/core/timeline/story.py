@@ -152,9 +152,11 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
         )
         if restarted and event.invocation_id not in done:
             done.add(event.invocation_id)
+            n = event.n_restarts
+            counter = "" if n is None else f" (restart counter at {n})"
             lines.append(
-                f"run {short_run(event.invocation_id)}: exited cleanly and systemd restarted it "
-                f"(restart counter at {event.n_restarts}): a server that exits is not serving"
+                f"run {short_run(event.invocation_id)}: exited cleanly and systemd restarted "
+                f"it{counter}: a server that exits is not serving"
             )
             continue
         if event.kind not in _FAILED_RUN_KINDS or event.invocation_id in done:
