@@ -406,3 +406,24 @@ def test_explain_says_no_none_when_systemd_left_a_number_out() -> None:
     evidence = detector.diagnose(int(entries[-1]["__MONOTONIC_TIMESTAMP"]) / 1e6, None).evidence
     assert any("restart scheduled, counter at unknown" in line for line in evidence), evidence
     assert not [line for line in evidence if "None" in line], evidence
+
+
+def test_a_run_systemd_started_is_not_called_starting() -> None:
+    """After "Started", the verdict says started and not failed, never "is starting"."""
+    lines = (RECORDED / "clean-start-stop.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    started_at = next(
+        i
+        for i, e in enumerate(entries)
+        if e.get("MESSAGE_ID") == "39f53479d3a045ac8e11786248231fbf"
+    )
+    detector = Detector("sglang.service")
+    for entry in entries[: started_at + 1]:
+        event = parse_entry(entry, "sglang.service")
+        if event is not None:
+            detector.observe(event, live=True)
+    at = int(entries[started_at]["__MONOTONIC_TIMESTAMP"]) / 1e6 + 5
+    reason = detector.diagnose(at, None).reason
+    assert "is starting" not in reason
+    assert "started at " in reason
+    assert "has not failed" in reason

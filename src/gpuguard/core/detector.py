@@ -335,6 +335,12 @@ class Detector:
                     f"until, once the cause is fixed, `systemctl reset-failed {self.unit}`"
                 )
             return _looping(reason, immediate=immediate)
+        if outcome is Outcome.PENDING and run.started_s is not None:
+            # systemd says Started (for Type=simple, the fork): not "starting", not yet "up".
+            return _not_looping(
+                f"run {abbrev(run)} started at {self._clock(run.started_s)} and has not failed "
+                f"(up {_secs(self.settings.stable_s)} counts as healthy)"
+            )
         if outcome is Outcome.PENDING:
             return _not_looping(f"run {abbrev(run)} is starting")
         streak = view.streak
