@@ -427,3 +427,21 @@ def test_a_run_systemd_started_is_not_called_starting() -> None:
     assert "is starting" not in reason
     assert "started at " in reason
     assert "has not failed" in reason
+
+
+def test_explain_shows_the_kernel_saying_a_gpu_hangs() -> None:
+    """The hung-GPU kernel line is a kernel row of explain's table, with what said it."""
+    lines = (RECORDED / "clean-start-stop.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    line = "nvidia-modeset: ERROR: GPU:0: Error while waiting for GPU progress: 0x0000ca7d:0"
+    hung = kernel(line) | {
+        "__CURSOR": "s=k;i=1",
+        "_BOOT_ID": entries[-1]["_BOOT_ID"],
+        "__MONOTONIC_TIMESTAMP": entries[-1]["__MONOTONIC_TIMESTAMP"],
+        "__REALTIME_TIMESTAMP": entries[-1]["__REALTIME_TIMESTAMP"],
+    }
+    found, text = explained([*entries, hung], "sglang.service")
+    [row] = [row for row in found.rows if row.kind == "gpu-hangs"]
+    assert row.source == "kernel"
+    assert row.text == f"nvidia-modeset waited for GPU progress in vain: {line}"
+    assert line in text
