@@ -14,7 +14,7 @@ from builders import STATUS_CONTEXT, UNIT, gpu, nvml, process
 
 from gpuguard.core import timeline
 from gpuguard.core.detector import Detector
-from gpuguard.core.doctor import AuditedUnit, HostFacts, build_history, diagnose
+from gpuguard.core.doctor import AuditedUnit, History, HostFacts, build_history, diagnose
 from gpuguard.core.events import parse_entry
 from gpuguard.core.inventory import Inventory, build_inventory
 from gpuguard.core.leftovers import WatchedUnit
@@ -445,3 +445,14 @@ def test_explain_shows_the_kernel_saying_a_gpu_hangs() -> None:
     assert row.source == "kernel"
     assert row.text == f"nvidia-modeset waited for GPU progress in vain: {line}"
     assert line in text
+
+
+def test_doctor_says_unknown_for_a_start_limit_systemd_did_not_report() -> None:
+    """A unit whose StartLimitBurst= systemd did not report: "unknown" on screen, never None."""
+    unit = UnitConfig(unit="sglang.service", load_state="loaded", restart="always", restart_s=1.0)
+    audited = AuditedUnit(config=unit, history=History(), environment={}, gpus=None, user_uid=0)
+    host = HostFacts(300.0, nvidia_devices=False, persistenced_running=False)
+    found = next(f for f in diagnose(audited, {}, host) if f.code == "restart")
+    said = "\n".join([found.title, *found.evidence])
+    assert "StartLimitBurst=unknown" in said
+    assert "None" not in said

@@ -281,7 +281,7 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
         (
             f"Restart={config.restart}, RestartSec={span(restart_s)}, "
             f"StartLimitIntervalSec={span_or_off(config.start_limit_interval_s)}, "
-            f"StartLimitBurst={config.start_limit_burst}"
+            f"StartLimitBurst={_or_unknown(config.start_limit_burst)}"
         ),
         (
             f"{history.restarts} automatic restarts and {history.start_limit_hits} start-limit "
@@ -350,6 +350,11 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
             else []
         ),
     ]
+
+
+def _or_unknown(value: int | None) -> str:
+    """A setting systemd did not report, for people: "unknown", never None."""
+    return "unknown" if value is None else str(value)
 
 
 def _start_limit_ends(config: UnitConfig, cycle_s: float) -> bool:
