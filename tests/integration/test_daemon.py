@@ -39,8 +39,10 @@ from gpuguard.adapters import inventory, ledgerstore, reaper, runtree, state, sy
 from gpuguard.adapters.containerstop import for_unit
 from gpuguard.adapters.engineapi import SOCKETS
 from gpuguard.adapters.metricsio import Exporter, serve
+from gpuguard.adapters.state import gate_decisions
 from gpuguard.config import Settings
 from gpuguard.core import values
+from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.ledger import Ledger, SeenProcess
 from gpuguard.core.levels import Level
 from gpuguard.core.metrics import Latest
@@ -215,6 +217,7 @@ def build(
         boot_id=BOOT,
         watchdog_interval_s=watchdog_interval_s,
         gate_environment=lambda _unit: gate_environment,
+        gate_refusal=lambda unit: last_refusal(gate_decisions(settings.runtime_dir, unit)),
         containers=containers,
     )
     follower = ReplayFollower(entries, live=live, before_first_read=before_first_read)
@@ -434,6 +437,51 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
         "kernel Xid for PCI 0000:3b:00, which NVML does not know (NVML cannot tell the address "
         "of GPU 1: it may be that one): Xid 79 (reboot)"
     ) in text
+
+
+def test_a_kernel_line_that_says_a_gpu_hangs_is_a_gpu_health_finding(
+    tmp_path: Path, in_process_nvml: Path
+) -> None:
+    """nvidia-modeset's "Error while waiting for GPU progress": logged, kept, a status WARNING."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = loop_entries(unit)
+    # NVIDIA/open-gpu-kernel-modules pull request #1252's excerpt, as the kernel logs it.
+    text = (
+        "nvidia-modeset: ERROR: GPU:0: Error while waiting for GPU progress: "
+        "0x0000ca7d:0 2:0:200:192"
+    )
+    hung = kernel_line(text, entries[-1], -1, "hung")
+    harness = build(tmp_path, in_process_nvml, unit, [hung, *entries], dry_run=True)
+
+    assert harness.daemon.run() == 0
+
+    said = next(f for _, event, f in harness.log.lines if event == "kernel says a GPU hangs")
+    assert said["gpu"] == "GPU:0"
+    assert said["line"] == text
+    [kept] = harness.snapshots[-1]["xid"]["hung"]
+    assert kept["text"] == text
+    settings = Settings(
+        units={unit: UnitSettings()},
+        device_glob=f"{in_process_nvml}/dev/nvidia*",
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        state_dir=tmp_path / "lib",
+    )
+    context = StatusContext(
+        watched_units={unit: UnitSettings().patterns},
+        protected_names=settings.protected_processes,
+        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
+        as_root=os.geteuid() == 0,
+        daemon=snapshots.running(snapshots.read_back(harness.snapshots[-1])),
+    )
+    report = assess(inventory.gather(settings), context, datetime.now(timezone.utc))
+    [finding] = [f for f in report.findings if "the kernel says a GPU hangs" in f.message]
+    assert finding.level is Level.WARNING
+    assert "nvidia-modeset waited for GPU progress in vain (GPU:0, as nvidia-modeset" in (
+        finding.message
+    )
+    assert text in finding.message
+    assert "a reset or reboot may be needed" in finding.message
 
 
 def beside(entry: Entry, offset_us: int, tag: str, **fields: object) -> Entry:
@@ -1113,6 +1161,44 @@ def test_survivors_of_a_crashed_run_are_reaped_at_its_end(
     assert record["idle_after_s"] >= record["reaped_after_s"] >= 0
 
 
+def test_a_survivor_sigkill_has_not_ended_is_dying_not_reaped(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL left the crashed run's worker alive: the sweep says dying, never reaped."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    entries = crashed_run_entries(unit)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    worker = run_worker(spawn_holder, in_process_nvml, monkeypatch, crashed, 0)
+    unit_cgroups.move(worker.pid, unit)
+
+    def unkillable(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        return tuple(
+            values.ReapResult(t, values.ReapOutcome.UNKILLABLE, ("SIGTERM", "SIGKILL"))
+            for t in targets
+        )
+
+    harness = build(
+        tmp_path, in_process_nvml, unit, entries, dry_run=False, reaper_twin=unkillable,
+        gate_timeout_s=1.0,
+    )  # fmt: skip
+
+    assert harness.daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    [said] = sweep_lines(harness)
+    summary = str(said["summary"])
+    assert not summary.startswith("reaped 1 survivor")
+    assert "reaped 0 survivors" in summary
+    assert "1 survivor SIGKILLed but still alive (dying" in summary
+    [record] = harness.snapshots[-1]["units"][unit]["survivors"]
+    assert record["reaped_after_s"] is None
+    assert record["pids"] == []
+
+
 def test_the_next_run_and_other_runs_are_never_touched(
     tmp_path: Path,
     in_process_nvml: Path,
@@ -1518,6 +1604,38 @@ def test_a_loop_whose_gpus_a_stranger_holds_is_not_stopped_but_sent_to_the_opera
     assert last["needs_operator"] is True
     assert last["action"] == "needs-operator"
     assert f"gpuguard reap --unit {unit} --scope patterns" in last["action_reason"]
+
+
+def test_a_loop_the_gate_refuses_for_holders_it_cannot_prove_needs_an_operator(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+) -> None:
+    """The gate refused the last start (a holder it cannot prove): needs operator, with both."""
+    unit = f"sglang-{uuid.uuid4().hex[:8]}.service"
+    stranger = spawn_holder(in_process_nvml, gpus=(1,), mib=30000, name="sglang::scheduler")
+    unit_cgroups.move(stranger.pid, f"run-r{uuid.uuid4().hex[:8]}.scope")
+    refused = {"time": "2026-12-01T03:00:00+00:00", "result": "refused", "blockers": ["old"]}
+    state.record_gate_decision(tmp_path / "run", unit, refused)
+    harness = build(tmp_path, in_process_nvml, unit, loop_entries(unit), dry_run=False)
+
+    assert harness.daemon.run() == 0
+
+    assert harness.unit.calls == []
+    assert not process_gone(stranger.pid)
+    assert not [f for _l, event, f in harness.log.lines if event == "restart loop"]
+    [critical] = [f for level, _e, f in harness.log.lines if level == "critical"]
+    assert critical["command"] == f"gpuguard reap --unit {unit} --scope patterns"
+    named = critical["blockers"]
+    assert isinstance(named, list)
+    [blocker] = named
+    assert str(blocker).startswith(f"PID {stranger.pid} (sglang::schedu")
+    last = harness.snapshots[-1]["units"][unit]
+    assert last["cause"] == "stale-gpu-holders"
+    assert "the gate refused the last start" in last["cause_detail"]
+    assert "old" not in last["cause_detail"]
+    assert last["action"] == "needs-operator"
 
 
 def test_a_crashed_runs_worker_that_moved_to_its_own_scope_is_reaped_by_the_ledger(

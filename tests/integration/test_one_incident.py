@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters import inventory, reaper, state
 from gpuguard.config import Settings
+from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.values import UnitProvenance
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
@@ -211,6 +212,7 @@ def run_daemon(cli: Cli, unit: str, entries: list[dict[str, Any]]) -> DaemonRun:
         untouchable=frozenset({os.getpid()}),
         provenance=lambda state: UnitProvenance(None, runs - {state.invocation_id or ""}, 0),
         boot_id=str(entries[-1]["_BOOT_ID"]),
+        gate_refusal=lambda u: last_refusal(state.gate_decisions(settings.runtime_dir, u)),
     )
     daemon = Daemon(settings, ReplayFollower(entries, live=True), ports)
     held.append(daemon)
@@ -301,7 +303,7 @@ def test_status_metrics_explain_and_doctor_tell_one_incident_alike(  # noqa: PLR
     assert lines[0].startswith("gpuguard status: CRITICAL"), status.out
     command = f"gpuguard reap --unit {unit} --scope patterns"
     critical = next(line for line in lines if line.startswith("CRITICAL: ") and command in line)
-    assert f"{unit} needs an operator: recoveries did not break its restart loop" in critical
+    assert f"{unit} needs an operator: gpuguard leaves its restart loop alone" in critical
     assert f"PID {escaped.pid} (" in critical, critical
     assert f"run `{command}`" in critical
     # The tenant holds GPU 1 too: named, as its owner's to stop (the command spares it).
@@ -379,3 +381,88 @@ def test_status_metrics_explain_and_doctor_tell_one_incident_alike(  # noqa: PLR
     ), found["evidence"]
     assert f"`gpuguard reap --unit {unit}`" in found["advice"]
     assert "`--scope patterns`" in found["advice"]
+
+
+def test_a_loop_the_gate_refuses_is_one_story_in_every_view(  # noqa: PLR0915 - five views
+    cli: Cli,
+    stand_ins: Path,
+    tmp_path: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36's incident read five ways: the same loop, the same blocker, never "no loop".
+
+    The gate refused the unit's last start (its record names a PID long gone); today a worker
+    that escaped into a scope of its own holds GPU 0, which nothing proves the unit's. The
+    journal is systemd 252's restart loop that ended at the start limit. The daemon, status,
+    its metrics, explain and doctor must each say: a restart loop (systemd ended it), needs an
+    operator, today's holder with the one command, and nothing that contradicts it.
+    """
+    unit = unit_name()
+    monkeypatch.setenv("INVOCATION_ID", uuid.uuid4().hex)  # its transient scope's own run
+    escaped = spawn_holder(cli.state, gpus=(0,), mib=30000, name="sglang::scheduler_TP0")
+    monkeypatch.delenv("INVOCATION_ID")
+    unit_cgroups.move(escaped.pid, f"run-u{uuid.uuid4().hex[:6]}.scope")
+    entries = _renamed("restart-loop-start-limit.jsonl", unit, survivor=0, holder=0)
+    cli.configure(f'[units."{unit}"]\n')
+    (tmp_path / "unit.show").write_text(SHOW.format(last=entries[-1]["INVOCATION_ID"]))
+    old = {"time": "2026-12-01T03:00:00+00:00", "result": "refused", "waited_s": 300.0}
+    old["blockers"] = ["GPU 0: 30000 MiB used, held by PID 4194301 (gone, long since)"]
+    state.record_gate_decision(cli.config.parent / "run", unit, old)
+    monkeypatch.setenv("FAKENVML_STATE", str(cli.state))
+    ran = run_daemon(cli, unit, entries)
+    command = f"gpuguard reap --unit {unit} --scope patterns"
+
+    # the daemon: needs operator with today's blocker and the command, never "no GPU cause".
+    assert ran.calls == []
+    events = [event for _, event, _ in ran.lines]
+    assert "restart loop" not in events, ran.lines
+    [critical] = [fields for level, _, fields in ran.lines if level == "critical"]
+    assert critical["command"] == command
+    blockers = critical["blockers"]
+    assert isinstance(blockers, list)
+    assert [str(b).split(" (")[0] for b in blockers] == [f"PID {escaped.pid}"]
+    watch = ran.snapshot["units"][unit]
+    assert (watch["looping"], watch["action"]) == (True, "needs-operator")
+    assert "start limit" in watch["verdict"]
+    state.write_json(cli.config.parent / "run" / "daemon.json", ran.snapshot)
+    _write_journal(stand_ins, entries)
+
+    # status: CRITICAL, exit 2; the headline one line naming today's holder once and the command.
+    status = cli("status")
+    assert status.code == 2, status.out + status.err
+    headline = status.out.splitlines()[0]
+    assert headline.startswith("gpuguard status: CRITICAL - ")
+    assert len(headline) <= len("gpuguard status: CRITICAL - ") + 180, headline
+    assert headline.count(f"PID {escaped.pid}") == 1, headline
+    assert command in headline
+    assert "4194301" not in headline
+    assert "None" not in status.out
+    assert "recoveries did not break" not in status.out  # none was tried: nothing to free
+
+    # metrics: the same loop, a GPU cause, an operator needed.
+    metrics = _samples(cli("status", "--prometheus").out)
+    assert metrics[f"gpuguard_unit_restart_loop,unit={unit}"] == 1
+    assert metrics[f"gpuguard_unit_restart_loop_gpu_cause,unit={unit}"] == 1
+    assert metrics[f"gpuguard_unit_needs_operator,unit={unit}"] == 1
+
+    # explain: the journal alone, then with the daemon's lines: a loop systemd ended, no
+    # "no loop", nothing healthy, and no disagreement with what the daemon logged.
+    story = cli("explain", "--unit", unit, "--json").json()["story"]
+    assert story["verdict"].startswith("restart loop: "), story["verdict"]
+    assert story["start_limit"]
+    assert story["healthy"] is None
+    _write_journal(stand_ins, entries + ran.journal)
+    text = cli("explain", "--unit", unit).out
+    assert "no loop" not in text
+    assert "no restart loop" not in text
+    told = cli("explain", "--unit", unit, "--json").json()["story"]
+    assert told["disagreements"] == [], told["disagreements"]
+
+    # doctor: the start limit ended the recorded loop; its title never says "never" above it.
+    doctor = cli("doctor", "--unit", unit, "--json").json()
+    [restart] = [f for f in doctor["units"][0]["findings"] if f["code"] == "restart"]
+    said = " ".join([restart["title"], *restart["evidence"]])
+    assert "1 start-limit hits" in said, said
+    assert "never hits the start limit" not in said

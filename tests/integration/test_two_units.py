@@ -100,7 +100,8 @@ def test_an_ended_runs_escaped_worker_is_named_and_counted_alike(
     result = cli("status")
 
     assert result.code == 1, result.out + result.err
-    line = next(line for line in result.out.splitlines() if "looks like a left-over" in line)
+    lines = result.out.splitlines()
+    line = next(line for line in lines if line.startswith("WARNING: ") and "left-over" in line)
     assert f"PID {stale.pid} " in line
     assert f"`gpuguard reap --unit {a} --scope patterns`" in line
     scrape = cli("status", "--prometheus").out

@@ -342,7 +342,7 @@ def test_many_messages_of_one_run_count_once() -> None:
         # a low one keeps this test about counting runs.
         journal.event(EventKind.RESTART_SCHEDULED, T0 + 4, run, n_restarts=1),
         journal.event(EventKind.STOPPED, T0 + 5, run),
-        journal.event(EventKind.START_LIMIT_HIT, T0 + 6, run),
+        # (no start-limit line: systemd ending a loop is a loop by itself)
         journal.event(EventKind.FAILED, T0 + 7, run, result="exit-code"),
         journal.event(EventKind.START_FAILED, T0 + 8, run, result="failed"),
     ]
@@ -1051,3 +1051,12 @@ def test_a_loop_out_of_memory_on_idle_gpus_does_not_fit_and_names_no_reap(releas
     assert diagnosis.looping
     assert diagnosis.cause is Cause.DOES_NOT_FIT
     assert "no process holds the unit's GPUs: the server does not fit" in diagnosis.cause_detail
+
+
+def test_unreadable_gpus_are_said_so_not_called_busy() -> None:
+    """With NVML missing the cause says the GPUs cannot be read, never that they are busy."""
+    missing = GpuEvidence(gpus_busy=True, unreadable="NVML unavailable: Driver Not Loaded")
+    diagnosis = fed(failures(3)).diagnose(T0 + 60, missing)
+    assert diagnosis.cause is Cause.UNKNOWN
+    assert "cannot be read (NVML unavailable: Driver Not Loaded)" in diagnosis.cause_detail
+    assert "busy" not in diagnosis.cause_detail

@@ -322,3 +322,27 @@ def test_the_reapers_lines_name_only_system_units() -> None:
     )
     every = plan(found.holders, replace(plan_request(gpu_set=None), scope=Scope.ALL)).decisions
     assert [t.unit for t in reap_targets(every)] == [None, "a.service"]
+
+
+def test_a_holder_sigkill_has_not_ended_is_dying_not_to_be_reaped() -> None:
+    """SIGKILLed and alive (no Xid names it): the wait and the refusal call it dying, once."""
+    left_over = process(
+        88, 0, comm="sglang::schedul", cmdline=("sglang::scheduler_TP0",), state="D"
+    )
+    busy = inventory(nvml(gpu(0, (88, 8000)), gpu(1)), left_over)
+
+    def unkillable(targets: Sequence[ReapTarget]) -> tuple[ReapResult, ...]:
+        return tuple(ReapResult(t, ReapOutcome.UNKILLABLE, ("SIGTERM", "SIGKILL")) for t in targets)
+
+    world = World([busy])
+    said: list[str] = []
+    settings = GateSettings(REQUEST, 16 * MIB, 30.0, poll_s=0.5)
+    outcome = run_gate(
+        settings, world.gather, unkillable, world.clock, world.sleep, report=said.append
+    )
+    assert not outcome.passed
+    assert [b for b in outcome.blockers if "PID 88" in b]
+    assert all("would be reaped" not in b for b in outcome.blockers)
+    assert any("PID 88 (sglang::schedul" in b and "dying: SIGKILLed" in b for b in outcome.blockers)
+    assert said
+    assert not [line for line in said if "PID 88" in line and "would be reaped" in line]

@@ -222,8 +222,12 @@ def test_refused_gate_is_critical() -> None:
     )
     report = assess(build_inventory(nvml(gpu(0)), ProcScan(()), 16 * MIB), context, NOW)
     assert report.level is Level.CRITICAL
-    assert "refused the last start of sglang.service at t2: GPU 1: 500 MiB used" in report.headline
-    assert "gate t2 refused" in render_text(report)
+    assert "refused the last start of sglang.service at t2" in report.headline
+    # What the gate named then is the unit's gate line; the headline says only what is now.
+    assert "GPU 1: 500 MiB used" not in report.headline
+    assert "gate t2 refused after ? s, reaped 0, spared 0: GPU 1: 500 MiB used" in render_text(
+        report
+    )
 
 
 def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:

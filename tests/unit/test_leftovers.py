@@ -199,7 +199,7 @@ def test_a_gpu_loop_gpuguard_cannot_reap_is_critical_with_blockers_and_the_comma
         process(30, 0, cgroup=ESCAPED_SCOPE, invocation_id="c" * 32, cmdline=("sglang::tp0",)),
     )
     text = status_of(found, two_units(live_a=None), daemon=loop_snapshot())
-    headline = text.splitlines()[1]
+    headline = next(line for line in text.splitlines() if line.startswith("CRITICAL: "))
     assert text.startswith("2\n"), text
     assert f"{A} is in a restart loop caused by its GPUs that gpuguard cannot end" in headline
     assert "PID 30 (python3, run-u42.scope) on GPU 0" in headline
@@ -290,7 +290,7 @@ def test_a_gpu_loop_held_by_a_tenants_job_names_no_reap_command() -> None:
         replace(training_job(40, 0), invocation_id="d" * 32),
     )
     text = status_of(found, two_units(live_a=None), daemon=loop_snapshot())
-    headline = text.splitlines()[1]
+    headline = next(line for line in text.splitlines() if line.startswith("CRITICAL: "))
     assert text.startswith("2\n"), text
     assert f"not {A}'s by any evidence, which gpuguard never reaps: PID 40" in headline
     assert "gpuguard reap" not in headline
@@ -328,7 +328,8 @@ def test_another_users_server_is_no_left_over_and_its_owners_to_stop() -> None:
     assert [left.holder.pid for left in left_overs(found, units, ())] == [30]
     counted = metrics_of(found, units)
     assert counted["gpuguard_gpu_stale_holders{0}"] == 1
-    headline = status_of(found, units, daemon=loop_snapshot()).splitlines()[1]
+    text = status_of(found, units, daemon=loop_snapshot())
+    headline = next(line for line in text.splitlines() if line.startswith("CRITICAL: "))
     assert "PID 31 (python3, session-4.scope) on GPU 0: runs as uid 1000/1000/1000/1000" in headline
     assert "its owner's to stop" in headline
     assert f"run `gpuguard reap --unit {A} --scope patterns`" in headline

@@ -156,6 +156,7 @@ FIELD_PATHS = [
     if path
     not in {
         ("metrics",),  # optional ones
+        ("xid", "hung"),  # absent from daemons before issue 36
         ("units", "sglang.service", "liveness"),
         ("units", "sglang.service", "liveness", "last_start", "phases", "load"),  # data
         ("units", "sglang.service", "liveness", "last_start", "invocation_id"),  # not read

@@ -26,6 +26,7 @@ from gpuguard.core.enginelines import FATAL_REGEX
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX
 from gpuguard.core.xid.events import MARKER
+from gpuguard.core.xid.hung import MARKERS as HUNG_MARKERS
 
 MAX_ENTRIES: Final = 20_000
 """Entries read per journalctl run: the newest ones when there are more."""
@@ -59,8 +60,12 @@ def queries(unit: str, since: str | None) -> list[list[str]]:
             f"--unit={timeline.GATE_SERVER_UNIT}",
             f"--unit={timeline.GATE_SERVER_PREFIX}*.service",
         ],
-        [*base, f"--grep={re.escape(MARKER)}", "--case-sensitive=yes", "_TRANSPORT=kernel"],
+        [*base, f"--grep={_KERNEL_GREP}", "--case-sensitive=yes", "_TRANSPORT=kernel"],
     ]
+
+
+# Xids, and the driver's lines that say a GPU hangs (core.xid.hung).
+_KERNEL_GREP = "|".join(re.escape(marker) for marker in (MARKER, *HUNG_MARKERS))
 
 
 def parse_lines(out: bytes) -> list[dict[str, object]]:

@@ -291,6 +291,14 @@ def read_identity(pid: int, *, proc_root: Path = PROC) -> ProcessIdentity | None
     return None if stat is None else ProcessIdentity(pid=pid, start_time=stat.start_time)
 
 
+def read_kernel_wait(pid: int, *, proc_root: Path = PROC) -> tuple[str, ...]:
+    """Where ``pid`` sleeps in the kernel: its wchan, then its stack's frames (root reads those).
+
+    Empty when it runs, is gone, or the kernel hides both (core.driverwait judges the answer).
+    """
+    return _kernel_wait(f"{os.fspath(proc_root)}/{pid}")
+
+
 def read_wchan(pid: int, *, proc_root: Path = PROC) -> str | None:
     """Return the kernel function ``pid`` sleeps in (telling a driver hang apart), if known.
 

@@ -6,8 +6,9 @@ not let die. So each process is pinned with a pidfd *before* its identity (PID +
 is checked again, and every later signal goes through that pidfd (earlyoom: "Open the pidfd
 before calling kill()"); parents are signalled before their children; SIGTERM goes to all,
 one shared grace, SIGKILL to the survivors, one bounded wait; whoever is still alive is
-reported as unkillable with its state and wchan (a GPU reset or reboot is needed), never
-retried. EPERM is reported once, never retried. Every signal sent is one log line.
+reported as unkillable with its state and kernel wait (a GPU reset or reboot is needed only
+when that wait is in the NVIDIA driver; elsewhere it is dying), never retried. EPERM is
+reported once, never retried. Every signal sent is one log line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.adapters import procfs, signals
 from gpuguard.adapters.logs import get_logger
+from gpuguard.core.driverwait import in_driver
 from gpuguard.core.escaping import escape
 from gpuguard.core.protection import never_signal_pid
 from gpuguard.core.values import ProcessIdentity, ReapOutcome, ReapResult, ReapTarget
@@ -216,15 +218,29 @@ def _wait(items: list[_Tracked], seconds: float, outcome: ReapOutcome, log: Logg
 
 
 def _unkillable_detail(item: _Tracked, kill_wait_s: float, proc_root: Path) -> str:
-    """Say where a survivor is stuck: its state letter and the kernel function it sleeps in."""
+    """Say where a survivor waits, and what that means: only a wait in the driver needs a reset.
+
+    A process SIGKILLed in an uninterruptible wait elsewhere (a FUSE or NFS read, a disk) is
+    dying: the signal takes effect when the wait ends (core.driverwait).
+    """
     pid = item.target.identity.pid
     stat = procfs.read_stat(pid, proc_root=proc_root)
     state = "?" if stat is None else stat.state
-    wchan = procfs.read_wchan(pid, proc_root=proc_root) or "unknown"
+    wait = procfs.read_kernel_wait(pid, proc_root=proc_root)
+    where = wait[0] if wait else "unknown"
     before = f" (state {item.state_before} before SIGTERM)" if item.state_before == "D" else ""
+    said = f"state {state}, wchan {where}{before}; still alive {kill_wait_s:g} s after SIGKILL"
+    driver = in_driver(wait)
+    if driver is not None:
+        return f"{said}; stuck in the NVIDIA driver ({driver}): a GPU reset or reboot is needed"
+    if wait:
+        return (
+            f"{said}; dying: its wait is outside the NVIDIA driver, and SIGKILL takes effect "
+            "when that wait ends (no GPU reset helps)"
+        )
     return (
-        f"state {state}, wchan {wchan}{before}; still alive {kill_wait_s:g} s after SIGKILL; "
-        "a GPU reset or reboot is needed"
+        f"{said}; where it waits is not visible (root reads it): if it stays, `gpuguard status` "
+        "as root tells a wait in the NVIDIA driver (a GPU reset) from one that ends by itself"
     )
 
 

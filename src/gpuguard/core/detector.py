@@ -25,6 +25,12 @@ Rules (``diagnose``), over the events of the last ``window_s`` seconds:
   newest run failed, the series holds at least two failed runs and the newest restart counter
   (``N_RESTARTS``) is at least ``restart_counter_threshold`` (the counter alone is not a rate:
   it only resets on a manual start, so a server that crashes once a week climbs it too);
+* loop by systemd's counter alone (``_climb_rule``, ``_far_counter_rule``): the counter climbed by
+  ``min_starts`` within the window (each automatic restart follows a run that ended: systemd
+  counted the streak), or it is ``_FAR_FACTOR`` times ``restart_counter_threshold`` or more (it
+  resets only on a manual start); for a failed newest run, or a starting one when the window
+  shows no failed run at all (``_counted_now``); a newest run that hit the start limit is a loop
+  too (only repeated starts reach it);
 * a PENDING newest run is not a loop by those counts: the daemon acts between runs, not on a
   server that is still loading and might come up;
 * a run ended by a stop job (``JOB_TYPE=stop`` on "Stopping"/"Stopped": an operator's
@@ -72,6 +78,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from datetime import datetime, timezone, tzinfo
+from functools import partial
 from typing import Final
 
 from gpuguard.core.events import EventKind, UnitEvent
@@ -169,6 +176,8 @@ _EVIDENCE_LINES: Final = 20
 # The restart counter alone is not a rate (it only resets on a manual start): it makes a loop
 # only when failures also repeat inside the window.
 _COUNTER_MIN_FAILURES: Final = 2
+# A counter this many times the threshold is a loop without failures in view (_far_counter_rule).
+_FAR_FACTOR: Final = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +307,8 @@ class Detector:
         good = [index for index, (_, out) in enumerate(known) if out in ENDS_SERIES]
         episode = known[good[-1] + 1 :] if good else known
         restarts = [e.n_restarts for e in events if e.kind is EventKind.RESTART_SCHEDULED]
-        return View(now, events, runs, known, episode, restarts[-1] if restarts else None)
+        counters = tuple(n for n in restarts if n is not None)
+        return View(now, events, runs, known, episode, restarts[-1] if restarts else None, counters)
 
     def _verdict(self, view: View, gpu: GpuEvidence | None) -> _Verdict:
         """Looping or not, immediate or not, and why."""
@@ -309,13 +319,16 @@ class Detector:
         run, outcome = newest
         if outcome in ENDS_SERIES:
             return self._settled(view, run, outcome)
-        verdicts = (
-            self._streak_rule(view, run, outcome),
-            self._counter_rule(view, run, outcome),
-            _left_over_rule(view, run, outcome, gpu),
-            self._timeout_rule(view, run, outcome),
+        rules = (
+            self._streak_rule,
+            self._counter_rule,
+            self._climb_rule,
+            self._far_counter_rule,
+            partial(_left_over_rule, gpu=gpu),
+            self._timeout_rule,
+            self._start_limit_rule,
         )
-        held = [verdict for verdict in verdicts if verdict is not None]
+        held = [v for v in (rule(view, run, outcome) for rule in rules) if v is not None]
         if held:
             # The first rule that holds gives the reason; any immediate sign makes it immediate.
             immediate = any(verdict.immediate for verdict in held)
@@ -327,6 +340,12 @@ class Detector:
                     f"until, once the cause is fixed, `systemctl reset-failed {self.unit}`"
                 )
             return _looping(reason, immediate=immediate)
+        if outcome is Outcome.PENDING and run.started_s is not None:
+            # systemd says Started (for Type=simple, the fork): not "starting", not yet "up".
+            return _not_looping(
+                f"run {abbrev(run)} started at {self._clock(run.started_s)} and has not failed "
+                f"(up {_secs(self.settings.stable_s)} counts as healthy)"
+            )
         if outcome is Outcome.PENDING:
             return _not_looping(f"run {abbrev(run)} is starting")
         streak = view.streak
@@ -370,6 +389,53 @@ class Detector:
         return _looping(
             f"systemd's restart counter is at {view.n_restarts} (threshold {threshold}) and "
             f"{view.streak} runs failed within {_secs(self.settings.window_s)}",
+        )
+
+    def _climb_rule(self, view: View, _run: Run, outcome: Outcome) -> _Verdict | None:
+        """Whether systemd restarted the unit ``min_starts`` times in the window, by its counter.
+
+        Each automatic restart follows a run that ended (failed, or exited under
+        ``Restart=always``): systemd's own count is the streak, even where the window shows no
+        failure line (an excerpt, a journal that lost lines). When (``_counted_now``).
+        """
+        if not _counted_now(view, outcome):
+            return None
+        climbed = view.climb
+        if climbed < self.settings.min_starts:
+            return None
+        counters = view.restart_counters
+        return _looping(
+            f"systemd restarted {self.unit} {climbed} times within "
+            f"{_secs(self.settings.window_s)} (restart counter up to {counters[-1]}): each "
+            "automatic restart follows a run that ended",
+        )
+
+    def _far_counter_rule(self, view: View, _run: Run, outcome: Outcome) -> _Verdict | None:
+        """Whether systemd's restart counter is far past the threshold, whatever the window shows.
+
+        The counter resets only when someone starts the unit by hand; ``_FAR_FACTOR`` times the
+        threshold (500 by default) automatic restarts without that are a loop at any rate. When
+        (``_counted_now``).
+        """
+        far = self.settings.restart_counter_threshold * _FAR_FACTOR
+        if not _counted_now(view, outcome):
+            return None
+        if view.n_restarts is None or view.n_restarts < far:
+            return None
+        return _looping(
+            f"systemd's restart counter is at {view.n_restarts}, at least {far} ({_FAR_FACTOR} "
+            "times the threshold): it resets only when the unit is started by hand, so that "
+            "many automatic restarts are a loop even with no failure in view",
+        )
+
+    @staticmethod
+    def _start_limit_rule(_view: View, run: Run, outcome: Outcome) -> _Verdict | None:
+        """The newest run hit systemd's start limit: only repeated starts reach it."""
+        if outcome is not Outcome.FAILED or run.start_limit_s is None:
+            return None
+        return _looping(
+            f"run {abbrev(run)} hit systemd's start limit: systemd refuses a start only after "
+            "StartLimitBurst= starts within StartLimitIntervalSec=, so the starts were looping",
         )
 
     def _timeout_rule(self, view: View, _run: Run, _outcome: Outcome) -> _Verdict | None:
@@ -430,6 +496,18 @@ class Detector:
 def asks_for_judgement(kind: EventKind) -> bool:
     """Whether a live event of this kind makes the daemon judge (``explain`` replays the same)."""
     return kind not in _IGNORED_FOR_VERDICT
+
+
+def _counted_now(view: View, outcome: Outcome) -> bool:
+    """Whether systemd's counter may make a loop of the newest run now.
+
+    A failed newest run, always; a starting one only when the window shows no failed run at
+    all: with failures in view the daemon waits for the run to end, as for every other rule (a
+    server still loading may come up), but with none it would never see one end.
+    """
+    if outcome is Outcome.FAILED:
+        return True
+    return outcome is Outcome.PENDING and not any(o is Outcome.FAILED for _, o in view.runs)
 
 
 def _newest_hit_start_limit(view: View) -> bool:

@@ -203,6 +203,14 @@ _STOP_TIMEOUT = re.compile(r"State '(?P<state>(?:stop|final)-sigterm)' timed out
 _SURVIVED = re.compile(r"Processes still around after (?P<final>final )?SIGKILL\.")
 _START_LIMIT = "Start request repeated too quickly."
 _MAIN_EXIT = "Main process exited"
+# Before systemd 248 (unit_log_process_exit, unit_log_failure) these two had no MESSAGE_ID:
+# service.c logged "Main process exited, code=%s, status=%i/%s" with EXIT_CODE= and
+# EXIT_STATUS= only ("main process exited" in 219), and "Failed with result '%s'." as a plain
+# warning without UNIT_RESULT= (docs/facts.md §4.1, tests/journal_public/README.md).
+_MAIN_EXIT_TEXT = re.compile(
+    r"[Mm]ain process exited, code=(?P<code>exited|killed|dumped), status=(?P<status>\d{1,10})/"
+)
+_FAILED_TEXT = re.compile(r"Failed with result '(?P<result>[a-z][a-z-]{0,39})'\.")
 _OTHER_EXIT = re.compile(r"(?:Control|Condition check) process exited")
 
 _OUTPUT_TRANSPORTS: Final = frozenset({"stdout", "journal", "syslog"})
@@ -282,7 +290,7 @@ def _lifecycle_event(entry: Mapping[str, object], unit: str, where: _Where) -> U
         kind = MESSAGE_IDS.get(message_id.lower())
         fields = None if kind is None else _fields_by_id(kind, entry, text)
     else:
-        fields = None if text is None else _fields_by_text(text)
+        fields = None if text is None else _fields_by_text(text, entry)
     if fields is None:
         return None
     return UnitEvent(
@@ -338,8 +346,15 @@ def _is_main_process(entry: Mapping[str, object], text: str | None) -> bool:
     return _string(entry.get("COMMAND")) == "ExecStart"
 
 
-def _fields_by_text(text: str) -> dict[str, Any] | None:
-    """The kind a PID-1 message without MESSAGE_ID reports, matched by its fixed text."""
+def _fields_by_text(text: str, entry: Mapping[str, object]) -> dict[str, Any] | None:
+    """The kind a PID-1 message without MESSAGE_ID reports, matched by its fixed text.
+
+    systemd before 248 logged a main process's exit and a run's failure this way too: the
+    structured fields it did attach (EXIT_CODE=, EXIT_STATUS=) win over the text's.
+    """
+    old = _pre_248_fields(text, entry)
+    if old is not None:
+        return old
     if match := _LEFT_OVER.search(text):
         return {
             "kind": EventKind.LEFT_OVER_PROCESS,
@@ -352,6 +367,24 @@ def _fields_by_text(text: str) -> dict[str, Any] | None:
         return {"kind": EventKind.SURVIVED_SIGKILL, "final": bool(match["final"])}
     if _START_LIMIT in text:
         return {"kind": EventKind.START_LIMIT_HIT}
+    return None
+
+
+def _pre_248_fields(text: str, entry: Mapping[str, object]) -> dict[str, Any] | None:
+    """A main process's exit or a run's failure in the texts systemd logged before 248."""
+    if match := _MAIN_EXIT_TEXT.search(text):
+        code = _string(entry.get("EXIT_CODE")) or match["code"]
+        status = _integer(entry.get("EXIT_STATUS"))
+        status = int(match["status"]) if status is None else status
+        return {
+            "kind": EventKind.MAIN_EXITED,
+            "exit_code": code,
+            "exit_status": status,
+            "signal": _signal_name(status) if code in {"killed", "dumped"} else None,
+        }
+    if match := _FAILED_TEXT.search(text):
+        result = _string(entry.get("UNIT_RESULT")) or match["result"]
+        return {"kind": EventKind.FAILED, "result": result}
     return None
 
 

@@ -65,6 +65,13 @@ class GpuEvidence:
     holder_pids: frozenset[int] = frozenset()
     """The PIDs that hold a GPU of the unit's set now (any owner): a left-over named at a start
     that is not among them holds nothing the next start needs."""
+    gate_refused: tuple[str, ...] = ()
+    """What holds the unit's GPUs now, one phrase each, when its gate refused the last start
+    (core.gate.refusal): the gate's refusals are GPU evidence, the server never ran to say so.
+    Empty when the gate did not refuse, or the GPUs are free now."""
+    unreadable: str | None = None
+    """Why the GPUs cannot be read at all (NVML missing, timed out, refused: its reason); None
+    when they can. Busy or idle is then unknown, and the cause says so rather than guess."""
 
 
 def judge_cause(failed: Sequence[Run], gpu: GpuEvidence | None) -> tuple[Cause, str]:
@@ -87,15 +94,25 @@ def _doubt(failed: Sequence[Run], gpu: GpuEvidence | None) -> str | None:
     """Why the failures cannot be called "not GPU related", or None when they can."""
     if not failed:
         return "no failed run to explain"
-    if gpu is None:
-        return "no GPU inventory to rule out stale holders"
-    if gpu.gpus_busy:
-        return "the GPUs are busy, but no holder is from an earlier run"
+    unseen = _unseen(gpu)
+    if unseen is not None:
+        return unseen
     if len(failed) < _PATTERN_MIN_FAILURES:
         return f"one failure, {failed[0].describe_failure()}, is not a pattern yet"
     if len({run.way() for run in failed}) > 1:
         ways = ", ".join(sorted({run.describe_failure() for run in failed}))
         return f"the failed runs ended in different ways: {ways}"
+    return None
+
+
+def _unseen(gpu: GpuEvidence | None) -> str | None:
+    """What the inventory cannot rule out: none taken, GPUs unreadable, or busy; else None."""
+    if gpu is None:
+        return "no GPU inventory to rule out stale holders"
+    if gpu.unreadable is not None:
+        return f"the GPUs cannot be read ({gpu.unreadable}): whether anything holds them is unknown"
+    if gpu.gpus_busy:
+        return "the GPUs are busy, but no holder is from an earlier run"
     return None
 
 
@@ -105,6 +122,13 @@ def _gpu_cause(failed: Sequence[Run], gpu: GpuEvidence | None) -> tuple[Cause, s
         shown = "; ".join(gpu.stale_holders[:_SHOWN_HOLDERS])
         more = len(gpu.stale_holders) - _SHOWN_HOLDERS
         return Cause.STALE_GPU_HOLDERS, shown + (f"; and {more} more" if more > 0 else "")
+    if gpu is not None and gpu.gate_refused and gpu.unreadable is None:
+        shown = "; ".join(gpu.gate_refused[:_SHOWN_HOLDERS])
+        more = len(gpu.gate_refused) - _SHOWN_HOLDERS
+        return Cause.STALE_GPU_HOLDERS, (
+            f"the gate refused the last start and the GPUs are still held: {shown}"
+            + (f"; and {more} more" if more > 0 else "")
+        )
     oom_runs = [run for run in failed if run.oom]
     if not oom_runs:
         return None

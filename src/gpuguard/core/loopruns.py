@@ -156,11 +156,11 @@ class Run:
             text = self.result or "failed"
         if self.exit is not None and self.exit.exit_code is not None:
             if self.exit.exit_code == "exited":
-                text += f" (status {self.exit.exit_status})"
+                text += f" (status {_or_unknown(self.exit.exit_status)})"
             elif self.exit.signal is not None:
                 text += f" ({self.exit.exit_code} by SIG{self.exit.signal})"
             else:
-                text += f" ({self.exit.exit_code}, signal {self.exit.exit_status})"
+                text += f" ({self.exit.exit_code}, signal {_or_unknown(self.exit.exit_status)})"
         return text
 
 
@@ -177,6 +177,24 @@ class View:
     episode: tuple[tuple[Run, Outcome], ...]
     """The known runs after the newest OK or STOPPED one: the current series."""
     n_restarts: int | None
+    restart_counters: tuple[int, ...] = ()
+    """systemd's restart counter at each scheduled restart of the window, oldest first."""
+
+    @property
+    def climb(self) -> int:
+        """Automatic restarts within the window since the counter last reset, by the counter.
+
+        The counter counts each restart systemd scheduled (``N_RESTARTS``); it goes back to 0
+        only when someone starts the unit by hand, so the values after the last drop count
+        restarts even where the window lost some of their lines: 7 then 10 is 4 restarts.
+        """
+        counters = self.restart_counters
+        if not counters:
+            return 0
+        first = len(counters) - 1
+        while first > 0 and counters[first - 1] < counters[first]:
+            first -= 1
+        return counters[-1] - counters[first] + 1
 
     @property
     def newest(self) -> tuple[Run, Outcome] | None:
@@ -197,8 +215,10 @@ class View:
 def runs_of(events: Iterable[UnitEvent]) -> list[Run]:
     """Events grouped into runs by invocation, oldest run first.
 
-    An event without an invocation ID (PID 1 always sets one; tolerated all the same) joins the
-    run in progress at its time, or is dropped when there is none.
+    An event without an invocation ID (systemd before 232 set none; a public excerpt shows none)
+    joins the run in progress at its time; a start ("Starting", or "Started" after no "Starting"
+    of its own) opens a new run, as does any event with no run before it: systemd logs a run's
+    lines in order, from "Starting" to "Stopped", and the next run's start after them.
     """
     by_id: dict[str, Run] = {}
     orphans: list[UnitEvent] = []
@@ -211,11 +231,29 @@ def runs_of(events: Iterable[UnitEvent]) -> list[Run]:
             run = by_id[event.invocation_id] = Run(event.invocation_id, event.monotonic_s)
         run.add(event)
     runs = sorted(by_id.values(), key=lambda run: (run.first_s, run.invocation_id))
+    unnamed: list[Run] = []
     for event in orphans:
-        owners = [run for run in runs if run.first_s <= event.monotonic_s]
-        if owners:
-            owners[-1].add(event)
-    return runs
+        owners = [run for run in (*runs, *unnamed) if run.first_s <= event.monotonic_s]
+        owner = max(owners, key=lambda run: run.first_s) if owners else None
+        if owner is None or _opens_run(event, owner):
+            owner = Run(f"{UNNAMED}{len(unnamed) + 1}", event.monotonic_s)
+            unnamed.append(owner)
+        owner.add(event)
+    return sorted((*runs, *unnamed), key=lambda run: (run.first_s, run.invocation_id))
+
+
+UNNAMED: Final = "unnamed-"
+"""The name of a run whose entries carry no INVOCATION_ID: ``unnamed-1``, ``unnamed-2``, …"""
+
+
+def _opens_run(event: UnitEvent, current: Run) -> bool:
+    """Whether an event without an invocation ID starts a new run after ``current``."""
+    if event.kind is EventKind.STARTING:
+        return True
+    if event.kind is EventKind.STARTED:
+        starting_only = current.start_marker and current.started_s is None
+        return not (starting_only and current.failure_s is None)
+    return False
 
 
 def run_lines(run: Run, outcome: Outcome) -> list[tuple[float, str]]:
@@ -262,8 +300,14 @@ def event_lines(events: Iterable[UnitEvent]) -> list[tuple[float, str]]:
         elif event.kind is EventKind.RESTART_SCHEDULED:
             restart = event
     if restart is not None:
-        lines.append((restart.monotonic_s, f"restart scheduled, counter at {restart.n_restarts}"))
+        counter = _or_unknown(restart.n_restarts)
+        lines.append((restart.monotonic_s, f"restart scheduled, counter at {counter}"))
     return lines
+
+
+def _or_unknown(value: int | None) -> str:
+    """A number systemd may have left out (EXIT_STATUS=, N_RESTARTS=), for people: never None."""
+    return "unknown" if value is None else str(value)
 
 
 def clean_exit(event: UnitEvent) -> bool:
@@ -285,7 +329,7 @@ def abbrev(run: Run | str | None) -> str:
     invocation_id = run.invocation_id if isinstance(run, Run) else run
     if invocation_id is None:
         return "?"
-    if len(invocation_id) <= _SHORT_ID:
+    if len(invocation_id) <= _SHORT_ID or invocation_id.startswith(UNNAMED):
         return invocation_id
     return invocation_id[:_SHORT_ID] + "…"
 

@@ -88,9 +88,15 @@ class RecoveryPlanner:
                 "(see `gpuguard status` and the runbook)",
             )
         if diagnosis.cause is not Cause.STALE_GPU_HOLDERS:
+            # Unknown is not "no GPU cause": the evidence could not rule the GPUs out.
+            what = (
+                "whose cause is not known"
+                if diagnosis.cause is Cause.UNKNOWN
+                else ("without a GPU cause")
+            )
             return RecoveryDecision(
                 Action.REPORT,
-                f"restart loop without a GPU cause ({diagnosis.cause.value}: "
+                f"restart loop {what} ({diagnosis.cause.value}: "
                 f"{diagnosis.cause_detail}); gpuguard does not act on it",
             )
         return self._limited(now) or RecoveryDecision(

@@ -144,6 +144,9 @@ class Sweep:
     containers: tuple[str, ...] = ()
     """The unit's left-over containers stopped (planned, for a dry run or a report), each as
     ``NAME (docker <id12>)``."""
+    dying: int = 0
+    """Survivors SIGKILLed but still alive when the sweep ended (an uninterruptible wait): not
+    reaped, not counted in ``reaped``; they go when their wait ends."""
 
 
 def describe(sweep: Sweep) -> str:
@@ -164,6 +167,12 @@ def describe(sweep: Sweep) -> str:
         after = sweep.reaped_after_s
         within = "" if after is None else f" within {after:.1f} s of its end"
         head = f"{_whom(sweep, sweep.reaped, ('reaped ', 'stopped '))} of {run}{within}"
+        if sweep.dying:
+            # Reaped only once gone: a survivor SIGKILL has not ended yet is dying, said so.
+            head += (
+                f"; {_survivors(sweep.dying)} SIGKILLed but still alive (dying: in an "
+                "uninterruptible wait, gone when it ends)"
+            )
     return f"{head}; {_gpus(sweep)}"
 
 

@@ -132,6 +132,9 @@ class Snapshot:
     xids_malformed: int
     updated_at: str | None = None
     metrics: dict[str, Any] | None = None
+    gpu_hangs: tuple[dict[str, Any], ...] = ()
+    """Kernel lines that say a GPU hangs (core.xid.hung: ``said``, ``gpu``, ``text``, ``time``,
+    ``boot_id``), newest last; in the document's ``xid.hung``, absent from older daemons'."""
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot document, ``schema_version`` SNAPSHOT_SCHEMA."""
@@ -148,6 +151,7 @@ class Snapshot:
             "xid": {
                 "recent": [xid.to_json() for xid in self.xids],
                 "malformed": self.xids_malformed,
+                "hung": list(self.gpu_hangs),
             },
             "updated_at": self.updated_at,
         }
@@ -266,7 +270,17 @@ def _snapshot(document: object) -> Snapshot:
         xids_malformed=_get(xid, "malformed", _int, "xid."),
         updated_at=_get(top, "updated_at", _optional(_str)),
         metrics=_get(top, "metrics", _object) if "metrics" in top else None,
+        gpu_hangs=_hangs(xid) if "hung" in xid else (),
     )
+
+
+def _hangs(xid: Mapping[str, object]) -> tuple[dict[str, Any], ...]:
+    """``xid.hung``: each an object with the text status shows (a string)."""
+    hangs = _get(xid, "hung", _objects, "xid.")
+    for index, hang in enumerate(hangs):
+        _get(hang, "text", _str, f"xid.hung[{index}].")
+        _get(hang, "said", _str, f"xid.hung[{index}].")
+    return hangs
 
 
 def _unit(value: object, where: str) -> UnitSnapshot:

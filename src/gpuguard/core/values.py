@@ -179,6 +179,11 @@ class NvmlReading:
     gpus: tuple[GpuReading, ...] = ()
 
 
+def nvml_usable(reading: NvmlReading) -> bool:
+    """Whether NVML gave GPU readings at all (a driver too old for some calls still does)."""
+    return reading.health in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD)
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessFacts:
     """What /proc says about one process, with secrets already removed from its command line.
@@ -273,6 +278,11 @@ class ReapOutcome(StrEnum):
     UNKILLABLE = "unkillable"  # alive after SIGKILL and the wait (state D in the driver, …)
     PERMISSION_DENIED = "permission-denied"  # EPERM: reported once, never retried
     ERROR = "error"  # the kernel refused the pidfd or the signal for another reason
+
+    @property
+    def gone(self) -> bool:
+        """Whether the process is gone: only then was it reaped (exited, killed, or before)."""
+        return self in {ReapOutcome.EXITED, ReapOutcome.KILLED, ReapOutcome.GONE}
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from gpuguard.core.recovery import (
     resume_problem,
     unfreeable,
 )
-from gpuguard.core.values import MIB
+from gpuguard.core.values import MIB, nvml_usable
 from gpuguard.core.xid.faults import XidFault, blockers
 from gpuguard.core.xid.stuck import claims, named_by, stuck_phrase
 from gpuguard.daemon import recover
@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 _RESUME_SLACK_S = 60.0
 # The unit of /proc's process start times (USER_HZ): compared with the journal's seconds.
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _nvml_reason(inventory: Inventory) -> str:
+    """Why NVML gave no reading, in its own words."""
+    return escape(inventory.nvml.reason or f"NVML {inventory.nvml.health.value}")
 
 
 class Judging(Publishing):
@@ -185,9 +190,13 @@ class Judging(Publishing):
         ]
         needs_reset += blockers(faults, inventory.nvml.gpus, wanted)
         view = cuda_view(facts.environment, inventory.nvml.gpus)
+        busy = set_blockers(inventory, settings)
+        # The gate's refusal names why it refused then; what holds the GPUs now is today's.
+        refused = self._ports.gate_refusal(watch.name) is not None
         return GpuEvidence(
             stale_holders=stale,
-            gpus_busy=bool(set_blockers(inventory, settings)),
+            gpus_busy=bool(busy),
+            gate_refused=busy if refused else (),
             needs_reset=needs_reset,
             cuda_devices=device_phrases(view, inventory),
             cuda_note=view.note,
@@ -197,6 +206,7 @@ class Judging(Publishing):
                 if wanted is None or gpu.reading.index in wanted
                 for pid in gpu.holder_pids
             ),
+            unreadable=None if nvml_usable(inventory.nvml) else _nvml_reason(inventory),
         )
 
     def _stuck(

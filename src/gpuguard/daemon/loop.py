@@ -36,6 +36,7 @@ from gpuguard.core.livenessview import State, acted_on, left_alone
 from gpuguard.core.recovery import Action, RecoveryDecision
 from gpuguard.core.xid.catalogue import lookup
 from gpuguard.core.xid.events import MalformedXid, parse_kernel_entry
+from gpuguard.core.xid.hung import parse_hung_entry
 from gpuguard.daemon.healthprobes import HealthProbing
 from gpuguard.daemon.judging import Judging
 from gpuguard.daemon.publishing import SNAPSHOT_EVERY_S
@@ -223,7 +224,15 @@ class Daemon(Judging, Sweeping, HealthProbing):
         self._keeper.run_up(unit, state.invocation_id, state.control_group, self._ports.monotonic())
 
     def _kernel(self, record: JournalRecord) -> None:
-        """Keep a kernel Xid for status (history too: recent faults explain a loop); log news."""
+        """Keep a kernel Xid or hung-GPU line for status (history too); log news."""
+        hung = parse_hung_entry(record.entry)
+        if hung is not None:
+            self._hangs.append(hung)
+            if record.live:
+                self._ports.log.warning(
+                    "kernel says a GPU hangs", said=hung.said, gpu=hung.gpu, line=hung.text
+                )
+            return
         parsed = parse_kernel_entry(record.entry)
         if isinstance(parsed, MalformedXid):
             self._xids_malformed += 1

@@ -124,6 +124,9 @@ class Ports:
     """Read end of a self-pipe that signal.set_wakeup_fd writes to: SIGTERM ends a long wait."""
     gate_environment: Callable[[str], dict[str, str] | None] = lambda _unit: None
     """The unit's GPU variables as its gate last read them (unitenv); None: ask systemd."""
+    gate_refusal: Callable[[str], tuple[str, ...] | None] = lambda _unit: None
+    """The blockers of the unit's gate when its newest decision refused a start, else None
+    (core.gate.refusal over the gate's log)."""
     containers: Callable[[PlanRequest], UnitContainers | None] = lambda _r: None
     """The stopper of a unit's left-over containers, for a recovery's gate and for a sweep
     (containerstop)."""

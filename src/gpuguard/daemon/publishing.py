@@ -71,6 +71,9 @@ class Publishing(DaemonState):
             },
             xids=tuple(_xid_snapshot(event) for event in self._xids),
             xids_malformed=self._xids_malformed,
+            gpu_hangs=tuple(
+                hung.to_json() | {"time": iso_or_none(hung.realtime_s)} for hung in self._hangs
+            ),
         ).to_json()
         content = (json.dumps(document, sort_keys=True, default=str), self._status_line())
         refresh_due = ports.monotonic() + CHORE_EARLY_S >= self._published_at + SNAPSHOT_EVERY_S

@@ -101,11 +101,14 @@ class Sweeping(Publishing):
         stopped = self._stop_containers(stopper, left_over)
         if stopped:
             inventory = self._gather()
-        reaped, reaped_at, idle_at = self._reap_run(request, inventory)
+        signalled, reaped_at, idle_at = self._reap_run(request, inventory)
+        reaped = [r for r in signalled if r.outcome.gone]
+        dying = [r for r in signalled if r.outcome is ReapOutcome.UNKILLABLE]
         sweep = replace(
             base,
             reaped=len(reaped),
-            reaped_after_s=reaped_at - end.ended_s,
+            dying=len(dying),
+            reaped_after_s=reaped_at - end.ended_s if reaped or stopped else None,
             idle_after_s=None if idle_at is None else idle_at - end.ended_s,
             containers=_named([r.verdict for r in stopped]),
         )

@@ -39,9 +39,12 @@ if TYPE_CHECKING:
     from gpuguard.core.unitfacts import UnitFacts
     from gpuguard.core.unitstate import UnitState
     from gpuguard.core.xid.events import XidEvent
+    from gpuguard.core.xid.hung import HungGpuLine
     from gpuguard.daemon.ports import Follower, Ports
 
 XIDS_KEPT = 50
+HANGS_KEPT = 10
+"""Kernel lines that say a GPU hangs kept for status (core.xid.hung): the newest few."""
 """Kernel Xid events the snapshot keeps (the newest), so a storm of them costs nothing."""
 # How often a verdict is re-derived from the events alone, so "starting" becomes "up".
 REFRESH_EVERY_S = 30.0
@@ -130,6 +133,7 @@ class DaemonState:
         self._published_at = float("-inf")
         self._xids: deque[XidEvent] = deque(maxlen=XIDS_KEPT)
         self._xids_malformed = 0
+        self._hangs: deque[HungGpuLine] = deque(maxlen=HANGS_KEPT)
         self._faults = FaultLog()
         self._unjudged: dict[str, frozenset[int]] = {}  # MIG GPUs last said per unit
         self._keeper = LedgerKeeper(ports.ledger, ports.load_ledger(), ports.wall)

@@ -32,7 +32,9 @@ from gpuguard.adapters import (
 )
 from gpuguard.core import enginelines, events
 from gpuguard.core.exits import EX_CANTCREAT
+from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.xid import events as xidevents
+from gpuguard.core.xid import hung
 from gpuguard.daemon import loop as daemon
 from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports
@@ -83,7 +85,10 @@ def run(settings: Settings) -> int:
             *(events.GPU_OOM_PATTERNS if settings.daemon.watch_output else ()),
             *(enginelines.ENGINE_PATTERNS if settings.daemon.watch_engine_lines else ()),
         ),
-        kernel_patterns=(re.escape(xidevents.MARKER),),
+        kernel_patterns=(
+            re.escape(xidevents.MARKER),
+            *(re.escape(marker) for marker in hung.MARKERS),
+        ),
         replay_s=settings.daemon.loop_window_s,
         fields=events.FIELDS_READ,
     )
@@ -124,6 +129,7 @@ def run(settings: Settings) -> int:
         watchdog_interval_s=notify.watchdog_interval_s(),
         wakeup_fd=wake_read,
         gate_environment=lambda unit: unitenv.recorded(settings.runtime_dir, unit),
+        gate_refusal=lambda unit: last_refusal(state.gate_decisions(settings.runtime_dir, unit)),
         containers=lambda request: containerstop.for_unit(
             request,
             settings.units[request.unit].container,

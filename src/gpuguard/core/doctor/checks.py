@@ -305,7 +305,7 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
         (
             f"Restart={config.restart}, RestartSec={span(restart_s)}, "
             f"StartLimitIntervalSec={span_or_off(config.start_limit_interval_s)}, "
-            f"StartLimitBurst={config.start_limit_burst}"
+            f"StartLimitBurst={_or_unknown(config.start_limit_burst)}"
         ),
         (
             f"{history.restarts} automatic restarts and {history.start_limit_hits} start-limit "
@@ -336,11 +336,20 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
     # Sized for the RestartSec= suggested below too, so both fixes together still end the loop.
     longest = max(cycles) - restart_s + max(restart_s, MIN_RESTART_S)
     interval = round_up(SUGGESTED_BURST * longest * 1.2)
+    said = f"a restart loop never hits the start limit: {per_hour:.0f} starts per hour{cost}"
+    if history.start_limit_hits:
+        # The journal shows the limit ending a loop: a faster one. Say which loop escapes it.
+        hits = history.start_limit_hits
+        said = (
+            f"a restart loop of one start every {span(cycle)} escapes the start limit: "
+            f"{per_hour:.0f} starts per hour{cost}; the {hits} start-limit "
+            f"hit{'' if hits == 1 else 's'} in the journal ended a faster loop"
+        )
     return [
         Finding(
             "restart",
             Level.WARNING,
-            f"a restart loop never hits the start limit: {per_hour:.0f} starts per hour{cost}",
+            said,
             tuple(evidence),
             (
                 (
@@ -365,6 +374,11 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
             else []
         ),
     ]
+
+
+def _or_unknown(value: int | None) -> str:
+    """A setting systemd did not report, for people: "unknown", never None."""
+    return "unknown" if value is None else str(value)
 
 
 def _start_limit_ends(config: UnitConfig, cycle_s: float) -> bool:

@@ -25,10 +25,10 @@ from gpuguard.core.xid.faults import blockers as xid_blockers
 from gpuguard.core.xid.stuck import named_by, stuck_phrase
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Collection, Sequence
 
     from gpuguard.core.inventory import Holder, Inventory, PartialProcess
-    from gpuguard.core.values import ReapResult
+    from gpuguard.core.values import ProcessIdentity, ReapResult
     from gpuguard.core.xid.faults import XidFault
     from gpuguard.core.xid.stuck import XidClaim
 
@@ -142,8 +142,16 @@ def hopeless(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
     )
 
 
-def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...]:
-    """Why the unit's GPUs are not idle, one phrase per cause; empty means idle."""
+def set_blockers(
+    inventory: Inventory,
+    settings: GateSettings,
+    *,
+    killed: Collection[ProcessIdentity] = frozenset(),
+) -> tuple[str, ...]:
+    """Why the unit's GPUs are not idle, one phrase per cause; empty means idle.
+
+    ``killed``: holders this wait already SIGKILLed that are not gone: dying, not to be reaped.
+    """
     nvml = inventory.nvml
     if nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
         return (nvml.reason or f"NVML {nvml.health.value}",)
@@ -172,7 +180,7 @@ def set_blockers(inventory: Inventory, settings: GateSettings) -> tuple[str, ...
             )
         holders = [h for pid in gpu.holder_pids if (h := inventory.holder(pid)) is not None]
         shown = [h for h in holders if may_name(h.uids, settings.viewer_uid)]
-        phrases = [_holder_phrase(h, settings.request) for h in shown]
+        phrases = [_holder_phrase(h, settings.request, killed) for h in shown]
         if len(shown) < len(holders):
             phrases.append(_others(len(holders) - len(shown)))
         named = "; ".join(phrases)
@@ -310,7 +318,12 @@ def only_kept(inventory: Inventory, settings: GateSettings) -> bool:
     return True
 
 
-def _holder_phrase(holder: Holder, request: PlanRequest) -> str:
+def _holder_phrase(
+    holder: Holder, request: PlanRequest, killed: Collection[ProcessIdentity] = frozenset()
+) -> str:
+    if holder.identity in killed:
+        why = "dying: SIGKILLed, gone once its kernel wait ends"
+        return f"PID {holder.pid} ({escape(holder.comm)}, {holder.owner}) - {why}"
     decision = plan([holder], request).decisions[0]
     why = (
         "would be reaped" if decision.verdict is Verdict.REAP else f"not touched: {decision.reason}"
@@ -357,7 +370,10 @@ def run_gate(  # noqa: PLR0913 - the loop's whole world, injected
         waited = clock() - started
         if at_once := hopeless(found, settings):
             return ended(waited, at_once, hopeless=True)
-        blockers = set_blockers(found, settings)
+        killed = {
+            r.target.identity for r in loop.reaped if "SIGKILL" in r.signals and not r.outcome.gone
+        }
+        blockers = set_blockers(found, settings, killed=killed)
         if not blockers or waited >= settings.timeout_s:
             way_out = operator_command(found, settings.request) if blockers else None
             return ended(waited, blockers, way_out=way_out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.core.driverwait import in_driver
 from gpuguard.core.escaping import escape
 from gpuguard.core.leftovers import Kind, WatchedUnit, left_overs
 from gpuguard.core.levels import Level
@@ -155,17 +156,13 @@ def _list_of_dicts(value: object) -> list[dict[str, Any]]:
     return [item for item in as_list(value) if isinstance(item, dict)]
 
 
-# Module and symbol names of the NVIDIA kernel driver (nvidia, nvidia_uvm, nvidia_modeset).
-_DRIVER_MARKS = ("nvidia", "uvm")
-
-
 def _sleep_finding(who: str, kernel_wait: Sequence[str]) -> Finding:
     """State D is "stuck in the driver" only when the kernel says so.
 
     A vfork() parent waiting for its child, or a process in disk or network I/O, is in state D
     too and wakes on its own; calling that a driver hang would send an operator to reset a GPU.
     """
-    driver = next((f for f in kernel_wait if any(m in f.lower() for m in _DRIVER_MARKS)), None)
+    driver = in_driver(kernel_wait)
     if driver is not None:
         return Finding(
             Level.CRITICAL,

@@ -8,12 +8,14 @@ and the operator's command.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from gpuguard.core.escaping import escape
+from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
-from gpuguard.core.levels import Level
+from gpuguard.core.levels import Level, worst
+from gpuguard.core.since import within
 from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
 from gpuguard.core.status.holderfindings import (
@@ -23,8 +25,8 @@ from gpuguard.core.status.holderfindings import (
     shared_gpu_findings,
 )
 from gpuguard.core.status.report import Finding, StatusContext, StatusReport
-from gpuguard.core.status.words import as_list, xid_events, xid_phrase
-from gpuguard.core.values import NvmlHealth
+from gpuguard.core.status.words import said, xid_events, xid_phrase
+from gpuguard.core.values import nvml_usable
 from gpuguard.core.xid.catalogue import XidClass
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *nvml_findings(inventory),
         *gpu_findings(inventory),
         *_xid_findings(inventory, context.daemon, context.since),
+        *_hung_findings(context.daemon, context.since),
         *holder_findings(inventory, context),
         *shared_gpu_findings(context.watched),
         *container_findings(inventory, context.unit_containers),
@@ -61,11 +64,11 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         for gpu in inventory.gpus
         if is_idle_seen(inventory, gpu, context.idle_threshold_bytes)
     )
-    level = max((f.level for f in findings), default=Level.OK)
+    level = worst(f.level for f in findings)
     if level is Level.OK:
         headline = _ok_headline(inventory, idle)
     else:
-        headline = next(f.message for f in findings if f.level is level)
+        headline = _headline(next(f for f in findings if f.level is level))
     return StatusReport(
         inventory,
         level,
@@ -80,6 +83,21 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         context.since,
         context.unit_containers,
     )
+
+
+HEADLINE_LIMIT: Final = 180
+"""Characters of the headline after ``gpuguard status: LEVEL - ``: one line of a wide screen."""
+
+
+def _headline(finding: Finding) -> str:
+    """The worst finding in one screen line: its summary, else its message, cut with a pointer."""
+    said = finding.summary or finding.message
+    if len(said) <= HEADLINE_LIMIT:
+        return said
+    return said[: HEADLINE_LIMIT - len(_MORE)].rstrip() + _MORE
+
+
+_MORE: Final = " … (details below)"
 
 
 def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
@@ -108,24 +126,58 @@ def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding
     ]
     watched = {w.name: w for w in context.watched_view()}
     for unit in units:
-        last = unit.gate_decisions[-1] if unit.gate_decisions else None
-        if last is None or last.get("result") != "refused":
+        if last_refusal(unit.gate_decisions) is None:
             continue
-        listed = as_list(last.get("blockers"))
-        why = escape(str(listed[0])) if listed else "GPUs busy"
-        said = f"the gate refused the last start of {unit.name} at {last.get('time')}: {why}"
+        when = said(unit.gate_decisions[-1].get("time"), "an unknown time")
+        refused = f"the gate refused the last start of {unit.name} at {when}"
         seen = watched.get(unit.name)
         if seen is not None and _set_idle(inventory, seen, context.idle_threshold_bytes):
-            findings.append(Finding(Level.OK, f"{said}; its cause is gone: its GPUs are idle now"))
+            findings.append(
+                Finding(Level.OK, f"{refused}; its cause is gone: its GPUs are idle now")
+            )
             continue
-        way_out = "" if seen is None else _way_out(inventory, seen, context)
-        findings.append(Finding(Level.CRITICAL, said + way_out))
+        # What holds the GPUs now, each once; what the gate named then is the unit's gate line.
+        findings.append(_refusal_now(inventory, seen, context, refused))
     return findings
+
+
+def _refusal_now(
+    inventory: Inventory, unit: WatchedUnit | None, context: StatusContext, refused: str
+) -> Finding:
+    """A refusal whose GPUs are still not idle: today's blockers and the way out, once each."""
+    if not nvml_usable(inventory.nvml):
+        why = f"; its GPUs cannot be read: {escape(inventory.nvml.reason or 'NVML unusable')}"
+        return Finding(Level.CRITICAL, refused + why)
+    if unit is None:
+        return Finding(Level.CRITICAL, refused + "; not a watched unit: its GPUs are not judged")
+    way_out = _way_out(inventory, unit, context)
+    if not way_out:
+        # Nothing kept that gpuguard will not free: the next start's gate frees it.
+        tail = "; its GPUs are still not idle, held by what its gate frees at the next start"
+        return Finding(Level.CRITICAL, refused + tail)
+    short = f"{unit.name}: the gate refused its last start"  # when: in the line below
+    return Finding(Level.CRITICAL, refused + way_out, short + _held(inventory, unit, context))
+
+
+def _held(inventory: Inventory, unit: WatchedUnit, context: StatusContext) -> str:
+    """``_way_out`` in a headline's few words: who holds the GPUs (PIDs, once each), the command."""
+    found = blockers(inventory, unit, context.watched_view(), context.protected_names)
+    if found.live_elsewhere:
+        return f"; its GPUs are held by the running {', '.join(found.live_elsewhere)}"
+    pids = [f"PID {holder.pid}" for holder, _ in found.holders]
+    shown = ", ".join(pids[:_HEADLINE_PIDS]) + (
+        f" and {len(pids) - _HEADLINE_PIDS} more" if len(pids) > _HEADLINE_PIDS else ""
+    )
+    command = f"; after checking them: `{found.command}`" if found.command else ""
+    return f"; its GPUs are held by {shown}{command}"
+
+
+_HEADLINE_PIDS: Final = 3
 
 
 def _set_idle(inventory: Inventory, unit: WatchedUnit, threshold_bytes: int) -> bool:
     """Whether NVML answers and every GPU of the unit's set is present and idle."""
-    if inventory.nvml.health not in (NvmlHealth.OK, NvmlHealth.DRIVER_TOO_OLD):
+    if not nvml_usable(inventory.nvml):
         return False
     present = {gpu.reading.index for gpu in inventory.gpus}
     if unit.gpu_set is not None and not unit.gpu_set <= present:
@@ -194,23 +246,32 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 Finding(
                     Level.CRITICAL,
                     f"{name} needs an operator: a GPU of its set needs a reset, which no kill or "
-                    f"restart can replace ({escape(str(unit.cause_detail))})",
+                    f"restart can replace ({said(unit.cause_detail, 'no detail recorded')})",
                 )
             )
         elif unit.needs_operator:
+            # Said as it was decided: after recoveries that did not help, or before any, when
+            # the daemon would not stop a unit whose GPUs it cannot free (never worse).
+            why = (
+                "recoveries did not break its restart loop"
+                if unit.recoveries
+                else "gpuguard leaves its restart loop alone: stopping it frees nothing"
+            )
+            needs = f"{name} needs an operator"
             findings.append(
                 Finding(
                     Level.CRITICAL,
-                    f"{name} needs an operator: recoveries did not break its restart loop "
-                    f"({escape(unit.verdict)}){way_out}",
+                    f"{needs}: {why} ({escape(unit.verdict)}){way_out}",
+                    needs + _held(inventory, seen, context) if way_out and seen else None,
                 )
             )
-        elif unit.looping and way_out:
+        elif unit.looping and way_out and seen is not None:
+            loop = f"{name} is in a restart loop caused by its GPUs that gpuguard cannot end"
             findings.append(
                 Finding(
                     Level.CRITICAL,
-                    f"{name} is in a restart loop caused by its GPUs that gpuguard cannot end: "
-                    f"{escape(unit.verdict)}{way_out}",
+                    f"{loop}: {escape(unit.verdict)}{way_out}",
+                    loop + _held(inventory, seen, context),
                 )
             )
         elif unit.looping and unit.cause == "does-not-fit":
@@ -219,7 +280,7 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 Finding(
                     Level.WARNING,
                     f"{name} is in a restart loop that no reap can end: "
-                    f"{escape(str(unit.cause_detail))}",
+                    f"{said(unit.cause_detail, 'no detail recorded')}",
                 )
             )
         elif unit.looping:
@@ -227,7 +288,7 @@ def _daemon_findings(inventory: Inventory, context: StatusContext) -> list[Findi
                 Finding(
                     Level.WARNING,
                     f"{name} is in a restart loop: {escape(unit.verdict)}; "
-                    f"cause {unit.cause}; daemon action {unit.action}",
+                    f"cause {said(unit.cause)}; daemon action {said(unit.action, 'none yet')}",
                 )
             )
         findings.extend(_liveness_findings(name, unit.liveness or {}))
@@ -239,7 +300,7 @@ def _liveness_findings(name: str, liveness: Mapping[str, Any]) -> list[Finding]:
     level = {"critical": Level.CRITICAL, "warning": Level.WARNING}.get(str(liveness.get("level")))
     if level is None:
         return []
-    return [Finding(level, f"{name}: {escape(str(liveness.get('summary')))}")]
+    return [Finding(level, f"{name}: {said(liveness.get('summary'), 'no summary recorded')}")]
 
 
 # Xid classes after which no kill helps (xid.catalogue); an application fault is the reaper's.
@@ -284,6 +345,34 @@ def _xid_findings(
             )
         )
     return findings
+
+
+def _hung_findings(daemon: DaemonView | None, since: datetime | None) -> list[Finding]:
+    """The driver said a GPU hangs (core.xid.hung): the newest line of each source and GPU.
+
+    A GPU health finding, not a holder's: no kill helps a GPU that makes no progress.
+    """
+    snapshot = daemon.snapshot if daemon is not None else None
+    if snapshot is None:
+        return []
+    newest: dict[tuple[object, object], Mapping[str, Any]] = {}
+    for hang in snapshot.gpu_hangs:
+        if within(since, hang.get("time")):
+            newest[(hang.get("said"), hang.get("gpu"))] = hang
+    return [
+        Finding(
+            Level.WARNING,
+            f"the kernel says a GPU hangs: {said(hang.get('said'))}"
+            + (
+                f" ({said(hang.get('gpu'))}, as nvidia-modeset numbers GPUs)"
+                if hang.get("gpu")
+                else ""
+            )
+            + f" at {said(hang.get('time'), 'an unknown time')}: {said(hang.get('text'))}; no kill "
+            "helps a hung GPU: a reset or reboot may be needed (docs/xid.md)",
+        )
+        for hang in newest.values()
+    ]
 
 
 def _unaddressed(inventory: Inventory) -> str:

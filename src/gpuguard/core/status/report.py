@@ -29,6 +29,9 @@ class Finding:
 
     level: Level
     message: str
+    summary: str | None = None
+    """The finding in one screen line for the headline (the message is below it); None: the
+    message, cut to the headline's length."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from gpuguard.core.status.words import (
     as_list,
     by_gpu,
     mib,
+    said,
     xid_events,
     xid_phrase,
 )
@@ -147,28 +148,27 @@ def _watch_lines(daemon: DaemonView | None, unit: str, since: datetime | None) -
     watch = snapshot.units.get(unit) if snapshot is not None else None
     if watch is None:
         return []
-    lines = [
-        (
-            f"daemon: {escape(watch.verdict)} "
-            f"(starts in window {watch.starts_in_window}, "
-            f"restart counter {watch.n_restarts}, action {watch.action})"
-        )
-    ]
+    counts = [f"starts in window {watch.starts_in_window}"]
+    if watch.n_restarts is not None:  # systemd logged no restart in the window: nothing to say
+        counts.append(f"restart counter {watch.n_restarts}")
+    if watch.action is not None:  # no loop, nothing decided
+        counts.append(f"action {said(watch.action)}")
+    lines = [f"daemon: {escape(watch.verdict)} ({', '.join(counts)})"]
     liveness = watch.liveness or {}
     if liveness.get("summary") and liveness.get("state") != "unknown":
         lines.append(f"engine: {escape(str(liveness['summary']))}")
     if watch.looping:
-        detail = escape(str(watch.cause_detail))
-        lines.append(f"  cause {watch.cause}: {detail}")
+        lines.append(f"  cause {said(watch.cause)}: {said(watch.cause_detail, 'no detail')}")
         lines.extend(f"  {escape(line)}" for line in watch.evidence[-5:])
     lines.extend(
-        f"recovery {record.get('started_at')}: {record.get('result')}"
+        f"recovery {said(record.get('started_at'), 'at an unknown time')}: "
+        f"{said(record.get('result'), 'no result recorded')}"
         f", reaped {len(as_list(record.get('reaped')))}"
         + (f": {escape(str(record['problem']))}" if record.get("problem") else "")
         for record in _recent(watch.recoveries, "started_at", since)
     )
     lines.extend(
-        f"survivors {escape(str(record.get('at')))}: {escape(str(record.get('summary')))}"
+        f"survivors {said(record.get('at'), 'at an unknown time')}: {said(record.get('summary'))}"
         for record in _recent(watch.survivors, "at", since)
         if record.get("summary")
     )
@@ -189,7 +189,8 @@ def _gate_line(entry: Mapping[str, Any]) -> str:
     reaped = entry.get("reaped") or []
     spared = entry.get("spared") or []
     line = (
-        f"{entry.get('time', '?')} {entry.get('result', '?')} after {entry.get('waited_s', '?')} s"
+        f"{said(entry.get('time'), '?')} {said(entry.get('result'), '?')} after "
+        f"{said(entry.get('waited_s'), '?')} s"
         f", reaped {len(reaped)}, spared {len(spared)}"
     )
     blockers = entry.get("blockers") or []

@@ -22,6 +22,17 @@ if TYPE_CHECKING:
     from gpuguard.core.snapshot import DaemonView, XidRecord
 
 
+def said(value: object, missing: str = "unknown") -> str:
+    """A recorded value for a screen, escaped; ``missing`` for one not recorded (never ``None``).
+
+    Records in the snapshot and the gate's log are plain JSON: any field may be absent or null,
+    and Python's ``None`` is not a word an operator should read.
+    """
+    if value is None or value == "":
+        return missing
+    return escape(str(value))
+
+
 def mib(value: int) -> str:
     """Bytes as whole MiB, as every line of status says them."""
     return f"{value // MIB} MiB"
@@ -89,7 +100,7 @@ def xid_phrase(xid: XidRecord) -> str:
     """One kernel Xid for people: code, class, time, the driver's detail and its PID."""
     who = f", pid {xid.pid}" if xid.pid is not None else ""
     return (
-        f"Xid {xid.code} ({escape(xid.xid_class)}) at {escape(str(xid.time))}: "
+        f"Xid {xid.code} ({escape(xid.xid_class)}) at {said(xid.time, 'an unknown time')}: "
         f"{escape(xid.detail)}{who}"
     )
 

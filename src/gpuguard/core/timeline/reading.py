@@ -51,6 +51,7 @@ from gpuguard.core.timeline.model import (
     Row,
 )
 from gpuguard.core.xid.events import MalformedXid, parse_kernel_entry
+from gpuguard.core.xid.hung import parse_hung_entry
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -320,6 +321,10 @@ def _said_kind(said: str) -> str:
 def _kernel_row(
     entry: Mapping[str, object], where: tuple[float, float | None, str | None], acc: Acc
 ) -> None:
+    hung = parse_hung_entry(entry)
+    if hung is not None:
+        acc.rows.append(Row(*where, KERNEL, "gpu-hangs", f"{hung.said}: {hung.text}"))
+        return
     parsed = parse_kernel_entry(entry)
     if parsed is None:
         return

@@ -107,7 +107,12 @@ def _story_lines(timeline: Timeline) -> list[str]:
         block("what gpuguard decided and did", story.gpuguard, "only verdicts and signals")
     else:
         lines.append("  gpuguard: left no line in this journal (not installed or not running)")
-        block("what gpuguard would have done", story.would, "nothing: no restart loop")
+        looping = story.verdict.startswith("restart loop")
+        block(
+            "what gpuguard would have done",
+            story.would,
+            "nothing" if looping or story.start_limit else "nothing: no restart loop",
+        )
     block("GPU memory released after a reap", story.released, "none in the release log")
     lines.append(f"  verdict (gpuguard's detector on these entries): {story.verdict}")
     if story.disagreements:

@@ -16,6 +16,7 @@ from gpuguard.core.events import (
     EventKind,
     UnitEvent,
 )
+from gpuguard.core.loopruns import UNNAMED, Run, runs_of
 from gpuguard.core.timeline.model import GPUGUARD, SURVIVOR_PID, Row, Story, short_run
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def tell(
         failed_starts=tuple(_failed_starts(rows, events)),
         gpuguard=tuple(ours),
         would=would,
-        healthy=_healthy(events, rows),
+        # A run still starting is no answer to a loop the detector sees (systemd's counter).
+        healthy=None if replayed.verdict.startswith("restart loop") else _healthy(events, rows),
         start_limit=tuple(_start_limit(events)),
         operator=tuple(_operator(events)),
         findings=replayed.findings,
@@ -153,41 +155,66 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
         )
         if restarted and event.invocation_id not in done:
             done.add(event.invocation_id)
+            n = event.n_restarts
+            counter = "" if n is None else f" (restart counter at {n})"
             lines.append(
-                f"run {short_run(event.invocation_id)}: exited cleanly and systemd restarted it "
-                f"(restart counter at {event.n_restarts}): a server that exits is not serving"
+                f"run {short_run(event.invocation_id)}: exited cleanly and systemd restarted "
+                f"it{counter}: a server that exits is not serving"
             )
             continue
         if event.kind not in _FAILED_RUN_KINDS or event.invocation_id in done:
             continue
         done.add(event.invocation_id)
-        if event.kind is EventKind.FAILED and event.result == "timeout":
-            continue  # a stop that timed out: told as such, not as a failed start
-        if event.kind is EventKind.FAILED and event.invocation_id in stopping:
-            continue  # how a stop someone asked for ended: SGLang's clean drain ends in its
-            # own SIGKILL (result 'signal'), never a failed start
+        if event.kind is EventKind.FAILED and (
+            event.result == "timeout" or event.invocation_id in stopping
+        ):
+            # A stop that timed out is told as such; how a stop someone asked for ended is no
+            # failed start either (SGLang's clean drain ends in its own SIGKILL, 'signal').
+            continue
         why = f"result '{event.result}'" if event.result else "failed"
         signature = said.get(event.invocation_id)
         lines.append(
             f"run {short_run(event.invocation_id)}: {why}"
             + (f"; it printed {signature}" if signature else "; no start-failure signature")
         )
+    # A run whose main process exited unclean with no "Failed with result" line (the journal
+    # ends there, or a restart was pending): failed all the same, as the detector counts it.
+    for run in runs_of(events):
+        if run.failure_s is None or run.result or run.job_result or run.clean_restart:
+            continue
+        signature = said.get(_named(run))
+        lines.append(
+            f"run {short_run(_named(run))}: {run.describe_failure()}"
+            + (f"; it printed {signature}" if signature else "; no start-failure signature")
+        )
     return lines
 
 
 def _healthy(events: list[UnitEvent], rows: list[Row]) -> str | None:
-    """The newest run that started and did not fail afterwards, as far as the journal goes."""
-    ended: set[str | None] = {
-        e.invocation_id
-        for e in events
-        if e.kind in _FAILED_RUN_KINDS or e.kind in {EventKind.DEACTIVATED, EventKind.STOPPED}
-    }
-    started = [e for e in events if e.kind is EventKind.STARTED]
-    if not started or started[-1].invocation_id in ended:
+    """The newest run that started and did not fail afterwards, as far as the journal goes.
+
+    Failed as the detector counts it (core.loopruns): a main process that exited unclean, a
+    failure result, a failed start job, the start limit; ended: a clean end or a stop.
+    """
+    boot = events[-1].boot_id if events else None
+    runs = runs_of(e for e in events if e.boot_id == boot)
+    started = [run for run in runs if run.started_s is not None]
+    if not started:
         return None
     run = started[-1]
-    last = max((r.monotonic_s for r in rows if r.boot_id == run.boot_id), default=0.0)
-    return (
-        f"run {short_run(run.invocation_id)} started and has not failed since "
-        f"({last - run.monotonic_s:.1f} s of journal after its start)"
+    stopped = any(
+        e.kind is EventKind.STOPPED and e.invocation_id == run.invocation_id for e in events
     )
+    if run.failure_s is not None or run.deactivated_s is not None or stopped or run is not runs[-1]:
+        return None
+    began = run.started_s or 0.0
+    last = max((r.monotonic_s for r in rows if r.boot_id == boot), default=began)
+    return (
+        f"run {short_run(_named(run))} started and has not failed since "
+        f"({last - began:.1f} s of journal after its start)"
+    )
+
+
+def _named(run: Run) -> str | None:
+    """The run's invocation ID as the rows name it (None for one the journal named not)."""
+    return None if run.invocation_id.startswith(UNNAMED) else run.invocation_id
