@@ -35,6 +35,7 @@ from e2e.gpubox import INSTALL_SECONDS, Artifacts, GpuBox, host_env_ok, install,
 from e2e.measure import SESSION_NOTES, SESSION_RESULTS, render_report
 from e2e.real_engine import REQUIRE_ENV, Engine, EngineError, engine_required, ensure_engine
 from e2e.real_engine import TREE as ENGINE_TREE
+from e2e.real_engine import install_engine as install_real_engine
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -230,6 +231,21 @@ def real_engine(vllm_rootfs: Path, release: str, request: pytest.FixtureRequest)
     timings = ", ".join(f"{name} {seconds:.1f}" for name, seconds in engine.timings.items())
     SESSION_NOTES.append(f"real vLLM for {release} (s): {timings}")
     return engine
+
+
+@pytest.fixture
+def vllm_box(vllm_rootfs: Path, e2e_artifacts: Artifacts, real_engine: Engine) -> Iterator[GpuBox]:
+    """A gpubox of the "vllm" tree with the real vLLM too: vllm.service on fake GPU 0, stopped."""
+    booted = Container(
+        vllm_rootfs,
+        binds=[*e2e_artifacts.binds(), *real_engine.binds()],
+        mode="copy" if os.environ.get(MODE_ENV) == "copy" else "overlay",
+    )
+    with booted:
+        box = GpuBox(booted, install_s=install(booted))
+        box.install_s += install_real_engine(booted)
+        yield box
+        booted.systemctl("kill", "--signal=SIGKILL", "vllm.service", check=False)
 
 
 def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:

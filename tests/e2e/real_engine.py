@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.container import CLEAN_ENV, Bind, cache_dir, recipe_hash
+from e2e.container import CLEAN_ENV, Bind, Container, cache_dir, recipe_hash
 from e2e.gpubox import _cached_dir, _platform_args
 
 HERE = Path(__file__).resolve().parent / "realvllm"
@@ -238,6 +238,70 @@ def ensure_engine(rootfs: Path, release: str) -> Engine:
         _prune(keep, pattern)
     _prune(engine_root() / f"wheels-{_wheels_key()}", "wheels-*")
     return Engine(venv=venv, model=model, timings=timings)
+
+
+#: In a booted container with `Engine.binds()` (after gpubox.install: the fake NVML, its state
+#: and the fake GPU driver): the plugin into /opt/vllm-plugins (the unit's PYTHONPATH; the venv
+#: stays read-only, so its source is built from a copy) and vllm.service.
+INSTALL_SCRIPT = f"""\
+set -eu
+rm -rf /tmp/realvllm-plugin
+cp -r /e2e/realvllm/fakegpu_plugin /tmp/realvllm-plugin
+{VENV}/bin/python -m pip install --quiet --no-index --no-deps --no-build-isolation \\
+    --disable-pip-version-check --target {PLUGINS} /tmp/realvllm-plugin
+rm -rf /tmp/realvllm-plugin
+install -m 0644 /e2e/realvllm/{UNIT} /etc/systemd/system/{UNIT}
+systemctl daemon-reload
+"""
+
+
+def install_engine(box: Container) -> float:
+    """Install the plugin and vllm.service in `box`; return the seconds it took."""
+    began = time.monotonic()
+    box.run(["sh", "-c", INSTALL_SCRIPT], timeout=180)
+    return time.monotonic() - began
+
+
+def unit_entries(
+    box: Container, *, after_s: float, unit: str = UNIT
+) -> list[tuple[float, str, str]]:
+    """(time, invocation, message) of what `unit`'s processes wrote since `after_s`."""
+    entries = box.journal([f"_SYSTEMD_UNIT={unit}", f"--since=@{int(after_s)}"])
+    out = []
+    for entry in entries:
+        stamp = int(str(entry.get("__REALTIME_TIMESTAMP"))) / 1e6
+        if stamp >= after_s:
+            out.append((stamp, str(entry.get("_SYSTEMD_INVOCATION_ID")), str(entry.get("MESSAGE"))))
+    return out
+
+
+def unit_messages(box: Container, *, after_s: float, unit: str = UNIT) -> list[str]:
+    """The messages of `unit`'s processes since `after_s`."""
+    return [message for _, _, message in unit_entries(box, after_s=after_s, unit=unit)]
+
+
+def wait_unit_line(
+    box: Container, text: str, *, after_s: float, timeout: float, unit: str = UNIT
+) -> tuple[float, str]:
+    """When `unit` first said `text` since `after_s`, and the invocation that said it."""
+    found: list[tuple[float, str]] = []
+
+    def said() -> bool:
+        entries = unit_entries(box, after_s=after_s, unit=unit)
+        found.extend((stamp, invocation) for stamp, invocation, m in entries if text in m)
+        return bool(found)
+
+    box.wait_for(f"{unit}: {text!r}", said, timeout=timeout)
+    return found[0]
+
+
+def vllm_pids(box: Container) -> dict[str, list[int]]:
+    """PIDs (inside) of vLLM's engine processes by their comm: VLLM::EngineCor, VLLM::Worker."""
+    out: dict[str, list[int]] = {}
+    for comm in ("VLLM::EngineCor", "VLLM::Worker"):
+        done = box.run(["pgrep", "-x", comm], check=False)
+        out[comm] = [int(pid) for pid in done.stdout.split()]
+    return out
 
 
 def main() -> int:
