@@ -98,7 +98,8 @@ real-engine: venv fakenvml
 	PYTHONPATH=tests:tests/fakenvml $(PY) -m e2e.real_engine
 
 e2e-real: real-engine
-	GPUGUARD_REQUIRE_REAL_ENGINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_real_vllm.py
+	GPUGUARD_REQUIRE_REAL_ENGINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_real_vllm.py \
+		tests/e2e/test_real_vllm_crash.py
 
 # `make demo` (as root, no GPU needed): the incident README.md opens with, on a real systemd in
 # a container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each
