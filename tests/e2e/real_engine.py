@@ -163,7 +163,11 @@ def _download_wheels(out: Path) -> None:
         argv = [sys.executable, "-m", "pip", "download", "--quiet", *target, "--dest", str(out)]
         done = subprocess.run([*argv, *what], capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise EngineError(f"{' '.join(argv + what)} failed:\n{done.stderr[-3000:]}")
+            raise EngineError(
+                f"the host's pip could not download {' '.join(what)} for the tree "
+                f"(CPython 3.11, glibc 2.36; {sys.executable} -m pip download):\n"
+                f"{done.stderr[-3000:]}"
+            )
 
 
 def _in_tree(rootfs: Path, binds: list[Bind], script: str, log: Path, timeout: float) -> None:
