@@ -1,23 +1,29 @@
 """A real vLLM (its CPU build) for the e2e tree, installed and cached once (issue 34).
 
-`ensure_engine(release)` gives an `Engine`: a venv made *inside* the Debian 12 tree (its
-python3.11) and kept on the host in `$GPUGUARD_E2E_CACHE/engine/vllm-<key>/` (bound read-only at
-`/opt/vllm` in each container), and a tiny Llama generated in the tree by
-`realvllm/make_tiny_llama.py` in `engine/model-<key>/` (bound at `/opt/tiny-llama`). Both are made
-once, in a temporary directory renamed into place under a lock (gpubox._cached_dir): a second run
-costs nothing. What decides them (the key): `realvllm/requirements.txt`, `realvllm/lock.txt`, the
-build script below, the tree's recipe; and for the model the generator.
+`ensure_engine(rootfs, release)` gives an `Engine`: a venv made *inside* the test tree (the
+variant "vllm" of Debian 12's: the plain tree plus libnuma1; its python3.11), kept on the host in
+`$GPUGUARD_E2E_CACHE/engine/vllm-<release>-<key>/` and bound read-only at `/opt/vllm` in each
+container, and a tiny Llama generated in the tree by `realvllm/make_tiny_llama.py`, kept in
+`engine/model-<key>/` and bound at `/opt/tiny-llama`. Both are made once, in a temporary
+directory renamed into place under a lock (gpubox._cached_dir): a second run costs nothing. What
+decides them (the key): `realvllm/requirements.txt`, `realvllm/lock.txt`, the build script
+below, the tree's recipe; and for the model the generator. Older entries are pruned after an hour.
 
-Building: `systemd-nspawn` runs a shell in the cached tree (`--volatile=overlay`: the tree stays
-pristine) with the venv's directory bound writable at /opt/vllm, the host's wheels of pip and
-torch at /engine-wheels and pip's cache at /pip-cache (`engine/pip-cache`: a rebuild downloads
-nothing). torch's +cpu wheel is taken where the host's pip finds it (its find-links, its cache,
-its indexes; `GPUGUARD_E2E_TORCH_INDEX` adds one, e.g. download.pytorch.org/whl/cpu). With a lock
-file the venv is installed `--no-deps` from it (every package pinned); without one, resolved from
-requirements.txt, and the freeze is left in the venv (`freeze.txt`) to be committed as the lock.
-PyPI's torchvision, torchaudio and torchcodec are uninstalled: torchvision fails to import beside
-torch 2.13.0+cpu ("operator torchvision::nms does not exist") and a text model needs none.
-Then `import vllm` and the API server's module are checked in the tree.
+Building: the host's pip downloads every wheel for CPython 3.11 on glibc 2.36 into
+`engine/wheels-<key>/`, with the host's configuration (find-links, indexes, certificates: the
+tree has none of them); torch's +cpu wheel is taken where that pip finds it
+(`GPUGUARD_E2E_TORCH_INDEX` adds an index, e.g. https://download.pytorch.org/whl/cpu). Then
+`systemd-nspawn` runs a shell in the tree, not booted (`--volatile=overlay`: the tree stays
+pristine), with the venv's directory bound writable at /opt/vllm and the wheels at
+/engine-wheels, and installs offline. With a lock file the venv is installed `--no-deps` from it
+(every package pinned); without one, resolved from requirements.txt, and the freeze is left in
+the venv (`freeze.txt`) to be committed as the lock. PyPI's torchvision, torchaudio and
+torchcodec are uninstalled: torchvision fails to import beside torch 2.13.0+cpu ("operator
+torchvision::nms does not exist") and a text model needs none. Then `import vllm`, `vllm._C`
+and the API server's module are checked in the tree.
+
+In a booted container (`install_engine`): the gpuguard-fakegpu plugin (`realvllm/fakegpu_plugin`)
+and `realvllm/vllm.service`; helpers read the unit's journal lines and vLLM's engine processes.
 
 A failure raises `EngineError` with the log's tail. Whether tests skip or fail without the engine
 is `engine_required()`: `GPUGUARD_REQUIRE_REAL_ENGINE=1` (set by `make e2e-real` and CI) turns
@@ -45,11 +51,9 @@ HERE = Path(__file__).resolve().parent / "realvllm"
 REQUIREMENTS = HERE / "requirements.txt"
 LOCK = HERE / "lock.txt"
 MODEL_SCRIPT = HERE / "make_tiny_llama.py"
-PLUGIN_DIR = HERE / "fakegpu_plugin"
 REQUIRE_ENV = "GPUGUARD_REQUIRE_REAL_ENGINE"
 VENV = "/opt/vllm"
 MODEL = "/opt/tiny-llama"
-TORCH = "torch==2.13.0+cpu"
 #: An index to take torch's +cpu wheel from where the host's pip has none
 #: (e.g. https://download.pytorch.org/whl/cpu); by default only the host's pip configuration.
 TORCH_INDEX_ENV = "GPUGUARD_E2E_TORCH_INDEX"
