@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # `make bench IDLE_SECONDS=120`).
 IDLE_SECONDS ?= 600
 
-.PHONY: check lint test unit venv fakenvml bench hardware-check clean deps
+.PHONY: check lint test unit venv fakenvml bench hardware-check clean deps real-engine e2e-real
 
 check: lint test
 
@@ -87,6 +87,19 @@ deb:
 repo:
 	@test -n "$(wildcard dist/gpuguard_*_amd64.deb)" || packaging/build-deb
 	packaging/build-repo
+
+# The real vLLM (0.32, CPU build) of the e2e tests, in the Debian 12 test tree (root,
+# debootstrap, systemd-nspawn, network for pip): its venv (3.5 GB), the wheels (0.9 GB) and a
+# tiny Llama, cached in /var/cache/gpuguard-e2e/engine (tests/e2e/real_engine.py, docs/e2e.md).
+# Once cached: nothing to do. `make e2e-real` then runs the tests that boot it, and fails (never
+# skips) when it cannot be installed.
+real-engine: venv fakenvml
+	@if [ "$$(id -u)" != 0 ]; then echo "make real-engine builds in the e2e tree: run it as root" >&2; exit 1; fi
+	PYTHONPATH=tests:tests/fakenvml $(PY) -m e2e.real_engine
+
+e2e-real: real-engine
+	GPUGUARD_REQUIRE_REAL_ENGINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_real_vllm.py \
+		tests/e2e/test_real_vllm_crash.py
 
 # `make demo` (as root, no GPU needed): the incident README.md opens with, on a real systemd in
 # a container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each

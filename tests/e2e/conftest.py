@@ -33,6 +33,9 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 from e2e.container import RELEASES, Bind, Container, ensure_rootfs
 from e2e.gpubox import INSTALL_SECONDS, Artifacts, GpuBox, host_env_ok, install, prepare_artifacts
 from e2e.measure import SESSION_NOTES, SESSION_RESULTS, render_report
+from e2e.real_engine import REQUIRE_ENV, Engine, EngineError, engine_required, ensure_engine
+from e2e.real_engine import TREE as ENGINE_TREE
+from e2e.real_engine import install_engine as install_real_engine
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -203,6 +206,46 @@ def gpubox(container: ContainerFactory, e2e_artifacts: Artifacts) -> Iterator[Gp
     box = GpuBox(booted, install_s=install(booted))
     yield box
     box.kill_server()  # the halt would otherwise wait out the server's stop timeout
+
+
+@pytest.fixture(scope="session")
+def vllm_rootfs(release: str, request: pytest.FixtureRequest) -> Path:
+    """The tree of `release` with what the real vLLM needs from apt (variant "vllm": libnuma)."""
+    with _phase(request.config, f"{release} root file system for vLLM (when not cached)"):
+        return ensure_rootfs(release, variant=ENGINE_TREE)
+
+
+@pytest.fixture(scope="session")
+def real_engine(vllm_rootfs: Path, release: str, request: pytest.FixtureRequest) -> Engine:
+    """The real vLLM's venv and tiny model for `release` (real_engine.py; built on first use).
+
+    Cannot be built: a skip with the reason, or a failure under GPUGUARD_REQUIRE_REAL_ENGINE=1.
+    """
+    try:
+        with _phase(request.config, f"{release} real vLLM venv and tiny model (when not cached)"):
+            engine = ensure_engine(vllm_rootfs, release)
+    except EngineError as exc:
+        if engine_required():
+            pytest.fail(f"{REQUIRE_ENV}=1 and the real engine cannot be installed: {exc}")
+        pytest.skip(f"the real engine cannot be installed ({REQUIRE_ENV}=1 fails instead): {exc}")
+    timings = ", ".join(f"{name} {seconds:.1f}" for name, seconds in engine.timings.items())
+    SESSION_NOTES.append(f"real vLLM for {release} (s): {timings}")
+    return engine
+
+
+@pytest.fixture
+def vllm_box(vllm_rootfs: Path, e2e_artifacts: Artifacts, real_engine: Engine) -> Iterator[GpuBox]:
+    """A gpubox of the "vllm" tree with the real vLLM too: vllm.service on fake GPU 0, stopped."""
+    booted = Container(
+        vllm_rootfs,
+        binds=[*e2e_artifacts.binds(), *real_engine.binds()],
+        mode="copy" if os.environ.get(MODE_ENV) == "copy" else "overlay",
+    )
+    with booted:
+        box = GpuBox(booted, install_s=install(booted))
+        box.install_s += install_real_engine(booted)
+        yield box
+        booted.systemctl("kill", "--signal=SIGKILL", "vllm.service", check=False)
 
 
 def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:

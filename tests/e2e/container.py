@@ -91,6 +91,10 @@ JSON
 systemctl disable docker.service docker.socket containerd.service >/dev/null 2>&1 || true
 """,
     ),
+    # test_real_vllm.py and the real engine's venv (real_engine.py): vLLM's CPU kernels
+    # (vllm._C) link libnuma.so.1; without it the Worker dies at its start with
+    # "ImportError('libnuma.so.1: cannot open shared object file')".
+    "vllm": ({"bookworm": ("libnuma1",), "trixie": ("libnuma1",)}, "true\n"),
 }
 
 RECIPE_FORMAT = 1
