@@ -206,6 +206,7 @@ class FakeSystemd:
         control_group: str = "",
         control: bool = False,
         environment: str = "",
+        timeout_stop: str = "1min 30s",
     ) -> None:
         """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
 
@@ -215,7 +216,8 @@ class FakeSystemd:
         ``logged``. ``sub_state`` is its SubState=, ``control_group`` its ControlGroup=;
         ``control``: its ControlPID= is the process that ran systemctl (the gpuguard command
         asking is the unit's ExecStopPost=, say); ``environment`` its Environment= as systemctl
-        prints it (shell-quoted words).
+        prints it (shell-quoted words); ``timeout_stop`` its TimeoutStopUSec= (systemd's
+        default 1min 30s).
         """
         if unit is None:
             systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
@@ -225,7 +227,7 @@ class FakeSystemd:
                 f"LoadState={load_state}\n"
                 f"ActiveState={state}\nSubState={sub_state}\nMainPID=0\nInvocationID={last}\n"
                 f"Environment={environment}\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
-                f"ControlGroup={control_group}\n"
+                f"ControlGroup={control_group}\nTimeoutStopUSec={timeout_stop}\n"
             )
             listed = "".join(f"{name} loaded active running x\n" for name in known)
             systemctl = (
