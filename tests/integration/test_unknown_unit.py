@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from clirunner import Cli, FakeSystemd
     from fakeholder import HolderSpawner
 
-TYPO = "sglang.servce"
+TYPO = "sglangg.service"  # a name a unit could have: only systemd can say there is none
+MISTYPED = "sglang.servce"  # no unit type: no unit can have it, whatever systemd knows
 REAL = "sglang.service"
 
 
@@ -81,3 +82,25 @@ def test_root_forces_a_reap_in_its_own_process(
     done = cli("reap", "--unit", TYPO, "--yes", "--force", "--socket", str(path))
     assert done.code == 0, done.err
     assert "cannot reach the gate server" not in done.err
+
+
+def test_a_name_no_unit_can_have_is_refused_without_asking_systemd(
+    cli: Cli, spawn_holder: HolderSpawner, tmp_path: Path
+) -> None:
+    """`.servce` is no unit type: reap and gate exit 64 with no systemd to ask (main planned)."""
+    _configure(cli)  # the tests' systemctl: no bus, as where PID 1 is not systemd
+    job = spawn_holder(cli.state, gpus=(1,), mib=2048, name="python3 -m sglang.launch_server")
+    absent = str(tmp_path / "absent.sock")
+    for command in (
+        ["reap", "--unit", MISTYPED, "--scope", "patterns", "--yes", "--socket", absent],
+        ["gate", "--unit", MISTYPED, "--timeout", "1", "--socket", absent],
+    ):
+        done = cli(*command)
+        assert done.code == 64, done
+        why = ".servce is no unit type (a service's name ends in .service)"
+        assert done.err.splitlines()[-3:] == [
+            f"gpuguard {command[0]}: unknown unit {MISTYPED!r}: {why}",
+            f"  did you mean {REAL}?",
+            f"  --force {command[0]}s it anyway (with the defaults: every GPU)",
+        ], done.err
+        assert not process_gone(job.pid)
