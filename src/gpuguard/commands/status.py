@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from gpuguard.core.status import document
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
-from gpuguard.core.watchframe import interval
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -72,14 +70,6 @@ def run(
     if watch is not None:
         return Said(terminal.run(lambda: render_text(_report(settings, since)), watch, sys.stdout))
     return StatusAnswer(_report(settings, since))
-
-
-def watch_interval(text: str) -> float:
-    """``--watch``'s SECONDS for argparse: 0.1 to 86400, else a usage error."""
-    try:
-        return interval(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _report(settings: Settings, since: Since | None) -> StatusReport:
