@@ -59,20 +59,28 @@ class StatusAnswer:
 
 
 def run(
-    settings: Settings, *, watch: float | None = None, since: Since | None = None
+    settings: Settings,
+    *,
+    watch: float | None = None,
+    since: Since | None = None,
+    no_config_file: bool = False,
 ) -> StatusAnswer | Said:
     """The status report, judged now (the monitoring-plugin convention for its level).
 
     With ``watch`` (seconds), redraw it in place on the terminal until stopped; exit 0 then,
     with nothing more to print. ``since``: the start of the history shown (``--since``); None:
-    all that is kept.
+    all that is kept. ``no_config_file``: the settings are the defaults, no file was read.
     """
     if watch is not None:
-        return Said(terminal.run(lambda: render_text(_report(settings, since)), watch, sys.stdout))
-    return StatusAnswer(_report(settings, since))
+        return Said(
+            terminal.run(
+                lambda: render_text(_report(settings, since, no_config_file)), watch, sys.stdout
+            )
+        )
+    return StatusAnswer(_report(settings, since, no_config_file))
 
 
-def _report(settings: Settings, since: Since | None) -> StatusReport:
+def _report(settings: Settings, since: Since | None, no_config_file: bool = False) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
     now = datetime.now(timezone.utc)
     start = None if since is None else since.start(now)
@@ -114,6 +122,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             since=start,
             unit_containers=_unit_containers(settings, found, live),
             watched=tuple(seen.unit for seen in looks),
+            no_config_file=no_config_file,
         ),
         now,
     )
