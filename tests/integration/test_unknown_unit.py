@@ -7,6 +7,7 @@ holders are real processes on the fake NVML.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from fakeholder import process_gone
@@ -87,14 +88,20 @@ def test_root_forces_a_reap_in_its_own_process(
 def test_a_name_no_unit_can_have_is_refused_without_asking_systemd(
     cli: Cli, spawn_holder: HolderSpawner, tmp_path: Path
 ) -> None:
-    """`.servce` is no unit type: reap and gate exit 64 with no systemd to ask (main planned)."""
+    """`.servce` is no unit type: reap, gate, doctor exit 64, no systemd asked (main planned)."""
     _configure(cli)  # the tests' systemctl: no bus, as where PID 1 is not systemd
     job = spawn_holder(cli.state, gpus=(1,), mib=2048, name="python3 -m sglang.launch_server")
     absent = str(tmp_path / "absent.sock")
-    for command in (
-        ["reap", "--unit", MISTYPED, "--scope", "patterns", "--yes", "--socket", absent],
-        ["gate", "--unit", MISTYPED, "--timeout", "1", "--socket", absent],
-    ):
+    commands = [
+        ["reap", "--unit", MISTYPED, "--scope", "patterns", "--dry-run", "--socket", absent],
+        ["doctor", "--unit", MISTYPED],
+    ]
+    if os.geteuid() == 0:  # a user's reap --yes and gate go to the gate server, which checks too
+        commands += [
+            ["reap", "--unit", MISTYPED, "--scope", "patterns", "--yes", "--socket", absent],
+            ["gate", "--unit", MISTYPED, "--timeout", "1", "--socket", absent],
+        ]
+    for command in commands:
         done = cli(*command)
         assert done.code == 64, done
         why = ".servce is no unit type (a service's name ends in .service)"
