@@ -45,9 +45,10 @@ lint: venv
 	$(VENV)/bin/lint-imports --no-cache
 
 # The whole suite, with the core's coverage floor ([tool.coverage] in pyproject.toml): measured
-# in the test process only, it fails the run below the floor and prints the total.
+# in the test process only, it fails the run below the floor and prints the total. PYTEST_ARGS
+# (below) reach it too: `make check PYTEST_ARGS=-rs` lists every skipped test's reason.
 test: venv fakenvml
-	$(PY) -m pytest --cov --cov-report=
+	$(PY) -m pytest --cov --cov-report= $(PYTEST_ARGS)
 
 # The edit-test loop: the unit tests alone, quiet, with hypothesis's "dev" profile (10 examples a
 # property; tests/conftest.py). `make unit HYPOTHESIS_PROFILE=gpuguard` for CI's 100, and

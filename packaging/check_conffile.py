@@ -4,8 +4,10 @@
     python3 packaging/check_conffile.py packaging/gpuguard.toml
 
 The conffile lists each setting commented out (``#key = value``; prose comments start with
-``# ``). Uncommented, the file must be valid, name every key of the configuration models, and
-equal the defaults, except lines marked ``# example`` (keys whose default is "unset"). Run by the
+``# ``), but for the few it sets live (``[daemon]`` and its ``dry_run = false``, the line the
+off switch in docs/install.md rewrites). Uncommented, the file must be valid, name every key of
+the configuration models, and equal the defaults, except lines marked ``# example`` (keys whose
+default is "unset"); so a live line, too, must hold the default. Run by the
 package build, so a key added to gpuguard.config without a line here fails the build instead of
 shipping a conffile that silently lacks it.
 """
@@ -29,6 +31,7 @@ from pydantic import BaseModel
 from gpuguard.config import Settings
 
 _SETTING = re.compile(r"^#(?=[A-Za-z_\[])")
+_LIVE = re.compile(r"^[A-Za-z_\[]")
 _KEY = re.compile(r"^\[?([A-Za-z_][A-Za-z0-9_]*)[\]\s.=]")
 _EXAMPLE = re.compile(r"#\s*example\b")
 
@@ -38,9 +41,12 @@ def uncommented(text: str) -> tuple[str, str]:
     full: list[str] = []
     defaults: list[str] = []
     for line in text.splitlines():
-        if not _SETTING.match(line):
+        if _SETTING.match(line):
+            setting = line[1:]
+        elif _LIVE.match(line):
+            setting = line
+        else:
             continue
-        setting = line[1:]
         full.append(setting)
         if not _EXAMPLE.search(setting):
             defaults.append(setting)

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from _pytest.terminal import TerminalReporter
 
 
+# The files the tests write (configurations, fake GPUs' state, scripts) are gpuguard's inputs,
+# and gpuguard refuses one that group or others may write: under a user's umask 0002 (Debian
+# 13's default) they would be. Every test and every process it starts writes with umask 022.
+os.umask(0o022)
+
 # No deadline per example: how long one takes says how loaded the machine is, not whether the
 # property holds (a 200 ms deadline failed a suite run beside three others on 2 cores).
 # "gpuguard", the default and what CI runs: hypothesis's 100 examples per property. "dev", for

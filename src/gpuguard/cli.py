@@ -252,11 +252,23 @@ def _execute(
 
     for warning in warnings(settings):
         sys.stderr.write(f"gpuguard: warning: {config_path(config)[0]}: {warning}\n")
-    return render(_dispatch(settings, command, reading, caller), as_json=as_json)
+    return render(_dispatch(settings, command, reading, caller, config), as_json=as_json)
+
+
+def _no_config_file(config: Path | None) -> bool:
+    """Whether gpuguard runs on its defaults: no --config, no GPUGUARD_CONFIG, no default file."""
+    from gpuguard.adapters.configfile import config_path  # noqa: PLC0415 - see module doc
+
+    path, explicit = config_path(config)
+    return not explicit and not path.exists()
 
 
 def _dispatch(  # noqa: PLR0911 - one return per command
-    settings: Settings, command: CommandArgs, reading: NvmlReading | None, caller: Caller | None
+    settings: Settings,
+    command: CommandArgs,
+    reading: NvmlReading | None,
+    caller: Caller | None,
+    config: Path | None = None,
 ) -> Report:
     """Hand the typed command to its module, imported only now (see the module doc)."""
     from gpuguard.commands.output import Said, ask_on_terminal, say  # noqa: PLC0415
@@ -267,7 +279,12 @@ def _dispatch(  # noqa: PLR0911 - one return per command
 
             if command.prometheus:
                 return status.prometheus(settings)
-            return status.run(settings, watch=command.watch, since=command.since)
+            return status.run(
+                settings,
+                watch=command.watch,
+                since=command.since,
+                no_config_file=_no_config_file(config),
+            )
         case ExplainArgs():
             from gpuguard.commands import explain  # noqa: PLC0415
 

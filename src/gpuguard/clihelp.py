@@ -132,6 +132,11 @@ anything in protected_processes), and holders only of GPUs outside the unit's se
 With --yes and --unit (and without --dry-run) the reap goes through the gate server; a
 plan that asks for confirmation on a terminal, and --dry-run, run in this process.
 
+As the unit's own ExecStopPost= in its stop (the gate drop-in's), the reap fits its waits
+into the unit's TimeoutStopSec=, past which systemd kills it: the wait for the memory goes
+first (the next start's gate waits for it), then the grace and the wait after SIGKILL
+shrink; its plan says so in a note.
+
 Exit status: 0 the GPUs are idle; 1 they are not (or the plan was declined, or the request
 was refused or could not be sent); 64 usage, or an unknown --unit (not configured, not
 gated, and systemd has no such unit: a typo; --force goes ahead); 78 invalid configuration.

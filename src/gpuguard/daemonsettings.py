@@ -107,11 +107,15 @@ class DaemonSettings(ConfigModel):
         )
 
 
+DEFAULT_TEXTFILE = "/var/lib/prometheus/node-exporter/gpuguard.prom"
+"""Where Debian's prometheus-node-exporter reads textfiles: the directory exists only with it."""
+
+
 class MetricsSettings(ConfigModel):
     """Prometheus metrics of the daemon (docs/metrics.md)."""
 
     textfile: str = Field(
-        default="/var/lib/prometheus/node-exporter/gpuguard.prom",
+        default=DEFAULT_TEXTFILE,
         max_length=4096,
         description="The file the daemon writes for node_exporter's textfile collector (an "
         'absolute path ending in .prom, in an existing directory); "" writes none.',

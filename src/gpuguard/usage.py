@@ -73,10 +73,13 @@ def add_force_option(command: argparse.ArgumentParser) -> None:
 
 
 def watch_interval(text: str) -> float:
-    """The --watch type: status.watch_interval, imported only when --watch is given."""
-    from gpuguard.commands import status  # noqa: PLC0415 - only with --watch
+    """The --watch type: 0.1 to 86400 seconds (watchframe.interval), else a usage error."""
+    from gpuguard.core.watchframe import interval  # noqa: PLC0415 - only with --watch
 
-    return status.watch_interval(text)
+    try:
+        return interval(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def since_argument(text: str) -> Since:

@@ -12,12 +12,12 @@ import os
 import shlex
 import stat
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from clirunner import gpuguard_argv
 
 from gpuguard.adapters import configfile, files, state
 from gpuguard.config import load_settings
@@ -33,7 +33,7 @@ def _gpuguard(
     env: dict[str, str], *args: str, umask: int = -1, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpuguard", *args],
+        [*gpuguard_argv(), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -219,9 +219,7 @@ def test_cache_from_an_older_gpuguard_means_a_full_load(
     cache = configfile.cache_file(cli.config, cli.config.read_bytes())
     assert cache is not None
     files.write_file(cache, json.dumps(older).encode(), mode=0o600)
-    command = shlex.join(
-        [sys.executable, "-m", "gpuguard", "--config", str(cli.config), "gate", "--unit", unit]
-    )
+    command = shlex.join(cli.command("gate", "--unit", unit))
     result = subprocess.run(
         ["sh", "-c", f"echo $$ > {cgroup / 'cgroup.procs'} && exec {command}"],
         env={**cli.env, "INVOCATION_ID": uuid.uuid4().hex},

@@ -148,8 +148,9 @@ def test_package_contents_follow_policy(installed: Container) -> None:
     conffiles = installed.run(["dpkg-query", "-W", "-f=${Conffiles}", "gpuguard"]).stdout
     assert "/etc/gpuguard/gpuguard.toml" in conffiles
     config = installed.read_file("/etc/gpuguard/gpuguard.toml")
-    assert all(not line.strip() or line.startswith("#") for line in config.splitlines()), (
-        "every setting ships commented out"
+    live = [line for line in config.splitlines() if line.strip() and not line.startswith("#")]
+    assert live == ["[daemon]", "dry_run = false"], (
+        "every setting ships commented out but the line the off switch rewrites"
     )
     for path in (
         "/usr/share/man/man8/gpuguard.8.gz",

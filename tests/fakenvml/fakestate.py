@@ -399,9 +399,9 @@ def build_fake_nvml(old: bool = False) -> Path:
     lock).
     """
     lib = _lib_dir(old) / LIB_NAME
-    if _is_stale(lib):
+    if _is_stale(lib) or _others_write(lib):
         build = build_dir()
-        build.mkdir(exist_ok=True)
+        build.mkdir(mode=0o755, exist_ok=True)
         with (build / ".lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if _is_stale(lib):
@@ -410,12 +410,42 @@ def build_fake_nvml(old: bool = False) -> Path:
                     capture_output=True,
                     text=True,
                     check=False,
+                    preexec_fn=_umask_022,
                 )
                 if result.returncode != 0 or _is_stale(lib):
                     raise RuntimeError(
                         f"building the fake libnvidia-ml failed:\n{result.stdout}{result.stderr}"
                     )
+            _forbid_others(build, lib)
     return lib.parent
+
+
+def _umask_022() -> None:
+    """The build's umask: gpuguard refuses a library group or others may write (files.py).
+
+    A user's umask may be 0002 (Debian 13's default): the library, and the directories make
+    creates, would come out group-writable and every test using them would fail.
+    """
+    os.umask(0o022)
+
+
+def _others_write(lib: Path) -> bool:
+    """Whether group or others may write ``lib`` or its directory (a build under umask 0002)."""
+    return any(path.exists() and path.stat().st_mode & 0o022 for path in (lib, lib.parent))
+
+
+def _forbid_others(build: Path, lib: Path) -> None:
+    """Take group and others' write bit off ``lib`` and the directories from it up to ``build``.
+
+    For a build made before the build's own umask (above) was set: make leaves an up-to-date
+    library alone, modes and all.
+    """
+    for path in (lib, *lib.parents):
+        info = path.stat()
+        if info.st_mode & 0o022:
+            path.chmod(stat.S_IMODE(info.st_mode) & ~0o022)
+        if path == build:
+            break
 
 
 def fake_library(old: bool = False) -> Path:

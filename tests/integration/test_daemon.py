@@ -54,7 +54,7 @@ from gpuguard.core.values import MIB
 from gpuguard.daemon import wiring
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
-from gpuguard.daemonsettings import DaemonSettings, MetricsSettings
+from gpuguard.daemonsettings import DEFAULT_TEXTFILE, DaemonSettings, MetricsSettings
 from gpuguard.unitsettings import UnitSettings
 
 if TYPE_CHECKING:
@@ -1572,6 +1572,38 @@ def test_a_textfile_that_cannot_be_written_is_said_once_and_then_recovered(
     gpus = {s.labels["gpu"] for f in found if f.name == "gpuguard_gpu_idle" for s in f.samples}
     assert gpus == {"0", "1", "2", "3"}  # the first publish took an inventory of its own
     assert "WATCHDOG" in recorder.notes
+
+
+def test_a_host_without_node_exporter_is_told_once_without_a_warning(
+    tmp_path: Path,
+    in_process_nvml: Path,
+) -> None:
+    """The default textfile's directory missing (no node_exporter): one info line, no warning."""
+    if Path(DEFAULT_TEXTFILE).parent.exists():
+        pytest.skip("this host has node_exporter's textfile directory: the file would be written")
+    settings = Settings(
+        units={"sglang.service": UnitSettings()},
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        device_glob=f"{in_process_nvml}/dev/nvidia*",
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "lib",
+    )
+    assert settings.metrics.textfile == DEFAULT_TEXTFILE
+    recorder = Recorder()
+    twin = UnitTwin(invocation="a" * 32, active="active")
+    exporter = Exporter(
+        settings,
+        gather=lambda: inventory.gather(settings),
+        show_unit=twin.show,
+        ping=recorder.watchdog,
+        log=recorder,
+    )
+    for _ in range(3):
+        exporter.publish(snapshots.QUIET.to_json())
+    assert [(level, event) for level, event, _ in recorder.lines] == [
+        ("info", "no node_exporter textfile directory: no metrics file")
+    ]
 
 
 def test_a_loop_whose_gpus_a_stranger_holds_is_not_stopped_but_sent_to_the_operator(

@@ -179,7 +179,8 @@ def test_gate_commands_as_non_root_say_needs_root(
         config = public / "gpuguard.toml"
         shutil.copy(cli.config, config)
         config.chmod(0o644)
-        result = run_as_nobody(["--config", str(config), command, "--unit", unit], cli.env)
+        args = ["--config", str(config), command, "--unit", unit]
+        result = run_as_nobody(args, cli.env, prefix=cli.prefix())
     assert result.code == 77, result.err
     assert result.err == (
         f"gpuguard {command}: needs root (it changes /etc/systemd/system and runs "

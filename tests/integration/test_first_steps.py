@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from typing import TYPE_CHECKING
 
 import pytest
+from clirunner import gpuguard_argv
 
 from gpuguard import cli
 from gpuguard.adapters import nvmllibrary
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from clirunner import Cli
 
-_GPUGUARD = [sys.executable, "-m", "gpuguard"]
+_GPUGUARD = gpuguard_argv()  # the tests' systemctl and journalctl, not this host's
 # A path inside the source tree, as an installed gpuguard's help must not cite one.
 _TREE_PATH = re.compile(r"(?<![\w/.])(?:docs|tests|src|systemd|packaging|bench)/")
 

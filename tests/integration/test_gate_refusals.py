@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -28,19 +27,7 @@ def unit_name() -> str:
 def gate_in_unit(cli: Cli, cgroups: UnitCgroups, unit: str, *args: str) -> tuple[CliResult, float]:
     """Run the gate inside the unit's cgroup, as ExecStartPre= runs; also how long it took."""
     procs = cgroups.ensure(unit) / "cgroup.procs"
-    command = shlex.join(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "--config",
-            str(cli.config),
-            "gate",
-            "--unit",
-            unit,
-            *args,
-        ]
-    )
+    command = shlex.join(cli.command("gate", "--unit", unit, *args))
     started = time.monotonic()
     done = subprocess.run(
         ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from clirunner import CliResult
+from clirunner import CliResult, gpuguard_argv
 from fakeholder import process_gone
 from pidreuse import reuse_pid
 from slotflood import Hammer, hammer
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from fakeholder import HolderSpawner
 
 NOBODY = 65534
-_CLIENT = [sys.executable, "-m", "gpuguard"]
+_CLIENT = gpuguard_argv()  # the tests' systemctl and journalctl, not this host's
 
 
 @dataclass
@@ -155,7 +155,7 @@ def client(
     if uid is not None:
         code += f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
     code += f"sys.exit(gpuguard.cli.main({argv!r}))\n"
-    script = f"exec {shlex.join([sys.executable, '-c', code])}"
+    script = f"exec {shlex.join([*cli.prefix(), sys.executable, '-c', code])}"
     if cgroup is not None and control:
         script = f"echo $$ > {shlex.quote(str(controls(cli) / cgroup.name))} && {script}"
     if cgroup is not None:
@@ -313,7 +313,7 @@ def test_a_stop_reap_whose_client_dies_mid_way_is_recorded_with_its_outcome_unkn
     path = public_dir / "gate.sock"
     log = tmp_path / "doubled-server.log"
     with listen(path) as listener, log.open("wb") as out:
-        argv = [*cli.prefix(), *_CLIENT, "--config", str(cli.config), "serve-gate"]
+        argv = [*gpuguard_argv(cli.doubles), "--config", str(cli.config), "serve-gate"]
         process = activate(listener, argv, cli.env, out)
     server = GateServer(path, process, log)
     try:

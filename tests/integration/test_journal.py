@@ -754,6 +754,26 @@ def test_killed_journalctl_is_restarted_with_backoff_and_resumes(
     assert watcher.health().next_attempt_in_s == 1.0
 
 
+def test_a_journalctl_stopped_with_the_service_is_said_only_when_it_is_restarted(
+    journal: Journal, follower: FollowerFactory
+) -> None:
+    """SIGTERM, as systemd stops gpuguard.service's cgroup: said at the restart, not before."""
+    loop_journal(journal, "bookworm")
+    clock = FakeClock()
+    watcher = follower(journal.argv, clock=clock, backoff=(1, 2, 5))
+    watcher.start()
+    collect(watcher, lambda r: attached(r, watcher))
+    watcher.take_problems()
+    os.kill(stream(watcher, LIFECYCLE).pid or 0, signal.SIGTERM)
+    collect(watcher, lambda _: watcher.health().state == "restarting")
+    reason = watcher.health().reason
+    assert reason == "journalctl was killed by SIGTERM"
+    assert watcher.take_problems() == []  # the daemon stopping now says nothing of it
+    clock.advance(1.0)
+    watcher.read_available()
+    assert watcher.take_problems() == [f"journal {LIFECYCLE}: {reason}; next attempt in 1 s"]
+
+
 def test_missing_journalctl_is_an_error_state_not_a_crash(
     follower: FollowerFactory,
 ) -> None:

@@ -262,7 +262,7 @@ def test_minor_numbers_map_device_files(tmp_path_factory: Any, cli: Cli) -> None
 
 def _run(cli: Cli, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpuguard", "--config", str(cli.config), "status", *extra],
+        cli.command("status", *extra),
         capture_output=True,
         text=True,
         env=env,

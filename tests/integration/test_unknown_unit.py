@@ -7,6 +7,7 @@ holders are real processes on the fake NVML.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from fakeholder import process_gone
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
     from clirunner import Cli, FakeSystemd
     from fakeholder import HolderSpawner
 
-TYPO = "sglang.servce"
+TYPO = "sglangg.service"  # a name a unit could have: only systemd can say there is none
+MISTYPED = "sglang.servce"  # no unit type: no unit can have it, whatever systemd knows
 REAL = "sglang.service"
 
 
@@ -81,3 +83,31 @@ def test_root_forces_a_reap_in_its_own_process(
     done = cli("reap", "--unit", TYPO, "--yes", "--force", "--socket", str(path))
     assert done.code == 0, done.err
     assert "cannot reach the gate server" not in done.err
+
+
+def test_a_name_no_unit_can_have_is_refused_without_asking_systemd(
+    cli: Cli, spawn_holder: HolderSpawner, tmp_path: Path
+) -> None:
+    """`.servce` is no unit type: reap, gate, doctor exit 64, no systemd asked (main planned)."""
+    _configure(cli)  # the tests' systemctl: no bus, as where PID 1 is not systemd
+    job = spawn_holder(cli.state, gpus=(1,), mib=2048, name="python3 -m sglang.launch_server")
+    absent = str(tmp_path / "absent.sock")
+    commands = [
+        ["reap", "--unit", MISTYPED, "--scope", "patterns", "--dry-run", "--socket", absent],
+        ["doctor", "--unit", MISTYPED],
+    ]
+    if os.geteuid() == 0:  # a user's reap --yes and gate go to the gate server, which checks too
+        commands += [
+            ["reap", "--unit", MISTYPED, "--scope", "patterns", "--yes", "--socket", absent],
+            ["gate", "--unit", MISTYPED, "--timeout", "1", "--socket", absent],
+        ]
+    for command in commands:
+        done = cli(*command)
+        assert done.code == 64, done
+        why = ".servce is no unit type (a service's name ends in .service)"
+        assert done.err.splitlines()[-3:] == [
+            f"gpuguard {command[0]}: unknown unit {MISTYPED!r}: {why}",
+            f"  did you mean {REAL}?",
+            f"  --force {command[0]}s it anyway (with the defaults: every GPU)",
+        ], done.err
+        assert not process_gone(job.pid)

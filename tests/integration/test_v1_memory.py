@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import uuid
 from typing import TYPE_CHECKING
 
@@ -65,8 +64,7 @@ def a_minute_later(cli: Cli) -> None:
 def gate_in_unit(cli: Cli, cgroups: UnitCgroups, unit: str, *args: str) -> CliResult:
     """Run the gate inside the unit's cgroup, as ExecStartPre= runs."""
     procs = cgroups.ensure(unit) / "cgroup.procs"
-    argv = [sys.executable, "-m", "gpuguard", "--config", str(cli.config), "gate", "--unit", unit]
-    command = shlex.join([*argv, *args])
+    command = shlex.join(cli.command("gate", "--unit", unit, *args))
     done = subprocess.run(
         ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {command}"],
         capture_output=True,

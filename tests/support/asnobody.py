@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clirunner import bind_prefix, over_hostless
+
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
@@ -51,12 +53,16 @@ class Result:
 
 
 def run_as_nobody(
-    args: list[str], env: dict[str, str], timeout: float = 60, prefix: Sequence[str] = ()
+    args: list[str], env: dict[str, str], timeout: float = 60, prefix: Sequence[str] | None = None
 ) -> Result:
     """Run ``gpuguard ARGS`` as nobody (needs root to drop to it) and capture the result.
 
-    ``prefix`` runs first, as root, and execs the rest (Cli.prefix: doubles bound in place).
+    ``prefix`` runs first, as root, and execs the rest (Cli.prefix: doubles bound in place);
+    by default it binds the tests' systemctl and journalctl (clirunner.HOSTLESS), never the
+    host's.
     """
+    if prefix is None:
+        prefix = bind_prefix(over_hostless({}))
     done = subprocess.run(
         [*prefix, sys.executable, "-c", _SCRIPT, ",".join(PREIMPORTS), *args],
         capture_output=True,

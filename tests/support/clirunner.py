@@ -3,21 +3,81 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from gpuguard.adapters import programs
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 ENDED = "0123456789abcdef0123456789abcdef"  # an earlier run of a unit, as PID 1 logged it
 LAST = "fedcba9876543210fedcba9876543210"  # a unit's current or last run
+HOSTLESS = Path(__file__).resolve().parent / "hostless"
+"""The tests' systemctl and journalctl unless a test gives its own: no bus, an empty journal."""
+_LAUNCHER = Path(__file__).resolve().parent / "hostless.py"
+
+
+def gpuguard_argv(doubles: Mapping[str, Path] | None = None) -> list[str]:
+    """The argv that starts gpuguard (its arguments follow), its programs replaced by doubles.
+
+    ``doubles`` (name → a script of that name) stand in for the system's programs, over
+    HOSTLESS's systemctl and journalctl, so that no test's gpuguard asks the machine's own
+    systemd or journal, whether or not its PID 1 is systemd: root binds them over the real ones
+    in a private mount namespace (``unshare`` without ``--fork`` execs in place: the PID, and so
+    its cgroup, stay the same); a normal user, who cannot mount, starts gpuguard through
+    hostless.py, which looks in their directories first.
+    """
+    merged = over_hostless(doubles or {})
+    return [*bind_prefix(merged), sys.executable, *_entry(merged)]
+
+
+def over_hostless(doubles: Mapping[str, Path]) -> dict[str, Path]:
+    """HOSTLESS's systemctl and journalctl, with ``doubles`` in place of any of them."""
+    return {**{name: HOSTLESS / name for name in ("systemctl", "journalctl")}, **doubles}
+
+
+def bind_prefix(doubles: Mapping[str, Path]) -> list[str]:
+    """As root, what binds ``doubles`` in a private mount namespace and execs the rest; else []."""
+    if os.geteuid() != 0:
+        return []
+    binds: list[str] = []
+    for name, double in doubles.items():
+        try:
+            binds += [str(double), programs.resolve(name)]
+        except FileNotFoundError:  # a tree without systemd: nothing to bind the double over
+            if double.parent == HOSTLESS:
+                continue  # nor anything of this host's to hide
+            pytest.skip(f"a double is bound over the system's {name}, and there is none")
+    if not binds:
+        return []
+    script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 97; shift 2; done'
+    script += '; shift; exec "$@"'
+    unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+    return [*unshare, "sh", *binds, "--"]
+
+
+def _entry(doubles: Mapping[str, Path]) -> list[str]:
+    """How the interpreter starts gpuguard: ``-m gpuguard`` as root (bound), else hostless.py.
+
+    hostless.py finds programs by directory: a test's own doubles' first, HOSTLESS last.
+    """
+    if os.geteuid() == 0:
+        return ["-m", "gpuguard"]
+    for name, double in doubles.items():
+        assert double.name == name, f"the double of {name} is found by its name, not {double}"
+    own = [str(d.parent) for d in doubles.values() if d.parent != HOSTLESS]
+    directories = [*dict.fromkeys(own), str(HOSTLESS)]
+    return [str(_LAUNCHER), os.pathsep.join(directories)]
 
 
 @dataclass(frozen=True)
@@ -42,39 +102,15 @@ class Cli:
     env: dict[str, str]
     library: Path
     doubles: dict[str, Path] = field(default_factory=dict)
-    """Test doubles of programs gpuguard runs (``systemctl`` → script), see command()."""
+    """A test's doubles of programs gpuguard runs (``systemctl`` → script), over HOSTLESS's."""
 
     def command(self, *args: str) -> list[str]:
-        """The argv of one gpuguard run, with ``doubles`` in place of the system's programs.
-
-        gpuguard runs systemctl and journalctl by absolute path, never through PATH, so a double
-        is bound over the real program in a private mount namespace (root only). ``unshare``
-        without ``--fork`` execs in place: the PID, and so its cgroup, stay the same.
-        """
-        return [
-            *self.prefix(),
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "--config",
-            str(self.config),
-            *args,
-        ]
+        """The argv of one gpuguard run, with ``doubles`` in place of the system's programs."""
+        return [*gpuguard_argv(self.doubles), "--config", str(self.config), *args]
 
     def prefix(self) -> list[str]:
-        """What binds ``doubles`` in a private mount namespace, then execs the rest; [] if none."""
-        if not self.doubles:
-            return []
-        binds: list[str] = []
-        for name, double in self.doubles.items():
-            try:
-                binds += [str(double), programs.resolve(name)]
-            except FileNotFoundError:  # a tree without systemd: nothing to bind the double over
-                pytest.skip(f"a double is bound over the system's {name}, and there is none")
-        script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 97; shift 2; done'
-        script += '; shift; exec "$@"'
-        unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
-        return [*unshare, "sh", *binds, "--"]
+        """As root, what binds the doubles in place and execs the rest (see gpuguard_argv)."""
+        return bind_prefix(over_hostless(self.doubles))
 
     def __call__(self, *args: str, timeout: float = 60) -> CliResult:
         """Run one command and capture it."""
@@ -171,6 +207,7 @@ class FakeSystemd:
         control: bool = False,
         environment: str = "",
         control_dir: Path | None = None,
+        timeout_stop: str = "1min 30s",
     ) -> None:
         """Make the doubles describe ``unit``; ``unit=None``: systemctl fails as without a bus.
 
@@ -182,7 +219,8 @@ class FakeSystemd:
         asking is the unit's ExecStopPost=, say); ``environment`` its Environment= as systemctl
         prints it (shell-quoted words); ``control_dir``: its ControlPID= is the PID written in
         ``control_dir/UNIT`` for whichever unit is asked about (0 when none), as the tests'
-        ExecStartPre= stand-ins write theirs.
+        ExecStartPre= stand-ins write theirs; ``timeout_stop`` its TimeoutStopUSec= (systemd's
+        default 1min 30s).
         """
         if unit is None:
             systemctl = 'echo "Failed to connect to bus: No such file or directory" >&2\nexit 1\n'
@@ -192,7 +230,7 @@ class FakeSystemd:
                 f"LoadState={load_state}\n"
                 f"ActiveState={state}\nSubState={sub_state}\nMainPID=0\nInvocationID={last}\n"
                 f"Environment={environment}\nNRestarts=0\nUser={user}\nDynamicUser=no\n"
-                f"ControlGroup={control_group}\n"
+                f"ControlGroup={control_group}\nTimeoutStopUSec={timeout_stop}\n"
             )
             listed = "".join(f"{name} loaded active running x\n" for name in known)
             systemctl = (

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from clirunner import gpuguard_argv
 
 from gpuguard.config import (
     DEFAULT_PROTECTED,
@@ -175,7 +175,7 @@ def test_cli_exits_78_with_one_message(tmp_path: Path) -> None:
     path = tmp_path / "g.toml"
     path.write_text("idle_threshold_mib = 'lots'\n")
     result = subprocess.run(
-        [sys.executable, "-m", "gpuguard", "--config", str(path), "status"],
+        [*gpuguard_argv(), "--config", str(path), "status"],
         capture_output=True,
         text=True,
         check=False,
@@ -253,7 +253,7 @@ def test_cli_warns_in_one_line_and_runs(tmp_path: Path) -> None:
         '[units."b.service"]\ngpus = [0]\n'
     )
     result = subprocess.run(
-        [sys.executable, "-m", "gpuguard", "--config", str(path), "status", "--json"],
+        [*gpuguard_argv(), "--config", str(path), "status", "--json"],
         capture_output=True,
         text=True,
         check=False,

@@ -84,3 +84,15 @@ def test_every_fact_section_names_a_source() -> None:
     assert len(paragraphs) > 20  # a positive control: the split finds the paragraphs
     unsourced = [p.split("**")[1] for p in paragraphs if not SOURCE.search(p)]
     assert unsourced == []
+
+
+def test_the_docs_samples_name_no_developers_working_tree() -> None:
+    """README and docs show no path of a developer's own checkout or test run in their samples."""
+    developer = re.compile(r"/work/(?:wt|main)/|/pytest-of-|/\.venv/lib/")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if developer.search(line)
+    ]
+    assert found == []

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from sglangstop import drained_then_self_killed
 
+from gpuguard.adapters import reaper
 from gpuguard.adapters.doctorio import path_chain
 from gpuguard.core.doctor import (
     AuditedUnit,
@@ -26,6 +27,7 @@ from gpuguard.core.doctor import (
     worst,
 )
 from gpuguard.core.levels import Level
+from gpuguard.core.stopbudget import DROP_IN
 from gpuguard.core.unitconfig import UnitConfig
 
 SAMPLES = Path(__file__).parent.parent / "journal_samples"
@@ -287,6 +289,29 @@ def test_gate_missing_and_gate_timeout_above_timeout_start() -> None:
     )
     longer = by_code(diagnose(facts(own_timeout), {}, HOST), "gate-timeout")
     assert longer.fix == ("TimeoutStartSec=16min",)  # its own --timeout 900, not the config's
+
+
+def test_the_stop_reap_says_what_it_gets_of_the_stop_timeout() -> None:
+    """The drop-in's ExecStopPost= reap: as asked in 2min, cut to fit 5s, with the numbers."""
+    roomy = by_code(diagnose(facts(config(timeout_stop_s=120.0)), {}, HOST), "stop-reap")
+    assert roomy.severity is Level.OK
+    assert roomy.title == (
+        "the ExecStopPost= reap fits in TimeoutStopSec=2min as asked: 5.0 s SIGTERM grace, "
+        "5.0 s after SIGKILL, 20.0 s wait for the memory"
+    )
+    short = by_code(diagnose(facts(config(timeout_stop_s=5.0)), {}, HOST), "stop-reap")
+    assert short.title == (
+        "the ExecStopPost= reap fits itself in TimeoutStopSec=5s: 1.8 s SIGTERM grace, 1.8 s "
+        "after SIGKILL, no wait for the memory (the next start's gate waits for it)"
+    )
+    assert "the next start's gate reaps what it left" in short.evidence[0]
+    ungated = diagnose(facts(config(drop_in_paths=())), {}, HOST)
+    assert [f for f in ungated if f.code == "stop-reap"] == []
+
+
+def test_the_drop_ins_kill_wait_is_the_reapers() -> None:
+    """The budget counts the reaper's own wait after SIGKILL, whatever it becomes."""
+    assert DROP_IN.kill_wait_s == reaper.KILL_WAIT_S
 
 
 def test_overlapping_gpu_sets_are_named() -> None:

@@ -230,6 +230,39 @@ def test_refused_gate_is_critical() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("no_config_file", "fix"),
+    [
+        (False, "check the name in the configuration"),
+        (
+            True,
+            (
+                "it is the default, watched while no configuration file names the units: name "
+                "yours in /etc/gpuguard/gpuguard.toml (or --config FILE)"
+            ),
+        ),
+    ],
+)
+def test_a_unit_systemd_lacks_is_blamed_on_the_file_only_when_there_is_one(
+    no_config_file: bool, fix: str
+) -> None:
+    """Without a configuration file (a source install) the unknown unit is the default one."""
+    missing = UnitView("sglang.service", "not found", "all GPUs", not_found=True)
+    context = StatusContext(
+        watched_units={"sglang.service": ()},
+        protected_names=(),
+        idle_threshold_bytes=16 * MIB,
+        as_root=False,
+        units=(missing,),
+        no_config_file=no_config_file,
+    )
+    report = assess(build_inventory(nvml(gpu(0)), ProcScan(()), 16 * MIB), context, NOW)
+    assert report.level is Level.WARNING
+    assert report.headline == (
+        f"watched unit sglang.service does not exist (LoadState=not-found): {fix}"
+    )
+
+
 def test_a_blanked_command_line_cannot_forge_a_status_line() -> None:
     """The name shown in place of an empty command line is escaped, as are owners and findings."""
     level, text, doc = judge(

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skipsummary import REMEDY, SHOWN_REASONS, summary_lines
+from skipsummary import EVERY_REASON, REMEDY, SHOWN_REASONS, summary_lines
 
 
 def test_nothing_skipped_says_nothing() -> None:
@@ -28,7 +28,41 @@ def test_many_reasons_are_cut_and_the_rest_counted() -> None:
     reasons = [f"reason {n}" for n in range(SHOWN_REASONS + 3)]
     lines = summary_lines(reasons, 100)
     assert len(lines) == 1 + SHOWN_REASONS + 2
-    assert lines[-2] == "     3 x for 3 other reasons (pytest -rs)"
+    assert lines[-2] == f"     3 x for 3 other reasons (each one: {EVERY_REASON})"
+
+
+def _conftest(tmp_path: Path) -> None:
+    """A conftest in ``tmp_path`` that is this repository's (its hook, its paths)."""
+    tests = Path(__file__).resolve().parents[1]
+    (tmp_path / "conftest.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(tests / 'support')!r})\n"
+        f"sys.path.insert(0, {str(tests / 'fakenvml')!r})\n"
+        f"exec(open({str(tests / 'conftest.py')!r}).read())\n"
+    )
+
+
+def test_a_module_skipped_whole_counts_as_pytest_counts_it(tmp_path: Path) -> None:
+    """A module skipped at collection: the summary's count is pytest's own (it was one short)."""
+    _conftest(tmp_path)
+    (tmp_path / "test_a.py").write_text(
+        "import pytest\ndef test_runs():\n    pass\n"
+        "def test_skips():\n    pytest.skip('needs a unicorn')\n"
+    )
+    (tmp_path / "test_b.py").write_text(
+        "import pytest\npytest.skip('needs a dragon', allow_module_level=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "1 passed, 2 skipped" in result.stdout.splitlines()[-1], result.stdout
+    assert "2 of 3 tests were SKIPPED" in result.stdout
+    assert "1 x needs a dragon" in result.stdout
 
 
 def test_a_real_pytest_run_ends_with_the_summary(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from gpuguard.config import ConfigError, parse_settings
 from gpuguard.core.gate.proto import Request, parse_request
-from gpuguard.core.unitname import UNIT_NAME
+from gpuguard.core.unitname import UNIT_NAME, unit_syntax_problem
 
 LONGEST = "a" * (255 - len(".service")) + ".service"
 TOO_LONG = "a" + LONGEST
@@ -58,3 +58,21 @@ def test_any_units_name_has_systemds_bound() -> None:
     """255 characters are a unit name, 256 are not."""
     assert UNIT_NAME.fullmatch(LONGEST)
     assert not UNIT_NAME.fullmatch(TOO_LONG)
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("sglang.service", None),
+        ("vllm@0.service", None),
+        ("run-u12.scope", None),
+        ("bars.servce", ".servce is no unit type (a service's name ends in .service)"),
+        ("sglang", "not a unit's name (NAME.service)"),
+        (".service", "not a unit's name (NAME.service)"),
+        ("a b.service", "not a unit's name (NAME.service)"),
+        ("x" * 250 + ".service", "not a unit's name (NAME.service)"),
+    ],
+)
+def test_a_name_no_unit_can_have_is_told_without_systemd(name: str, problem: str | None) -> None:
+    """The characters, the length and the type suffix decide; systemd is not asked."""
+    assert unit_syntax_problem(name) == problem

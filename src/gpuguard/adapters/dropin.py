@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuguard.adapters import files, systemd
+from gpuguard.core.stopbudget import DROP_IN
 from gpuguard.core.unitname import UNIT_NAME
 
 SYSTEMD_DIR = Path("/etc/systemd/system")
 FILE_NAME = "gpuguard-gate.conf"
 _MAX_BYTES = 64 * 1024
 MARKER = "# gpuguard drop-in for a GPU inference unit (SGLang, vLLM)."
+
+# The stop reap's waits, from their one home; it fits them into the unit's TimeoutStopSec=.
+_STOP_REAP = f"--yes --grace {DROP_IN.grace_s:g} --timeout {DROP_IN.timeout_s:g}"
 
 _TEMPLATE = f"""\
 {MARKER}
@@ -38,7 +42,7 @@ ExecStartPre={{gpuguard}} gate --unit %n
 # cgroup or was orphaned from it, so the GPUs are free before anything else wants them; asked of
 # the same server. "-" keeps a failed reap from marking the stop as failed; the next gate will
 # try again.
-ExecStopPost=-{{gpuguard}} reap --unit %n --yes --grace 5 --timeout 20
+ExecStopPost=-{{gpuguard}} reap --unit %n {_STOP_REAP}
 # Each ExecStartPre= gets its own TimeoutStartSec=: keep it above the gate's timeout (300 s)
 # plus a margin, or systemd kills the gate before it can explain itself. For Type=notify
 # servers ExecStart= then gets a fresh TimeoutStartSec= for the model load.

@@ -59,6 +59,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections import deque
@@ -238,6 +239,9 @@ class JournalFollower:
         records: list[JournalRecord] = []
         for stream in self._streams:
             if stream.next_attempt is not None and self._clock() >= stream.next_attempt:
+                if stream.untold is not None:
+                    self._problems.append(stream.untold)
+                    stream.untold = None
                 stream.restarts += 1
                 self._spawn(stream)
             if stream.proc is not None:
@@ -385,8 +389,8 @@ class JournalFollower:
         stream.state = "replaying" if stream.phase == "replay" else "attached"
         stream.reason = None
 
-    def _failed(self, stream: Stream, reason: str) -> None:
-        """Schedule the next attempt on the backoff ladder."""
+    def _failed(self, stream: Stream, reason: str, *, tell: bool = True) -> None:
+        """Schedule the next attempt on the backoff ladder; ``tell``: say it now, else then."""
         if self._clock() - stream.spawned_at >= max(self._backoff):
             stream.failures = 0  # it ran long enough: this is a new incident, not a loop
         delay = self._backoff[min(stream.failures, len(self._backoff) - 1)]
@@ -394,7 +398,11 @@ class JournalFollower:
         stream.state = "restarting"
         stream.next_attempt = self._clock() + delay
         stream.reason = reason
-        self._problems.append(f"journal {stream.name}: {reason}; next attempt in {delay:g} s")
+        problem = f"journal {stream.name}: {reason}; next attempt in {delay:g} s"
+        if tell:
+            self._problems.append(problem)
+        else:
+            stream.untold = problem
 
     def _read(self, stream: Stream, records: list[JournalRecord]) -> None:
         proc = stream.proc
@@ -427,7 +435,14 @@ class JournalFollower:
             stream.failures = 0
             self._spawn(stream)
             return
-        self._failed(stream, f"journalctl {describe_exit(returncode)}{self._last_words(stream)}")
+        # SIGTERM is what systemd sends the whole cgroup when gpuguard.service stops: journalctl
+        # may die of it a moment before the daemon hears its own. Said when the restart comes,
+        # so a stop says nothing; a SIGTERM from anyone else is still said, a backoff later.
+        self._failed(
+            stream,
+            f"journalctl {describe_exit(returncode)}{self._last_words(stream)}",
+            tell=returncode != -signal.SIGTERM,
+        )
 
     @staticmethod
     def _last_words(stream: Stream) -> str:

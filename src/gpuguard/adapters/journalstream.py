@@ -52,6 +52,7 @@ class Stream:
     spawned_at: float = 0.0
     next_attempt: float | None = None
     reason: str | None = None
+    untold: str | None = None  # a problem said only when the restart comes (a SIGTERM's)
     restarts: int = 0
     delivered: int = 0
     run_delivered: int = 0  # by the current journalctl

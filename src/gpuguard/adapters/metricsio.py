@@ -20,7 +20,7 @@ from gpuguard.core import metrics, tally
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
 from gpuguard.core.values import MIB
-from gpuguard.daemonsettings import listen_address
+from gpuguard.daemonsettings import DEFAULT_TEXTFILE, listen_address
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -233,13 +233,28 @@ class Exporter:
         except OSError as err:
             # The same failure again is not news (its message names a random temporary file).
             kind = f"{type(err).__name__} {err.errno} {getattr(err, 'reason', '')}"
-            if self._write_failed != kind:
+            if self._write_failed != kind and _no_node_exporter(path, err):
+                self._log.info("no node_exporter textfile directory: no metrics file", path=path)
+            elif self._write_failed != kind:
                 self._log.warning("cannot write the metrics textfile", path=path, error=str(err))
             self._write_failed = kind
             return
         if self._write_failed is not None:
             self._log.info("metrics textfile written again", path=path)
         self._write_failed = None
+
+
+def _no_node_exporter(path: str, err: OSError) -> bool:
+    """Whether the default textfile's directory is missing: a host without node_exporter.
+
+    Not a fault to warn about at every start (the metrics are still served by ``status
+    --prometheus`` and a configured listener); a path the operator chose is.
+    """
+    return (
+        path == DEFAULT_TEXTFILE
+        and isinstance(err, FileNotFoundError)
+        and not Path(path).parent.is_dir()
+    )
 
 
 def write_textfile(path: Path, data: bytes) -> None:

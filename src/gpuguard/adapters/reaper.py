@@ -270,11 +270,15 @@ def _terminate(
             _settle(item, ReapOutcome.UNKILLABLE, detail, log)
 
 
+KILL_WAIT_S = 5.0
+"""How long reap waits for the survivors of its SIGKILL, unless told otherwise."""
+
+
 def reap(
     targets: Iterable[ReapTarget],
     *,
     grace_s: float = 10.0,
-    kill_wait_s: float = 5.0,
+    kill_wait_s: float = KILL_WAIT_S,
     proc_root: Path = procfs.PROC,
     logger: Logger | None = None,
 ) -> tuple[ReapResult, ...]:

@@ -30,6 +30,7 @@ _PROPERTIES = (
     "User",
     "DynamicUser",
     "KillMode",
+    "TimeoutStopUSec",
 )
 _TIMEOUT_S = 10
 _INVOCATION_ID = re.compile(r"[0-9a-f]{32}")

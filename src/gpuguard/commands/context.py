@@ -13,6 +13,7 @@ from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_USAGE
 from gpuguard.core.gpuset import resolve_gpu_set
 from gpuguard.core.policy import PlanRequest, Scope
+from gpuguard.core.unitname import unit_syntax_problem
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -30,16 +31,21 @@ def unknown_unit(settings: Settings, unit: str, command: str, *, force: bool) ->
 
     A typo (``sglang.servce``) would get the defaults - every GPU, the default patterns - and a
     reap of scope ``patterns`` would reach processes the real unit spares. ``--force`` goes
-    ahead anyway. Only systemd's own answer (``LoadState=not-found``) refuses: when it cannot
-    be asked the command goes on and its plan says so (nothing in the unit's cgroup is reaped).
+    ahead anyway. A name no unit can have (``.servce`` is no unit type) is refused without
+    asking systemd; otherwise only systemd's own answer (``LoadState=not-found``) refuses: when
+    it cannot be asked the command goes on and its plan says so (nothing in the unit's cgroup
+    is reaped).
     """
     if force or unit in settings.units or dropin.installed(unit):
         return None
-    if not systemd.show_unit(unit).not_found:
+    syntax = unit_syntax_problem(unit)
+    if syntax is not None:
+        lines = [f"gpuguard {command}: unknown unit {escape(unit)!r}: {syntax}"]
+    elif not systemd.show_unit(unit).not_found:
         return None
-
-    why = "not in the configuration, no gate drop-in, and systemd has no such unit"
-    lines = [f"gpuguard {command}: unknown unit {escape(unit)!r}: {why} (LoadState=not-found)"]
+    else:
+        why = "not in the configuration, no gate drop-in, and systemd has no such unit"
+        lines = [f"gpuguard {command}: unknown unit {escape(unit)!r}: {why} (LoadState=not-found)"]
     nearest = did_you_mean(unit, (*settings.units, *systemd.known_units()))
     if nearest:
         lines.append(f"  did you mean {' or '.join(nearest)}?")

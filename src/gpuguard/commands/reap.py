@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import containerstop, inventory, logs, reaper, releaselog
@@ -22,6 +23,7 @@ from gpuguard.core.gate import run as gaterun
 from gpuguard.core.gate.run import may_name
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.releaselog import seconds
+from gpuguard.core.stopbudget import ReapTimes, fit
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from gpuguard.core.policy import KillPlan, PlanRequest
     from gpuguard.core.release import Release
     from gpuguard.core.unitcontainers import ContainerResult, ContainerVerdict
+    from gpuguard.core.unitstate import UnitState
     from gpuguard.core.values import ReapResult
 
 Containers = tuple[tuple["ContainerVerdict", "ContainerResult | None"], ...]
@@ -55,6 +58,7 @@ def run(
     The plan goes to ``show`` (as text, unless --json) before anything is signalled, and
     ``ask`` gets the question when the plan needs a yes and --yes was not given.
     """
+    began = time.monotonic()
     unit_name = args.unit or _only_unit(settings)
     if unit_name is None:
         return Said(
@@ -86,6 +90,20 @@ def run(
     stopper = _container_stopper(settings, planned.request, args, grace, logger)
     verdicts = stopper.plan(found)
     to_stop = [verdict for verdict in verdicts if verdict.stop]
+    times = _fitted(
+        ReapTimes(grace, reaper.KILL_WAIT_S, timeout),
+        unit_state,
+        caller,
+        containers=bool(to_stop),
+        spent_s=time.monotonic() - began,
+    )
+    grace, timeout = times.grace_s, times.timeout_s
+    stopper.grace_s = grace
+    if times.cut_by_s is not None:
+        notes.append(
+            f"the unit's ExecStopPost= within TimeoutStopSec={times.cut_by_s:g}s: "
+            f"{times.in_words()}"
+        )
     if not args.json:
         show(
             _plan_text(kill_plan, gpu_set, notes, viewer_uid(caller))
@@ -110,7 +128,12 @@ def run(
         return Said(1, notices=(*planned.notices, declined))
 
     containers = _stop_containers(stopper, verdicts)  # first: as the gate does
-    results = reaper.reap(gaterun.reap_targets(kill_plan.to_reap), grace_s=grace, logger=logger())
+    results = reaper.reap(
+        gaterun.reap_targets(kill_plan.to_reap),
+        grace_s=grace,
+        kill_wait_s=times.kill_wait_s,
+        logger=logger(),
+    )
     return _reap_finish(
         settings,
         found,
@@ -135,6 +158,31 @@ def wait_limit(settings: Settings, timeout: float, caller: Caller | None) -> flo
     if caller is not None and not caller.is_operator:
         return min(timeout, settings.gate_timeout_s)
     return timeout
+
+
+def _fitted(
+    asked: ReapTimes,
+    unit_state: UnitState,
+    caller: Caller | None,
+    *,
+    containers: bool,
+    spent_s: float,
+) -> ReapTimes:
+    """``asked``, fitted into the unit's TimeoutStopSec= when the asker is its ExecStopPost=.
+
+    systemd kills an ExecStopPost= still running past the unit's stop timeout (stop-post gets
+    it afresh), so the unit's own reap in its stop takes what fits (core/stopbudget.py) and
+    leaves the rest to the next start's gate; an operator's reap, or one outside a stop, is as
+    asked. A left-over container's stop comes first with the same grace: it counts twice.
+    """
+    asker = caller.pid if caller is not None else os.getpid()
+    if unit_state.ending_run() is None or not unit_state.is_control_process(
+        asker, trust_unknown=False
+    ):
+        return asked
+    graces = 2 if containers else 1
+    times = fit(replace(asked, grace_s=asked.grace_s * graces), unit_state.stop_timeout_s, spent_s)
+    return replace(times, grace_s=times.grace_s / graces)
 
 
 def _only_unit(settings: Settings) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from gpuguard.core.status import document
 from gpuguard.core.status.judge import assess
 from gpuguard.core.status.report import StatusContext, UnitView
 from gpuguard.core.status.text import render_text
-from gpuguard.core.watchframe import interval
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -61,28 +59,28 @@ class StatusAnswer:
 
 
 def run(
-    settings: Settings, *, watch: float | None = None, since: Since | None = None
+    settings: Settings,
+    *,
+    watch: float | None = None,
+    since: Since | None = None,
+    no_config_file: bool = False,
 ) -> StatusAnswer | Said:
     """The status report, judged now (the monitoring-plugin convention for its level).
 
     With ``watch`` (seconds), redraw it in place on the terminal until stopped; exit 0 then,
     with nothing more to print. ``since``: the start of the history shown (``--since``); None:
-    all that is kept.
+    all that is kept. ``no_config_file``: the settings are the defaults, no file was read.
     """
     if watch is not None:
-        return Said(terminal.run(lambda: render_text(_report(settings, since)), watch, sys.stdout))
-    return StatusAnswer(_report(settings, since))
+        return Said(
+            terminal.run(
+                lambda: render_text(_report(settings, since, no_config_file)), watch, sys.stdout
+            )
+        )
+    return StatusAnswer(_report(settings, since, no_config_file))
 
 
-def watch_interval(text: str) -> float:
-    """``--watch``'s SECONDS for argparse: 0.1 to 86400, else a usage error."""
-    try:
-        return interval(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _report(settings: Settings, since: Since | None) -> StatusReport:
+def _report(settings: Settings, since: Since | None, no_config_file: bool = False) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
     now = datetime.now(timezone.utc)
     start = None if since is None else since.start(now)
@@ -124,6 +122,7 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             since=start,
             unit_containers=_unit_containers(settings, found, live),
             watched=tuple(seen.unit for seen in looks),
+            no_config_file=no_config_file,
         ),
         now,
     )

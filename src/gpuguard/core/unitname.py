@@ -15,3 +15,31 @@ from typing import Final
 
 UNIT_NAME: Final = re.compile(r"[A-Za-z0-9:_.\\@-]{1,255}")
 SERVICE_NAME: Final = re.compile(r"[A-Za-z0-9:_.\\@-]{1,247}\.service")
+UNIT_TYPES: Final = (
+    "service",
+    "socket",
+    "target",
+    "device",
+    "mount",
+    "automount",
+    "swap",
+    "timer",
+    "path",
+    "slice",
+    "scope",
+)
+"""The suffixes a unit's name ends in (systemd.unit(5)); any other name names no unit."""
+
+
+def unit_syntax_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a unit, whatever systemd knows; None when it could.
+
+    Decided without systemd: the characters and length, then the type suffix (``.servce`` is
+    none), so a typo is refused even where systemd cannot be asked.
+    """
+    if not UNIT_NAME.fullmatch(name) or name.startswith(".") or "." not in name:
+        return "not a unit's name (NAME.service)"
+    suffix = name.rpartition(".")[2]
+    if suffix not in UNIT_TYPES:
+        return f".{suffix} is no unit type (a service's name ends in .service)"
+    return None

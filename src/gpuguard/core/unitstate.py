@@ -56,6 +56,9 @@ class UnitState:
     main: ProcessIdentity | None = None
     """The process at ``main_pid`` as /proc named it right after systemd did (``show_unit``):
     what a KillMode=process stop signals, which a process given its PID later is not."""
+    stop_timeout_s: float | None = None
+    """``TimeoutStopSec=`` in seconds: what each phase of a stop, ExecStopPost= too, may take;
+    None for infinity, or when systemd did not say (core/stopbudget.py)."""
 
     @property
     def not_found(self) -> bool:
@@ -143,4 +146,10 @@ def parse_show(unit: str, text: str) -> UnitState:
         user=values.get("User") or None,
         dynamic_user=values.get("DynamicUser") == "yes",
         kill_mode=values.get("KillMode") or None,
+        stop_timeout_s=_span(values.get("TimeoutStopUSec", "")),
     )
+
+
+def _span(text: str) -> float | None:
+    """A time span property ("5s", "1min 30s"); None for infinity, absent or unreadable."""
+    return None if text in {"", "infinity"} else unitconfig.parse_timespan(text)

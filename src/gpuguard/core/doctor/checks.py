@@ -32,6 +32,7 @@ from gpuguard.core.doctor.hostchecks import (
 )
 from gpuguard.core.doctor.starts import gate_wait, start_timeout
 from gpuguard.core.levels import Level
+from gpuguard.core.stopbudget import DROP_IN, fit
 from gpuguard.core.unitstate import NOT_FOUND, no_such_unit
 
 if TYPE_CHECKING:
@@ -439,4 +440,28 @@ def _gate(facts: AuditedUnit, host: HostFacts, *, proposed: bool) -> list[Findin
                 () if proposed else (f"TimeoutStartSec={span(round_up(needed))}",),
             )
         ]
-    return [Finding("gate", Level.OK, "the gate is installed")]
+    return [Finding("gate", Level.OK, "the gate is installed"), _stop_reap(config)]
+
+
+def _stop_reap(config: UnitConfig) -> Finding:
+    """What the drop-in's ExecStopPost= reap gets of TimeoutStopSec= (core/stopbudget.py)."""
+    stop = config.timeout_stop_s
+    shown = "infinity" if stop is None else span(stop)
+    times = fit(DROP_IN, stop)
+    if times.cut_by_s is None:
+        return Finding(
+            "stop-reap",
+            Level.OK,
+            f"the ExecStopPost= reap fits in TimeoutStopSec={shown} as asked: {times.in_words()}",
+        )
+    return Finding(
+        "stop-reap",
+        Level.OK,
+        f"the ExecStopPost= reap fits itself in TimeoutStopSec={shown}: {times.in_words()}",
+        (
+            (
+                "systemd kills an ExecStopPost= still running past the stop timeout; the reap "
+                "takes what fits, and the next start's gate reaps what it left"
+            ),
+        ),
+    )

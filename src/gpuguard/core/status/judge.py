@@ -115,11 +115,16 @@ def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding
     is history (OK), said so rather than hidden.
     """
     units = context.units
+    fix = (
+        "it is the default, watched while no configuration file names the units: name yours in "
+        "/etc/gpuguard/gpuguard.toml (or --config FILE)"
+        if context.no_config_file
+        else "check the name in the configuration"
+    )
     findings = [
         Finding(
             Level.WARNING,
-            f"watched unit {unit.name} does not exist (LoadState=not-found): "
-            "check the name in the configuration",
+            f"watched unit {unit.name} does not exist (LoadState=not-found): {fix}",
         )
         for unit in units
         if unit.not_found

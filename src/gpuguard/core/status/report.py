@@ -68,6 +68,8 @@ class StatusContext:
     watched: tuple[WatchedUnit, ...] = ()
     """Each watched unit with its GPU set, live run and provenance, as the gate would see it;
     empty: built from ``watched_units`` with nothing asked of systemd (nothing proven)."""
+    no_config_file: bool = False
+    """No configuration file was read (a source install): the units are the default one."""
 
     def watched_view(self) -> tuple[WatchedUnit, ...]:
         """The units every check of status judges against (one place for the GPU sets)."""
