@@ -115,7 +115,7 @@ def server(
     path = public_dir / "gate.sock"
     log = tmp_path / "server.log"
     with listen(path) as listener, log.open("wb") as out:
-        argv = [*cli.prefix(), *_CLIENT, "--config", str(cli.config), "serve-gate"]
+        argv = [*gpuguard_argv(cli.doubles), "--config", str(cli.config), "serve-gate"]
         process = activate(listener, argv, cli.env, out)
     gate_server = GateServer(path, process, log)
     yield gate_server

@@ -237,8 +237,8 @@ def test_refused_gate_is_critical() -> None:
         (
             True,
             (
-                "it is the default, watched while no configuration file names the units: name "
-                "yours in /etc/gpuguard/gpuguard.toml (or --config FILE)"
+                "the default with no configuration file: name yours in "
+                "/etc/gpuguard/gpuguard.toml (or --config FILE)"
             ),
         ),
     ],

@@ -116,8 +116,8 @@ def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding
     """
     units = context.units
     fix = (
-        "it is the default, watched while no configuration file names the units: name yours in "
-        "/etc/gpuguard/gpuguard.toml (or --config FILE)"
+        "the default with no configuration file: name yours in /etc/gpuguard/gpuguard.toml "
+        "(or --config FILE)"
         if context.no_config_file
         else "check the name in the configuration"
     )
