@@ -88,6 +88,8 @@ class AuditedUnit:
     """The gate's recorded decisions; None: none recorded (no gate, or none since boot)."""
     health_url: str | None = None
     """The unit's ``health_url`` from gpuguard's configuration."""
+    on_engine_dead: str | None = None
+    """The unit's ``on_engine_dead`` from gpuguard's configuration; None: not watched."""
 
 
 @dataclass(frozen=True, slots=True)
