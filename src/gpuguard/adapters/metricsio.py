@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, metricshttp, releaselog, state, watched
+from gpuguard.adapters import breakerfile, files, metricshttp, releaselog, state, watched
 from gpuguard.core import metrics, tally
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
@@ -213,6 +213,9 @@ class Exporter:
             snapshot=snapshot,
             daemon_running=running,
             gate_refused=_last_refused(histories),
+            breaker=breakerfile.load(settings.runtime_dir, releaselog.boot_id()),
+            breaker_limits=settings.daemon.breaker_limits(),
+            now_monotonic=time.monotonic(),
             tally=self.tally,
             now_wall=self._wall(),
             watched=units,
@@ -295,6 +298,9 @@ def scrape(
         snapshot=snapshot,
         daemon_running=daemon_running,
         gate_refused=_last_refused(histories),
+        breaker=breakerfile.load(settings.runtime_dir, releaselog.boot_id()),
+        breaker_limits=settings.daemon.breaker_limits(),
+        now_monotonic=time.monotonic(),
         tally=tally.Tally.from_json(snapshot.metrics if snapshot else None),
         now_wall=time.time(),
         releases=releaselog.read(settings.runtime_dir),

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import (
+    breakerfile,
     daemonsnapshot,
     inventory,
     procfs,
@@ -124,6 +125,8 @@ def _report(settings: Settings, since: Since | None) -> StatusReport:
             since=start,
             unit_containers=_unit_containers(settings, found, live),
             watched=tuple(seen.unit for seen in looks),
+            breaker=breakerfile.load(settings.runtime_dir, releaselog.boot_id()),
+            breaker_limits=settings.daemon.breaker_limits(),
         ),
         now,
     )

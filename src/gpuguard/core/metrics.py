@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuguard.core.breaker import BreakerLimits, BreakerState, in_window
 from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle_seen
@@ -74,6 +75,11 @@ class Observed:
     watched: Sequence[WatchedUnit] | None = None
     releases: Sequence[Logged] = ()
     """The release log (core.releaselog): the last and typical release per GPU."""
+    breaker: BreakerState | None = None
+    """The host-wide breaker as its file holds it (core.breaker); None: closed, none counted."""
+    breaker_limits: BreakerLimits | None = None
+    now_monotonic: float | None = None
+    """For the breaker's window (its times are this boot's monotonic ones)."""
 
     def units(self) -> tuple[WatchedUnit, ...]:
         """The watched units the left-overs are judged against."""
@@ -105,7 +111,35 @@ def families(observed: Observed) -> list[Metric]:
         *_counter_families(observed.tally, observed.watched_units),
         *_release_families(observed.releases),
         *_daemon_families(observed),
+        *_breaker_families(observed),
     ]
+
+
+def _breaker_families(observed: Observed) -> list[Metric]:
+    """The host-wide breaker: open or not, and the recoveries its window counts now."""
+    breaker = observed.breaker
+    opened = _gauge(
+        "gpuguard_breaker_open",
+        "1 while the host-wide breaker is open: the daemon only reports until "
+        "`gpuguard breaker --close`.",
+    )
+    opened.add_metric([], int(breaker is not None and breaker.is_open))
+    counted = _gauge(
+        "gpuguard_breaker_recoveries",
+        "Recoveries (and sweeps that reaped) the breaker counts in its window now.",
+    )
+    limits, now = observed.breaker_limits, observed.now_monotonic
+    recent = in_window(breaker, limits, now) if breaker and limits and now is not None else ()
+    counted.add_metric([], len(recent))
+    result: list[Metric] = [opened, counted]
+    if limits is not None:
+        limit = _gauge(
+            "gpuguard_breaker_max_recoveries",
+            "The most recoveries the breaker lets through in its window (breaker_max_recoveries).",
+        )
+        limit.add_metric([], limits.max_recoveries)
+        result.append(limit)
+    return result
 
 
 def _release_families(records: Sequence[Logged]) -> list[Metric]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
+from gpuguard.core.breaker import open_phrase
 from gpuguard.core.escaping import escape
 from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.idle import is_idle_seen
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
     """Turn evidence into findings; the worst finding sets the level."""
     findings = [
+        *_breaker_findings(context),
         *_gate_findings(inventory, context),
         *_daemon_findings(inventory, context),
         *nvml_findings(inventory),
@@ -106,6 +108,22 @@ def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
         return f"all {total} GPUs idle"
     busy = total - len(idle)
     return f"{busy} of {total} GPUs in use by live processes"
+
+
+def _breaker_findings(context: StatusContext) -> list[Finding]:
+    """The host-wide breaker open: the daemon only reports until a person closes it."""
+    breaker = context.breaker
+    if breaker is None or not breaker.is_open:
+        return []
+    said = open_phrase(breaker, context.breaker_limits)
+    return [
+        Finding(
+            Level.CRITICAL,
+            f"{said}: gpuguard's daemon only reports ({breaker.refused} refused since); after "
+            "checking the host, a person closes it: gpuguard breaker --close",
+            summary=said,
+        )
+    ]
 
 
 def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
     from datetime import datetime
 
+    from gpuguard.core.breaker import BreakerLimits, BreakerState
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.levels import Level
     from gpuguard.core.releaselog import GpuReleases
@@ -68,6 +69,9 @@ class StatusContext:
     watched: tuple[WatchedUnit, ...] = ()
     """Each watched unit with its GPU set, live run and provenance, as the gate would see it;
     empty: built from ``watched_units`` with nothing asked of systemd (nothing proven)."""
+    breaker: BreakerState | None = None
+    """The host-wide breaker as its file holds it (core.breaker); None: closed."""
+    breaker_limits: BreakerLimits | None = None
 
     def watched_view(self) -> tuple[WatchedUnit, ...]:
         """The units every check of status judges against (one place for the GPU sets)."""
