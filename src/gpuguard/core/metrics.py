@@ -27,6 +27,7 @@ from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
+from gpuguard.core.prevented import PREVENTERS
 from gpuguard.core.releaselog import Logged, summarize
 from gpuguard.core.releasetimes import release_family
 from gpuguard.core.tally import GATE_RESULTS, REAP_OUTCOMES, REAPERS, RECOVERY_RESULTS, Tally
@@ -364,7 +365,28 @@ def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
             reaped.add_metric([reaper, outcome], tally.reaped[reaper, outcome])
     for error in _NVML_ERRORS:
         nvml.add_metric([error], tally.nvml_errors[error])
-    return [recoveries, gate, reaped, nvml, release_family(tally.releases)]
+    return [recoveries, gate, reaped, nvml, *_prevented_families(tally, units)]
+
+
+def _prevented_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
+    """What gpuguard saved, by core.prevented's conservative rule, and the release histogram."""
+    starts = CounterMetricFamily(
+        "gpuguard_prevented_failed_starts",
+        "Failed starts gpuguard prevented: 1 per start the gate let through after its signal "
+        "ended a holder, 1 per recovery that restarted the unit (never more).",
+        labels=["unit", "reaper"],
+    )
+    loading = CounterMetricFamily(
+        "gpuguard_prevented_load_seconds",
+        "The loading those starts would have cost, each at the unit's shortest learned start "
+        "(none learned: not counted).",
+        labels=["unit", "reaper"],
+    )
+    for unit in units:
+        for by in PREVENTERS:
+            starts.add_metric([unit, by], tally.prevented[unit, by])
+            loading.add_metric([unit, by], round(tally.prevented_load_s.get((unit, by), 0.0), 3))
+    return [starts, loading, release_family(tally.releases)]
 
 
 def _daemon_families(observed: Observed) -> list[Metric]:

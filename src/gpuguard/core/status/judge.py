@@ -52,6 +52,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *shared_gpu_findings(context.watched),
         *container_findings(inventory, context.unit_containers),
         *partial_findings(inventory),
+        *_prevented_findings(context),
     ]
     if inventory.scan.unreadable and not context.as_root:
         findings.append(
@@ -108,6 +109,41 @@ def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
         return f"all {total} GPUs idle"
     busy = total - len(idle)
     return f"{busy} of {total} GPUs in use by live processes"
+
+
+def _prevented_findings(context: StatusContext) -> list[Finding]:
+    """What gpuguard saved per unit, by core.prevented's conservative rule (OK: good news)."""
+    found = []
+    for unit in context.units:
+        saved = unit.prevented
+        if saved is None or not saved.starts:
+            continue
+        each = saved.each_s
+        loading = (
+            f", {span_words(saved.load_s)} of loading at its shortest learned start "
+            f"({span_words(each)} each)"
+            if saved.load_s is not None and each is not None
+            else "; no learned start says what one would have cost"
+        )
+        found.append(
+            Finding(
+                Level.OK,
+                f"{escape(unit.name)}: gpuguard prevented {saved.starts} failed "
+                f"start{'' if saved.starts == 1 else 's'} ({saved.by_gate} healed by the gate, "
+                f"{saved.by_daemon} loop{'' if saved.by_daemon == 1 else 's'} ended by the "
+                f"daemon){loading}",
+            )
+        )
+    return found
+
+
+def span_words(seconds: float) -> str:
+    """Seconds as people read a load time: "3 min 30 s", "45 s"."""
+    whole = round(seconds)
+    minutes, rest = divmod(whole, 60)
+    if not minutes:
+        return f"{rest} s"
+    return f"{minutes} min" + (f" {rest} s" if rest else "")
 
 
 def _breaker_findings(context: StatusContext) -> list[Finding]:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from gpuguard.core.breaker import BreakerLimits, BreakerState
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.levels import Level
+    from gpuguard.core.prevented import Prevented
     from gpuguard.core.releaselog import GpuReleases
     from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.unitcontainers import ContainerVerdict
@@ -46,6 +47,8 @@ class UnitView:
     not_found: bool = False
     releases: tuple[GpuReleases, ...] = ()
     """How long its GPUs took to release a reaped holder's memory (core.releaselog)."""
+    prevented: Prevented | None = None
+    """The failed starts gpuguard prevented, in the records kept (core.prevented)."""
 
 
 @dataclass(frozen=True, slots=True)
