@@ -50,6 +50,32 @@ def ended_loop(record: Mapping[str, Any]) -> bool:
     return record.get("result") == "restarted"
 
 
+def in_words(saved: Prevented) -> str | None:
+    """What was saved, as status and explain say it; None when nothing was."""
+    if not saved.starts:
+        return None
+    each = saved.each_s
+    loading = (
+        f", {minutes(saved.load_s)} of loading at its shortest learned start ({minutes(each)} each)"
+        if saved.load_s is not None and each is not None
+        else "; no learned start says what one would have cost"
+    )
+    return (
+        f"gpuguard prevented {saved.starts} failed start{'' if saved.starts == 1 else 's'} "
+        f"({saved.by_gate} healed by the gate, {saved.by_daemon} "
+        f"loop{'' if saved.by_daemon == 1 else 's'} ended by the daemon){loading}"
+    )
+
+
+def minutes(seconds: float) -> str:
+    """Seconds as people read a load time: "3 min 30 s", "45 s"."""
+    whole = round(seconds)
+    mins, rest = divmod(whole, 60)
+    if not mins:
+        return f"{rest} s"
+    return f"{mins} min" + (f" {rest} s" if rest else "")
+
+
 def load_cost_s(learned_ready_s: Sequence[float]) -> float | None:
     """What one prevented start would have cost in loading: the shortest learned start."""
     return min(learned_ready_s) if learned_ready_s else None

@@ -16,6 +16,7 @@ from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
 from gpuguard.core.levels import Level, worst
+from gpuguard.core.prevented import in_words
 from gpuguard.core.since import within
 from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
@@ -115,35 +116,10 @@ def _prevented_findings(context: StatusContext) -> list[Finding]:
     """What gpuguard saved per unit, by core.prevented's conservative rule (OK: good news)."""
     found = []
     for unit in context.units:
-        saved = unit.prevented
-        if saved is None or not saved.starts:
-            continue
-        each = saved.each_s
-        loading = (
-            f", {span_words(saved.load_s)} of loading at its shortest learned start "
-            f"({span_words(each)} each)"
-            if saved.load_s is not None and each is not None
-            else "; no learned start says what one would have cost"
-        )
-        found.append(
-            Finding(
-                Level.OK,
-                f"{escape(unit.name)}: gpuguard prevented {saved.starts} failed "
-                f"start{'' if saved.starts == 1 else 's'} ({saved.by_gate} healed by the gate, "
-                f"{saved.by_daemon} loop{'' if saved.by_daemon == 1 else 's'} ended by the "
-                f"daemon){loading}",
-            )
-        )
+        said = in_words(unit.prevented) if unit.prevented is not None else None
+        if said is not None:
+            found.append(Finding(Level.OK, f"{escape(unit.name)}: {said}"))
     return found
-
-
-def span_words(seconds: float) -> str:
-    """Seconds as people read a load time: "3 min 30 s", "45 s"."""
-    whole = round(seconds)
-    minutes, rest = divmod(whole, 60)
-    if not minutes:
-        return f"{rest} s"
-    return f"{minutes} min" + (f" {rest} s" if rest else "")
 
 
 def _breaker_findings(context: StatusContext) -> list[Finding]:
