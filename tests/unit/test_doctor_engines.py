@@ -59,6 +59,7 @@ def audit(
     starts: tuple[float, ...] | None = None,
     history: History | None = None,
     on_engine_dead: str | None = "report",
+    clean_exit: bool = True,
 ) -> tuple[Finding, ...]:
     """The findings doctor makes of the unit ``systemctl show`` printed as ``text``."""
     config = parse_show("u.service", text)
@@ -70,6 +71,7 @@ def audit(
         user_uid=0,
         learned=None if starts is None else LearnedStarts("/var/lib/gpuguard/u.json", starts),
         on_engine_dead=on_engine_dead,
+        clean_exit_is_death=clean_exit,
     )
     return diagnose(facts, {}, HOST)
 
@@ -177,6 +179,13 @@ def test_restart_on_failure_on_vllm_is_the_exit_0_hole_with_its_two_fixes() -> N
     assert 'on_engine_dead = "recover"' in hole.advice
     opted = only(audit(show(VLLM, restart="on-failure"), on_engine_dead="recover"), "exit-0")
     assert opted.severity is Level.OK
+    blind = only(
+        audit(show(VLLM, restart="on-failure"), on_engine_dead="recover", clean_exit=False),
+        "exit-0",
+    )
+    assert blind.severity is Level.WARNING
+    assert blind.advice is not None
+    assert "clean_exit_is_death = true" in blind.advice
     assert "exit-0" not in codes(audit(show(VLLM, restart="always")))
     assert "exit-0" not in codes(audit(show(SGLANG, restart="on-failure")))
 

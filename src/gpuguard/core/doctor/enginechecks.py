@@ -299,7 +299,7 @@ def exit_zero(facts: AuditedUnit, engine: Engine) -> list[Finding]:
             f"Result=success and Restart={restart} leaves the unit down"
         ),
     )
-    if facts.on_engine_dead == "recover":
+    if facts.on_engine_dead == "recover" and facts.clean_exit_is_death:
         return [
             Finding(
                 "exit-0",
@@ -318,9 +318,15 @@ def exit_zero(facts: AuditedUnit, engine: Engine) -> list[Finding]:
             evidence,
             ("# restart after an exit 0 too (vLLM issue #48966)", "Restart=always"),
             advice=(
-                "or keep Restart= and opt in to the daemon's recovery of an exit 0 nobody asked "
-                "for: on_engine_dead = \"recover\" in the unit's section of gpuguard's "
-                "configuration"
+                "the other fix, instead of Restart=always: opt in to the daemon's recovery of an "
+                'exit 0 nobody asked for, on_engine_dead = "recover" in the unit\'s section of '
+                "gpuguard's configuration"
+                + (
+                    ""
+                    if facts.clean_exit_is_death
+                    else " and [daemon] clean_exit_is_death = true (off now: to the daemon an "
+                    "exit 0 is no dead engine)"
+                )
             ),
         )
     ]

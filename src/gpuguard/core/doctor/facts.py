@@ -90,6 +90,8 @@ class AuditedUnit:
     """The unit's ``health_url`` from gpuguard's configuration."""
     on_engine_dead: str | None = None
     """The unit's ``on_engine_dead`` from gpuguard's configuration; None: not watched."""
+    clean_exit_is_death: bool = True
+    """``[daemon] clean_exit_is_death``: an exit 0 no stop asked for is a dead engine."""
 
 
 @dataclass(frozen=True, slots=True)
