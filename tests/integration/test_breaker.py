@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -20,6 +21,7 @@ from fakestate import fake_library, update_gpu
 from gpuguard.adapters import breakerfile, inventory, reaper, releaselog, systemd
 from gpuguard.commands import breaker as breaker_command
 from gpuguard.config import Settings
+from gpuguard.core.breaker import BreakerState
 from gpuguard.daemon.loop import Daemon
 from gpuguard.daemon.ports import Ports
 from gpuguard.daemonsettings import DaemonSettings
@@ -199,3 +201,37 @@ def test_three_looping_units_open_the_breaker_which_survives_a_restart_until_clo
     assert daemon.run() == 0
     assert recovered(twins[left], left)
     assert process_gone(workers[left].pid)
+
+
+def test_an_open_breaker_leaves_a_crashed_runs_survivors_reported_not_reaped(
+    tmp_path: Path,
+    in_process_nvml: Path,
+    spawn_holder: HolderSpawner,
+    unit_cgroups: UnitCgroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sweep is a recovery too: with the breaker open its survivors are only reported."""
+    unit = f"llm-{uuid.uuid4().hex[:6]}.service"
+    entries = unit_entries(unit, 0)
+    crashed = str(entries[0]["INVOCATION_ID"])
+    run = [e for e in entries if e["INVOCATION_ID"] == crashed]
+    monkeypatch.setenv("INVOCATION_ID", crashed)
+    worker = spawn_holder(in_process_nvml, gpus=(0,), mib=30000, name="vllm::worker")
+    monkeypatch.delenv("INVOCATION_ID")
+    unit_cgroups.move(worker.pid, unit)
+    at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    opened = BreakerState(BOOT, open_since=at, opened_after=2, refused=1)
+    breakerfile.save(tmp_path / "run", opened)
+
+    daemon, twins, log = daemon_for(tmp_path, in_process_nvml, {unit: 0}, run)
+    assert daemon.run() == 0
+
+    assert not process_gone(worker.pid)
+    assert twins[unit].calls == []
+    [(level, said)] = [(lv, f) for lv, event, f in log.lines if event == "survivors only reported"]
+    assert level == "error"
+    assert "breaker open since" in str(said["reason"])
+    assert not [f for _, event, f in log.lines if event == "signal"]
+    found = breakerfile.load(tmp_path / "run", BOOT)
+    assert found is not None
+    assert found.refused == 2
