@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from gpuguard import __version__, clihelp
 from gpuguard.commands.arguments import (
     REAP_TIMEOUT_S,
+    BreakerArgs,
     CommandArgs,
     DoctorArgs,
     ExplainArgs,
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--fix", action="store_true", help="print a drop-in that fixes the findings"
     )
+    breaker = commands.add_parser("breaker", description=clihelp.BREAKER, formatter_class=raw)
+    breaker.add_argument(
+        "--close",
+        action="store_true",
+        help="close the open breaker, after checking the host (root)",
+    )
     for name, text in (
         ("install-gate", clihelp.INSTALL_GATE),
         ("remove-gate", clihelp.REMOVE_GATE),
@@ -221,6 +228,8 @@ def _typed(args: argparse.Namespace) -> CommandArgs:  # noqa: PLR0911 - one per 
             )
         case "run":
             return RunArgs()
+        case "breaker":
+            return BreakerArgs(args.close)
         case "install-gate" | "remove-gate":
             install = args.command == "install-gate"
             return InstallGateArgs(args.unit, install, force=install and args.force)
@@ -309,3 +318,7 @@ def _dispatch(  # noqa: PLR0911 - one return per command
             from gpuguard.commands import doctor  # noqa: PLC0415
 
             return doctor.run(settings, command)
+        case BreakerArgs():
+            from gpuguard.commands import breaker  # noqa: PLC0415
+
+            return breaker.run(settings, close_it=command.close)

@@ -23,6 +23,7 @@ commands:
   run      the watchdog daemon: detect restart loops in the journal and recover them
   doctor   audit a unit's settings against its journal; print the drop-in that fixes them
   explain  tell a unit's incident from the journal: stops, kills, failed starts, recovery
+  breaker  the daemon's host-wide limit on recoveries: its state, and --close (root)
   install-gate / remove-gate
            add or remove the gate drop-in of a unit (never done without being asked)
   serve-gate
@@ -59,7 +60,8 @@ Exit status (monitoring-plugin convention):
               row remap or page retirement, the driver asks for it), memory no
               visible process explains, a holder stuck in state D in the NVIDIA
               driver or stuck after an Xid (SIGKILL left it alive), NVML not
-              answering, a watched unit whose engine is dead while the unit lives
+              answering, a watched unit whose engine is dead while the unit lives,
+              the daemon's host-wide breaker open (gpuguard breaker --close)
   3 UNKNOWN   NVML unavailable and no evidence in /proc
  78           the configuration file is invalid
 
@@ -260,6 +262,11 @@ and gate waits gpuguard learned (none proposed from fewer than 3), GPU sets shar
 watched unit, PATH,
 LD_LIBRARY_PATH or EnvironmentFile= paths the service user can change,
 nvidia-persistenced not running, and GPUs with MIG mode on (gpuguard judges nothing there).
+It also reads the server's own settings from ExecStart= and the unit's environment (vLLM's
+--shutdown-timeout and VLLM_ENGINE_READY_TIMEOUT_S, SGLang's unbounded drain and
+--watchdog-timeout): TimeoutStopSec= against the drain + 30 s (never proposed past 10 min),
+the ready timeout against the learned starts, and Restart=on-failure on vLLM, which an exit 0
+after its engine died leaves down; a server or value it cannot read is said, never guessed.
 Every finding has its evidence and the drop-in lines that
 fix it; --fix prints one complete drop-in to save by hand (doctor never changes anything).
 Without --unit every watched unit in the configuration is audited.
@@ -267,6 +274,20 @@ Without --unit every watched unit in the configuration is audited.
 Exit status: the worst finding - 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (systemd or the
 journal could not be asked); 64 an unknown --unit (not configured, not gated, and systemd
 has no such unit; --force audits it anyway); 78 invalid configuration.
+"""
+
+BREAKER = """\
+The host-wide breaker. gpuguard's daemon lets at most breaker_max_recoveries recoveries (a
+stop, reap and restart of a looping unit; a sweep that reaps an ended run's survivors) happen
+in breaker_window_s across all watched units (default 6 in 30 min). The next one opens the
+breaker: from then on the daemon only reports, `gpuguard status` is CRITICAL with "breaker
+open since T after N recoveries", and the breaker stays open across daemon restarts until a
+reboot or a person closes it. Without options: say its state. --close (root) closes it, with
+a fresh window; check the host first (`gpuguard status`: several units looping at once is
+often a driver or GPU fault that more recoveries only hide).
+
+Exit status: 0 closed (or closed now); 2 open; 73 the breaker's file could not be written;
+77 --close without root; 64 usage error; 78 invalid configuration.
 """
 
 REMOVE_GATE = """\

@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from gpuguard.configmodel import DAY_S, ConfigModel
+from gpuguard.core.breaker import BreakerLimits
 from gpuguard.core.detector import LoopSettings
 from gpuguard.core.recovery import RecoveryLimits
 
@@ -58,6 +59,20 @@ class DaemonSettings(ConfigModel):
         le=DAY_S,
         description="A recovered unit that runs this long without failing counts as healed.",
     )
+    breaker_max_recoveries: int = Field(
+        default=6,
+        ge=1,
+        le=1000,
+        description="The host-wide breaker: at most this many recoveries and sweeps that reap, "
+        "across all units, in breaker_window_s; the next one opens the breaker and the daemon "
+        "only reports until `gpuguard breaker --close` (docs/daemon.md).",
+    )
+    breaker_window_s: float = Field(
+        default=1800.0,
+        gt=0,
+        le=DAY_S,
+        description="The breaker's sliding window.",
+    )
     reap_stopped_survivors: bool = Field(
         default=False,
         description="Also reap the GPU-holding survivors of a run that a stop job ended (an "
@@ -97,6 +112,10 @@ class DaemonSettings(ConfigModel):
             restart_counter_threshold=self.restart_counter_threshold,
             stable_s=self.stable_s,
         )
+
+    def breaker_limits(self) -> BreakerLimits:
+        """The host-wide breaker's limit (the daemon's, status's and the metrics', alike)."""
+        return BreakerLimits(self.breaker_max_recoveries, self.breaker_window_s)
 
     def recovery_limits(self) -> RecoveryLimits:
         """How often and how soon a recovery is tried (the daemon's and explain's, alike)."""

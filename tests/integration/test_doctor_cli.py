@@ -47,7 +47,12 @@ DropInPaths=
 OTHER_SHOW = """\
 LoadState=loaded
 KillMode=mixed
+TimeoutStopUSec=1min 30s
+Restart=on-failure
 Environment=CUDA_VISIBLE_DEVICES=1,2
+ExecStart={ path=/opt/vllm/bin/vllm ; argv[]=/opt/vllm/bin/vllm serve Qwen/Qwen3-0.6B \
+--api-key sk-live-4f9a0c --shutdown-timeout 300 ; ignore_errors=no ; start_time=[n/a] ; \
+stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }
 """
 
 
@@ -64,6 +69,7 @@ def doubles(cli: Cli, tmp_path: Path) -> Iterator[Path]:
     (tmp_path / "vllm.show").write_text(OTHER_SHOW)
     (bin_dir / "systemctl").write_text(
         "#!/bin/sh\n"
+        f'echo "$*" >> {tmp_path}/systemctl.args\n'
         f'[ "$1" = show ] || exit 1\n'
         f'case "$2" in sglang.service) cat {tmp_path}/sglang.show;; '
         f"vllm.service) cat {tmp_path}/vllm.show;; *) echo 'Host is down' >&2; exit 1;; esac\n"
@@ -125,6 +131,22 @@ def test_doctor_json_covers_every_watched_unit(cli: Cli) -> None:
         "lines": [stop["fix"]["lines"][0], "TimeoutStopSec=2min"],
     }
     json.dumps(document)
+
+
+@pytest.mark.usefixtures("doubles")
+def test_doctor_reads_the_servers_own_settings_from_execstart(cli: Cli, tmp_path: Path) -> None:
+    """The --shutdown-timeout and Restart= of a vLLM unit judged; its --api-key shown nowhere."""
+    result = cli("doctor", "--unit", "vllm.service", "--json")
+    findings = {f["code"]: f for f in result.json()["units"][0]["findings"]}
+    assert findings["engine"]["title"] == "ExecStart= runs vLLM"
+    assert findings["engine-drain"]["fix"]["lines"][-1] == "TimeoutStopSec=5min 30s"
+    assert findings["exit-0"]["fix"]["lines"][-1] == "Restart=always"
+    assert "--property=ExecStart" in (tmp_path / "systemctl.args").read_text().split()
+    fixed = cli("doctor", "--unit", "vllm.service", "--fix")
+    text = cli("doctor", "--unit", "vllm.service")
+    assert "--api-key '<redacted>'" in text.out or "--api-key <redacted>" in text.out
+    for output in (result.out, fixed.out, text.out, result.err, fixed.err, text.err):
+        assert "sk-live-4f9a0c" not in output
 
 
 @pytest.mark.usefixtures("doubles")

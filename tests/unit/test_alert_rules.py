@@ -52,7 +52,7 @@ def test_every_alert_has_a_firing_and_a_silent_case_and_a_runbook() -> None:
     rules = RULES.read_text()
     tests = TESTS.read_text()
     alerts = re.findall(r"^\s+- alert: (\w+)$", rules, re.MULTILINE)
-    assert len(alerts) == 10
+    assert len(alerts) == 11
     for alert in alerts:
         silent = rf"alertname: {alert}\n\s+exp_alerts: \[\]"
         firing = rf"alertname: {alert}\n\s+exp_alerts:\n\s+- exp_labels:"

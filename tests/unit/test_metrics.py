@@ -243,6 +243,8 @@ def test_labels_are_bounded_and_names_follow_the_conventions() -> None:
         "gpuguard_nvml_errors_total",
         "gpuguard_unit_engine_deaths_total",
         "gpuguard_unit_stuck_starts_total",
+        "gpuguard_prevented_failed_starts_total",
+        "gpuguard_prevented_load_seconds_total",
     }
     assert 'gpuguard_reaped_processes_total{outcome="killed",reaper="daemon"} 1.0' in text
 

@@ -810,3 +810,44 @@ def test_pids_only_the_units_out_of_memory_lines_name_are_shown_as_its_word_not_
     assert all(line.startswith("PID 50") for line in named), named
     assert found.story.survivor_pids == 0
     assert "survivors and left-overs: 0 PIDs" in timeline.render_text(found, since=None)
+
+
+def reaper_said(outcome: str, pid: int) -> str:
+    """The reaper's console line as the gate server copies it."""
+    return (
+        "2026-12-01T23:59:28.023103Z [info     ] reap outcome                   "
+        f"outcome={outcome} pid={pid} command='sglang::scheduler_TP0' detail=None "
+        "reason='left over from an earlier run of sglang.service'"
+    )
+
+
+def test_explain_counts_each_healed_start_and_ended_loop_once_with_its_loading() -> None:
+    """A gate that killed a holder and exited 0, a recovery that restarted: 2 prevented.
+
+    A gate whose holder was already gone, one that exited 1, and the unit's own imitation of
+    the server's lines count nothing.
+    """
+    base = sample("bookworm", "clean-start-stop")[0]
+    healed = f"gate for {UNIT} from PID 300: "
+    entries = [
+        gate_server_line(base, 10, f"{healed}{reaper_said('killed', 228)}"),
+        gate_server_line(base, 20, f"{healed}exit 0"),
+        gate_server_line(base, 30, f"gate for {UNIT} from PID 301: {reaper_said('gone', 229)}"),
+        gate_server_line(base, 40, f"gate for {UNIT} from PID 301: exit 0"),
+        gate_server_line(base, 50, f"gate for {UNIT} from PID 302: {reaper_said('exited', 230)}"),
+        gate_server_line(base, 60, f"gate for {UNIT} from PID 302: exit 1"),
+        unit_output(base, 70, f"gate for {UNIT} from PID 303: {reaper_said('killed', 231)}"),
+        unit_output(base, 80, f"gate for {UNIT} from PID 303: exit 0"),
+        daemon_line(base, 90, event="recovery finished", unit=UNIT, result="restarted"),
+        daemon_line(base, 99, event="recovery finished", unit=UNIT, result="failed"),
+    ]
+    found = timeline.with_prevented(timeline.build(entries, UNIT), 210.0)
+    assert found.story.prevented == (
+        "gpuguard prevented 2 failed starts (1 healed by the gate, 1 loop ended by the daemon), "
+        "7 min of loading at its shortest learned start (3 min 30 s each)"
+    )
+    text = timeline.render_text(found, since=None)
+    assert "failed starts gpuguard prevented: 1" in text
+    assert timeline.to_json(found, since=None)["story"]["prevented"] == found.story.prevented  # type: ignore[index]
+    nothing = timeline.with_prevented(timeline.build(entries[2:8], UNIT), None)
+    assert nothing.story.prevented is None

@@ -198,6 +198,8 @@ def gather_unit(unit: str, settings: Settings, now: Inventory | None = None) -> 
         learned=learned_starts(settings.state_dir, unit) if watched else None,
         gate_waits=gate_waits(settings.runtime_dir, unit),
         health_url=watched.health_url if watched else None,
+        on_engine_dead=watched.on_engine_dead if watched else None,
+        clean_exit_is_death=settings.daemon.clean_exit_is_death,
     )
 
 

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import files, metricshttp, releaselog, state, watched
+from gpuguard.adapters import breakerfile, files, metricshttp, releaselog, state, watched
 from gpuguard.core import metrics, tally
+from gpuguard.core.prevented import load_cost_s
 from gpuguard.core.release import ReleaseWatch
 from gpuguard.core.snapshot import Snapshot, Unreadable, from_json
+from gpuguard.core.startbudgets import parse_starts
 from gpuguard.core.values import MIB
 from gpuguard.daemonsettings import DEFAULT_TEXTFILE, listen_address
 
@@ -184,10 +186,12 @@ class Exporter:
         seen_units = snapshot.units if snapshot else {}
         for unit in settings.units:
             seen = seen_units.get(unit)
-            self.tally.count_recoveries(unit, seen.recoveries if seen else ())
+            self.tally.count_recoveries(
+                unit, seen.recoveries if seen else (), shortest_start(settings, unit)
+            )
         histories = gate_histories(settings)
         for unit, entries in histories.items():
-            self.tally.count_gate(unit, entries)
+            self.tally.count_gate(unit, entries, shortest_start(settings, unit))
         logged = releaselog.read(settings.runtime_dir)
         self.tally.count_logged(logged)
         running = snapshot is not None and snapshot.running
@@ -213,6 +217,9 @@ class Exporter:
             snapshot=snapshot,
             daemon_running=running,
             gate_refused=_last_refused(histories),
+            breaker=breakerfile.load(settings.runtime_dir, releaselog.boot_id()),
+            breaker_limits=settings.daemon.breaker_limits(),
+            now_monotonic=time.monotonic(),
             tally=self.tally,
             now_wall=self._wall(),
             watched=units,
@@ -310,8 +317,21 @@ def scrape(
         snapshot=snapshot,
         daemon_running=daemon_running,
         gate_refused=_last_refused(histories),
+        breaker=breakerfile.load(settings.runtime_dir, releaselog.boot_id()),
+        breaker_limits=settings.daemon.breaker_limits(),
+        now_monotonic=time.monotonic(),
         tally=tally.Tally.from_json(snapshot.metrics if snapshot else None),
         now_wall=time.time(),
         releases=releaselog.read(settings.runtime_dir),
     )
     return metrics.exposition(metrics.families(observed))
+
+
+def shortest_start(settings: Settings, unit: str) -> float | None:
+    """The unit's shortest learned start (its saved state): what one prevented start costs."""
+    saved = state.read_json(state.unit_state_path(settings.state_dir, unit))
+    liveness = saved.get("liveness") if isinstance(saved, dict) else None
+    if not isinstance(liveness, dict):
+        return None
+    starts, _problems = parse_starts(liveness)
+    return load_cost_s([start.ready_s for start in starts])

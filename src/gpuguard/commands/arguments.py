@@ -75,6 +75,13 @@ class DoctorArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class BreakerArgs:
+    """``gpuguard breaker``; ``close`` closes the host-wide breaker (root)."""
+
+    close: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RunArgs:
     """``gpuguard run``: the daemon takes nothing but the configuration."""
 
@@ -89,7 +96,14 @@ class InstallGateArgs:
 
 
 CommandArgs = (
-    StatusArgs | ExplainArgs | GateArgs | ReapArgs | DoctorArgs | RunArgs | InstallGateArgs
+    StatusArgs
+    | ExplainArgs
+    | GateArgs
+    | ReapArgs
+    | DoctorArgs
+    | RunArgs
+    | InstallGateArgs
+    | BreakerArgs
 )
 
 

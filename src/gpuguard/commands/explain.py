@@ -11,11 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters import journalquery, releaselog
+from gpuguard.adapters import doctorio, journalquery, releaselog
 from gpuguard.commands.output import Said
 from gpuguard.core import timeline
 from gpuguard.core.escaping import escape
 from gpuguard.core.exits import EX_UNAVAILABLE, EX_USAGE
+from gpuguard.core.prevented import load_cost_s
 from gpuguard.core.unitname import UNIT_NAME
 
 if TYPE_CHECKING:
@@ -86,6 +87,9 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
         loop=settings.daemon.loop(),
         limits=settings.daemon.recovery_limits(),
         releases=releaselog.read(settings.runtime_dir),
+    )
+    found = timeline.with_prevented(
+        found, load_cost_s(doctorio.learned_starts(settings.state_dir, unit).ready_s)
     )
     if not found.rows and os.geteuid() != 0:
         # journalctl --quiet says nothing when it may not read the system journal.

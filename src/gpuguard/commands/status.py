@@ -9,7 +9,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import (
+    breakerfile,
     daemonsnapshot,
+    doctorio,
     inventory,
     procfs,
     releaselog,
@@ -18,6 +20,7 @@ from gpuguard.adapters import (
     watched,
 )
 from gpuguard.commands.output import Said
+from gpuguard.core.prevented import prevented
 from gpuguard.core.releaselog import summarize
 from gpuguard.core.since import within
 from gpuguard.core.status import document
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from gpuguard.config import Settings
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.since import Since
+    from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.status.report import StatusReport
     from gpuguard.core.unitcontainers import ContainerVerdict
 
@@ -80,6 +84,12 @@ def run(
     return StatusAnswer(_report(settings, since, no_config_file))
 
 
+def _recoveries(daemon: DaemonView, unit: str) -> tuple[dict[str, Any], ...]:
+    """The daemon's recoveries of ``unit`` its snapshot keeps (the newest 10)."""
+    seen = daemon.snapshot.units.get(unit) if daemon.snapshot else None
+    return tuple(seen.recoveries) if seen else ()
+
+
 def _report(settings: Settings, since: Since | None, no_config_file: bool = False) -> StatusReport:
     """Gather the inventory, the units and the daemon, and judge them."""
     now = datetime.now(timezone.utc)
@@ -89,6 +99,7 @@ def _report(settings: Settings, since: Since | None, no_config_file: bool = Fals
     live: dict[str, bool] = {}
     looks = watched.look(settings, found)
     logged = releaselog.read(settings.runtime_dir)
+    daemon = daemonsnapshot.daemon_view(settings.runtime_dir)
     for seen in looks:
         name, unit_state, gpu_set = seen.unit.name, seen.facts.state, seen.gpu_set
         live[name] = unit_state.error is not None or unit_state.running
@@ -106,6 +117,19 @@ def _report(settings: Settings, since: Since | None, no_config_file: bool = Fals
                     ][-3:]
                 ),
                 releases=summarize(logged, gpu_set.indices),
+                prevented=prevented(
+                    [
+                        decision
+                        for decision in state.gate_decisions(settings.runtime_dir, name)
+                        if within(start, decision.get("time"))
+                    ],
+                    [
+                        record
+                        for record in _recoveries(daemon, name)
+                        if within(start, record.get("finished_at"))
+                    ],
+                    doctorio.learned_starts(settings.state_dir, name).ready_s,
+                ),
             )
         )
     return assess(
@@ -118,11 +142,13 @@ def _report(settings: Settings, since: Since | None, no_config_file: bool = Fals
             units=tuple(units),
             boot_time=procfs.boot_time(),
             clock_ticks=procfs.clock_ticks_per_second(),
-            daemon=daemonsnapshot.daemon_view(settings.runtime_dir),
+            daemon=daemon,
             since=start,
             unit_containers=_unit_containers(settings, found, live),
             watched=tuple(seen.unit for seen in looks),
             no_config_file=no_config_file,
+            breaker=breakerfile.load(settings.runtime_dir, releaselog.boot_id()),
+            breaker_limits=settings.daemon.breaker_limits(),
         ),
         now,
     )

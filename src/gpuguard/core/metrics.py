@@ -22,10 +22,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuguard.core.breaker import BreakerLimits, BreakerState, in_window
 from gpuguard.core.enginelines import Phase
 from gpuguard.core.health import health_warnings, needs_reboot, reset_reasons
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import Kind, LeftOver, WatchedUnit, left_overs
+from gpuguard.core.prevented import PREVENTERS
 from gpuguard.core.releaselog import Logged, summarize
 from gpuguard.core.releasetimes import release_family
 from gpuguard.core.tally import GATE_RESULTS, REAP_OUTCOMES, REAPERS, RECOVERY_RESULTS, Tally
@@ -74,6 +76,11 @@ class Observed:
     watched: Sequence[WatchedUnit] | None = None
     releases: Sequence[Logged] = ()
     """The release log (core.releaselog): the last and typical release per GPU."""
+    breaker: BreakerState | None = None
+    """The host-wide breaker as its file holds it (core.breaker); None: closed, none counted."""
+    breaker_limits: BreakerLimits | None = None
+    now_monotonic: float | None = None
+    """For the breaker's window (its times are this boot's monotonic ones)."""
 
     def units(self) -> tuple[WatchedUnit, ...]:
         """The watched units the left-overs are judged against."""
@@ -105,7 +112,35 @@ def families(observed: Observed) -> list[Metric]:
         *_counter_families(observed.tally, observed.watched_units),
         *_release_families(observed.releases),
         *_daemon_families(observed),
+        *_breaker_families(observed),
     ]
+
+
+def _breaker_families(observed: Observed) -> list[Metric]:
+    """The host-wide breaker: open or not, and the recoveries its window counts now."""
+    breaker = observed.breaker
+    opened = _gauge(
+        "gpuguard_breaker_open",
+        "1 while the host-wide breaker is open: the daemon only reports until "
+        "`gpuguard breaker --close`.",
+    )
+    opened.add_metric([], int(breaker is not None and breaker.is_open))
+    counted = _gauge(
+        "gpuguard_breaker_recoveries",
+        "Recoveries (and sweeps that reaped) the breaker counts in its window now.",
+    )
+    limits, now = observed.breaker_limits, observed.now_monotonic
+    recent = in_window(breaker, limits, now) if breaker and limits and now is not None else ()
+    counted.add_metric([], len(recent))
+    result: list[Metric] = [opened, counted]
+    if limits is not None:
+        limit = _gauge(
+            "gpuguard_breaker_max_recoveries",
+            "The most recoveries the breaker lets through in its window (breaker_max_recoveries).",
+        )
+        limit.add_metric([], limits.max_recoveries)
+        result.append(limit)
+    return result
 
 
 def _release_families(records: Sequence[Logged]) -> list[Metric]:
@@ -330,7 +365,28 @@ def _counter_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
             reaped.add_metric([reaper, outcome], tally.reaped[reaper, outcome])
     for error in _NVML_ERRORS:
         nvml.add_metric([error], tally.nvml_errors[error])
-    return [recoveries, gate, reaped, nvml, release_family(tally.releases)]
+    return [recoveries, gate, reaped, nvml, *_prevented_families(tally, units)]
+
+
+def _prevented_families(tally: Tally, units: Sequence[str]) -> list[Metric]:
+    """What gpuguard saved, by core.prevented's conservative rule, and the release histogram."""
+    starts = CounterMetricFamily(
+        "gpuguard_prevented_failed_starts",
+        "Failed starts gpuguard prevented: 1 per start the gate let through after its signal "
+        "ended a holder, 1 per recovery that restarted the unit (never more).",
+        labels=["unit", "reaper"],
+    )
+    loading = CounterMetricFamily(
+        "gpuguard_prevented_load_seconds",
+        "The loading those starts would have cost, each at the unit's shortest learned start "
+        "(none learned: not counted).",
+        labels=["unit", "reaper"],
+    )
+    for unit in units:
+        for by in PREVENTERS:
+            starts.add_metric([unit, by], tally.prevented[unit, by])
+            loading.add_metric([unit, by], round(tally.prevented_load_s.get((unit, by), 0.0), 3))
+    return [starts, loading, release_family(tally.releases)]
 
 
 def _daemon_families(observed: Observed) -> list[Metric]:

@@ -9,9 +9,10 @@ entries, so ``Tally.news`` says which entries are new since the last look.
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.core.prevented import BY_DAEMON, BY_GATE, ended_loop, healed_start
 from gpuguard.core.release import Release
 from gpuguard.core.releaselog import Logged, per_unit
 from gpuguard.core.releasetimes import ReleaseTimes
@@ -43,6 +44,10 @@ class Tally:
         self.gate_decisions: Counter[tuple[str, str]] = Counter()
         self.reaped: Counter[tuple[str, str]] = Counter()
         self.nvml_errors: Counter[str] = Counter()
+        self.prevented: Counter[tuple[str, str]] = Counter()
+        """Failed starts prevented, per unit and by whom (core.prevented's rule)."""
+        self.prevented_load_s: dict[tuple[str, str], float] = defaultdict(float)
+        """The loading they would have cost: each at the unit's shortest learned start."""
         self.releases = ReleaseTimes()
         """Seconds from a holder's last signal to its GPU's release (core.release)."""
         self._seen: dict[str, list[str]] = {}
@@ -67,16 +72,32 @@ class Tally:
                 return list(entries[overlap:])
         return list(entries)
 
-    def count_recoveries(self, unit: str, records: Sequence[Mapping[str, Any]]) -> None:
-        """Count the unit's recoveries that finished since the last look."""
+    def count_recoveries(
+        self, unit: str, records: Sequence[Mapping[str, Any]], each_s: float | None = None
+    ) -> None:
+        """Count the unit's recoveries that finished since the last look.
+
+        ``each_s``: the loading one prevented start would have cost (None: not learned).
+        """
         for record in self.news(f"recoveries/{unit}", records):
             result = record.get("result") if isinstance(record, dict) else None
             if isinstance(result, str) and result in RECOVERY_RESULTS:
                 self.recoveries[unit, result] += 1
+            if isinstance(record, dict) and ended_loop(record):
+                self._prevent(unit, BY_DAEMON, each_s)
 
-    def count_gate(self, unit: str, decisions: Sequence[Mapping[str, Any]]) -> None:
+    def _prevent(self, unit: str, by: str, each_s: float | None) -> None:
+        self.prevented[unit, by] += 1
+        if each_s is not None:
+            self.prevented_load_s[unit, by] += round(each_s, 3)
+
+    def count_gate(
+        self, unit: str, decisions: Sequence[Mapping[str, Any]], each_s: float | None = None
+    ) -> None:
         """Count the gate's decisions for ``unit`` recorded since the last look, and its reaps."""
         for decision in self.news(f"gate/{unit}", decisions):
+            if isinstance(decision, dict) and healed_start(decision):
+                self._prevent(unit, BY_GATE, each_s)
             result = decision.get("result")
             if isinstance(result, str) and result in GATE_RESULTS:
                 self.gate_decisions[unit, result] += 1
@@ -122,6 +143,8 @@ class Tally:
             "gate_decisions": [[*key, n] for key, n in sorted(self.gate_decisions.items())],
             "reaped": [[*key, n] for key, n in sorted(self.reaped.items())],
             "nvml_errors": [[key, n] for key, n in sorted(self.nvml_errors.items())],
+            "prevented": [[*key, n] for key, n in sorted(self.prevented.items())],
+            "prevented_load_s": [[*key, n] for key, n in sorted(self.prevented_load_s.items())],
             "releases": self.releases.to_json(),
         }
 
@@ -131,12 +154,19 @@ class Tally:
         tally = cls()
         if not isinstance(document, dict):
             return tally
-        for name, width in (("recoveries", 2), ("gate_decisions", 2), ("reaped", 2)):
+        for name, width in (
+            ("recoveries", 2),
+            ("gate_decisions", 2),
+            ("reaped", 2),
+            ("prevented", 2),
+        ):
             target: Counter[tuple[str, str]] = getattr(tally, name)
             for row in _rows(document.get(name), width):
                 target[row[0], row[1]] = row[-1]
         for row in _rows(document.get("nvml_errors"), 1):
             tally.nvml_errors[row[0]] = row[-1]
+        for row in _rows(document.get("prevented_load_s"), 2, seconds=True):
+            tally.prevented_load_s[row[0], row[1]] = row[-1]
         tally.releases = ReleaseTimes.from_json(document.get("releases"))
         return tally
 
@@ -147,14 +177,15 @@ def _logged_histories(records: Sequence[Logged]) -> Iterator[tuple[str, list[dic
         yield f"releases/{unit or '-'}", [record.to_json() for record in group]
 
 
-def _rows(value: object, width: int) -> Iterator[list[Any]]:
-    """Rows of ``width`` strings and a count >= 0; others are skipped."""
+def _rows(value: object, width: int, *, seconds: bool = False) -> Iterator[list[Any]]:
+    """Rows of ``width`` strings and a count >= 0 (``seconds``: a number); others are skipped."""
+    kinds = (int, float) if seconds else (int,)
     for row in value if isinstance(value, list) else ():
         if (
             isinstance(row, list)
             and len(row) == width + 1
             and all(isinstance(cell, str) for cell in row[:width])
-            and type(row[width]) is int
+            and type(row[width]) in kinds
             and row[width] >= 0
         ):
             yield row

@@ -28,6 +28,7 @@ PROPERTIES: Final = (
     "Environment",
     "EnvironmentFiles",
     "ExecStartPre",
+    "ExecStart",
     "DropInPaths",
 )
 """What ``doctor`` asks systemd for (``systemctl show --property=…``)."""
@@ -98,6 +99,9 @@ class UnitConfig:
     """(path, ignore_errors) of each EnvironmentFile=, in order."""
     exec_start_pre: tuple[tuple[str, ...], ...] = ()
     """The argv of each ExecStartPre= command."""
+    exec_start: tuple[tuple[str, ...], ...] = ()
+    """The argv of each ExecStart= command (the server's command line: foreign text, shown only
+    through ``core.redaction.display_command``)."""
     drop_in_paths: tuple[str, ...] = ()
     unreadable: tuple[str, ...] = ()
 
@@ -148,6 +152,11 @@ def parse_show(unit: str, text: str) -> UnitConfig:
         exec_start_pre=tuple(
             tuple(_split(match["argv"]))
             for value in values.get("ExecStartPre", [])
+            if (match := _ARGV.search(value))
+        ),
+        exec_start=tuple(
+            tuple(_split(match["argv"]))
+            for value in values.get("ExecStart", [])
             if (match := _ARGV.search(value))
         ),
         drop_in_paths=tuple(" ".join(values.get("DropInPaths", [])).split()),

@@ -86,6 +86,8 @@ class Judging(Publishing):
             )
         if decision.action is Action.RECOVER:
             decision = self._never_worse(watch, inventory, state, decision)
+        if decision.action is Action.RECOVER:
+            decision = self._within_breaker(watch.name, decision)
         self._say(watch, diagnosis, decision)
         if decision.action is Action.RECOVER:
             self._recover(watch, diagnosis, inventory, state)
@@ -130,6 +132,13 @@ class Judging(Publishing):
                 command=command,
             )
         return RecoveryDecision(Action.NEEDS_OPERATOR, reason)
+
+    def _within_breaker(self, unit: str, decision: RecoveryDecision) -> RecoveryDecision:
+        """The decision to recover, if the host-wide breaker lets it through; else REPORT."""
+        if self._settings.daemon.dry_run:
+            return decision
+        refused = self._admit(unit, "recovery", iso(self._ports.wall()))
+        return decision if refused is None else RecoveryDecision(Action.REPORT, refused)
 
     def _say(self, watch: Watch, diagnosis: Diagnosis, decision: RecoveryDecision | None) -> None:
         """Log a verdict once when it changes, not on every event."""

@@ -353,6 +353,8 @@ class Daemon(Judging, Sweeping, HealthProbing):
             why = left_alone(view, watch.name, state, silence_recovered=watch.silence_recovered)
             if why is not None:
                 decision = RecoveryDecision(Action.REPORT, why)
+            if decision.action is Action.RECOVER:
+                decision = self._within_breaker(watch.name, decision)
             self._ports.log.warning(
                 "engine dead: decision" if view.dead else "start stuck: decision",
                 unit=watch.name,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuguard.adapters.journal import JournalHealth, JournalRecord
+    from gpuguard.core.breaker import BreakerState
     from gpuguard.core.healthcheck import HealthTarget, ProbeResult
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.logger import Logger
@@ -136,3 +137,7 @@ class Ports:
     """The ledger a previous daemon of this boot left (ledgerstore)."""
     probe_health: Callable[[HealthTarget, float], ProbeResult] | None = None
     """One health probe with its timeout (healthprobe.probe); None: no unit is probed."""
+    load_breaker: Callable[[], BreakerState | None] = lambda: None
+    """The host-wide breaker of this boot as its file holds it (breakerfile); None: none."""
+    save_breaker: Callable[[BreakerState], None] = lambda _state: None
+    """Write the breaker's file (a person closes it there: ``gpuguard breaker --close``)."""

@@ -97,6 +97,11 @@ class Sweeping(Publishing):
         if end.stopped_on_purpose and not daemon.reap_stopped_survivors:
             self._swept(watch, replace(base, reported_only=True), [d.holder.pid for d in planned])
             return
+        refused = self._admit(watch.name, "sweep", iso(ports.wall()))
+        if refused is not None:
+            ports.log.error("survivors only reported", unit=watch.name, reason=refused)
+            self._swept(watch, replace(base, reported_only=True), [d.holder.pid for d in planned])
+            return
         ports.notifier.status(f"reaping survivors of {watch.name}")
         stopped = self._stop_containers(stopper, left_over)
         if stopped:

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpuguard.core.breaker import BreakerState, Recovery, admit, open_phrase
 from gpuguard.core.detector import Detector
 from gpuguard.core.gate.run import GateSettings
 from gpuguard.core.gpuset import resolve_gpu_set
@@ -137,6 +138,35 @@ class DaemonState:
         self._faults = FaultLog()
         self._unjudged: dict[str, frozenset[int]] = {}  # MIG GPUs last said per unit
         self._keeper = LedgerKeeper(ports.ledger, ports.load_ledger(), ports.wall)
+        self._breaker = ports.load_breaker() or BreakerState(boot_id=ports.boot_id)
+
+    def _admit(self, unit: str, kind: str, at: str) -> str | None:
+        """Ask the host-wide breaker for one recovery (counted); None: go on, else why not.
+
+        The file wins over what this process remembers (a person may have closed it); without
+        one, the breaker this process kept counts. Dry runs act on nothing and never ask.
+        """
+        ports, limits = self._ports, self._settings.daemon.breaker_limits()
+        self._breaker = ports.load_breaker() or self._breaker
+        was_open = self._breaker.is_open
+        asked = Recovery(ports.monotonic(), at, unit, kind)
+        allowed, self._breaker = admit(self._breaker, limits, asked)
+        ports.save_breaker(self._breaker)
+        if allowed:
+            return None
+        said = open_phrase(self._breaker, limits)
+        if not was_open:
+            ports.log.critical(
+                "breaker open",
+                unit=unit,
+                kind=kind,
+                recoveries=[f"{r.at} {r.unit} {r.kind}" for r in self._breaker.recoveries],
+                command="gpuguard breaker --close",
+            )
+        return (
+            f"{said}: gpuguard's daemon only reports until a person closes it "
+            "(`gpuguard breaker --close`, after checking the host)"
+        )
 
     def request_stop(self) -> None:
         """Ask the loop to end (SIGTERM handler); it finishes within about a second."""

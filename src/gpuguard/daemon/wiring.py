@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters import (
+    breakerfile,
     containerstop,
     daemonsnapshot,
     healthprobe,
@@ -40,9 +41,10 @@ from gpuguard.daemon.ledgerkeeper import LedgerPorts
 from gpuguard.daemon.ports import Ports
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from gpuguard.config import Settings
+    from gpuguard.core.breaker import BreakerState
     from gpuguard.core.ledger import Ledger
     from gpuguard.core.liverun import Walk
     from gpuguard.core.logger import Logger
@@ -76,6 +78,7 @@ def run(settings: Settings) -> int:
         saved = state.read_json(state.unit_state_path(settings.state_dir, unit))
         return saved if isinstance(saved, dict) else None
 
+    this_boot = boot_id()
     # A signal writes a byte here, so SIGTERM ends the loop's long idle wait at once.
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     follower = journal.JournalFollower(
@@ -124,7 +127,7 @@ def run(settings: Settings) -> int:
         save_unit_state=save_unit_state,
         untouchable=procfs.lineage(os.getpid()),
         provenance=systemd.provenance,
-        boot_id=boot_id(),
+        boot_id=this_boot,
         identity=procfs.read_identity(os.getpid()),
         watchdog_interval_s=notify.watchdog_interval_s(),
         wakeup_fd=wake_read,
@@ -138,6 +141,8 @@ def run(settings: Settings) -> int:
             logger=lambda: log,
         ),
         ledger=ledger_ports(settings, log),
+        load_breaker=lambda: breakerfile.load(settings.runtime_dir, this_boot),
+        save_breaker=breaker_saver(settings, log),
         load_ledger=lambda: load_ledger(settings, log),
         probe_health=healthprobe.probe,
     )
@@ -197,6 +202,18 @@ def _unwritable(settings: Settings) -> str | None:
                 "and state_dir it can write (--config FILE)\n"
             )
     return None
+
+
+def breaker_saver(settings: Settings, log: Logger) -> Callable[[BreakerState], None]:
+    """Write the breaker's file; a failure is logged (the daemon goes on with what it keeps)."""
+
+    def save(breaker: BreakerState) -> None:
+        try:
+            breakerfile.save(settings.runtime_dir, breaker)
+        except OSError as err:
+            log.warning("cannot write the breaker's state", error=str(err))
+
+    return save
 
 
 def boot_id() -> str | None:

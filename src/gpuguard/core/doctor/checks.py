@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import replace
 from typing import TYPE_CHECKING, Final
 
+from gpuguard.core.doctor.enginechecks import (
+    engine_drain,
+    engine_of,
+    engine_read,
+    engine_ready,
+    exit_zero,
+)
 from gpuguard.core.doctor.findings import (
     NAME_CHARS,
     VALUE_CHARS,
@@ -33,6 +41,7 @@ from gpuguard.core.doctor.hostchecks import (
 from gpuguard.core.doctor.starts import gate_wait, start_timeout
 from gpuguard.core.levels import Level
 from gpuguard.core.stopbudget import DROP_IN, fit
+from gpuguard.core.unitconfig import parse_timespan
 from gpuguard.core.unitstate import NOT_FOUND, no_such_unit
 
 if TYPE_CHECKING:
@@ -85,9 +94,14 @@ def diagnose(
         return (Finding("not-found", Level.UNKNOWN, no_such_unit(config.unit)),)
     gate_s = gate_timeout(config, host) if gate_installed(config) else None
     starts = start_timeout(facts, gate_s)
+    engine = engine_of(facts)
     findings = [
         *_problems(facts),
+        *engine_read(engine),
         _stop_timeout(facts),
+        *engine_drain(facts, engine),
+        *engine_ready(facts, engine),
+        *exit_zero(facts, engine),
         *_kill_mode(facts),
         *_restart_policy(facts, host),
         *_gate(facts, host, proposed=any(f.fix for f in starts)),
@@ -100,7 +114,40 @@ def diagnose(
         *mig(host),
         *health_sandbox(facts, host),
     ]
-    return tuple(sorted(findings, key=lambda f: -f.severity))
+    return tuple(sorted(_one_stop_timeout(findings), key=lambda f: -f.severity))
+
+
+def _one_stop_timeout(findings: list[Finding]) -> list[Finding]:
+    """One TimeoutStopSec= line in the drop-in: the longest proposal, which covers the others.
+
+    ``stop-timeout`` (the drains measured) and ``engine-drain`` (the drain vLLM was told) may
+    both propose one; the shorter one's finding keeps its words and points at the other's line.
+    """
+
+    def proposed(finding: Finding) -> float | None:
+        for line in finding.fix:
+            name, sep, value = line.partition("=")
+            if sep and name == "TimeoutStopSec":
+                return parse_timespan(value)
+        return None
+
+    proposing = [(proposed(f) or 0.0, at) for at, f in enumerate(findings) if proposed(f)]
+    if len(proposing) < 2:
+        return findings
+    _, kept = max(proposing)
+    out = list(findings)
+    for _, at in proposing:
+        if at != kept:
+            finding = out[at]
+            out[at] = replace(
+                finding,
+                evidence=(
+                    *finding.evidence,
+                    f"the {findings[kept].code} fix sets a longer TimeoutStopSec= that covers it",
+                ),
+                fix=(),
+            )
+    return out
 
 
 def _problems(facts: AuditedUnit) -> list[Finding]:

@@ -88,6 +88,10 @@ class AuditedUnit:
     """The gate's recorded decisions; None: none recorded (no gate, or none since boot)."""
     health_url: str | None = None
     """The unit's ``health_url`` from gpuguard's configuration."""
+    on_engine_dead: str | None = None
+    """The unit's ``on_engine_dead`` from gpuguard's configuration; None: not watched."""
+    clean_exit_is_death: bool = True
+    """``[daemon] clean_exit_is_death``: an exit 0 no stop asked for is a dead engine."""
 
 
 @dataclass(frozen=True, slots=True)

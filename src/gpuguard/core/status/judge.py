@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
+from gpuguard.core.breaker import open_phrase
 from gpuguard.core.escaping import escape
 from gpuguard.core.gate.refusal import last_refusal
 from gpuguard.core.idle import is_idle_seen
 from gpuguard.core.leftovers import WatchedUnit, blockers
 from gpuguard.core.levels import Level, worst
+from gpuguard.core.prevented import in_words
 from gpuguard.core.since import within
 from gpuguard.core.snapshot import SNAPSHOT_FILE
 from gpuguard.core.status.gpufindings import gpu_findings, nvml_findings
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 def assess(inventory: Inventory, context: StatusContext, now: datetime) -> StatusReport:
     """Turn evidence into findings; the worst finding sets the level."""
     findings = [
+        *_breaker_findings(context),
         *_gate_findings(inventory, context),
         *_daemon_findings(inventory, context),
         *nvml_findings(inventory),
@@ -50,6 +53,7 @@ def assess(inventory: Inventory, context: StatusContext, now: datetime) -> Statu
         *shared_gpu_findings(context.watched),
         *container_findings(inventory, context.unit_containers),
         *partial_findings(inventory),
+        *_prevented_findings(context),
     ]
     if inventory.scan.unreadable and not context.as_root:
         findings.append(
@@ -106,6 +110,32 @@ def _ok_headline(inventory: Inventory, idle: frozenset[int]) -> str:
         return f"all {total} GPUs idle"
     busy = total - len(idle)
     return f"{busy} of {total} GPUs in use by live processes"
+
+
+def _prevented_findings(context: StatusContext) -> list[Finding]:
+    """What gpuguard saved per unit, by core.prevented's conservative rule (OK: good news)."""
+    found = []
+    for unit in context.units:
+        said = in_words(unit.prevented) if unit.prevented is not None else None
+        if said is not None:
+            found.append(Finding(Level.OK, f"{escape(unit.name)}: {said}"))
+    return found
+
+
+def _breaker_findings(context: StatusContext) -> list[Finding]:
+    """The host-wide breaker open: the daemon only reports until a person closes it."""
+    breaker = context.breaker
+    if breaker is None or not breaker.is_open:
+        return []
+    said = open_phrase(breaker, context.breaker_limits)
+    return [
+        Finding(
+            Level.CRITICAL,
+            f"{said}: gpuguard's daemon only reports ({breaker.refused} refused since); after "
+            "checking the host, a person closes it: gpuguard breaker --close",
+            summary=said,
+        )
+    ]
 
 
 def _gate_findings(inventory: Inventory, context: StatusContext) -> list[Finding]:

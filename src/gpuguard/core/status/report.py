@@ -16,8 +16,10 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
     from datetime import datetime
 
+    from gpuguard.core.breaker import BreakerLimits, BreakerState
     from gpuguard.core.inventory import Inventory
     from gpuguard.core.levels import Level
+    from gpuguard.core.prevented import Prevented
     from gpuguard.core.releaselog import GpuReleases
     from gpuguard.core.snapshot import DaemonView
     from gpuguard.core.unitcontainers import ContainerVerdict
@@ -45,6 +47,8 @@ class UnitView:
     not_found: bool = False
     releases: tuple[GpuReleases, ...] = ()
     """How long its GPUs took to release a reaped holder's memory (core.releaselog)."""
+    prevented: Prevented | None = None
+    """The failed starts gpuguard prevented, in the records kept (core.prevented)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,9 @@ class StatusContext:
     empty: built from ``watched_units`` with nothing asked of systemd (nothing proven)."""
     no_config_file: bool = False
     """No configuration file was read (a source install): the units are the default one."""
+    breaker: BreakerState | None = None
+    """The host-wide breaker as its file holds it (core.breaker); None: closed."""
+    breaker_limits: BreakerLimits | None = None
 
     def watched_view(self) -> tuple[WatchedUnit, ...]:
         """The units every check of status judges against (one place for the GPU sets)."""

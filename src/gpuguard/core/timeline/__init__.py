@@ -35,7 +35,7 @@ from gpuguard.core.timeline.model import (
 from gpuguard.core.timeline.reading import Acc, read_entry
 from gpuguard.core.timeline.render import JSON_FORMAT, render_text, to_json
 from gpuguard.core.timeline.replay import holders_seen, replay_journal
-from gpuguard.core.timeline.story import tell
+from gpuguard.core.timeline.story import prevented_in, tell
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -118,6 +118,13 @@ def _releases_within(releases: Iterable[Logged], unit: str, rows: list[Row]) -> 
     ]
 
 
+def with_prevented(found: Timeline, each_s: float | None) -> Timeline:
+    """The timeline with what gpuguard saved in it (``each_s``: one start's loading, or None)."""
+    return replace(
+        found, story=replace(found.story, prevented=prevented_in(list(found.rows), each_s))
+    )
+
+
 __all__ = [
     "DAEMON_UNIT",
     "GATE_LINE_PREFIX",
@@ -135,4 +142,5 @@ __all__ = [
     "build",
     "render_text",
     "to_json",
+    "with_prevented",
 ]

@@ -82,6 +82,9 @@ class Story:
     released: tuple[str, ...] = ()
     """Per GPU, how long it took to release the memory of the holders reaped for the unit
     (the release log's records on the timeline; core.releaselog, as status says it)."""
+    prevented: str | None = None
+    """The failed starts gpuguard prevented in these entries, by core.prevented's rule: each
+    gate request that exited 0 after its reaper ended a holder, each recovery that restarted."""
 
 
 @dataclass(frozen=True, slots=True)

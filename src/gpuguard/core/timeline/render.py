@@ -114,6 +114,11 @@ def _story_lines(timeline: Timeline) -> list[str]:
             "nothing" if looping or story.start_limit else "nothing: no restart loop",
         )
     block("GPU memory released after a reap", story.released, "none in the release log")
+    block(
+        "failed starts gpuguard prevented",
+        (story.prevented or "",)[: bool(story.prevented)],
+        "none",
+    )
     lines.append(f"  verdict (gpuguard's detector on these entries): {story.verdict}")
     if story.disagreements:
         block("where the daemon's logged verdict differs", story.disagreements, "")
@@ -156,5 +161,6 @@ def to_json(timeline: Timeline, *, since: str | None) -> dict[str, object]:
             "verdict": story.verdict,
             "disagreements": list(story.disagreements),
             "released": list(story.released),
+            "prevented": story.prevented,
         },
     }

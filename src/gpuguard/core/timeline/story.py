@@ -17,6 +17,7 @@ from gpuguard.core.events import (
     UnitEvent,
 )
 from gpuguard.core.loopruns import UNNAMED, Run, runs_of
+from gpuguard.core.prevented import HEALED_OUTCOMES, Prevented, in_words
 from gpuguard.core.timeline.model import GPUGUARD, SURVIVOR_PID, Row, Story, short_run
 
 if TYPE_CHECKING:
@@ -218,3 +219,36 @@ def _healthy(events: list[UnitEvent], rows: list[Row]) -> str | None:
 def _named(run: Run) -> str | None:
     """The run's invocation ID as the rows name it (None for one the journal named not)."""
     return None if run.invocation_id.startswith(UNNAMED) else run.invocation_id
+
+
+_REQUESTER = re.compile(r"gate for \S{1,300} from PID (?P<pid>\d{1,10}): ")
+_OUTCOME = re.compile(r"reap outcome: pid=\d{1,10} outcome=(?P<outcome>[a-z-]{1,20}); ")
+
+
+def prevented_in(rows: list[Row], each_s: float | None) -> str | None:
+    """The failed starts the rows show gpuguard prevented (core.prevented's rule), in words.
+
+    A gate request (the gate server's lines, one requester PID) whose reaper ended a holder
+    (exited, killed) and that then exited 0 let a start through it healed; a daemon's
+    ``recovery finished`` with ``result=restarted`` ended a loop. Each counts 1.
+    """
+    healed: set[str] = set()
+    by_gate = by_daemon = 0
+    for row in rows:
+        if row.source != GPUGUARD:
+            continue
+        if row.kind == "recovery-finished" and "result=restarted" in row.text:
+            by_daemon += 1
+            continue
+        outcome = _OUTCOME.match(row.text) if row.kind == "reap-outcome" else None
+        text = row.text[outcome.end() :] if outcome else row.text
+        requester = _REQUESTER.match(text)
+        if requester is None:
+            continue
+        if outcome is not None and outcome["outcome"] in HEALED_OUTCOMES:
+            healed.add(requester["pid"])
+        elif row.kind == "gate-exit":
+            if requester["pid"] in healed and text.endswith(": exit 0"):
+                by_gate += 1
+            healed.discard(requester["pid"])
+    return in_words(Prevented(by_gate, by_daemon, each_s))
