@@ -61,7 +61,9 @@ def unit_output(
         _TRANSPORT=fields.pop("_TRANSPORT", "stdout"),
         _PID="4242",
         _UID="1000",
-        _SYSTEMD_INVOCATION_ID="aaaabbbbccccddddeeeeffff00001111",
+        _SYSTEMD_INVOCATION_ID=fields.pop(
+            "_SYSTEMD_INVOCATION_ID", "aaaabbbbccccddddeeeeffff00001111"
+        ),
         **fields,
     )
 
@@ -810,3 +812,41 @@ def test_pids_only_the_units_out_of_memory_lines_name_are_shown_as_its_word_not_
     assert all(line.startswith("PID 50") for line in named), named
     assert found.story.survivor_pids == 0
     assert "survivors and left-overs: 0 PIDs" in timeline.render_text(found, since=None)
+
+
+def test_a_run_that_printed_its_ready_line_and_then_failed_is_a_crash_not_a_failed_start() -> None:
+    """A failed run that had printed its own server's ready line is told as a crash (issue 34).
+
+    The real vLLM served 45 s before its API server was SIGKILLed: explain listed that run under
+    "failed starts". Only the configured server's ready line counts (SGLang prints uvicorn's
+    "Application startup complete." before its warm-up), and without a server none does.
+    """
+    entries = sample("bookworm", "restart-loop-start-limit")
+    first = next(e for e in entries if e.get("_PID") == "1" and e.get("INVOCATION_ID"))
+    run = str(first["INVOCATION_ID"])
+    ready = "[2026-12-07 23:45:29] The server is fired up and ready to roll!"
+    uvicorn = "INFO:     Application startup complete."
+    said = [
+        unit_output(first, 1000, uvicorn, _SYSTEMD_INVOCATION_ID=run),
+        unit_output(first, 2000, ready, _SYSTEMD_INVOCATION_ID=run),
+    ]
+    before = timeline.build(entries, UNIT, server="sglang").story
+    assert len(before.failed_starts) == 5
+    assert before.crashes == ()
+    found = timeline.build([*entries, *said], UNIT, server="sglang")
+    assert len(found.story.failed_starts) == 4
+    [crash] = found.story.crashes
+    assert crash.startswith(f"run {run[:8]}: result 'exit-code'")
+    assert crash.endswith("it had printed its ready line (a crash, not a failed start)")
+    assert not any(line.startswith(f"run {run[:8]}") for line in found.story.failed_starts)
+    assert found.story.verdict == before.verdict  # the detector counts it failed all the same
+    text = timeline.render_text(found, since=None)
+    assert "crashes after the server was ready (no failed start): 1" in text
+    assert timeline.to_json(found, since=None)["story"]["crashes"] == [crash]  # type: ignore[index]
+    # uvicorn's line alone is no ready line of SGLang's; with no server configured none counts.
+    only_uvicorn = timeline.build([*entries, said[0]], UNIT, server="sglang").story
+    assert only_uvicorn.crashes == ()
+    assert len(only_uvicorn.failed_starts) == 5
+    assert timeline.build([*entries, *said], UNIT).story.crashes == ()
+    vllm = timeline.build([*entries, said[0]], UNIT, server="vllm").story
+    assert len(vllm.crashes) == 1

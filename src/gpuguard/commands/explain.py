@@ -86,6 +86,7 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
         loop=settings.daemon.loop(),
         limits=settings.daemon.recovery_limits(),
         releases=releaselog.read(settings.runtime_dir),
+        server=settings.units[unit].server if unit in settings.units else None,
     )
     if not found.rows and os.geteuid() != 0:
         # journalctl --quiet says nothing when it may not read the system journal.

@@ -257,6 +257,11 @@ ENGINE_PATTERNS: Final[tuple[str, ...]] = tuple(line.pattern for line in ENGINE_
 ENGINE_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in ENGINE_PATTERNS)
 FATAL_REGEX: Final[str] = "|".join(f"(?:{line.pattern})" for line in FATAL_LINES)
 """The fatal lines only (``explain`` shows a death, not every phase of every start)."""
+READY_LINES: Final[tuple[EngineLine, ...]] = tuple(
+    line for line in PHASE_LINES if line.phase is Phase.READY
+)
+READY_REGEX: Final[str] = "|".join(f"(?:{line.pattern})" for line in READY_LINES)
+"""The ready lines (``explain`` tells a run that served and then failed from a failed start)."""
 
 _MATCHERS: Final = tuple((re.compile(line.pattern), line) for line in ENGINE_LINES)
 _ANY: Final = re.compile(ENGINE_REGEX)

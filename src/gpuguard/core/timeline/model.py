@@ -82,6 +82,9 @@ class Story:
     released: tuple[str, ...] = ()
     """Per GPU, how long it took to release the memory of the holders reaped for the unit
     (the release log's records on the timeline; core.releaselog, as status says it)."""
+    crashes: tuple[str, ...] = ()
+    """Runs that failed after their server printed its ready line: they came up and served,
+    so no failed start (the detector counts them as failed runs all the same)."""
 
 
 @dataclass(frozen=True, slots=True)
