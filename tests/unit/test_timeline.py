@@ -445,6 +445,34 @@ def test_a_left_over_the_gate_found_idle_after_a_crash_is_no_loop_in_explain() -
     assert ungated.story.verdict.startswith("restart loop")  # the journal alone cannot tell
 
 
+def test_a_left_over_the_daemons_sweep_found_idle_is_no_loop_and_no_disagreement() -> None:
+    """The daemon swept the crashed run's Worker and found the GPUs idle: its "no loop" stands.
+
+    Issue 34, the daemon alone on a real vLLM's crash: the daemon's verdict "no loop" (its
+    inventory: the left-over tracker holds nothing) was printed as a disagreement, the replay
+    calling the same moment a loop with no GPU evidence. Its sweep line saying the GPUs were
+    idle is that evidence; "GPUs not idle", or a sweep after the verdict, is not.
+    """
+    entries = crash_then_a_gated_restart(gate_allowed=False)
+    base = entries[-3]  # the tracker named again at ExecStart=
+
+    def sweep(summary: str) -> dict[str, Any]:
+        line = {"event": "survivors of an ended run", "unit": UNIT, "pids": [109]}
+        return daemon_line(base, 10_000, **line, summary=summary)
+
+    verdict = daemon_line(
+        base, 20_000, event="verdict", unit=UNIT, looping=False, reason="up and running"
+    )
+    idle = "reaped 1 survivor of run c42bbf27 within 1.5 s of its end; GPUs idle at +2.0 s"
+    found = timeline.build([*entries, sweep(idle), verdict], UNIT)
+    assert found.story.disagreements == (), found.story.disagreements
+    assert found.story.verdict.startswith("no loop"), found.story.verdict
+    busy = "reaped 1 survivor of run c42bbf27 within 1.5 s of its end; GPUs not idle"
+    assert len(timeline.build([*entries, sweep(busy), verdict], UNIT).story.disagreements) == 1
+    late = daemon_line(base, 30_000, event="survivors of an ended run", unit=UNIT, summary=idle)
+    assert len(timeline.build([*entries, verdict, late], UNIT).story.disagreements) == 1
+
+
 def test_kernel_xid_needs_the_kernel_transport() -> None:
     """An Xid line counts only with _TRANSPORT=kernel; logger's copy does not."""
     base = sample("bookworm", "stop-sigterm-timeout")[0]
