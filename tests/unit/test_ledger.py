@@ -716,6 +716,10 @@ def test_cgroup_members_with_a_blank_environment_are_their_parent_members_run() 
     }
     # Before: only the members that named their run were filed.
     assert file_walk([member(20, LIVE, 1), member(21, None, 20)]) == {LIVE: [seen(20), seen(21)]}
+    # After the crash: the API server is gone, the EngineCore (recorded before, reparented) is a
+    # root of the walk with its recorded run, and the Worker in the cgroup is its child.
+    core = Walked(seen(11), None, None, OLD)
+    assert file_walk([core, member(12, None, 11)]) == {OLD: [seen(11), seen(12)]}
 
 
 def test_a_blank_environment_in_the_cgroup_is_judged_by_the_ledger_while_the_unit_runs() -> None:

@@ -113,36 +113,37 @@ def file_walk(
 
 
 def _members_by_parent(entries: list[Walked], runs: dict[ProcessIdentity, str | None]) -> None:
-    """File each cgroup member that names no run under its nearest member ancestor's run.
+    """File each cgroup member that names no run under its nearest ancestor root's run.
 
     A member is a root read from the cgroup (no parent, no recorded run). Its parent is the
-    member of its ``ppid`` that started no later than it (a PID reused after the parent's exit
-    belongs to a younger process). Each chain is followed at most once per member: linear.
+    root of its ``ppid`` (a member, or a process the ledger recorded before: the engine of a
+    crashed vLLM, whose API server is gone) that started no later than it (a PID reused after
+    the parent's exit belongs to a younger process). Linear: every root is on one followed
+    chain at most, a chain that ends nowhere is remembered as such.
     """
-    members = {
-        entry.process.pid: entry
-        for entry in entries
-        if entry.parent is None and entry.recorded_run is None
-    }
-    for entry in members.values():
-        identity = entry.process.identity
-        if runs.get(identity) is not None:
-            continue
+    roots = {entry.process.pid: entry for entry in entries if entry.parent is None}
+    members = [entry for entry in roots.values() if entry.recorded_run is None]
+    nowhere: set[ProcessIdentity] = set()
+    for entry in members:
         chain: list[ProcessIdentity] = []
         walking: Walked | None = entry
         run: str | None = None
-        while walking is not None and len(chain) <= len(members):
-            chain.append(walking.process.identity)
-            run = runs.get(walking.process.identity)
-            if run is not None:
+        while walking is not None and len(chain) <= len(roots):
+            identity = walking.process.identity
+            run = runs.get(identity)
+            if run is not None or identity in nowhere:
                 break
-            parent = members.get(walking.ppid) if walking.ppid is not None else None
+            chain.append(identity)
+            parent = roots.get(walking.ppid) if walking.ppid is not None else None
             if parent is None or parent.process.start_time > walking.process.start_time:
-                break
-            walking = parent
-        if run is not None:
-            for member in chain:
-                runs[member] = run
+                walking = None
+            else:
+                walking = parent
+        for link in chain:
+            if run is None:
+                nowhere.add(link)
+            else:
+                runs[link] = run
 
 
 def live_reason(
