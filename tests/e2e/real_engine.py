@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from e2e.container import CLEAN_ENV, Bind, Container, cache_dir, recipe_hash
 from e2e.gpubox import CONFIG, _cached_dir, _platform_args
 from e2e.measure import SESSION_NOTES, results_dir
@@ -331,6 +333,8 @@ class Readings:
     explain_doc: dict[str, Any]
     doctor: str
     doctor_doc: dict[str, Any]
+    metrics: dict[str, float]
+    """`gpuguard status --prometheus`: NAME,label=value,... → value (empty without samples)."""
 
 
 def read_the_tools(vllm_box: GpuBox, label: str) -> Readings:
@@ -341,6 +345,12 @@ def read_the_tools(vllm_box: GpuBox, label: str) -> Readings:
     explain_doc = json.loads(vllm_box.gpuguard("explain", "--unit", UNIT, "--json").stdout)
     doctor = vllm_box.gpuguard("doctor", "--unit", UNIT)
     doctor_doc = json.loads(vllm_box.gpuguard("doctor", "--unit", UNIT, "--json").stdout)
+    prometheus = vllm_box.gpuguard("status", "--prometheus").stdout
+    metrics = {
+        sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(prometheus)
+        for sample in family.samples
+    }
     daemon = vllm_box.box.run(
         ["journalctl", "--no-pager", "-o", "cat", "-u", "gpuguard.service"], check=False
     ).stdout
@@ -354,8 +364,22 @@ def read_the_tools(vllm_box: GpuBox, label: str) -> Readings:
     )
     headline = status.stdout.strip().splitlines()[:1]
     codes = [f"{f['severity']} {f['code']}" for u in doctor_doc["units"] for f in u["findings"]]
+    shown = {
+        key.split(",unit=")[0].removeprefix("gpuguard_"): value
+        for key, value in metrics.items()
+        if key.split(",")[0]
+        in {
+            "gpuguard_unit_restart_loop",
+            "gpuguard_unit_engine_dead",
+            "gpuguard_unit_engine_deaths_total",
+            "gpuguard_recoveries_total",
+            "gpuguard_reaped_processes_total",
+            "gpuguard_unit_start_ready_seconds",
+        }
+    }
     SESSION_NOTES.append(
-        f"  {label}: status exit {status.returncode} {headline}; explain verdict "
+        f"  {label}: metrics {shown or 'none (no daemon)'}; status exit {status.returncode} "
+        f"{headline}; explain verdict "
         f"{explain_doc['story']['verdict']!r}, {len(explain_doc['story']['failed_starts'])} "
         f"failed starts; doctor exit {doctor.returncode} {codes}; text in {saved}"
     )
@@ -367,6 +391,7 @@ def read_the_tools(vllm_box: GpuBox, label: str) -> Readings:
         explain_doc=explain_doc,
         doctor=doctor.stdout + doctor.stderr,
         doctor_doc=doctor_doc,
+        metrics=metrics,
     )
 
 

@@ -110,6 +110,15 @@ def test_real_vllm_crash_with_survivors(vllm_box: GpuBox, mode: str) -> None:
         # The crashed run had served: a crash, not a failed start.
         crashes = readings.explain_doc["story"]["crashes"]
         assert [line[:12] for line in crashes] == [f"run {serving[:8]}"], crashes
+        if mode == "daemon-alone":  # its metrics: no loop, the sweep's reap counted
+            metrics = readings.metrics
+            assert metrics[f"gpuguard_unit_restart_loop,unit={UNIT}"] == 0, metrics
+            reaped = {
+                k: v
+                for k, v in metrics.items()
+                if k.startswith("gpuguard_reaped_processes_total,") and "reaper=daemon" in k
+            }
+            assert sum(reaped.values()) >= 1, metrics
     else:
         assert healthy == [], healthy
         assert failed, exits

@@ -85,5 +85,7 @@ def test_real_vllm_engine_death_exits_0_and_status_reports_it(vllm_box: GpuBox) 
     assert seen - ended <= BOUND_S, (seen, ended)
     assert "engine dead since" in readings.status, readings.status
     assert readings.status_doc["exit_code"] == 2
+    assert readings.metrics[f"gpuguard_unit_engine_dead,unit={UNIT}"] == 1, readings.metrics
+    assert readings.metrics[f"gpuguard_unit_engine_deaths_total,unit={UNIT}"] == 1
     assert survivors == {}, survivors
     assert vllm_box.allocated() == [0, 0, 0, 0]
