@@ -100,7 +100,8 @@ real-engine: venv fakenvml
 
 e2e-real: real-engine
 	GPUGUARD_REQUIRE_REAL_ENGINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_real_vllm.py \
-		tests/e2e/test_real_vllm_crash.py
+		tests/e2e/test_real_vllm_crash.py tests/e2e/test_real_vllm_engine_death.py \
+		tests/e2e/test_real_vllm_stop.py
 
 # `make demo` (as root, no GPU needed): the incident README.md opens with, on a real systemd in
 # a container with fake GPUs - without gpuguard, with the gate drop-in, with the daemon - then each

@@ -33,6 +33,7 @@ every reason to skip into a failure.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -43,9 +44,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.container import CLEAN_ENV, Bind, Container, cache_dir, recipe_hash
-from e2e.gpubox import _cached_dir, _platform_args
+from e2e.gpubox import CONFIG, _cached_dir, _platform_args
+from e2e.measure import SESSION_NOTES, results_dir
+
+if TYPE_CHECKING:
+    from e2e.gpubox import GpuBox
 
 HERE = Path(__file__).resolve().parent / "realvllm"
 REQUIREMENTS = HERE / "requirements.txt"
@@ -60,6 +68,8 @@ TORCH_INDEX_ENV = "GPUGUARD_E2E_TORCH_INDEX"
 #: Uninstalled after the install (see the module's docstring).
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 UNIT = "vllm.service"
+#: gpuguard's test configuration (gpubox.CONFIG: short grace and backoff) watching vllm.service.
+VLLM_CONFIG = CONFIG.replace('"sglang.service"', f'"{UNIT}"') + 'server = "vllm"\n'
 #: The variant of the e2e tree (container.VARIANTS) the venv is built in and the tests boot.
 TREE = "vllm"
 PLUGINS = "/opt/vllm-plugins"
@@ -310,6 +320,79 @@ def vllm_pids(box: Container) -> dict[str, list[int]]:
         done = box.run(["pgrep", "-x", comm], check=False)
         out[comm] = [int(pid) for pid in done.stdout.split()]
     return out
+
+
+@dataclass
+class Readings:
+    """What `gpuguard status`, `explain` and `doctor` said, text and --json."""
+
+    status: str
+    status_rc: int
+    status_doc: dict[str, Any]
+    explain: str
+    explain_doc: dict[str, Any]
+    doctor: str
+    doctor_doc: dict[str, Any]
+    metrics: dict[str, float]
+    """`gpuguard status --prometheus`: NAME,label=value,... → value (empty without samples)."""
+
+
+def read_the_tools(vllm_box: GpuBox, label: str) -> Readings:
+    """Run status, explain and doctor on vllm.service; keep their text; note their verdicts."""
+    status = vllm_box.gpuguard("status")
+    status_doc = json.loads(vllm_box.gpuguard("status", "--json").stdout)
+    explain = vllm_box.gpuguard("explain", "--unit", UNIT)
+    explain_doc = json.loads(vllm_box.gpuguard("explain", "--unit", UNIT, "--json").stdout)
+    doctor = vllm_box.gpuguard("doctor", "--unit", UNIT)
+    doctor_doc = json.loads(vllm_box.gpuguard("doctor", "--unit", UNIT, "--json").stdout)
+    prometheus = vllm_box.gpuguard("status", "--prometheus").stdout
+    metrics = {
+        sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(prometheus)
+        for sample in family.samples
+    }
+    daemon = vllm_box.box.run(
+        ["journalctl", "--no-pager", "-o", "cat", "-u", "gpuguard.service"], check=False
+    ).stdout
+    saved = results_dir() / f"real-vllm-{label.replace(' ', '-')}.txt"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(
+        f"$ gpuguard status\n{status.stdout}{status.stderr}(exit {status.returncode})\n"
+        f"$ gpuguard explain --unit {UNIT}\n{explain.stdout}{explain.stderr}"
+        f"$ gpuguard doctor --unit {UNIT}\n{doctor.stdout}{doctor.stderr}"
+        f"(exit {doctor.returncode})\n$ journalctl -u gpuguard.service -o cat\n{daemon}"
+    )
+    headline = status.stdout.strip().splitlines()[:1]
+    codes = [f"{f['severity']} {f['code']}" for u in doctor_doc["units"] for f in u["findings"]]
+    shown = {
+        key.split(",unit=")[0].removeprefix("gpuguard_"): value
+        for key, value in metrics.items()
+        if key.split(",")[0]
+        in {
+            "gpuguard_unit_restart_loop",
+            "gpuguard_unit_engine_dead",
+            "gpuguard_unit_engine_deaths_total",
+            "gpuguard_recoveries_total",
+            "gpuguard_reaped_processes_total",
+            "gpuguard_unit_start_ready_seconds",
+        }
+    }
+    SESSION_NOTES.append(
+        f"  {label}: metrics {shown or 'none (no daemon)'}; status exit {status.returncode} "
+        f"{headline}; explain verdict "
+        f"{explain_doc['story']['verdict']!r}, {len(explain_doc['story']['failed_starts'])} "
+        f"failed starts; doctor exit {doctor.returncode} {codes}; text in {saved}"
+    )
+    return Readings(
+        status=status.stdout + status.stderr,
+        status_rc=status.returncode,
+        status_doc=status_doc,
+        explain=explain.stdout + explain.stderr,
+        explain_doc=explain_doc,
+        doctor=doctor.stdout + doctor.stderr,
+        doctor_doc=doctor_doc,
+        metrics=metrics,
+    )
 
 
 def main() -> int:

@@ -525,3 +525,18 @@ def test_a_drain_killed_at_the_ceiling_is_advice_not_a_longer_timeout() -> None:
     assert found.fix == ()
     assert found.advice is not None
     assert "shutdown hangs" in found.advice
+
+
+def test_a_simple_units_start_is_no_model_load() -> None:
+    """Type=simple: "Starting" → "Started" (the gate's wait) never stands for a failing run's load.
+
+    A real vLLM (issue 34) is "Started" 0.8 s after "Starting" and crashed 45 s after that: the
+    loop's cost is counted from the 45 s run, never from the 0.8 s; Type=notify keeps both.
+    """
+    history = History(load_times_s=(0.807, 0.124), failed_runs_s=(45.2,))
+    unit = config(type="simple", restart="always", restart_s=1.0, start_limit_interval_s=10.0)
+    found = by_code(diagnose(facts(unit, history), {}, HOST), "restart")
+    assert "a failing run (load until exit) takes 45s (median)" in found.evidence
+    notify = config(type="notify", restart="always", restart_s=1.0, start_limit_interval_s=10.0)
+    found = by_code(diagnose(facts(notify, history), {}, HOST), "restart")
+    assert "a failing run (load until exit) takes 807ms (median)" in found.evidence

@@ -681,3 +681,63 @@ def test_a_merge_keeps_the_caps() -> None:
     assert len(merged.runs) == MAX_RUNS
     assert len(mine.merge(Ledger()).runs) == MAX_RUNS_PER_UNIT
     assert mine.merge(Ledger()).runs[-1].invocation_id == f"{MAX_RUNS_PER_UNIT + 2:032x}"
+
+
+def member(pid: int, run: str | None, ppid: int, start: int | None = None) -> Walked:
+    """A process read from the unit's cgroup (a root of the walk), its PPID as ``stat`` says."""
+    process = seen(pid) if start is None else replace(seen(pid), start_time=start)
+    return Walked(process, run, None, None, ppid=ppid)
+
+
+def test_cgroup_members_with_a_blank_environment_are_their_parent_members_run() -> None:
+    """The EngineCore and Worker of vLLM show no INVOCATION_ID: each is its parent member's run.
+
+    setproctitle zeroes what /proc/PID/environ shows (issue 34's real vLLM): the API server
+    (own id LIVE) → EngineCore → Worker, all in the cgroup, are LIVE's; a left-over tree of OLD
+    stays OLD's. A member whose PPID is a younger process (a reused PID), or no member, and a
+    chain of blanks with no named end, file nothing.
+    """
+    walk = [
+        member(10, OLD, 1),
+        member(11, None, 10),  # the old run's EngineCore
+        member(12, None, 11),  # its Worker
+        member(20, LIVE, 1),
+        member(21, None, 20),
+        member(22, None, 21),
+        member(30, None, 20, start=1000),  # its PPID 20 is younger than it: not its parent
+        member(31, None, 99),  # PPID not in the cgroup
+        member(40, None, 41),  # blanks all the way
+        member(41, None, 40),
+    ]
+    filed = file_walk(walk)
+    assert {run: [p.pid for p in procs] for run, procs in filed.items()} == {
+        OLD: [10, 11, 12],
+        LIVE: [20, 21, 22],
+    }
+    # Before: only the members that named their run were filed.
+    assert file_walk([member(20, LIVE, 1), member(21, None, 20)]) == {LIVE: [seen(20), seen(21)]}
+    # After the crash: the API server is gone, the EngineCore (recorded before, reparented) is a
+    # root of the walk with its recorded run, and the Worker in the cgroup is its child.
+    core = Walked(seen(11), None, None, OLD)
+    assert file_walk([core, member(12, None, 11)]) == {OLD: [seen(11), seen(12)]}
+
+
+def test_a_blank_environment_in_the_cgroup_is_judged_by_the_ledger_while_the_unit_runs() -> None:
+    """While the next run runs, an unreadable member the ledger filed under an ended run is stale.
+
+    The crash of a real vLLM under KillMode=process (issue 34): the old Worker, its environment
+    blank, still holds the GPU in the cgroup while the next run loads. Filed under the ended
+    run it is reaped (the daemon's sweep narrows to that run too); filed under the live run it
+    is kept; with no record it is kept as before.
+    """
+    blank = holder(100, invocation=None)
+    stale = decide(blank, request(live=LIVE, provenance=recorded(100, run=OLD)))
+    assert stale.verdict is Verdict.REAP, stale.reason
+    sweep = replace(request(live=LIVE, provenance=recorded(100, run=OLD)), only_invocation=OLD)
+    assert decide(blank, sweep).verdict is Verdict.REAP
+    live = decide(blank, request(live=LIVE, provenance=recorded(100, run=LIVE)))
+    assert live.verdict is Verdict.KEEP
+    assert live.reason == f"live process of the running {UNIT} (ledger)"
+    unknown = decide(blank, request(live=LIVE))
+    assert unknown.verdict is Verdict.KEEP
+    assert "cannot be read" in unknown.reason

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from gpuguard.core.enginelines import ENGINE_LINES, ENGINE_REGEX, FATAL_LINES, Phase, match_line
+from gpuguard.core.enginelines import (
+    ENGINE_LINES,
+    ENGINE_REGEX,
+    FATAL_LINES,
+    Phase,
+    is_ready_line,
+    match_line,
+)
 from gpuguard.core.events import EventKind, UnitEvent, parse_entry
 from gpuguard.core.healthcheck import HealthBack, HealthDeath
 from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S, Liveness
@@ -562,3 +569,18 @@ def parse_and_check(raw: dict[str, Any]) -> UnitEvent:
     event = parse_entry(raw, UNIT)
     assert event is not None
     return event
+
+
+def test_the_ready_line_that_makes_the_daemon_record_its_ledger_is_the_units_servers() -> None:
+    """The daemon records a run's processes at its server's ready line, and only that line.
+
+    A real vLLM's API server crashed 0.2 s after "Application startup complete." (issue 34),
+    before the ledger's next timed record: its engine processes were never tied to the run.
+    SGLang prints uvicorn's line before its warm-up: only "fired up" is its ready line.
+    """
+    assert is_ready_line("vllm-ready", "vllm")
+    assert is_ready_line("sglang-ready", "sglang")
+    assert not is_ready_line("vllm-ready", "sglang")
+    assert not is_ready_line("vllm-load-begin", "vllm")
+    assert not is_ready_line("vllm-engine-fatal", "vllm")
+    assert not is_ready_line(None, "vllm")

@@ -61,7 +61,9 @@ def unit_output(
         _TRANSPORT=fields.pop("_TRANSPORT", "stdout"),
         _PID="4242",
         _UID="1000",
-        _SYSTEMD_INVOCATION_ID="aaaabbbbccccddddeeeeffff00001111",
+        _SYSTEMD_INVOCATION_ID=fields.pop(
+            "_SYSTEMD_INVOCATION_ID", "aaaabbbbccccddddeeeeffff00001111"
+        ),
         **fields,
     )
 
@@ -441,6 +443,34 @@ def test_a_left_over_the_gate_found_idle_after_a_crash_is_no_loop_in_explain() -
     assert any("254 (python)" in line and "holding none" in line for line in found.story.findings)
     ungated = timeline.build(crash_then_a_gated_restart(gate_allowed=False), UNIT)
     assert ungated.story.verdict.startswith("restart loop")  # the journal alone cannot tell
+
+
+def test_a_left_over_the_daemons_sweep_found_idle_is_no_loop_and_no_disagreement() -> None:
+    """The daemon swept the crashed run's Worker and found the GPUs idle: its "no loop" stands.
+
+    Issue 34, the daemon alone on a real vLLM's crash: the daemon's verdict "no loop" (its
+    inventory: the left-over tracker holds nothing) was printed as a disagreement, the replay
+    calling the same moment a loop with no GPU evidence. Its sweep line saying the GPUs were
+    idle is that evidence; "GPUs not idle", or a sweep after the verdict, is not.
+    """
+    entries = crash_then_a_gated_restart(gate_allowed=False)
+    base = entries[-3]  # the tracker named again at ExecStart=
+
+    def sweep(summary: str) -> dict[str, Any]:
+        line = {"event": "survivors of an ended run", "unit": UNIT, "pids": [109]}
+        return daemon_line(base, 10_000, **line, summary=summary)
+
+    verdict = daemon_line(
+        base, 20_000, event="verdict", unit=UNIT, looping=False, reason="up and running"
+    )
+    idle = "reaped 1 survivor of run c42bbf27 within 1.5 s of its end; GPUs idle at +2.0 s"
+    found = timeline.build([*entries, sweep(idle), verdict], UNIT)
+    assert found.story.disagreements == (), found.story.disagreements
+    assert found.story.verdict.startswith("no loop"), found.story.verdict
+    busy = "reaped 1 survivor of run c42bbf27 within 1.5 s of its end; GPUs not idle"
+    assert len(timeline.build([*entries, sweep(busy), verdict], UNIT).story.disagreements) == 1
+    late = daemon_line(base, 30_000, event="survivors of an ended run", unit=UNIT, summary=idle)
+    assert len(timeline.build([*entries, verdict, late], UNIT).story.disagreements) == 1
 
 
 def test_kernel_xid_needs_the_kernel_transport() -> None:
@@ -851,3 +881,41 @@ def test_explain_counts_each_healed_start_and_ended_loop_once_with_its_loading()
     assert timeline.to_json(found, since=None)["story"]["prevented"] == found.story.prevented  # type: ignore[index]
     nothing = timeline.with_prevented(timeline.build(entries[2:8], UNIT), None)
     assert nothing.story.prevented is None
+
+
+def test_a_run_that_printed_its_ready_line_and_then_failed_is_a_crash_not_a_failed_start() -> None:
+    """A failed run that had printed its own server's ready line is told as a crash (issue 34).
+
+    The real vLLM served 45 s before its API server was SIGKILLed: explain listed that run under
+    "failed starts". Only the configured server's ready line counts (SGLang prints uvicorn's
+    "Application startup complete." before its warm-up), and without a server none does.
+    """
+    entries = sample("bookworm", "restart-loop-start-limit")
+    first = next(e for e in entries if e.get("_PID") == "1" and e.get("INVOCATION_ID"))
+    run = str(first["INVOCATION_ID"])
+    ready = "[2026-12-07 23:45:29] The server is fired up and ready to roll!"
+    uvicorn = "INFO:     Application startup complete."
+    said = [
+        unit_output(first, 1000, uvicorn, _SYSTEMD_INVOCATION_ID=run),
+        unit_output(first, 2000, ready, _SYSTEMD_INVOCATION_ID=run),
+    ]
+    before = timeline.build(entries, UNIT, server="sglang").story
+    assert len(before.failed_starts) == 5
+    assert before.crashes == ()
+    found = timeline.build([*entries, *said], UNIT, server="sglang")
+    assert len(found.story.failed_starts) == 4
+    [crash] = found.story.crashes
+    assert crash.startswith(f"run {run[:8]}: result 'exit-code'")
+    assert crash.endswith("it had printed its ready line (a crash, not a failed start)")
+    assert not any(line.startswith(f"run {run[:8]}") for line in found.story.failed_starts)
+    assert found.story.verdict == before.verdict  # the detector counts it failed all the same
+    text = timeline.render_text(found, since=None)
+    assert "crashes after the server was ready (no failed start): 1" in text
+    assert timeline.to_json(found, since=None)["story"]["crashes"] == [crash]  # type: ignore[index]
+    # uvicorn's line alone is no ready line of SGLang's; with no server configured none counts.
+    only_uvicorn = timeline.build([*entries, said[0]], UNIT, server="sglang").story
+    assert only_uvicorn.crashes == ()
+    assert len(only_uvicorn.failed_starts) == 5
+    assert timeline.build([*entries, *said], UNIT).story.crashes == ()
+    vllm = timeline.build([*entries, said[0]], UNIT, server="vllm").story
+    assert len(vllm.crashes) == 1

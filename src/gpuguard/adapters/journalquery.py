@@ -2,9 +2,9 @@
 
 Four ``journalctl`` runs (through ``adapters.programs``: absolute path, fixed environment), each
 filtered by journalctl so that Python parses only what can become a row: PID 1 about the unit;
-the unit's output matching a start-failure signature (``--grep``, so a chatty server's request
-log never reaches Python); gpuguard's own units (the daemon, and the gate server, which logs
-each verdict itself); kernel Xid lines. Trust
+the unit's output matching a start-failure signature, an engine's fatal line or its ready line
+(``--grep``, so a chatty server's request log never reaches Python); gpuguard's own units (the
+daemon, and the gate server, which logs each verdict itself); kernel Xid lines. Trust
 is judged by ``core.timeline`` from journald's fields, never from these filters. Each run is
 bounded in time, in entries (the newest ``MAX_ENTRIES``) and in bytes (``MAX_BYTES``). The
 follower the daemon uses is ``adapters.journal``; this one reads history only.
@@ -22,7 +22,7 @@ from typing import Final
 
 from gpuguard.adapters import programs, signals
 from gpuguard.core import timeline
-from gpuguard.core.enginelines import FATAL_REGEX
+from gpuguard.core.enginelines import FATAL_REGEX, READY_REGEX
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import FIELDS_READ, GPU_OOM_REGEX
 from gpuguard.core.xid.events import MARKER
@@ -50,7 +50,7 @@ def queries(unit: str, since: str | None) -> list[list[str]]:
     ]
     base.append(f"--since={since}" if since else "--boot")
     units = [f"UNIT={unit}"]
-    grep_unit = f"{GPU_OOM_REGEX}|{FATAL_REGEX}"
+    grep_unit = f"{GPU_OOM_REGEX}|{FATAL_REGEX}|{READY_REGEX}"
     return [
         [*base, "_PID=1", *units, "+", "_SYSTEMD_CGROUP=/init.scope", *units],
         [*base, f"--grep={grep_unit}", "--case-sensitive=yes", f"_SYSTEMD_UNIT={unit}"],

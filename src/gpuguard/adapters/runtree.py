@@ -197,11 +197,14 @@ def descendants(
         read = _seen(lead, root, within)
         if read is None:
             continue
-        process, thread_count = read
+        process, thread_count, ppid = read
         seen.add(lead.pid)
         parent = ProcessIdentity(process.pid, process.start_time)
         run = recorded_runs.get(parent) if lead.parent is None and lead.start is not None else None
-        found.append(Walked(process, _invocation_id(lead.pid, root), lead.parent, run))
+        member_ppid = ppid if lead.parent is None and lead.start is None else None
+        found.append(
+            Walked(process, _invocation_id(lead.pid, root), lead.parent, run, ppid=member_ppid)
+        )
         if by_ppid is None:
             try:
                 children = _children_of(root, lead.pid, thread_count, threads)
@@ -253,8 +256,8 @@ class _Lead(NamedTuple):
     """The process it was listed as a child of; None for a root."""
 
 
-def _seen(lead: _Lead, root: str, within: str | None) -> tuple[SeenProcess, int | None] | None:
-    """One process's identity, uids, name and cgroup, and its number of threads; or None.
+def _seen(lead: _Lead, root: str, within: str | None) -> tuple[SeenProcess, int | None, int] | None:
+    """One process's identity, uids, name and cgroup, its number of threads and its PPID; or None.
 
     None when it vanished, is a kernel thread, or is no longer who ``lead`` says it was. The
     number of threads is None when its ``status`` does not say.
@@ -277,7 +280,7 @@ def _seen(lead: _Lead, root: str, within: str | None) -> tuple[SeenProcess, int 
     if not _still_who(lead, root, path, within):
         return None
     seen = SeenProcess(pid, stat.start_time, parse_uids(status), stat.comm or "?", path or "?")
-    return seen, _thread_count(status)
+    return seen, _thread_count(status), stat.ppid
 
 
 def _thread_count(status: bytes) -> int | None:

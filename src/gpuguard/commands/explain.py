@@ -87,6 +87,7 @@ def run(settings: Settings, unit: str | None, since: str | None) -> Explained | 
         loop=settings.daemon.loop(),
         limits=settings.daemon.recovery_limits(),
         releases=releaselog.read(settings.runtime_dir),
+        server=settings.units[unit].server if unit in settings.units else None,
     )
     found = timeline.with_prevented(
         found, load_cost_s(doctorio.learned_starts(settings.state_dir, unit).ready_s)

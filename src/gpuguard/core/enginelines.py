@@ -257,6 +257,19 @@ ENGINE_PATTERNS: Final[tuple[str, ...]] = tuple(line.pattern for line in ENGINE_
 ENGINE_REGEX: Final[str] = "|".join(f"(?:{pattern})" for pattern in ENGINE_PATTERNS)
 FATAL_REGEX: Final[str] = "|".join(f"(?:{line.pattern})" for line in FATAL_LINES)
 """The fatal lines only (``explain`` shows a death, not every phase of every start)."""
+READY_LINES: Final[tuple[EngineLine, ...]] = tuple(
+    line for line in PHASE_LINES if line.phase is Phase.READY
+)
+
+
+def is_ready_line(key: str | None, server: str) -> bool:
+    """Whether the engine line ``key`` is ``server``'s ready line (uvicorn's is vLLM's only)."""
+    line = BY_KEY.get(key or "")
+    return line is not None and line.phase is Phase.READY and line.server == server
+
+
+READY_REGEX: Final[str] = "|".join(f"(?:{line.pattern})" for line in READY_LINES)
+"""The ready lines (``explain`` tells a run that served and then failed from a failed start)."""
 
 _MATCHERS: Final = tuple((re.compile(line.pattern), line) for line in ENGINE_LINES)
 _ANY: Final = re.compile(ENGINE_REGEX)

@@ -42,6 +42,9 @@ class Walked:
     """The walked process it was found as a child of; None for a root of the walk."""
     recorded_run: str | None = None
     """For a root the ledger recorded before: the run it was recorded in."""
+    ppid: int | None = None
+    """For a root read from the unit's cgroup: the parent PID its ``stat`` named (None: not
+    read). A member whose ``INVOCATION_ID`` cannot be read is its parent member's run."""
 
 
 class Walk(tuple[Walked, ...]):  # noqa: SLOT001 - carries ``cut``, so it has a dict
@@ -73,7 +76,10 @@ def file_walk(
     run (a left-over of an ended run keeps its own, the running run's processes theirs);
     without one it is ``members_run``'s when the caller knows which run alone can be in the
     cgroup (the gate server serving a stop-reap: systemd starts nothing until it ends), else
-    nothing. A child is its parent's run when the parent was found in the cgroup now; else
+    its parent's run when its parent is a member too (started no later than it: no reused PID),
+    else nothing. vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` are such members: the
+    setproctitle that names them zeroes what ``/proc/PID/environ`` shows (facts.md).
+    A child is its parent's run when the parent was found in the cgroup now; else
     its own ``INVOCATION_ID`` when that names a run found in the cgroup now (it is the present
     run's, however it came under a recorded process); else its parent's. A recorded root keeps
     the run it was recorded in (core.ledger's first-run rule).
@@ -91,6 +97,7 @@ def file_walk(
         elif entry.parent in in_cgroup:
             in_cgroup.add(identity)
             runs[identity] = runs.get(entry.parent)
+    _members_by_parent(entries, runs)
     present = {runs[identity] for identity in in_cgroup} - {None}
     filed: dict[str, list[SeenProcess]] = {}
     for entry in entries:
@@ -103,6 +110,40 @@ def file_walk(
         if run is not None:
             filed.setdefault(run, []).append(entry.process)
     return filed
+
+
+def _members_by_parent(entries: list[Walked], runs: dict[ProcessIdentity, str | None]) -> None:
+    """File each cgroup member that names no run under its nearest ancestor root's run.
+
+    A member is a root read from the cgroup (no parent, no recorded run). Its parent is the
+    root of its ``ppid`` (a member, or a process the ledger recorded before: the engine of a
+    crashed vLLM, whose API server is gone) that started no later than it (a PID reused after
+    the parent's exit belongs to a younger process). Linear: every root is on one followed
+    chain at most, a chain that ends nowhere is remembered as such.
+    """
+    roots = {entry.process.pid: entry for entry in entries if entry.parent is None}
+    members = [entry for entry in roots.values() if entry.recorded_run is None]
+    nowhere: set[ProcessIdentity] = set()
+    for entry in members:
+        chain: list[ProcessIdentity] = []
+        walking: Walked | None = entry
+        run: str | None = None
+        while walking is not None and len(chain) <= len(roots):
+            identity = walking.process.identity
+            run = runs.get(identity)
+            if run is not None or identity in nowhere:
+                break
+            chain.append(identity)
+            parent = roots.get(walking.ppid) if walking.ppid is not None else None
+            if parent is None or parent.process.start_time > walking.process.start_time:
+                walking = None
+            else:
+                walking = parent
+        for link in chain:
+            if run is None:
+                nowhere.add(link)
+            else:
+                runs[link] = run
 
 
 def live_reason(

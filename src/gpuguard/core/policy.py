@@ -357,7 +357,14 @@ def _live(holder: Holder, request: PlanRequest) -> str | None:
     if live is None:
         return None
     if holder.invocation_id is None:
-        return f"{request.unit} is running and this process's invocation cannot be read"
+        # vLLM's engine processes zero what /proc shows of their environment (setproctitle):
+        # the ledger's record of the run this very process descended from decides then.
+        recorded = _recorded_run(holder, request)
+        if recorded is None:
+            return f"{request.unit} is running and this process's invocation cannot be read"
+        if recorded == live:
+            return f"live process of the running {request.unit} (ledger)"
+        return None
     if holder.invocation_id == live:
         return f"live process of the running {request.unit}"
     return None

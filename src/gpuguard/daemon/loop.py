@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuguard.adapters.journal import KERNEL
+from gpuguard.core.enginelines import is_ready_line
 from gpuguard.core.events import EventKind, parse_entry
 from gpuguard.core.liveness import ENGINE_DEAD_GRACE_S
 from gpuguard.core.livenessview import State, acted_on, left_alone
@@ -208,14 +209,26 @@ class Daemon(Judging, Sweeping, HealthProbing):
         self._dead_engines()
 
     def _ledger_event(self, watch: Watch, event: UnitEvent, end: RunEnd | None) -> None:
-        """Record a run as it comes up, at once when its stop is announced, and as it ends."""
+        """Record a run as it comes up, when ready, when its stop is announced, and as it ends.
+
+        Ready: its server printed its ready line. Then every engine process exists and its
+        server still lives: a vLLM whose API server crashes before the next timed record
+        leaves an EngineCore reparented away from it, which only a record made while it lived
+        ties to the run (core.liverun).
+        """
         now = self._ports.monotonic()
         if event.kind in {EventKind.STARTING, EventKind.STARTED}:
             self._ledger_up(watch.name, self._show_unit(watch.name))
-        elif event.kind is EventKind.STOPPING:
+        elif event.kind is EventKind.STOPPING or self._ready_line(watch.name, event):
             self._keeper.record(watch.name, now)
         if end is not None:
             self._keeper.run_over(watch.name, end.invocation_id, now)
+
+    def _ready_line(self, unit: str, event: UnitEvent) -> bool:
+        """Whether ``event`` is the ready line of the server ``unit`` runs (core.enginelines)."""
+        return event.kind is EventKind.START_PHASE and is_ready_line(
+            event.line, self._settings.units[unit].server
+        )
 
     def _ledger_up(self, unit: str, state: UnitState) -> None:
         """Start recording the unit's live run (nothing when it is not running)."""

@@ -347,7 +347,11 @@ def _restart_policy(facts: AuditedUnit, host: HostFacts) -> list[Finding]:
     if config.restart not in RESTARTING:
         return [Finding("restart", Level.OK, f"Restart={config.restart or 'no'}")]
     restart_s = config.restart_s or 0.0
-    runs = [*history.failed_runs_s, *history.load_times_s]
+    # "Starting" → "Started" holds the model load only where the server says when it is ready
+    # (Type=notify); for any other type it is the gate's wait, and a real vLLM under
+    # Type=simple "starts" in under a second and loads for a minute after (issue 34).
+    loads = history.load_times_s if config.type == "notify" else ()
+    runs = [*history.failed_runs_s, *loads]
     run_s = statistics.median(runs) if runs else None
     evidence = [
         (

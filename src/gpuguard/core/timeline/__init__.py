@@ -45,21 +45,24 @@ if TYPE_CHECKING:
     from gpuguard.core.releaselog import Logged
 
 
-def build(
+def build(  # noqa: PLR0913 - the journal, and what the configuration says of it
     entries: Iterable[Mapping[str, object]],
     unit: str,
     *,
     loop: LoopSettings | None = None,
     limits: RecoveryLimits | None = None,
     releases: Iterable[Logged] = (),
+    server: str | None = None,
 ) -> Timeline:
     """The timeline of ``unit`` from journal entries in any order (journalctl's JSON objects).
 
     ``loop`` and ``limits`` are the daemon's settings, used only to say what gpuguard would
     have done when it left no line itself. ``releases``: the release log (core.releaselog);
     the unit's releases within the journal read join the rows where the memory went.
+    ``server``: the unit's configured server; its ready line tells a run that came up and then
+    failed (a crash) from a failed start.
     """
-    acc = Acc()
+    acc = Acc(server=server)
     cursors: set[str] = set()
     for entry in entries:
         cursor = entry.get("__CURSOR") if isinstance(entry, dict) else None
@@ -78,7 +81,7 @@ def build(
     would = () if gpuguard_seen else replayed.would
     rows += [row for row, _ in would]
     rows.sort(key=chronological(rows))
-    story = tell(rows, events, tuple(text for _, text in would), replayed, holders)
+    story = tell(rows, events, tuple(text for _, text in would), replayed, holders, ready=acc.ready)
     shown = _releases_within(releases, unit, rows)
     if shown:
         rows += [

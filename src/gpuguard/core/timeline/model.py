@@ -85,6 +85,9 @@ class Story:
     prevented: str | None = None
     """The failed starts gpuguard prevented in these entries, by core.prevented's rule: each
     gate request that exited 0 after its reaper ended a holder, each recovery that restarted."""
+    crashes: tuple[str, ...] = ()
+    """Runs that failed after their server printed its ready line: they came up and served,
+    so no failed start (the detector counts them as failed runs all the same)."""
 
 
 @dataclass(frozen=True, slots=True)

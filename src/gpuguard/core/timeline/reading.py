@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from gpuguard.core.enginelines import BY_KEY
+from gpuguard.core.enginelines import BY_KEY, Phase
 from gpuguard.core.escaping import escape
 from gpuguard.core.events import (
     OUTPUT_KINDS,
@@ -131,6 +131,10 @@ class Acc:
     """The daemon's verdicts (looping or not) and its finished recoveries, for the replay."""
     named: dict[int, None] = field(default_factory=dict)
     """The holders every out-of-memory line names (also the lines not shown: one per run)."""
+    server: str | None = None
+    """The unit's server ("sglang", "vllm") when configured: only its ready line counts."""
+    ready: set[str | None] = field(default_factory=set)
+    """Runs that printed their server's ready line (the unit's word): they came up."""
 
 
 def read_entry(entry: Mapping[str, object], unit: str, acc: Acc) -> None:
@@ -178,6 +182,10 @@ def _event_row(event: UnitEvent, acc: Acc) -> None:
         key = (event.kind.value, run, event.line or "")
         if line is None or key in acc.seen:
             return  # every rank prints it: the first of each kind per run tells the story
+        if line.phase is Phase.READY and acc.server is not None:
+            if line.server != acc.server:
+                return  # SGLang prints vLLM's uvicorn line before its warm-up: not its ready
+            acc.ready.add(run)
         acc.seen.add(key)
         acc.rows.append(_row(event, UNIT, event.kind.value, f"[{line.cause}] {event.message}"))
         return

@@ -69,18 +69,24 @@ def _table(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def _block(lines: list[str], title: str, items: Sequence[str], none: str | None) -> None:
+    """One block of the story; ``none``: what an empty block says (None: nothing)."""
+    if not items:
+        if none is not None:
+            lines.append(f"  {title}: {none}")
+        return
+    lines.append(f"  {title}: {len(items)}")
+    lines.extend(f"    {item}" for item in items[:_STORY_ITEMS])
+    if len(items) > _STORY_ITEMS:
+        lines.append(f"    … {len(items) - _STORY_ITEMS} more (see --json)")
+
+
 def _story_lines(timeline: Timeline) -> list[str]:
     story = timeline.story
     lines = ["What happened:"]
 
-    def block(title: str, items: Sequence[str], none: str) -> None:
-        if not items:
-            lines.append(f"  {title}: {none}")
-            return
-        lines.append(f"  {title}: {len(items)}")
-        lines.extend(f"    {item}" for item in items[:_STORY_ITEMS])
-        if len(items) > _STORY_ITEMS:
-            lines.append(f"    … {len(items) - _STORY_ITEMS} more (see --json)")
+    def block(title: str, items: Sequence[str], none: str | None) -> None:
+        _block(lines, title, items, none)
 
     block("stops that timed out", story.stop_timeouts, "none")
     # systemd names each task it kills "process": on cgroup v2 its SIGKILL walks cgroup.procs,
@@ -98,6 +104,7 @@ def _story_lines(timeline: Timeline) -> list[str]:
     else:
         block("survivors and left-overs", story.survivors, "none seen in the journal")
     block("failed starts", story.failed_starts, "none")
+    block("crashes after the server was ready (no failed start)", story.crashes, None)
     if story.start_limit:
         block("systemd ended a restart loop (start limit)", story.start_limit, "")
     block("stopped on request (never a loop)", story.operator, "none")
@@ -152,6 +159,7 @@ def to_json(timeline: Timeline, *, since: str | None) -> dict[str, object]:
             "survivors": list(story.survivors),
             "survivor_pids": story.survivor_pids,
             "failed_starts": list(story.failed_starts),
+            "crashes": list(story.crashes),
             "gpuguard": list(story.gpuguard),
             "would": list(story.would),
             "healthy": story.healthy,

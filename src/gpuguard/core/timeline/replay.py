@@ -101,9 +101,11 @@ def replay_journal(  # noqa: PLR0913 - the daemon's settings, what the journal s
     differ: list[str] = []
     findings: dict[str, None] = {}
     acted = False
-    for event in events:
+    for index, event in enumerate(events):
         while pending and _before(pending[0], event):
-            _compare(detector, pending.pop(0), differ)
+            said_now = pending.pop(0)
+            was_idle = _left_idle(events[:index], rows, unit, until_s=said_now.monotonic_s)
+            _compare(detector, said_now, differ, idle=was_idle)
         detector.observe(event, live=False)
         if not asks_for_judgement(event.kind):
             continue
@@ -138,11 +140,12 @@ def replay_journal(  # noqa: PLR0913 - the daemon's settings, what the journal s
             said.append((row, row.text))
         acted = action is Action.RECOVER  # what it would have changed, none can say
     for left in pending:
-        _compare(detector, left, differ)
+        _compare(detector, left, differ, idle=_left_idle(events, rows, unit, left.monotonic_s))
     final = detector.diagnose(_newest(events, rows), None) if events else None
-    if final is not None and final.looping and _gate_left_idle(events, rows, unit):
-        # The gate found the GPUs idle after the newest run's left-overs were named: none of
-        # those still there holds one. Only the left-over rule reads that; its loop alone goes.
+    if final is not None and final.looping and _left_idle(events, rows, unit):
+        # The gate (or the daemon's sweep) found the GPUs idle after the newest run's left-overs
+        # were named: none of those still there holds one. Only the left-over rule reads that;
+        # its loop alone goes.
         idle = detector.diagnose(_newest(events, rows), GpuEvidence())
         final = final if idle.looping else idle
         findings.update(dict.fromkeys(idle.findings))
@@ -153,14 +156,21 @@ def replay_journal(  # noqa: PLR0913 - the daemon's settings, what the journal s
     return Replayed(tuple(said), escape(verdict, TEXT_LIMIT * 2), tuple(differ), tuple(findings))
 
 
-def _gate_left_idle(events: Sequence[UnitEvent], rows: Sequence[Row], unit: str) -> bool:
-    """Whether the gate server allowed the newest run's start after its first left-over line.
+def _left_idle(
+    events: Sequence[UnitEvent], rows: Sequence[Row], unit: str, until_s: float | None = None
+) -> bool:
+    """Whether the unit's GPUs were found idle after the newest run's first left-over line.
 
     The gate allows a start only once the unit's GPUs are idle (it reaps what it can prove is
     left over first): the left-overs systemd names again at ``ExecStart=`` hold none of them.
-    Only the gate server's own line counts (root's ``gpuguard-gate`` unit: a row the reading
-    made ``gate-verdict``), its verdict read where the server puts it, never inside its text.
+    The daemon's sweep of an ended run's survivors says the same when it found the set idle
+    ("GPUs idle at +2.0 s"): the left-overs still there hold nothing. Only gpuguard's own
+    lines count (root's ``gpuguard-gate`` unit: a row the reading made ``gate-verdict``; the
+    daemon's sweep rows), read where gpuguard puts the verdict. ``until_s``: only rows stamped
+    no later (a verdict the daemon logged is compared with what it had done before it).
     """
+    if not events:
+        return False
     newest = events[-1].invocation_id
     named = [
         e.monotonic_s
@@ -176,12 +186,21 @@ def _gate_left_idle(events: Sequence[UnitEvent], rows: Sequence[Row], unit: str)
         r"(?: after \d{1,10}\.\d s, \d{1,10} stale holder\(s\) reaped)?: start allowed \["
     )
     return any(
-        row.kind == "gate-verdict"
-        and row.boot_id == boot
+        row.boot_id == boot
         and row.monotonic_s >= min(named)
-        and allowed.match(row.text) is not None
+        and (until_s is None or row.monotonic_s <= until_s)
+        and (
+            (row.kind == "gate-verdict" and allowed.match(row.text) is not None)
+            or (row.kind in _SWEEP_ROWS and _SWEPT_IDLE.search(row.text) is not None)
+        )
         for row in rows
     )
+
+
+_SWEEP_ROWS: Final = frozenset({"survivors-of-an-ended-run", "next-run-started"})
+# The daemon's sweep summary (core.runend.describe): "...; GPUs idle at +2.0 s", "GPUs idle
+# before the restart at ...", never "GPUs not idle".
+_SWEPT_IDLE: Final = re.compile(r"summary=[^;]{0,400}; GPUs idle (?:at|before|after) ")
 
 
 def _newest(events: Sequence[UnitEvent], rows: Sequence[Row]) -> float:
@@ -202,12 +221,18 @@ def _before(said: DaemonSaid, event: UnitEvent) -> bool:
     return said.boot_id != event.boot_id or said.judged_s < event.monotonic_s
 
 
-def _compare(detector: Detector, said: DaemonSaid, differ: list[str]) -> None:
-    """Judge as the daemon did at its line; note a different verdict, or reset as it did."""
+def _compare(detector: Detector, said: DaemonSaid, differ: list[str], *, idle: bool) -> None:
+    """Judge as the daemon did at its line; note a different verdict, or reset as it did.
+
+    ``idle``: gpuguard had found the unit's GPUs idle after the newest run's left-overs were
+    named (``_left_idle``), as the daemon's own inventory showed it when it judged.
+    """
     if said.looping is None:
         detector.reset(said.monotonic_s)
         return
     mine = detector.diagnose(said.monotonic_s, None)
+    if mine.looping and idle:
+        mine = detector.diagnose(said.monotonic_s, GpuEvidence())
     if mine.looping == said.looping:
         return
     differ.append(

@@ -21,6 +21,8 @@ from gpuguard.core.prevented import HEALED_OUTCOMES, Prevented, in_words
 from gpuguard.core.timeline.model import GPUGUARD, SURVIVOR_PID, Row, Story, short_run
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from gpuguard.core.timeline.replay import Holders, Replayed
 
 _FAILED_RUN_KINDS: Final = frozenset({EventKind.FAILED, EventKind.START_FAILED})
@@ -32,24 +34,36 @@ _TABLE_ONLY: Final = frozenset(
 )
 
 
-def tell(
+def tell(  # noqa: PLR0913 - the pieces the rows were read into
     rows: list[Row],
     events: list[UnitEvent],
     would: tuple[str, ...],
     replayed: Replayed,
     holders: Holders,
+    *,
+    ready: Collection[str | None] = (),
 ) -> Story:
-    """The story of ``rows`` (``would``: the replay's rows' texts, when gpuguard left none)."""
+    """The story of ``rows`` (``would``: the replay's rows' texts, when gpuguard left none).
+
+    ``ready``: the runs that printed their server's ready line; one of them that failed is told
+    as a crash, not a failed start.
+    """
     stops = [f"{short_run(r.run)}: {r.text}" for r in rows if r.kind == EventKind.STOP_TIMED_OUT]
     killed = [r.text for r in rows if r.kind == "killed"]
     ours = [r.text for r in rows if r.source == GPUGUARD and r.kind not in _TABLE_ONLY]
     survivors, counted = _survivors(rows, holders)
+    failed = _failed_starts(rows, events)
     return Story(
         stop_timeouts=tuple(stops),
         sigkilled=tuple(killed),
         survivors=tuple(survivors),
         survivor_pids=counted,
-        failed_starts=tuple(_failed_starts(rows, events)),
+        failed_starts=tuple(line for run, line in failed if run not in ready),
+        crashes=tuple(
+            f"{line}; it had printed its ready line (a crash, not a failed start)"
+            for run, line in failed
+            if run in ready
+        ),
         gpuguard=tuple(ours),
         would=would,
         # A run still starting is no answer to a loop the detector sees (systemd's counter).
@@ -135,13 +149,13 @@ def _operator(events: list[UnitEvent]) -> list[str]:
     return list(lines.values())
 
 
-def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
+def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[tuple[str | None, str]]:
     """Each run that failed, with the first start-failure signature it printed."""
     said: dict[str | None, str] = {}
     for row in rows:
         if row.kind == EventKind.GPU_OOM_OUTPUT and row.run not in said:
             said[row.run] = row.text
-    lines: list[str] = []
+    lines: list[tuple[str | None, str]] = []
     done: set[str | None] = set()
     clean = {e.invocation_id for e in events if e.kind is EventKind.DEACTIVATED}
     asked = {e.invocation_id for e in events if e.job_type == "stop"}
@@ -159,8 +173,13 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
             n = event.n_restarts
             counter = "" if n is None else f" (restart counter at {n})"
             lines.append(
-                f"run {short_run(event.invocation_id)}: exited cleanly and systemd restarted "
-                f"it{counter}: a server that exits is not serving"
+                (
+                    event.invocation_id,
+                    (
+                        f"run {short_run(event.invocation_id)}: exited cleanly and systemd "
+                        f"restarted it{counter}: a server that exits is not serving"
+                    ),
+                )
             )
             continue
         if event.kind not in _FAILED_RUN_KINDS or event.invocation_id in done:
@@ -175,8 +194,11 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
         why = f"result '{event.result}'" if event.result else "failed"
         signature = said.get(event.invocation_id)
         lines.append(
-            f"run {short_run(event.invocation_id)}: {why}"
-            + (f"; it printed {signature}" if signature else "; no start-failure signature")
+            (
+                event.invocation_id,
+                f"run {short_run(event.invocation_id)}: {why}"
+                + (f"; it printed {signature}" if signature else "; no start-failure signature"),
+            )
         )
     # A run whose main process exited unclean with no "Failed with result" line (the journal
     # ends there, or a restart was pending): failed all the same, as the detector counts it.
@@ -185,8 +207,11 @@ def _failed_starts(rows: list[Row], events: list[UnitEvent]) -> list[str]:
             continue
         signature = said.get(_named(run))
         lines.append(
-            f"run {short_run(_named(run))}: {run.describe_failure()}"
-            + (f"; it printed {signature}" if signature else "; no start-failure signature")
+            (
+                _named(run),
+                f"run {short_run(_named(run))}: {run.describe_failure()}"
+                + (f"; it printed {signature}" if signature else "; no start-failure signature"),
+            )
         )
     return lines
 
