@@ -100,9 +100,13 @@ def driver(fake_state: Path, tmp_path: Path) -> Iterator[Path]:
 
 
 def start(
-    fake_state: Path, driver: Path, nvml_env: NvmlEnv, *flags: str
+    fake_state: Path, driver: Path, nvml_env: NvmlEnv, *flags: str, ready: bool = True
 ) -> tuple[subprocess.Popen[str], Lines]:
-    """The fake server with one TP worker on GPU 0, up and ready (its ready line read)."""
+    """The fake server with one TP worker on GPU 0, up and ready (its ready line read).
+
+    ``ready=False``: returned at once, for a server that may never say it is ready. A server
+    that never says so when it should is killed and waited for before the test fails.
+    """
     env = nvml_env(fake_state) | {"CUDA_VISIBLE_DEVICES": "0"}
     for name in [n for n in env if n.startswith("FAKE_SGLANG_")]:
         del env[name]
@@ -113,7 +117,13 @@ def start(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines = Lines(process)
-    lines.until(READY)
+    if ready:
+        try:
+            lines.until(READY)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
     return process, lines
 
 
@@ -164,8 +174,14 @@ def test_a_clean_drain_ends_in_sglangs_own_sigkill(
 def test_a_hung_scheduler_s_watchdog_sigquits_the_server_which_kills_its_tree(
     fake_state: Path, driver: Path, nvml_env: NvmlEnv
 ) -> None:
-    """The watchdog's line, the server's SIGQUIT line, exit 137: each a line gpuguard reads."""
-    server, lines = start(fake_state, driver, nvml_env, "--fake-watchdog-s", "0")
+    """The watchdog's line, the server's SIGQUIT line, exit 137: each a line gpuguard reads.
+
+    The watchdog fires 2 s after the worker is up, which on a loaded machine may still be before
+    the server says it is ready: its ready line is not waited for. (At 0 s it could fire while
+    the server was still taking the worker in, and the server's handler then killed only itself,
+    leaving the worker running.)
+    """
+    server, lines = start(fake_state, driver, nvml_env, "--fake-watchdog-s", "2", ready=False)
     with server:
         watchdog = lines.until("Scheduler watchdog timeout")
         sigquit = lines.until("SIGQUIT received.")
