@@ -47,7 +47,7 @@ from gpuguard.core.ledger import Ledger, SeenProcess
 from gpuguard.core.levels import Level
 from gpuguard.core.metrics import Latest
 from gpuguard.core.status.judge import assess
-from gpuguard.core.status.report import StatusContext
+from gpuguard.core.status.report import StatusContext, StatusReport
 from gpuguard.core.status.text import render_text
 from gpuguard.core.unitcontainers import Engine
 from gpuguard.core.values import MIB
@@ -414,21 +414,7 @@ def test_xid_79_loop_stops_at_needs_operator_and_status_says_reboot(
     assert operator["cause_detail"] == "GPU 1: GPU is lost (fallen off the bus)"
     snapshot = harness.snapshots[-1]
     assert snapshot["units"][unit]["needs_operator"] is True
-    settings = Settings(
-        units={unit: UnitSettings()},
-        device_glob=f"{in_process_nvml}/dev/nvidia*",
-        allow_plain_device_files=True,
-        nvml_library=fake_library(),
-        state_dir=tmp_path / "lib",
-    )
-    context = StatusContext(
-        watched_units={unit: UnitSettings().patterns},
-        protected_names=settings.protected_processes,
-        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
-        as_root=os.geteuid() == 0,
-        daemon=snapshots.running(snapshots.read_back(snapshot)),
-    )
-    report = assess(inventory.gather(settings), context, datetime.now(timezone.utc))
+    report = status_report(tmp_path, in_process_nvml, unit, snapshot)
     text = render_text(report)
     assert report.level is Level.CRITICAL
     assert "GPU 1 needs a reboot (GPU is lost (fallen off the bus))" in text
@@ -460,21 +446,7 @@ def test_a_kernel_line_that_says_a_gpu_hangs_is_a_gpu_health_finding(
     assert said["line"] == text
     [kept] = harness.snapshots[-1]["xid"]["hung"]
     assert kept["text"] == text
-    settings = Settings(
-        units={unit: UnitSettings()},
-        device_glob=f"{in_process_nvml}/dev/nvidia*",
-        allow_plain_device_files=True,
-        nvml_library=fake_library(),
-        state_dir=tmp_path / "lib",
-    )
-    context = StatusContext(
-        watched_units={unit: UnitSettings().patterns},
-        protected_names=settings.protected_processes,
-        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
-        as_root=os.geteuid() == 0,
-        daemon=snapshots.running(snapshots.read_back(harness.snapshots[-1])),
-    )
-    report = assess(inventory.gather(settings), context, datetime.now(timezone.utc))
+    report = status_report(tmp_path, in_process_nvml, unit, harness.snapshots[-1])
     [finding] = [f for f in report.findings if "the kernel says a GPU hangs" in f.message]
     assert finding.level is Level.WARNING
     assert "nvidia-modeset waited for GPU progress in vain (GPU:0, as nvidia-modeset" in (
@@ -498,6 +470,25 @@ def beside(entry: Entry, offset_us: int, tag: str, **fields: object) -> Entry:
 def kernel_line(message: str, entry: Entry, offset_us: int, tag: str) -> Entry:
     """A kernel-transport line beside ``entry`` (see ``beside``)."""
     return beside(entry, offset_us, tag, _TRANSPORT="kernel", MESSAGE=message)
+
+
+def status_report(tmp_path: Path, state: Path, unit: str, snapshot: dict[str, Any]) -> StatusReport:
+    """What `gpuguard status` judges now, reading the daemon's ``snapshot`` for ``unit``."""
+    settings = Settings(
+        units={unit: UnitSettings()},
+        device_glob=f"{state}/dev/nvidia*",
+        allow_plain_device_files=True,
+        nvml_library=fake_library(),
+        state_dir=tmp_path / "lib",
+    )
+    context = StatusContext(
+        watched_units={unit: UnitSettings().patterns},
+        protected_names=settings.protected_processes,
+        idle_threshold_bytes=settings.idle_threshold_mib * MIB,
+        as_root=os.geteuid() == 0,
+        daemon=snapshots.running(snapshots.read_back(snapshot)),
+    )
+    return assess(inventory.gather(settings), context, datetime.now(timezone.utc))
 
 
 def _kernel_xid(code: int, pci_bus: int, entry: Entry, offset_us: int) -> Entry:
